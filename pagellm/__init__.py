@@ -1,0 +1,10 @@
+"""pagellm: a readable vLLM-style inference engine that runs well on a CPU."""
+
+from pagellm.config import EngineArgs
+from pagellm.entrypoints.llm import LLM
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "Logprob", "RequestOutput", "SamplingParams"]

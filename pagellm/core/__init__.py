@@ -1,0 +1,1 @@
+"""Scheduling and KV-block bookkeeping in pure Python (no torch: testable in milliseconds)."""

@@ -1,0 +1,77 @@
+"""Interface objects between the scheduler and the worker (plain data, no torch).
+
+``SchedulerOutput`` goes down: what to compute this step and which block copies to do first.
+``ModelRunnerOutput`` comes back: one sampled token (with its logprobs) per sampling sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagellm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    """One sequence's share of a step: ``token_ids`` at positions ``num_computed_tokens ...``.
+
+    ``do_sample`` is true when this chunk reaches the end of the sequence's known tokens, so the
+    logits of its last position produce the next token (a partial prefill chunk samples nothing).
+    """
+
+    request_id: str
+    seq_id: int
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    do_sample: bool
+    sampling_params: SamplingParams
+    # Only for penalties and min_tokens: the tokens generated so far (a reference, not a copy).
+    output_token_ids: list[int]
+    prompt_token_ids: list[int]
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class CacheOps:
+    """Block copies the worker performs before the forward pass, as ``(src, dst)`` block ids."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    copy: list[tuple[int, int]] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.swap_out or self.swap_in or self.copy)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Everything the worker needs for one step; ``finished_seq_ids`` lets it drop per-sequence state."""
+
+    scheduled: list[ScheduledSequence]
+    num_batched_tokens: int
+    cache_ops: CacheOps = field(default_factory=CacheOps)
+    finished_seq_ids: list[int] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class SampledToken:
+    """The token sampled for one sequence, its log-probability, and the top-k if asked for."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, tuple[float, int]] | None = None
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Sampled tokens of one step, keyed by ``seq_id`` (only sequences with ``do_sample``)."""
+
+    sampled: dict[int, SampledToken]

@@ -1,0 +1,1 @@
+"""The engine: requests in, ``RequestOutput``s out, one ``step()`` at a time."""

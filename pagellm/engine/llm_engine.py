@@ -1,0 +1,199 @@
+"""``LLMEngine``: tokenize -> schedule -> execute -> update -> detokenize -> ``RequestOutput``.
+
+Synchronous and single-threaded: ``step()`` runs exactly one scheduler step. Bad requests are
+rejected with ``ValueError`` in ``add_request`` so they never reach (or stall) the scheduler.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any
+
+from pagellm.config import EngineArgs, EngineConfig, resolve_model_source
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.scheduler import Scheduler
+from pagellm.detokenizer import IncrementalDetokenizer, find_stop_string
+from pagellm.executor import create_executor
+from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.sampling_params import SamplingParams
+from pagellm.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagellm.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLMEngine:
+    """The synchronous engine. ``add_request`` / ``step`` / ``abort_request`` / ``has_unfinished_requests``."""
+
+    def __init__(self, config: EngineConfig, chat_template: str | None = None) -> None:
+        self.config = config
+        self.source = resolve_model_source(config.model.model)
+        self.executor = create_executor(config)
+        self.model_info = self.executor.load_model()
+        self.num_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_cache(self.num_blocks)
+        self.tokenizer = Tokenizer(self.source, config.model.tokenizer, chat_template)
+        self.block_size = config.cache.block_size
+        self.max_model_len = self._resolve_max_model_len()
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
+        self._seq_counter = itertools.count()
+        self._detok: dict[int, IncrementalDetokenizer] = {}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        logger.info("pagellm engine: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
+                    self.model_info.architecture, self.model_info.device, self.model_info.dtype,
+                    self.num_blocks, self.block_size, self.max_model_len)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, chat_template: str | None = None) -> LLMEngine:
+        return cls(engine_args.create_engine_config(), chat_template)
+
+    def _resolve_max_model_len(self) -> int:
+        info = self.model_info
+        limit = info.max_position_embeddings
+        if info.sliding_window:
+            # Full attention equals sliding-window attention while the context fits in the window.
+            limit = min(limit, info.sliding_window)
+        requested = self.config.model.max_model_len
+        if requested is not None and requested > limit:
+            raise ValueError(f"max_model_len={requested} exceeds the model's limit of {limit} tokens")
+        max_len = requested or limit
+        capacity = self.num_blocks * self.block_size
+        if max_len > capacity:
+            logger.warning("max_model_len %d capped to the KV cache capacity of %d tokens", max_len, capacity)
+            max_len = capacity
+        return max_len
+
+    # ------------------------------------------------------------------ requests
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Validate and queue a request; raises ``ValueError`` naming the problem instead of queueing it."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.n != 1 or (params.best_of or 1) != 1:
+            raise ValueError("n > 1 and best_of > 1 are not supported yet")
+        text, ids = self._prompt_ids(prompt)
+        if not ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        vocab = self.model_info.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
+                "no room for even one generated token"
+            )
+        capacity = self.num_blocks * self.block_size
+        if len(ids) + 1 > capacity:
+            raise ValueError(f"prompt of {len(ids)} tokens can never fit in the KV cache ({capacity} token slots)")
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = params.clone(eos_token_id=self.tokenizer.eos_token_id)
+        seq = Sequence(next(self._seq_counter), ids)
+        group = SequenceGroup(request_id, [seq], params, arrival_time or time.monotonic(), text, priority)
+        self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        self.scheduler.add_request(group)
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        for group in self.scheduler.finish_requests(request_id, SequenceStatus.FINISHED_ABORTED):
+            self._forget(group)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; return the outputs of requests that got a token or finished."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty():
+            return []
+        now = time.monotonic()
+        for s in sched_out.scheduled:
+            group = self.scheduler.requests[s.request_id]
+            if group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = now
+        runner_out = self.executor.execute_model(sched_out)
+        updated, finished = self.scheduler.update_from_output(sched_out, runner_out)
+        self.stats["steps"] += 1
+        self.stats["prompt_tokens"] += sum(
+            max(0, min(s.num_computed_tokens + s.num_scheduled_tokens, len(s.prompt_token_ids)) - s.num_computed_tokens)
+            for s in sched_out.scheduled)
+        self.stats["generation_tokens"] += len(runner_out.sampled)
+        now = time.monotonic()
+        outputs = []
+        for group in updated:
+            seq = group.seqs[0]
+            m = group.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            detok = self._detok[seq.seq_id]
+            delta = detok.step(seq.output_token_ids[-1:])
+            if delta and group.sampling_params.stop and not seq.is_finished():
+                hit = find_stop_string(detok.text, len(delta), group.sampling_params.stop,
+                                       group.sampling_params.include_stop_str_in_output)
+                if hit is not None:
+                    detok.text = detok.text[:hit[1]]
+                    seq.stop_reason = hit[0]
+                    self.scheduler.finish_requests(group.request_id, SequenceStatus.FINISHED_STOPPED)
+            if group.is_finished():
+                m.finished_time = now
+            outputs.append(self._make_output(group))
+            if group.is_finished():
+                self._forget(group)
+        return outputs
+
+    def _forget(self, group: SequenceGroup) -> None:
+        for seq in group.seqs:
+            self._detok.pop(seq.seq_id, None)
+
+    def _make_output(self, group: SequenceGroup) -> RequestOutput:
+        completions = []
+        for i, seq in enumerate(group.seqs):
+            detok = self._detok[seq.seq_id]
+            logprobs = None
+            if group.sampling_params.logprobs is not None:
+                logprobs = [{t: Logprob(lp, rank, self.tokenizer.decode([t], False)) for t, (lp, rank) in d.items()}
+                            for d in seq.output_logprobs]
+            completions.append(CompletionOutput(
+                index=i,
+                text=detok.text,
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=logprobs,
+                finish_reason=seq.status.finish_reason,
+                stop_reason=seq.stop_reason,
+            ))
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            finished=group.is_finished(),
+            metrics=group.metrics,
+        )

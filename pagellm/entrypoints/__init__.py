@@ -1,0 +1,1 @@
+"""User-facing entry points: the offline ``LLM`` class and the ``pagellm`` CLI."""

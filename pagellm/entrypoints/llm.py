@@ -1,0 +1,111 @@
+"""``LLM``: vLLM's offline API (``generate``, ``chat``) over ``LLMEngine``, with a tqdm progress bar."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pagellm.config import EngineArgs
+from pagellm.engine.llm_engine import LLMEngine, PromptType
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """Offline batched generation. ``LLM(model=None)`` loads the bundled SmolLM2-135M-Instruct.
+
+    Every keyword is an engine argument under vLLM's name (see ``EngineArgs``); unknown ones raise
+    ``TypeError``.
+    """
+
+    def __init__(self, model: str | None = None, chat_template: str | None = None, **kwargs: Any) -> None:
+        args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(args, chat_template=chat_template)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.get_tokenizer().hf
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        ids = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                rid = str(next(self._counter))
+                self.llm_engine.add_request(rid, prompt, params, priority=priority[i] if priority else 0)
+                ids.append(rid)
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Messages | list[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.llm_engine.get_tokenizer()
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)  # type: ignore[arg-type]
+            # The template already holds the special tokens: do not add a BOS again.
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        pbar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            pbar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
+                        postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        start = time.perf_counter()
+        n_in = n_out = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        n_in += len(out.prompt_token_ids)
+                        n_out += sum(len(c.token_ids) for c in out.outputs)
+                        if pbar is not None:
+                            elapsed = time.perf_counter() - start
+                            pbar.postfix = (f"est. speed input: {n_in / elapsed:.2f} toks/s, "
+                                            f"output: {n_out / elapsed:.2f} toks/s")
+                            pbar.update(1)
+        except BaseException:
+            engine.abort_request([r for r in request_ids if r not in finished])
+            raise
+        finally:
+            if pbar is not None:
+                pbar.close()
+        return [finished[r] for r in request_ids]

@@ -1,0 +1,1 @@
+"""Decoder building blocks shared by every model (torch only)."""

@@ -1,0 +1,76 @@
+"""Rotary position embedding (HF's rotate-half layout) with default, linear and llama3 scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _inv_freq(rotary_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type in (None, "default"):
+        return inv_freq
+    assert scaling is not None
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables indexed by position, built on first use on the device of ``positions``.
+
+    Built lazily (not in ``__init__``) so the model can be constructed on the meta device and
+    materialised without random initialisation. One instance is shared by all layers.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, base: float,
+                 scaling: dict[str, Any] | None = None, freq_factors: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_position = max_position
+        self.base = base
+        self.scaling = scaling
+        self.freq_factors = None if freq_factors is None else freq_factors.detach().cpu().float()
+        self._cos: torch.Tensor | None = None
+        self._sin: torch.Tensor | None = None
+
+    def _build(self, device: torch.device) -> None:
+        inv_freq = _inv_freq(self.head_dim, self.base, self.scaling)
+        if self.freq_factors is not None:  # GGUF's rope_freqs tensor (llama.cpp divides by it)
+            inv_freq = inv_freq / self.freq_factors
+        t = torch.arange(self.max_position, dtype=torch.float32)
+        freqs = t[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos, self._sin = emb.cos().to(device), emb.sin().to(device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token ``[T, 1, D]`` cos and sin, computed once per step and shared by every layer."""
+        if self._cos is None or self._cos.device != positions.device:
+            self._build(positions.device)
+        assert self._cos is not None and self._sin is not None
+        return self._cos[positions].to(dtype).unsqueeze(1), self._sin[positions].to(dtype).unsqueeze(1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by per-token ``cos``/``sin`` (HF's rotate-half)."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

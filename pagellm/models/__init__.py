@@ -1,0 +1,23 @@
+"""Model registry: HF architecture name -> class, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+_MODELS = {
+    "LlamaForCausalLM": ("pagellm.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("pagellm.models.llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("pagellm.models.qwen", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("pagellm.models.qwen", "Qwen3ForCausalLM"),
+}
+
+
+def get_model_class(architecture: str):
+    if architecture not in _MODELS:
+        raise ValueError(f"model architecture {architecture!r} is not supported; supported: {sorted(_MODELS)}")
+    module, name = _MODELS[architecture]
+    return getattr(importlib.import_module(module), name)
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)

@@ -1,0 +1,202 @@
+"""One decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3.
+
+The variants differ only in flags: bias on the fused qkv projection (Qwen2) and RMSNorm on each
+head's q and k before rotary (Qwen3). Projections are fused (``qkv_proj``, ``gate_up_proj``);
+``packed_modules_mapping`` lets HF checkpoints with separate q/k/v and gate/up load unchanged.
+The model sees flat tokens, positions and ``AttentionMetadata`` — never sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.attention import AttentionMetadata, get_attention_backend
+from pagellm.layers.norm import RMSNorm
+from pagellm.layers.rotary import RotaryEmbedding, apply_rotary
+
+_paged = get_attention_backend("torch")
+
+
+def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, scaling)`` from an HF config of transformers 4 (rope_scaling) or 5 (rope_parameters)."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        scaling = params if params.get("rope_type", "default") != "default" else None
+        return float(params["rope_theta"]), scaling
+    return float(getattr(config, "rope_theta", 10000.0)), getattr(config, "rope_scaling", None)
+
+
+class Attention(nn.Module):
+    """Fused qkv projection, optional q/k norm, rotary, paged attention, output projection."""
+
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, *rope)
+        o = _paged.forward(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o)
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, qkv_bias, qk_norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, rope, x, residual, kv_cache, meta):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(rope, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, freq_factors: torch.Tensor | None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        attn = self.layers[0].self_attn
+        theta, scaling = rope_parameters(config)
+        self.rotary_emb = RotaryEmbedding(attn.head_dim, config.max_position_embeddings, theta, scaling, freq_factors)
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.cos_sin(positions, x.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(rope, x, residual, kv_cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class DecoderForCausalLM(nn.Module):
+    """Causal LM over ``DecoderModel``; subclasses set ``qkv_bias`` / ``qk_norm``."""
+
+    qkv_bias = False
+    qk_norm = False
+    # Fused parameter -> (HF checkpoint name, shard index) pairs.
+    packed_modules_mapping = {
+        "qkv_proj": [("q_proj", 0), ("k_proj", 1), ("v_proj", 2)],
+        "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)],
+    }
+
+    def __init__(self, config: Any, freq_factors: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
+        self.model = DecoderModel(config, qkv_bias, self.qk_norm, freq_factors)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def _shard_sizes(self, fused: str) -> list[int]:
+        attn = self.model.layers[0].self_attn
+        if fused == "qkv_proj":
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        inter = self.model.layers[0].mlp.intermediate_size
+        return [inter, inter]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the (fused) parameters; missing or unexpected names raise."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied checkpoints sometimes store the copy anyway
+            target, shard = name, None
+            for fused, parts in self.packed_modules_mapping.items():
+                for part, idx in parts:
+                    if f".{part}." in name:
+                        target, shard = name.replace(f".{part}.", f".{fused}."), (fused, idx)
+                        break
+                if shard is not None:
+                    break
+            param = params.get(target)
+            if param is None:
+                unexpected.append(name)
+                continue
+            with torch.no_grad():
+                if shard is None:
+                    if param.shape != tensor.shape:
+                        raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
+                    param.copy_(tensor)
+                    loaded.add(target)
+                else:
+                    sizes = self._shard_sizes(shard[0])
+                    offset = sum(sizes[: shard[1]])
+                    dst = param.narrow(0, offset, sizes[shard[1]])
+                    if dst.shape != tensor.shape:
+                        raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
+                    dst.copy_(tensor)
+                    loaded.add(f"{target}#{shard[1]}")
+        expected: set[str] = set()
+        for pname in params:
+            fused = next((f for f in self.packed_modules_mapping if f".{f}." in pname), None)
+            if fused is None:
+                expected.add(pname)
+            else:
+                expected.update(f"{pname}#{i}" for _, i in self.packed_modules_mapping[fused])
+        missing = sorted(expected - loaded)
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint does not match {type(self).__name__}: "
+                f"missing {len(missing)} {missing[:8]}, unexpected {len(unexpected)} {unexpected[:8]}"
+            )

@@ -1,0 +1,130 @@
+"""Sampler: penalties -> min_tokens ban -> greedy, or temperature -> top-k / top-p / min-p -> sample.
+
+Random rows draw with the "exponential race" (``argmax(p / q)``, ``q ~ Exp(1)``), which is exact
+sampling from ``p``. A row with a ``seed`` draws its noise from its own ``torch.Generator``, so its
+tokens do not depend on what else is in the batch. Logprobs are those of the model's raw
+distribution (vLLM's default), whatever the sampling transforms did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one sampling sequence."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, tuple[float, int]] | None]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Repetition (prompt + output, HF/vLLM style), frequency and presence (output only), in place."""
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.has_penalties:
+            continue
+        out = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
+        out = out[out < vocab]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(row.prompt_token_ids + row.output_token_ids, dtype=torch.long, device=logits.device)
+            seen = torch.unique(seen[seen < vocab])
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if out.numel() and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(out, minlength=vocab).to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Until ``min_tokens`` are out, EOS and ``stop_token_ids`` cannot be sampled."""
+    for i, row in enumerate(rows):
+        p = row.params
+        if len(row.output_token_ids) < p.min_tokens:
+            banned = list(p.stop_token_ids)
+            if p.eos_token_id is not None and not p.ignore_eos:
+                banned.append(p.eos_token_id)
+            if banned:
+                logits[i, banned] = float("-inf")
+
+
+def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p on the rows of ``logits`` (all random rows)."""
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
+    logits = logits / temps[:, None]
+    vocab = logits.shape[1]
+    top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if any(k < vocab for k in top_ks):
+        k_t = torch.tensor(top_ks, device=dev)
+        sorted_desc = logits.sort(dim=-1, descending=True).values
+        kth = sorted_desc.gather(1, (k_t - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    top_ps = [p.top_p for p in params]
+    if any(tp < 1.0 for tp in top_ps):
+        p_t = torch.tensor(top_ps, dtype=logits.dtype, device=dev)
+        sorted_logits, idx = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the mass strictly before it already reaches top_p (keeps at least one).
+        drop = (probs.cumsum(dim=-1) - probs) >= p_t[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, idx, sorted_logits)
+    min_ps = [p.min_p for p in params]
+    if any(mp > 0.0 for mp in min_ps):
+        m_t = torch.tensor(min_ps, dtype=logits.dtype, device=dev)
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < m_t[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    """``logits [S, V]`` (float32, one row per sampling sequence) -> one token per row."""
+    raw_logprobs = logits.log_softmax(dim=-1)
+    if any(r.params.has_penalties for r in rows) or any(len(r.output_token_ids) < r.params.min_tokens for r in rows):
+        logits = logits.clone()
+        apply_penalties(logits, rows)
+        apply_min_tokens(logits, rows)
+    tokens = logits.argmax(dim=-1)
+    random_idx = [i for i, r in enumerate(rows) if r.params.temperature > 0.0]
+    if random_idx:
+        filtered = _filter(logits[random_idx], [rows[i].params for i in random_idx])
+        probs = filtered.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(random_idx):
+            gen = rows[i].generator
+            if gen is not None:
+                noise[j].exponential_(generator=gen)
+            else:
+                noise[j].exponential_()
+        tokens[random_idx] = (probs / noise).argmax(dim=-1)
+    token_list = tokens.tolist()
+    chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+    tops: list[dict[int, tuple[float, int]] | None] = [None] * len(rows)
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if want:
+        k_max = max(rows[i].params.logprobs or 0 for i in want)
+        sub = raw_logprobs[want]
+        top_vals, top_ids = sub.topk(k_max, dim=-1) if k_max > 0 else (sub[:, :0], sub[:, :0].long())
+        ranks = (sub > sub.gather(1, tokens[want][:, None])).sum(dim=-1) + 1
+        for j, i in enumerate(want):
+            k = rows[i].params.logprobs or 0
+            d = {int(t): (float(v), r + 1) for r, (t, v) in
+                 enumerate(zip(top_ids[j, :k].tolist(), top_vals[j, :k].tolist(), strict=True))}
+            d.setdefault(token_list[i], (chosen[i], int(ranks[j])))
+            tops[i] = d
+    return SamplerOutput(token_list, chosen, tops)

@@ -1,0 +1,124 @@
+"""Request state: ``Sequence`` (one token stream) and ``SequenceGroup`` (one request).
+
+A sequence's tokens are ``prompt_token_ids + output_token_ids``. ``num_computed_tokens`` counts
+the leading tokens whose K/V are in the cache; the scheduler's only question each step is how many
+of the remaining ``num_tokens - num_computed_tokens`` to compute next (ARCHITECTURE rule 1)::
+
+    |<------------------- num_tokens ------------------->|
+    | computed (K/V cached)  | scheduled this step | rest |
+    0               num_computed_tokens
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pagellm.outputs import RequestMetrics
+from pagellm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.IntEnum):
+    """Life cycle of a sequence; every status after ``PREEMPTED`` is a finished one."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self > SequenceStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One stream of tokens and how much of it has K/V in the cache."""
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    cumulative_logprob: float = 0.0
+    # One dict per generated token when logprobs were requested: token id -> (logprob, rank).
+    output_logprobs: list[dict[int, tuple[float, int]]] = field(default_factory=list)
+    stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def token_ids_range(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of prompt + output without building the full list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def append_token(self, token_id: int, logprob: float, top: dict[int, tuple[float, int]] | None) -> None:
+        self.output_token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+        if top is not None:
+            self.output_logprobs.append(top)
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: the K/V are dropped, the tokens are kept and recomputed later."""
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.PREEMPTED
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+
+@dataclass(slots=True, eq=False)
+class SequenceGroup:
+    """One request: its sequences (one until parallel sampling lands), params, priority and timing."""
+
+    request_id: str
+    seqs: list[Sequence]
+    sampling_params: SamplingParams
+    arrival_time: float
+    prompt: str | None = None
+    priority: int = 0
+    metrics: RequestMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seqs[0].prompt_token_ids
+
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.status.is_finished]
+
+    def is_finished(self) -> bool:
+        return all(s.status.is_finished for s in self.seqs)

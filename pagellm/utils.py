@@ -1,0 +1,34 @@
+"""Small helpers shared by every layer (stdlib only)."""
+
+from __future__ import annotations
+
+import re
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "KIB": 2**10, "M": 10**6, "MB": 10**6, "MIB": 2**20,
+          "G": 10**9, "GB": 10**9, "GIB": 2**30, "T": 10**12, "TB": 10**12, "TIB": 2**40}
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for non-negative integers."""
+    return -(-a // b)
+
+
+def parse_size(value: int | float | str, field: str = "size") -> int:
+    """Parse a byte count given as a number or a string like ``"4GiB"`` / ``"512MB"``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{field} must be a byte count, got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"{field} must be >= 0, got {value!r}")
+        return int(value)
+    m = _SIZE_RE.match(str(value))
+    if not m or (m.group(2) or "").upper() not in _UNITS:
+        raise ValueError(f"{field}: cannot parse {value!r} as a size (examples: 2147483648, '2GiB', '512MB')")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+
+
+def random_uuid() -> str:
+    import uuid
+
+    return uuid.uuid4().hex

@@ -1,0 +1,52 @@
+"""The paged KV cache tensors of one worker and the block copies the scheduler asks for.
+
+One tensor ``[num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]`` holds every
+layer's K and V; layer ``i`` reads ``kv[i, 0]`` / ``kv[i, 1]`` as flat slot arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """Shape of one block across all layers; ``block_bytes`` sizes the pool from a byte budget."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def block_bytes(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+class CacheEngine:
+    """Owns the KV tensor; hands per-layer ``(key_cache, value_cache)`` views to the model."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
+        self.spec = spec
+        self.num_blocks = num_blocks
+        # Zeroed, not empty: padded attention reads masked slots, which must hold finite numbers.
+        self.kv = torch.zeros(spec.num_layers, 2, num_blocks * spec.block_size, spec.num_kv_heads,
+                              spec.head_dim, dtype=spec.dtype, device=device)
+        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(spec.num_layers)]
+
+    def _block_slots(self, block_ids: list[int]) -> torch.Tensor:
+        bs = self.spec.block_size
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
+        return (ids[:, None] * bs + torch.arange(bs, device=self.kv.device)).reshape(-1)
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks ``src -> dst`` in every layer (copy-on-write)."""
+        if not pairs:
+            return
+        src = self._block_slots([s for s, _ in pairs])
+        dst = self._block_slots([d for _, d in pairs])
+        self.kv[:, :, dst] = self.kv[:, :, src]

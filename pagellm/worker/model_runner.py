@@ -1,0 +1,87 @@
+"""``SchedulerOutput`` -> flat batch -> forward -> logits at sample positions -> sampled tokens.
+
+The flat batch puts decodes (one new token with earlier context) first, then each prefill
+chunk, so attention runs the decodes as one batched call and each chunk unpadded::
+
+    input_ids:    [d0 d1 d2 | c0 c0 c0 c0 | c1 c1]
+    positions:    [17 40  5 |  0  1  2  3 | 32 33]      (num_computed_tokens + i)
+    slot_mapping: block_table[pos // block_size] * block_size + pos % block_size
+    sample at:    [ 0  1  2 |           6 |     9]      (only chunks that reach the end)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagellm.attention import get_attention_backend
+from pagellm.core.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
+from pagellm.sampling.sampler import SamplingRow, sample
+
+_paged = get_attention_backend("torch")
+
+
+class ModelRunner:
+    """Runs one step of the model for a ``SchedulerOutput``; keeps per-sequence RNGs for seeded sampling."""
+
+    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device, vocab_size: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.vocab_size = vocab_size
+        self.generators: dict[int, torch.Generator] = {}
+
+    def _generator(self, s: ScheduledSequence) -> torch.Generator | None:
+        seed = s.sampling_params.seed
+        if seed is None:
+            return None
+        g = self.generators.get(s.seq_id)
+        if g is None:
+            g = torch.Generator(device=self.device).manual_seed(seed)
+            self.generators[s.seq_id] = g
+        return g
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ModelRunnerOutput:
+        for seq_id in so.finished_seq_ids:
+            self.generators.pop(seq_id, None)
+        if not so.scheduled:
+            return ModelRunnerOutput(sampled={})
+        bs = self.block_size
+        decodes = [s for s in so.scheduled if s.num_scheduled_tokens == 1 and s.num_computed_tokens > 0]
+        chunks = [s for s in so.scheduled if not (s.num_scheduled_tokens == 1 and s.num_computed_tokens > 0)]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_idx: list[int] = []
+        sample_seqs: list[ScheduledSequence] = []
+        for s in decodes + chunks:
+            start = s.num_computed_tokens
+            ids = s.block_ids
+            for p in range(start, start + s.num_scheduled_tokens):
+                slots.append(ids[p // bs] * bs + p % bs)
+            input_ids.extend(s.token_ids)
+            positions.extend(range(start, start + s.num_scheduled_tokens))
+            if s.do_sample:
+                sample_idx.append(len(input_ids) - 1)
+                sample_seqs.append(s)
+        meta = _paged.build_metadata(
+            decode_lens=[s.num_computed_tokens + 1 for s in decodes],
+            decode_block_tables=[s.block_ids for s in decodes],
+            chunks=[(s.num_computed_tokens, s.num_scheduled_tokens, s.block_ids) for s in chunks],
+            slot_mapping=slots,
+            block_size=bs,
+            device=self.device,
+        )
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids_t, pos_t, kv_caches, meta)
+        if not sample_idx:
+            return ModelRunnerOutput(sampled={})
+        logits = self.model.compute_logits(hidden[sample_idx]).float()
+        rows = [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self._generator(s))
+                for s in sample_seqs]
+        out = sample(logits, rows)
+        return ModelRunnerOutput(sampled={
+            s.seq_id: SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
+            for i, s in enumerate(sample_seqs)
+        })

@@ -1,0 +1,102 @@
+"""A worker: loads the model on its device, sizes and holds the KV cache, executes steps."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.config import EngineConfig, default_num_threads, resolve_model_source
+from pagellm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagellm.models import get_model_class
+from pagellm.weights import freq_factors, iter_weights, load_model_config
+from pagellm.worker.cache_engine import CacheEngine, KVCacheSpec
+from pagellm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the engine needs to know about the loaded model (plain data, crosses process bounds)."""
+
+    architecture: str
+    vocab_size: int
+    max_position_embeddings: int
+    sliding_window: int | None
+    dtype: str
+    device: str
+    block_bytes: int
+
+
+class Worker:
+    """Owns the model, the ``CacheEngine`` and the ``ModelRunner`` of one device."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        dev = config.device.device
+        if dev == "auto":
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(dev)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.device.num_threads or default_num_threads())
+        dtype_name = config.model.dtype
+        if dtype_name == "auto":
+            dtype_name = "float32" if self.device.type == "cpu" else "bfloat16"
+        self.dtype = _DTYPES[dtype_name]
+        self.cache_engine: CacheEngine | None = None
+        self.model_runner: ModelRunner | None = None
+
+    def load_model(self) -> ModelInfo:
+        source = resolve_model_source(self.config.model.model)
+        hf_config = load_model_config(source)
+        arch = hf_config.architectures[0]
+        cls = get_model_class(arch)
+        with torch.device("meta"):
+            model = cls(hf_config, freq_factors(source))
+        # Built on meta (no random init), materialised uninitialised, then every weight is loaded.
+        model = model.to_empty(device=self.device)
+        model.load_weights(iter_weights(source, hf_config))
+        model = model.to(self.dtype).eval()
+        self.model = model
+        self.spec = KVCacheSpec(
+            num_layers=hf_config.num_hidden_layers,
+            num_kv_heads=model.model.layers[0].self_attn.num_kv_heads,
+            head_dim=model.model.layers[0].self_attn.head_dim,
+            block_size=self.config.cache.block_size,
+            dtype=self.dtype,
+        )
+        return ModelInfo(
+            architecture=arch,
+            vocab_size=hf_config.vocab_size,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            sliding_window=getattr(hf_config, "sliding_window", None)
+            if getattr(hf_config, "use_sliding_window", True) else None,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            block_bytes=self.spec.block_bytes,
+        )
+
+    def determine_num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        n = cache.kv_cache_memory // self.spec.block_bytes
+        if n < 1:
+            raise ValueError(
+                f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block "
+                f"(one block of {cache.block_size} tokens needs {self.spec.block_bytes} bytes)"
+            )
+        return n
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.cache_engine = CacheEngine(self.spec, num_blocks, self.device)
+        self.model_runner = ModelRunner(self.model, self.spec.block_size, self.device, self.model.config.vocab_size)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.cache_engine is not None and self.model_runner is not None, "initialize_cache first"
+        self.cache_engine.copy(scheduler_output.cache_ops.copy)
+        return self.model_runner.execute_model(scheduler_output, self.cache_engine.kv_caches)
