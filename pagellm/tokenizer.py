@@ -2,9 +2,43 @@
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
 from typing import Any
 
 from pagellm.config import ModelSource, resolve_model_source
+
+
+logger = logging.getLogger(__name__)
+
+
+def _cache_dir() -> str:
+    root = os.environ.get("PAGELLM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagellm")
+    return os.path.join(root, "tokenizers")
+
+
+def _load_gguf_tokenizer(source: ModelSource):
+    """Convert the GGUF-embedded tokenizer once (seconds) and reuse the saved result afterwards."""
+    from transformers import AutoTokenizer
+
+    st = os.stat(source.path)
+    key = hashlib.sha256(f"{os.path.realpath(source.path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = os.path.join(_cache_dir(), key)
+    if os.path.exists(os.path.join(cached, "tokenizer_config.json")):
+        try:
+            return AutoTokenizer.from_pretrained(cached)
+        except Exception as e:  # a damaged cache entry must not stop the engine
+            logger.warning("ignoring unreadable tokenizer cache %s: %s", cached, e)
+    tok = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    try:
+        tmp = f"{cached}.tmp{os.getpid()}"
+        tok.save_pretrained(tmp)
+        os.replace(tmp, cached)
+    except OSError as e:
+        logger.warning("could not cache the converted tokenizer in %s: %s", cached, e)
+    return tok
 
 
 class Tokenizer:
@@ -18,7 +52,7 @@ class Tokenizer:
         else:
             tok_source = source
         if tok_source.is_gguf:
-            self.hf = AutoTokenizer.from_pretrained(tok_source.directory, gguf_file=tok_source.gguf_file)
+            self.hf = _load_gguf_tokenizer(tok_source)
         else:
             self.hf = AutoTokenizer.from_pretrained(tok_source.path)
         if chat_template is not None:

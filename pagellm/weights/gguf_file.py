@@ -135,4 +135,4 @@ def iter_gguf_weights(path: str, config: Any) -> Iterator[tuple[str, torch.Tenso
             if base not in _GLOBAL_NAMES:
                 raise ValueError(f"unexpected GGUF tensor {t.name!r}")
             name = f"{_GLOBAL_NAMES[base]}.{suffix}"
-        yield name, torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+        yield name, torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy

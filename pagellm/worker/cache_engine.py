@@ -33,9 +33,12 @@ class CacheEngine:
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
-        # Zeroed, not empty: padded attention reads masked slots, which must hold finite numbers.
-        self.kv = torch.zeros(spec.num_layers, 2, num_blocks * spec.block_size, spec.num_kv_heads,
+        # Uninitialised (zeroing gigabytes costs seconds at start-up). Attention padding gathers
+        # slot 0 and masks it out; a masked key still multiplies its value by 0, so slot 0 must
+        # hold finite numbers: zero block 0 once. Every other slot is written before it is read.
+        self.kv = torch.empty(spec.num_layers, 2, num_blocks * spec.block_size, spec.num_kv_heads,
                               spec.head_dim, dtype=spec.dtype, device=device)
+        self.kv[:, :, : spec.block_size].zero_()
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(spec.num_layers)]
 
     def _block_slots(self, block_ids: list[int]) -> torch.Tensor:

@@ -1,0 +1,80 @@
+"""Shared fixtures: tiny random HF checkpoints written by the tests, and engine helpers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagellm.config import bundled_model_path
+
+ARCH_CONFIGS = {
+    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"]),
+    "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]),
+    "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32),
+}
+
+
+def _tokenizer_dir(tmp_root: str) -> str:
+    """The SmolLM2 tokenizer (from the bundled GGUF) saved as a plain HF tokenizer directory."""
+    from pagellm.config import resolve_model_source
+    from pagellm.tokenizer import Tokenizer
+
+    path = os.path.join(tmp_root, "tokenizer")
+    if not os.path.exists(path):
+        Tokenizer(resolve_model_source(None)).hf.save_pretrained(path)
+    return path
+
+
+def build_tiny_checkpoint(root: str, arch: str, tie: bool = False, **overrides) -> str:
+    """Write a tiny random model of ``arch`` (config.json + safetensors + tokenizer) under ``root``."""
+    import transformers
+
+    path = os.path.join(root, f"tiny-{arch}{'-tied' if tie else ''}")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    base = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rms_norm_eps=1e-6, tie_word_embeddings=tie, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+    )
+    base.update(ARCH_CONFIGS[arch])
+    base.update(overrides)
+    model_type = base.pop("model_type")
+    config = transformers.AutoConfig.for_model(model_type, **base)
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    tok = transformers.AutoTokenizer.from_pretrained(_tokenizer_dir(root))
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def ckpt_root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("ckpts"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(ckpt_root) -> str:
+    return build_tiny_checkpoint(ckpt_root, "llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    return bundled_model_path()
+
+
+def run_to_completion(engine, check_invariants: bool = True) -> dict[str, object]:
+    """Step the engine until idle, checking scheduler invariants after every step."""
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if check_invariants:
+            engine.scheduler.check_invariants()
+    engine.scheduler.check_invariants()
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
+    return finished
