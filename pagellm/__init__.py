@@ -1,8 +1,8 @@
 """pagellm: a readable vLLM-style inference engine that runs well on a CPU."""
 
 from pagellm.config import EngineArgs
-from pagellm.entrypoints.llm import LLM
 from pagellm.engine.llm_engine import LLMEngine
+from pagellm.entrypoints.llm import LLM
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.sampling_params import SamplingParams
 

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args
 
-from pagellm.utils import parse_size
+from pagellm.utils import parse_size, reject_unknown
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 DEFAULT_KV_CACHE_MEMORY = "2GiB"
@@ -212,10 +212,7 @@ class EngineArgs:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        reject_unknown("engine argument(s)", kwargs, {f.name for f in fields(cls)})
         return cls(**kwargs)
 
     def create_engine_config(self) -> EngineConfig:

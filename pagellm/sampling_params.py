@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Any
+
+from pagellm.utils import reject_unknown
 
 _GREEDY_EPS = 1e-5
 
@@ -100,3 +103,15 @@ class SamplingParams:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return SamplingParams(**values)
+
+
+_FIELDS = {f.name for f in fields(SamplingParams)}
+_dataclass_init = SamplingParams.__init__
+
+
+def _checked_init(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
+    reject_unknown("sampling parameter(s)", kwargs, _FIELDS)
+    _dataclass_init(self, *args, **kwargs)
+
+
+SamplingParams.__init__ = _checked_init  # type: ignore[method-assign]

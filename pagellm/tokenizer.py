@@ -9,7 +9,6 @@ from typing import Any
 
 from pagellm.config import ModelSource, resolve_model_source
 
-
 logger = logging.getLogger(__name__)
 
 

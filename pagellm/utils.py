@@ -9,6 +9,16 @@ _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "KIB": 2**10, "M": 10**6, "MB"
           "G": 10**9, "GB": 10**9, "GIB": 2**30, "T": 10**12, "TB": 10**12, "TIB": 2**40}
 
 
+class UnknownArgumentError(ValueError, TypeError):
+    """An unknown keyword: a ``ValueError`` naming it, and a ``TypeError`` like any bad Python call."""
+
+
+def reject_unknown(kind: str, given: set[str] | dict, known: set[str]) -> None:
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise UnknownArgumentError(f"unknown {kind}: {', '.join(unknown)}")
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for non-negative integers."""
     return -(-a // b)

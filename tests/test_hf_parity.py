@@ -9,9 +9,10 @@ import pytest
 import torch
 import transformers
 
-from conftest import build_tiny_checkpoint, run_to_completion
 from pagellm import LLMEngine, SamplingParams
 from pagellm.config import EngineArgs
+
+from conftest import build_tiny_checkpoint, run_to_completion
 
 NEW_TOKENS = 32
 
@@ -32,7 +33,11 @@ def hf_greedy(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> 
 
 
 def engine_greedy(model_path: str, prompts: list[list[int]], new_tokens: int = NEW_TOKENS, **engine_kwargs):
-    """All prompts submitted together; invariants checked after every step; returns token ids."""
+    """All prompts submitted together; invariants checked after every step; returns token ids.
+
+    A small KV budget by default: the per-step invariant check walks every block.
+    """
+    engine_kwargs.setdefault("kv_cache_memory", "64MiB")
     engine = LLMEngine.from_engine_args(EngineArgs(model=model_path, **engine_kwargs))
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):

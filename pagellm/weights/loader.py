@@ -11,6 +11,7 @@ import torch
 
 from pagellm.config import ModelSource
 
+
 def load_model_config(source: ModelSource) -> Any:
     """The HF ``PretrainedConfig`` of the model."""
     if source.is_gguf:

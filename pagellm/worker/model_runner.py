@@ -41,7 +41,8 @@ class ModelRunner:
         return g
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ModelRunnerOutput:
         for seq_id in so.finished_seq_ids:
             self.generators.pop(seq_id, None)
         if not so.scheduled:

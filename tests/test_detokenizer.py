@@ -1,0 +1,48 @@
+"""Incremental detokenization equals a full decode, including multi-byte characters."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagellm.config import resolve_model_source
+from pagellm.detokenizer import IncrementalDetokenizer, find_stop_string
+from pagellm.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer(resolve_model_source(None))
+
+
+TEXTS = ["Hello, world! Ünïcödé façade — naïve café.", "数学 は 楽しい 🙂🚀 emoji", "  leading spaces\n\ttabs",
+         "def f(x):\n    return x ** 2  # comment"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_equals_full_decode(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    prompt = tokenizer.encode("Prompt text:", add_special_tokens=False)
+    d = IncrementalDetokenizer(tokenizer, prompt)
+    pieces = [d.step([t]) for t in ids]
+    assert "".join(pieces) == d.text == tokenizer.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_random_tokens_never_emit_broken_text(tokenizer):
+    rng = random.Random(0)
+    for _ in range(20):
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(30)]
+        d = IncrementalDetokenizer(tokenizer, [1, 2, 3])
+        for t in ids:
+            d.step([t])
+        full = tokenizer.decode(ids)
+        assert full.startswith(d.text.rstrip("\ufffd")) or d.text == full
+
+
+def test_find_stop_string():
+    assert find_stop_string("abc STOP def", 8, ["STOP"], False) == ("STOP", 4)
+    assert find_stop_string("abc STOP def", 8, ["STOP"], True) == ("STOP", 8)
+    assert find_stop_string("abc STOP def", 2, ["STOP"], False) is None  # ended before the new text
+    assert find_stop_string("xxSTyyST", 3, ["ST", "yy"], False) == ("yy", 4)

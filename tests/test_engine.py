@@ -1,0 +1,126 @@
+"""Engine behaviour: bad input is rejected without harming other requests; stops; the LLM API."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagellm import LLM, LLMEngine, SamplingParams
+from pagellm.config import EngineArgs
+
+from conftest import run_to_completion
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return LLMEngine.from_engine_args(EngineArgs(model=tiny_llama, kv_cache_memory="16MiB", max_model_len=256))
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(tiny_llama, kv_cache_memory="16MiB")
+
+
+def test_bad_requests_raise_and_engine_keeps_serving(engine):
+    engine.add_request("good", {"prompt_token_ids": [5, 6, 7]}, GREEDY)
+    cases = [
+        ({"prompt_token_ids": []}, "empty"),
+        ("", "empty"),
+        ({"prompt_token_ids": [1] * 300}, "max_model_len"),
+        ({"prompt_token_ids": [5, 10**7]}, "vocabulary"),
+        ({"prompt_token_ids": [5, -1]}, "vocabulary"),
+        ({"foo": 1}, "prompt"),
+    ]
+    for prompt, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            engine.add_request(f"bad-{msg}", prompt, GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("good", [1, 2], GREEDY)
+    done = run_to_completion(engine)
+    assert list(done) == ["good"] and len(done["good"].outputs[0].token_ids) == 12
+
+
+def test_prompt_that_can_never_fit_in_the_cache(tiny_llama):
+    eng = LLMEngine.from_engine_args(EngineArgs(model=tiny_llama, num_gpu_blocks_override=4, block_size=4))
+    assert eng.max_model_len == 16  # capped to the cache's 16 token slots
+    with pytest.raises(ValueError):
+        eng.add_request("big", {"prompt_token_ids": [3] * 40}, GREEDY)
+    eng.add_request("ok", {"prompt_token_ids": [3] * 10}, SamplingParams(temperature=0, max_tokens=100))
+    out = run_to_completion(eng)["ok"].outputs[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+
+
+def test_unknown_engine_argument_is_rejected(tiny_llama):
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM(tiny_llama, max_num_seq=4)
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(tiny_llama, block_size=0)
+
+
+def test_abort_frees_everything(engine):
+    engine.add_request("a", {"prompt_token_ids": list(range(3, 60))}, GREEDY)
+    engine.add_request("b", {"prompt_token_ids": [9, 9, 9]}, GREEDY)
+    engine.step()
+    engine.abort_request("a")
+    engine.scheduler.check_invariants()
+    done = run_to_completion(engine)
+    assert list(done) == ["b"]
+
+
+def _greedy_text(llm, prompt, **kw):
+    return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **kw),
+                        use_tqdm=False)[0].outputs[0]
+
+
+def test_stop_strings(llm):
+    prompt = "The quick brown fox"
+    full = _greedy_text(llm, prompt)
+    stop = full.text[len(full.text) // 2: len(full.text) // 2 + 3]
+    assert stop.strip() and stop in full.text
+    cut = _greedy_text(llm, prompt, stop=[stop, "never-appears-xyz"])
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert len(cut.token_ids) < len(full.token_ids)
+    kept = _greedy_text(llm, prompt, stop=stop, include_stop_str_in_output=True)
+    assert kept.text == full.text[: full.text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    prompt = "Hello there"
+    full = _greedy_text(llm, prompt)
+    target = full.token_ids[3]
+    first = full.token_ids.index(target)
+    out = _greedy_text(llm, prompt, stop_token_ids=[target])
+    assert out.token_ids == full.token_ids[: first + 1] and out.stop_reason == target and out.finish_reason == "stop"
+    out = _greedy_text(llm, prompt, stop_token_ids=[target], min_tokens=first + 2)
+    assert target not in out.token_ids[: first + 2]
+
+
+def test_generate_keeps_input_order_and_accepts_all_prompt_forms(llm):
+    tok = llm.get_tokenizer()
+    prompts = ["a much longer prompt " * 8, {"prompt_token_ids": tok.encode("short")}, {"prompt": "mid size"}]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 5)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 9, 5]
+    assert outs[1].prompt_token_ids == tok.encode("short") and outs[2].prompt == "mid size"
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+    assert outs[0].metrics.first_token_time >= outs[0].metrics.arrival_time
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], params, use_tqdm=False)
+
+
+def test_text_equals_full_decode(llm):
+    out = _greedy_text(llm, "Numbers: 1 2 3")
+    assert out.text == llm.get_tokenizer().decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_chat_applies_the_template(llm):
+    tok = llm.get_tokenizer()
+    conv = [{"role": "user", "content": "Say hi"}]
+    out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    expected = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert out.prompt == expected
+    assert out.prompt_token_ids == tok.encode(expected, add_special_tokens=False)
+    two = llm.chat([conv, conv], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in two] == [out.outputs[0].token_ids] * 2

@@ -1,0 +1,69 @@
+"""Imports point down the layers (ARCHITECTURE.md) and core/ never touches torch."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "pagellm"
+
+# layer of each top-level module / subpackage
+LAYER = {
+    "utils": 0, "config": 0, "sampling_params": 0, "outputs": 0,
+    "sequence": 1,
+    "core": 2,
+    "attention": 2.5, "layers": 2.5, "models": 2.5, "weights": 2.5, "sampling": 2.5,
+    "worker": 3, "executor": 4,
+    "tokenizer": 5, "detokenizer": 5, "metrics": 5, "engine": 5,
+    "entrypoints": 6, "__init__": 6,
+}
+# Allowed imports per layer, beyond the module's own layer.
+ALLOWED = {
+    0: {0}, 1: {0, 1}, 2: {0, 1, 2},
+    2.5: {0, 2.5},  # models see tensors, never sequences or the scheduler
+    3: {0, 2.5, 3, "core.scheduler_output"},
+    4: {0, 3, 4, "core.scheduler_output"},
+    5: {0, 1, 2, 4, 5},
+    6: {0, 1, 2, 4, 5, 6},
+}
+TORCH_FREE = {0, 1, 2}
+
+
+def _modules():
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG).with_suffix("")
+        yield path, rel.parts
+
+
+def _imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append(node.module)
+    return out
+
+
+def test_every_module_has_a_layer():
+    for _, parts in _modules():
+        assert parts[0] in LAYER, f"pagellm/{'/'.join(parts)}.py is in no layer: add it to LAYER and ARCHITECTURE.md"
+
+
+def test_imports_point_down():
+    bad = []
+    for path, parts in _modules():
+        layer = LAYER[parts[0]]
+        for mod in _imports(path):
+            if not mod.startswith("pagellm."):
+                if layer in TORCH_FREE and mod.split(".")[0] in ("torch", "numpy", "transformers"):
+                    bad.append(f"{'/'.join(parts)} imports {mod} (layer {layer} is pure Python)")
+                continue
+            target = mod.split(".")[1]
+            sub = ".".join(mod.split(".")[1:3])
+            tl = LAYER[target]
+            if tl == layer or tl in ALLOWED[layer] or sub in ALLOWED[layer]:
+                continue
+            bad.append(f"{'/'.join(parts)} (layer {layer}) imports {mod} (layer {tl})")
+    assert not bad, "\n".join(bad)
