@@ -1,0 +1,134 @@
+"""The ``pagellm`` command: ``generate`` (batched, offline) and ``chat`` (interactive, streamed)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from pagellm.config import EngineArgs
+from pagellm.sampling_params import SamplingParams
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, default_max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=default_max_tokens)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, seed=args.seed, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+        stop=args.stop, ignore_eos=args.ignore_eos,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)
+    llm = _make_llm(args)
+    if args.chat_format:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=not args.quiet)
+    else:
+        outs = llm.generate(args.prompts, params, use_tqdm=not args.quiet)
+    for prompt, out in zip(args.prompts, outs, strict=True):
+        c = out.outputs[0]
+        print(f"\n=== {prompt!r}  [{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]")
+        print(c.text)
+    return 0
+
+
+def _make_llm(args: argparse.Namespace) -> Any:
+    from pagellm.entrypoints.llm import LLM
+
+    chat_template = None
+    if getattr(args, "chat_template", None):
+        with open(args.chat_template) as f:
+            chat_template = f.read()
+    return LLM(chat_template=chat_template, **EngineArgs.from_cli_args(args).to_dict())
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    engine = llm.llm_engine
+    tok = engine.get_tokenizer()
+    params = _sampling_params(args)
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("pagellm chat — empty line or Ctrl-D to quit, /reset to clear the conversation", file=sys.stderr)
+    turn = 0
+    while True:
+        try:
+            user = input("\n> ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        if user.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": user})
+        text = tok.apply_chat_template(history)
+        rid = f"chat-{turn}"
+        turn += 1
+        engine.add_request(rid, {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}, params)
+        printed = 0
+        reply = ""
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    reply = out.outputs[0].text
+                    sys.stdout.write(reply[printed:])
+                    sys.stdout.flush()
+                    printed = len(reply)
+        except KeyboardInterrupt:
+            engine.abort_request(rid)
+        print()
+        history.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagellm", description="pagellm: paged-KV LLM inference on CPU and CUDA")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate completions for one or more prompts (batched)")
+    gen.add_argument("prompts", nargs="+", help="prompt strings")
+    gen.add_argument("--chat-format", action="store_true", help="wrap each prompt as a user message (chat template)")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_sampling_args(gen, default_max_tokens=64)
+    EngineArgs.add_cli_args(gen, skip=("seed",))
+    chat = sub.add_parser("chat", help="interactive chat in the terminal, tokens printed as they arrive")
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--chat-template", default=None, help="Jinja chat template file (default: the model's)")
+    _add_sampling_args(chat, default_max_tokens=512)
+    EngineArgs.add_cli_args(chat, skip=("seed",))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        return cmd_chat(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pagellm: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
