@@ -35,7 +35,7 @@ def test_paged_equals_dense(block_size, hq, hkv, seed):
     free = list(range(1, num_blocks))  # block 0 stays the zeroed padding block
     rng.shuffle(free)
     # (num_computed_tokens, num_new_tokens): decodes, chunks with context, fresh prefills.
-    shapes = [(rng.randint(1, 60), 1) for _ in range(rng.randint(1, 5))]
+    shapes = [(rng.randint(1, 60), 1) for _ in range(rng.randint(1, 20))]
     shapes += [(rng.randint(1, 50), rng.randint(2, 20)) for _ in range(rng.randint(0, 3))]
     shapes += [(0, rng.randint(1, 30)) for _ in range(rng.randint(0, 2))]
     seqs = []
@@ -48,7 +48,7 @@ def test_paged_equals_dense(block_size, hq, hkv, seed):
             key_cache[past] = k_all[:num_computed]
             value_cache[past] = v_all[:num_computed]
         seqs.append((num_computed, n, blocks, k_all, v_all, torch.randn(n, hq, d)))
-    decodes = [s for s in seqs if s[1] == 1 and s[0] > 0]
+    decodes = sorted((s for s in seqs if s[1] == 1 and s[0] > 0), key=lambda s: -s[0])
     chunks = [s for s in seqs if not (s[1] == 1 and s[0] > 0)]
     order = decodes + chunks
     slots = [b[p // block_size] * block_size + p % block_size for c, n, b, *_ in order for p in range(c, c + n)]

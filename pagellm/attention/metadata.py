@@ -19,17 +19,22 @@ import torch
 class AttentionGroup:
     """Sequences attended in one SDPA call.
 
-    ``kv_slots[b, j]`` is the cache slot of key position ``j`` of sequence ``b`` (padding points at
-    slot 0 and is masked out by ``mask``). ``kv_slots is None`` means a chunk with no earlier
-    context: it attends causally to its own fresh K/V and never reads the cache.
+    ``kv_blocks[b]`` lists the cache blocks of sequence ``b`` in order (padded with block 0), so a
+    whole block is gathered per index (block_size times fewer, contiguous copies than per slot);
+    ``mask`` hides key positions past each sequence's length. ``kv_blocks is None`` means a chunk
+    with no earlier context: it attends causally to its own fresh K/V and never reads the cache.
     """
 
     token_start: int
     token_end: int
     batch_size: int
     query_len: int
-    kv_slots: torch.Tensor | None
+    kv_blocks: torch.Tensor | None
     mask: torch.Tensor | None
+    # Gather buffers, allocated by the first layer and reused by the others: a fresh multi-MB
+    # tensor per layer costs more in page faults on CPU than the copy itself.
+    k_buf: torch.Tensor | None = None
+    v_buf: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -39,3 +44,4 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     groups: list[AttentionGroup]
     num_tokens: int
+    block_size: int

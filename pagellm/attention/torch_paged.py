@@ -15,6 +15,20 @@ import torch.nn.functional as F
 from pagellm.attention.metadata import AttentionGroup, AttentionMetadata
 
 
+# Decodes are split into at most this many length-sorted groups: less padding to gather and
+# attend over, for a few more SDPA calls per layer.
+MAX_DECODE_GROUPS = 4
+MIN_DECODE_GROUP = 8
+
+
+def _decode_groups(lens: list[int]) -> list[tuple[int, int]]:
+    """Split length-sorted decodes into contiguous ``[start, end)`` groups of similar length."""
+    n = len(lens)
+    k = max(1, min(MAX_DECODE_GROUPS, n // MIN_DECODE_GROUP))
+    bounds = [round(i * n / k) for i in range(k + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(k) if bounds[i + 1] > bounds[i]]
+
+
 def build_metadata(
     decode_lens: list[int],
     decode_block_tables: list[list[int]],
@@ -25,43 +39,39 @@ def build_metadata(
 ) -> AttentionMetadata:
     """Build the per-step metadata.
 
-    ``decode_lens[b]``: context length (including the new token) of decode ``b``.
+    ``decode_lens[b]``: context length (including the new token) of decode ``b``; decodes should
+    come sorted by length (descending) so that neighbours batch with little padding.
     ``chunks``: ``(num_computed_tokens, query_len, block_ids)`` per prefill chunk, in flat order.
     """
     groups: list[AttentionGroup] = []
-    start = 0
-    if decode_lens:
-        b = len(decode_lens)
-        max_kv = max(decode_lens)
-        max_blocks = -(-max_kv // block_size)
-        table = torch.zeros(b, max_blocks, dtype=torch.long)
-        for i, ids in enumerate(decode_block_tables):
-            n = min(len(ids), max_blocks)
+    for lo, hi in _decode_groups(decode_lens) if decode_lens else []:
+        lens = decode_lens[lo:hi]
+        max_blocks = -(-max(lens) // block_size)
+        table = torch.zeros(hi - lo, max_blocks, dtype=torch.long)
+        for i, ids in enumerate(decode_block_tables[lo:hi]):
+            n = -(-lens[i] // block_size)
             table[i, :n] = torch.tensor(ids[:n], dtype=torch.long)
-        pos = torch.arange(max_kv)
-        kv_slots = table[:, pos // block_size] * block_size + pos % block_size
-        lens = torch.tensor(decode_lens, dtype=torch.long)
-        valid = pos[None, :] < lens[:, None]
-        kv_slots = torch.where(valid, kv_slots, 0)
-        mask = valid[:, None, None, :]
-        groups.append(AttentionGroup(0, b, b, 1, kv_slots.to(device), mask.to(device)))
-        start = b
+        pos = torch.arange(max_blocks * block_size)
+        mask = (pos[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
+        groups.append(AttentionGroup(lo, hi, hi - lo, 1, table.to(device), mask.to(device)))
+    start = len(decode_lens)
     for num_computed, q_len, block_ids in chunks:
         if num_computed == 0:
             groups.append(AttentionGroup(start, start + q_len, 1, q_len, None, None))
         else:
             kv_len = num_computed + q_len
-            pos = torch.arange(kv_len)
-            ids = torch.tensor(block_ids, dtype=torch.long)
-            kv_slots = (ids[pos // block_size] * block_size + pos % block_size)[None, :]
+            n_blocks = -(-kv_len // block_size)
+            table = torch.tensor(block_ids[:n_blocks], dtype=torch.long)[None, :]
+            pos = torch.arange(n_blocks * block_size)
             q_pos = torch.arange(num_computed, kv_len)
             mask = (pos[None, :] <= q_pos[:, None])[None, None]
-            groups.append(AttentionGroup(start, start + q_len, 1, q_len, kv_slots.to(device), mask.to(device)))
+            groups.append(AttentionGroup(start, start + q_len, 1, q_len, table.to(device), mask.to(device)))
         start += q_len
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
         groups=groups,
         num_tokens=start,
+        block_size=block_size,
     )
 
 
@@ -70,6 +80,12 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     """Scatter this step's K/V (``[T, num_kv_heads, head_dim]``) into their cache slots."""
     key_cache.index_copy_(0, slot_mapping, key)
     value_cache.index_copy_(0, slot_mapping, value)
+
+
+def _repeat_kv(x: torch.Tensor, g: int, head_dim: int) -> torch.Tensor:
+    """Repeat each KV head ``g`` times (HF's ``repeat_kv`` order). SDPA's ``enable_gqa`` would
+    avoid the copy, but on CPU it drops to the slow math kernel; the fused one is worth the copy."""
+    return x if g == 1 else x.repeat_interleave(g, dim=head_dim)
 
 
 def forward(
@@ -84,24 +100,31 @@ def forward(
     """``query [T, Hq, D]``, ``key/value [T, Hkv, D]``, caches ``[num_slots, Hkv, D]`` -> ``[T, Hq*D]``."""
     t, hq, d = query.shape
     hkv = key.shape[1]
+    block_size = meta.block_size
     g = hq // hkv
     write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
     out = torch.empty(t, hq * d, dtype=query.dtype, device=query.device)
     for grp in meta.groups:
         q = query[grp.token_start:grp.token_end]
-        if grp.kv_slots is None:
+        if grp.kv_blocks is None:
             # Fresh chunk: causal attention over its own K/V, no cache read.
             qh = q.transpose(0, 1)
-            kh = key[grp.token_start:grp.token_end].transpose(0, 1)
-            vh = value[grp.token_start:grp.token_end].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=g > 1)
+            kh = _repeat_kv(key[grp.token_start:grp.token_end].transpose(0, 1), g, 0)
+            vh = _repeat_kv(value[grp.token_start:grp.token_end].transpose(0, 1), g, 0)
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
             out[grp.token_start:grp.token_end] = o.transpose(0, 1).reshape(grp.token_end - grp.token_start, hq * d)
             continue
         b, ql = grp.batch_size, grp.query_len
-        flat = grp.kv_slots.reshape(-1)
-        kv_len = grp.kv_slots.shape[1]
-        k = key_cache.index_select(0, flat).view(b, kv_len, hkv, d).transpose(1, 2)
-        v = value_cache.index_select(0, flat).view(b, kv_len, hkv, d).transpose(1, 2)
+        flat = grp.kv_blocks.reshape(-1)
+        kv_len = grp.kv_blocks.shape[1] * block_size
+        if grp.k_buf is None or grp.k_buf.dtype != key_cache.dtype:
+            grp.k_buf = key_cache.new_empty(flat.numel(), block_size * hkv * d)
+            grp.v_buf = torch.empty_like(grp.k_buf)
+        assert grp.v_buf is not None
+        torch.index_select(key_cache.view(-1, block_size * hkv * d), 0, flat, out=grp.k_buf)
+        torch.index_select(value_cache.view(-1, block_size * hkv * d), 0, flat, out=grp.v_buf)
+        k = grp.k_buf.view(b, kv_len, hkv, d).transpose(1, 2)
+        v = grp.v_buf.view(b, kv_len, hkv, d).transpose(1, 2)
         if ql == 1:
             # Decode: the g query heads of each KV head become g query rows over the same keys.
             qh = q.view(b, hkv, g, d)
@@ -109,6 +132,7 @@ def forward(
             out[grp.token_start:grp.token_end] = o.reshape(b, hq * d)
         else:
             qh = q.view(b, ql, hq, d).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=grp.mask, scale=scale, enable_gqa=g > 1)
+            k, v = _repeat_kv(k, g, 1), _repeat_kv(v, g, 1)
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=grp.mask, scale=scale)
             out[grp.token_start:grp.token_end] = o.transpose(1, 2).reshape(b * ql, hq * d)
     return out

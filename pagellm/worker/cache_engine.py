@@ -6,6 +6,7 @@ layer's K and V; layer ``i`` reads ``kv[i, 0]`` / ``kv[i, 1]`` as flat slot arra
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,18 +28,27 @@ class KVCacheSpec:
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.zeros``, but on CPU from calloc'd memory: the OS zero-fills pages on first touch,
+    so a multi-GiB cache costs nothing at start-up (``torch.zeros`` memsets it: seconds)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class CacheEngine:
     """Owns the KV tensor; hands per-layer ``(key_cache, value_cache)`` views to the model."""
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
-        # Uninitialised (zeroing gigabytes costs seconds at start-up). Attention padding gathers
-        # slot 0 and masks it out; a masked key still multiplies its value by 0, so slot 0 must
-        # hold finite numbers: zero block 0 once. Every other slot is written before it is read.
-        self.kv = torch.empty(spec.num_layers, 2, num_blocks * spec.block_size, spec.num_kv_heads,
-                              spec.head_dim, dtype=spec.dtype, device=device)
-        self.kv[:, :, : spec.block_size].zero_()
+        shape = (spec.num_layers, 2, num_blocks * spec.block_size, spec.num_kv_heads, spec.head_dim)
+        # Zeroed: attention gathers whole blocks and masks the unused tail slots, but a masked key
+        # still multiplies its value by 0, so every slot must hold a finite number from the start.
+        self.kv = _zeros(shape, spec.dtype, device)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(spec.num_layers)]
 
     def _block_slots(self, block_ids: list[int]) -> torch.Tensor:

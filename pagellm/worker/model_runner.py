@@ -49,6 +49,8 @@ class ModelRunner:
             return ModelRunnerOutput(sampled={})
         bs = self.block_size
         decodes = [s for s in so.scheduled if s.num_scheduled_tokens == 1 and s.num_computed_tokens > 0]
+        # Longest first: attention batches neighbouring decodes, so similar lengths pad least.
+        decodes.sort(key=lambda s: -s.num_computed_tokens)
         chunks = [s for s in so.scheduled if not (s.num_scheduled_tokens == 1 and s.num_computed_tokens > 0)]
         input_ids: list[int] = []
         positions: list[int] = []

@@ -1,0 +1,129 @@
+"""Offline throughput on the shared workload: pagellm vs Hugging Face ``generate`` in the same run.
+
+Every request is greedy with EOS ignored, so exactly ``max_tokens`` tokens come out of each
+engine. HF runs padded static batches (left padding, ``--hf-batch-size`` requests at a time,
+each batch generating its longest ``max_tokens``; only the requested tokens are counted).
+Absolute numbers drift on shared machines: read the ratio, which is measured in one invocation.
+
+    python benchmarks/throughput.py                       # W64, pagellm float32 vs HF bfloat16
+    python benchmarks/throughput.py --num-requests 16 --skip-hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+
+DEFAULT_WORKLOAD = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "bench", "workload_n64_seed0.json")
+
+
+def load_workload(path: str, n: int | None) -> list[dict]:
+    if not os.path.exists(path):
+        raise SystemExit(f"workload file not found: {path} (pass --workload PATH)")
+    with open(path) as f:
+        reqs = json.load(f)["requests"]
+    return reqs[:n] if n else reqs
+
+
+def run_pagellm(reqs: list[dict], args: argparse.Namespace) -> dict:
+    from pagellm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory)
+    load = time.perf_counter() - t0
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
+    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+    wall = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert n_out == sum(r["max_tokens"] for r in reqs)
+    stats = llm.llm_engine.stats
+    return {"engine": f"pagellm ({llm.llm_engine.model_info.dtype})", "wall": wall, "load": load, "out": n_out,
+            "steps": stats["steps"], "preemptions": llm.llm_engine.scheduler.num_preemptions,
+            "first_tokens": [o.outputs[0].token_ids[:8] for o in outs[:2]]}
+
+
+def run_hf(reqs: list[dict], args: argparse.Namespace) -> dict:
+    import torch
+    import transformers
+
+    from pagellm.config import resolve_model_source
+
+    src = resolve_model_source(args.model)
+    dtype = getattr(torch, args.hf_dtype)
+    t0 = time.perf_counter()
+    if src.is_gguf:
+        model = transformers.AutoModelForCausalLM.from_pretrained(src.directory, gguf_file=src.gguf_file, dtype=dtype)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype)
+    model.eval()
+    model.generation_config.eos_token_id = None  # EOS ignored, like the pagellm run
+    load = time.perf_counter() - t0
+    pad = 0
+    t0 = time.perf_counter()
+    n_out = 0
+    from tqdm import tqdm
+
+    batches = [reqs[i:i + args.hf_batch_size] for i in range(0, len(reqs), args.hf_batch_size)]
+    with torch.inference_mode():
+        for batch in tqdm(batches, desc="HF static batches", disable=args.quiet):
+            longest = max(r["prompt_len"] for r in batch)
+            ids = torch.full((len(batch), longest), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, r in enumerate(batch):
+                p = r["prompt_token_ids"]
+                ids[i, longest - len(p):] = torch.tensor(p)
+                mask[i, longest - len(p):] = 1
+            new = max(r["max_tokens"] for r in batch)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                                 pad_token_id=pad)
+            assert out.shape[1] == longest + new
+            n_out += sum(r["max_tokens"] for r in batch)
+    wall = time.perf_counter() - t0
+    return {"engine": f"HF generate, static batch {args.hf_batch_size} ({args.hf_dtype})", "wall": wall,
+            "load": load, "out": n_out}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default=DEFAULT_WORKLOAD)
+    ap.add_argument("--num-requests", type=int, default=None)
+    ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct GGUF")
+    ap.add_argument("--dtype", default="auto", help="pagellm dtype (auto = float32 on CPU)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--kv-cache-memory", default="2GiB")
+    ap.add_argument("--hf-dtype", default="bfloat16")
+    ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args()
+
+    import torch
+
+    reqs = load_workload(args.workload, args.num_requests)
+    n_in = sum(r["prompt_len"] for r in reqs)
+    print(f"workload: {os.path.basename(args.workload)}, {len(reqs)} requests, {n_in} prompt tokens, "
+          f"{sum(r['max_tokens'] for r in reqs)} output tokens; torch threads {torch.get_num_threads()}")
+    results = [run_pagellm(reqs, args)]
+    rss_pagellm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    if not args.skip_hf:
+        results.append(run_hf(reqs, args))
+    print(f"\n{'engine':44s} {'output tok/s':>12s} {'total tok/s':>12s} {'wall s':>8s} {'load s':>7s}")
+    for r in results:
+        print(f"{r['engine']:44s} {r['out'] / r['wall']:12.1f} {(n_in + r['out']) / r['wall']:12.1f} "
+              f"{r['wall']:8.1f} {r['load']:7.1f}")
+    p = results[0]
+    print(f"\npagellm: {p['steps']} steps, {p['preemptions']} preemptions, peak RSS {rss_pagellm:.2f} GiB "
+          f"(after the pagellm run)")
+    if len(results) > 1:
+        print(f"ratio pagellm / HF (total tok/s, same run): {results[1]['wall'] / p['wall']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
