@@ -108,11 +108,12 @@ def forward(
         q = query[grp.token_start:grp.token_end]
         if grp.kv_blocks is None:
             # Fresh chunk: causal attention over its own K/V, no cache read.
-            qh = q.transpose(0, 1)
-            kh = _repeat_kv(key[grp.token_start:grp.token_end].transpose(0, 1), g, 0)
-            vh = _repeat_kv(value[grp.token_start:grp.token_end].transpose(0, 1), g, 0)
+            # 4-D inputs: with 3-D ones CPU SDPA silently takes the slow math kernel.
+            qh = q.transpose(0, 1)[None]
+            kh = _repeat_kv(key[grp.token_start:grp.token_end].transpose(0, 1)[None], g, 1)
+            vh = _repeat_kv(value[grp.token_start:grp.token_end].transpose(0, 1)[None], g, 1)
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
-            out[grp.token_start:grp.token_end] = o.transpose(0, 1).reshape(grp.token_end - grp.token_start, hq * d)
+            out[grp.token_start:grp.token_end] = o[0].transpose(0, 1).reshape(grp.token_end - grp.token_start, hq * d)
             continue
         b, ql = grp.batch_size, grp.query_len
         flat = grp.kv_blocks.reshape(-1)
