@@ -69,3 +69,9 @@ class Tokenizer:
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=...")
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> dict[str, Any]:
+        """The templated conversation as a prompt dict (text and ids). The template already holds
+        the special tokens, so none are added again (no second BOS)."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}

@@ -30,8 +30,9 @@ def test_paged_equals_dense(block_size, hq, hkv, seed):
     torch.manual_seed(seed)
     d = 16
     num_blocks = 400 // block_size + 64
-    key_cache = torch.zeros(num_blocks * block_size, hkv, d)
-    value_cache = torch.zeros_like(key_cache)
+    # Random, not zero: unwritten slots and block tails must not leak into the result.
+    key_cache = torch.randn(num_blocks * block_size, hkv, d)
+    value_cache = torch.randn_like(key_cache)
     free = list(range(1, num_blocks))  # block 0 stays the zeroed padding block
     rng.shuffle(free)
     # (num_computed_tokens, num_new_tokens): decodes, chunks with context, fresh prefills.

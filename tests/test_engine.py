@@ -124,3 +124,14 @@ def test_chat_applies_the_template(llm):
     assert out.prompt_token_ids == tok.encode(expected, add_special_tokens=False)
     two = llm.chat([conv, conv], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in two] == [out.outputs[0].token_ids] * 2
+
+
+def test_cli_generate(tiny_llama, capsys):
+    from pagellm.entrypoints.cli import main
+
+    rc = main(["generate", "Hello", "--model", tiny_llama, "--max-tokens", "5", "--ignore-eos", "--quiet",
+               "--kv-cache-memory", "16MiB"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "5 tokens, finish_reason=length" in out
+    assert main(["generate", "Hello", "--model", tiny_llama, "--temperature", "-1", "--quiet"]) == 2
+    assert "temperature" in capsys.readouterr().err

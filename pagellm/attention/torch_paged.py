@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from pagellm.attention.metadata import AttentionGroup, AttentionMetadata
 
-
 # Decodes are split into at most this many length-sorted groups: less padding to gather and
 # attend over, for a few more SDPA calls per layer.
 MAX_DECODE_GROUPS = 4
@@ -27,6 +26,16 @@ def _decode_groups(lens: list[int]) -> list[tuple[int, int]]:
     k = max(1, min(MAX_DECODE_GROUPS, n // MIN_DECODE_GROUP))
     bounds = [round(i * n / k) for i in range(k + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(k) if bounds[i + 1] > bounds[i]]
+
+
+def _padded_block_table(lens: list[int], tables: list[list[int]], block_size: int) -> torch.Tensor:
+    """``[B, max_blocks]`` block ids covering each sequence's ``lens[b]`` positions, padded with block 0."""
+    width = -(-max(lens) // block_size)
+    rows = []
+    for n_tok, ids in zip(lens, tables, strict=True):
+        n = -(-n_tok // block_size)
+        rows.append(ids[:n] + [0] * (width - n))
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def build_metadata(
@@ -46,12 +55,8 @@ def build_metadata(
     groups: list[AttentionGroup] = []
     for lo, hi in _decode_groups(decode_lens) if decode_lens else []:
         lens = decode_lens[lo:hi]
-        max_blocks = -(-max(lens) // block_size)
-        table = torch.zeros(hi - lo, max_blocks, dtype=torch.long)
-        for i, ids in enumerate(decode_block_tables[lo:hi]):
-            n = -(-lens[i] // block_size)
-            table[i, :n] = torch.tensor(ids[:n], dtype=torch.long)
-        pos = torch.arange(max_blocks * block_size)
+        table = _padded_block_table(lens, decode_block_tables[lo:hi], block_size)
+        pos = torch.arange(table.shape[1] * block_size)
         mask = (pos[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
         groups.append(AttentionGroup(lo, hi, hi - lo, 1, table.to(device), mask.to(device)))
     start = len(decode_lens)

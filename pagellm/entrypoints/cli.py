@@ -81,10 +81,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
             history = history[:1] if args.system else []
             continue
         history.append({"role": "user", "content": user})
-        text = tok.apply_chat_template(history)
         rid = f"chat-{turn}"
         turn += 1
-        engine.add_request(rid, {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}, params)
+        engine.add_request(rid, tok.chat_prompt(history), params)
         printed = 0
         reply = ""
         try:

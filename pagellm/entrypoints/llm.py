@@ -72,11 +72,7 @@ class LLM:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.llm_engine.get_tokenizer()
-        prompts: list[PromptType] = []
-        for conv in conversations:
-            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)  # type: ignore[arg-type]
-            # The template already holds the special tokens: do not add a BOS again.
-            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        prompts: list[PromptType] = [tok.chat_prompt(conv, add_generation_prompt) for conv in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
