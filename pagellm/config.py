@@ -91,6 +91,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int = parse_size(DEFAULT_KV_CACHE_MEMORY)
     num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -198,6 +199,7 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory: str | int = DEFAULT_KV_CACHE_MEMORY
     num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
@@ -228,7 +230,7 @@ class EngineArgs:
         return EngineConfig(
             model=ModelConfig(self.model, self.tokenizer, self.dtype, self.seed,  # type: ignore[arg-type]
                               self.max_model_len, self.served_model_name),
-            cache=CacheConfig(self.block_size, budget, self.num_gpu_blocks_override),
+            cache=CacheConfig(self.block_size, budget, self.num_gpu_blocks_override, self.enable_prefix_caching),
             scheduler=SchedulerConfig(**sched_kwargs),
             parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size,
                                     self.distributed_executor_backend),  # type: ignore[arg-type]

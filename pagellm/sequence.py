@@ -57,6 +57,8 @@ class Sequence:
     # One dict per generated token when logprobs were requested: token id -> (logprob, rank).
     output_logprobs: list[dict[int, tuple[float, int]]] = field(default_factory=list)
     stop_reason: int | str | None = None
+    # Chained hashes of this sequence's full blocks, extended by the KV cache manager as it grows.
+    block_hashes: list[bytes] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -108,6 +110,9 @@ class SequenceGroup:
     arrival_time: float
     prompt: str | None = None
     priority: int = 0
+    cache_salt: str | None = None
+    # Prompt tokens found in the prefix cache at first admission (reported in RequestOutput).
+    num_cached_tokens: int = 0
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:

@@ -27,15 +27,16 @@ def test_free_queue_is_o1_linked_list():
         q.remove(blocks[0])
 
 
-def test_pool_allocates_from_head_and_frees_to_tail():
+def test_pool_allocates_from_head_and_reuses_unhashed_blocks_first():
     pool = BlockPool(5)
     a = pool.get_new_blocks(2)
     b = pool.get_new_blocks(2)
     assert ids(a) == [0, 1] and ids(b) == [2, 3]
     pool.free_blocks(reversed(a))
     pool.check_invariants()
-    # Free list now: 4, 1, 0 -> the next allocation reuses the never-used block first.
-    assert ids(pool.get_new_blocks(3)) == [4, 1, 0]
+    # Unhashed blocks hold nothing findable: they go to the head and are reused first.
+    assert [blk.block_id for blk in pool.free_block_queue] == [0, 1, 4]
+    assert ids(pool.get_new_blocks(3)) == [0, 1, 4]
     with pytest.raises(ValueError):
         pool.get_new_blocks(1)
     with pytest.raises(RuntimeError):
@@ -72,14 +73,6 @@ def test_allocate_slots_returns_none_without_side_effects_when_full():
     mgr.free(a)
     assert mgr.num_free_blocks == 3
     mgr.check_invariants(set())
-
-
-def test_free_returns_tail_first():
-    mgr = KVCacheManager(num_blocks=4, block_size=1)
-    seq = Sequence(0, [1, 2, 3])
-    mgr.allocate_slots(seq, 3)  # blocks 0, 1, 2
-    mgr.free(seq)
-    assert [b.block_id for b in mgr.block_pool.free_block_queue] == [3, 2, 1, 0]
 
 
 def test_invariants_detect_corruption():

@@ -7,34 +7,9 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagellm.config import SchedulerConfig
-from pagellm.core.kv_cache_manager import KVCacheManager
-from pagellm.core.scheduler import Scheduler
-from pagellm.core.scheduler_output import ModelRunnerOutput, SampledToken
-from pagellm.sampling_params import SamplingParams
-from pagellm.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagellm.sequence import SequenceStatus
 
-EOS = 2
-
-
-def make_scheduler(num_blocks=64, block_size=4, max_model_len=10_000, **cfg) -> Scheduler:
-    return Scheduler(SchedulerConfig(**cfg), KVCacheManager(num_blocks, block_size), max_model_len)
-
-
-_next_id = iter(range(10**9))
-
-
-def make_group(rid: str, prompt_len: int, max_tokens: int = 4, **params) -> SequenceGroup:
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, eos_token_id=EOS, **params)
-    return SequenceGroup(rid, [Sequence(next(_next_id), [7] * prompt_len)], sp, arrival_time=0.0)
-
-
-def fake_step(sched: Scheduler, token: int = 5):
-    out = sched.schedule()
-    sampled = {s.seq_id: SampledToken(token, -0.5) for s in out.scheduled if s.do_sample}
-    updated, finished = sched.update_from_output(out, ModelRunnerOutput(sampled))
-    sched.check_invariants()
-    return out, finished
+from conftest_core import EOS, fake_step, make_group, make_scheduler, run_all
 
 
 def test_core_does_not_import_torch():
@@ -83,7 +58,7 @@ def test_max_num_seqs():
 
 def test_preempts_newest_by_recompute_and_resumes():
     # 4 blocks of 2 tokens; two requests of 3-token prompts each take 2 blocks, then both must grow.
-    sched = make_scheduler(num_blocks=4, block_size=2, max_num_batched_tokens=100)
+    sched = make_scheduler(num_blocks=4, block_size=2, max_num_batched_tokens=100, enable_caching=False)
     sched.add_request(make_group("old", 3, max_tokens=3))
     sched.add_request(make_group("new", 3, max_tokens=3))
     fake_step(sched)  # prefill both; each sampled one token -> 4 tokens, 2 blocks each (pool full)
@@ -103,7 +78,7 @@ def test_preempts_newest_by_recompute_and_resumes():
 
 
 def test_recompute_resumes_with_output_tokens_as_prompt():
-    sched = make_scheduler(num_blocks=4, block_size=2)
+    sched = make_scheduler(num_blocks=4, block_size=2, enable_caching=False)
     sched.add_request(make_group("old", 3, max_tokens=3))
     sched.add_request(make_group("new", 3, max_tokens=3))
     for _ in range(3):
@@ -187,9 +162,5 @@ def test_random_add_step_abort_keeps_invariants(ops, num_blocks, block_size, bud
             sched.finish_requests(added[a % len(added)], SequenceStatus.FINISHED_ABORTED)
             sched.check_invariants()
     # Everything left must finish: no request can hang.
-    for _ in range(10_000):
-        if not sched.has_unfinished_requests():
-            break
-        fake_step(sched)
-    assert not sched.has_unfinished_requests()
+    run_all(sched)
     assert sched.kv_cache_manager.num_free_blocks == num_blocks

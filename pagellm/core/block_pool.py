@@ -1,16 +1,42 @@
-"""The pool of KV cache blocks: ref counts and an O(1) free list.
+"""The pool of KV cache blocks: ref counts, an O(1) free list, and the prefix cache.
 
 Free blocks live in ``FreeKVCacheBlockQueue``, a doubly linked list threaded through the blocks
-themselves between two sentinels, so taking a block from the head, returning one to the tail and
-unlinking one from the middle (a future prefix-cache hit) are all O(1) without allocation::
+themselves between two sentinels, so taking a block from the head, returning one to either end and
+unlinking one from the middle (a prefix-cache hit) are all O(1) without allocation::
 
     head <-> b7 <-> b2 <-> b5 <-> tail        popleft() -> b7;  append(b9) -> ... b5 <-> b9 <-> tail
+
+Prefix caching: a full, computed block carries ``block_hash`` (see ``hash_block_tokens``) and is
+findable through ``cached_block_hash_to_block`` even after it is freed, until it is evicted. The
+free list is the eviction order: blocks without a hash are freed to the head (reused first, they
+hold nothing findable), hashed ones to the tail (least recently used at the head)::
+
+    head -> [unhashed ... | hashed, least recently freed ... most recently freed] <- tail
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
+from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+BlockHash = bytes
+
+
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra_key: str | None = None) -> BlockHash:
+    """SHA-256 over (parent hash, token ids, extra key): a chain, so equal hashes mean equal prefixes.
+
+    A cryptographic hash, so a collision (two different prefixes sharing K/V) is not a practical
+    concern and hits need no token comparison. ``extra_key`` (the request's ``cache_salt``) enters
+    the first block only; the chain carries it into every later one.
+    """
+    h = hashlib.sha256()
+    h.update(parent or b"pagellm-root")
+    h.update(array("q", token_ids).tobytes())
+    if extra_key is not None:
+        h.update(b"\x00salt\x00" + extra_key.encode())
+    return h.digest()
 
 
 @dataclass(slots=True, eq=False)
@@ -19,11 +45,13 @@ class KVCacheBlock:
 
     block_id: int
     ref_cnt: int = 0
+    block_hash: BlockHash | None = None
     prev_free: KVCacheBlock | None = None
     next_free: KVCacheBlock | None = None
 
     def __repr__(self) -> str:
-        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt})"
+        cached = ", cached" if self.block_hash is not None else ""
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}{cached})"
 
 
 class FreeKVCacheBlockQueue:
@@ -54,16 +82,25 @@ class FreeKVCacheBlockQueue:
         block.prev_free = block.next_free = None
         self.num_free_blocks -= 1
 
-    def append(self, block: KVCacheBlock) -> None:
+    def _insert_after(self, prev: KVCacheBlock, block: KVCacheBlock) -> None:
         if block.prev_free is not None or block.next_free is not None:
             raise RuntimeError(f"{block} is already in the free list")
-        last = self._tail.prev_free
-        assert last is not None
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
+        nxt = prev.next_free
+        assert nxt is not None
+        prev.next_free = block
+        block.prev_free = prev
+        block.next_free = nxt
+        nxt.prev_free = block
         self.num_free_blocks += 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        """To the tail: evicted last."""
+        assert self._tail.prev_free is not None
+        self._insert_after(self._tail.prev_free, block)
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        """To the head: reused first."""
+        self._insert_after(self._head, block)
 
     def __iter__(self):  # head to tail; for invariants and tests only
         b = self._head.next_free
@@ -73,19 +110,23 @@ class FreeKVCacheBlockQueue:
 
 
 class BlockPool:
-    """All physical KV blocks of one device, handed out with ref counts.
+    """All physical KV blocks of one device, handed out with ref counts, plus the prefix cache.
 
-    ``get_new_blocks`` takes from the head of the free list, ``free_blocks`` returns blocks whose
-    ref count drops to zero to the tail (callers pass a sequence's blocks tail first, so its head
-    blocks stay in the pool longest: they are the ones a later prefix hit wants).
+    ``get_new_blocks`` takes from the head of the free list (evicting the block's cached hash if it
+    has one); ``free_blocks`` returns blocks whose ref count drops to zero, unhashed ones to the
+    head and hashed ones to the tail. Callers free a sequence's blocks tail first, so among blocks
+    freed together the sequence's tail is evicted before its head (the head is what a later
+    request with the same prefix wants).
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -97,6 +138,9 @@ class BlockPool:
         out = []
         for _ in range(n):
             b = self.free_block_queue.popleft()
+            if b.block_hash is not None:  # evict: its K/V are about to be overwritten
+                del self.cached_block_hash_to_block[b.block_hash]
+                b.block_hash = None
             b.ref_cnt = 1
             out.append(b)
         return out
@@ -108,7 +152,39 @@ class BlockPool:
                 raise RuntimeError(f"double free of {b}")
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
-                self.free_block_queue.append(b)
+                if b.block_hash is None:
+                    self.free_block_queue.appendleft(b)
+                else:
+                    self.free_block_queue.append(b)
+
+    # ------------------------------------------------------------------ prefix cache
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash) if self.enable_caching else None
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on cache hits, pulling free ones out of the free list (O(1) each)."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self.free_block_queue.remove(b)
+            b.ref_cnt += 1
+
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Make a full, computed block findable. If an equal block is already cached, keep that one."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached_block_hash_to_block:
+            return
+        block.block_hash = block_hash
+        self.cached_block_hash_to_block[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Only when no block is in use (like vLLM); returns success."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for b in self.cached_block_hash_to_block.values():
+            b.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True
 
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
@@ -124,3 +200,14 @@ class BlockPool:
         for b in self.blocks:
             assert b.ref_cnt >= 0, f"{b} has a negative ref_cnt"
             assert (b.ref_cnt == 0) == (b.block_id in seen), f"{b} free-list membership wrong"
+            if b.block_hash is not None:
+                assert self.cached_block_hash_to_block.get(b.block_hash) is b, f"{b} hashed but not in the map"
+        for h, b in self.cached_block_hash_to_block.items():
+            assert b.block_hash == h, f"hash map points at {b} whose hash differs"
+        # Unhashed free blocks all precede hashed ones (reused before anything findable is evicted).
+        hashed_seen = False
+        for b in self.free_block_queue:
+            if b.block_hash is not None:
+                hashed_seen = True
+            else:
+                assert not hashed_seen, f"unhashed {b} sits behind cached blocks in the free list"

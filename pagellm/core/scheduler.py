@@ -10,13 +10,27 @@ no new requests, so an admission never immediately pushes out older work.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from pagellm.config import SchedulerConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request_queue import FCFSRequestQueue
 from pagellm.core.scheduler_output import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from pagellm.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Token-weighted prefix-cache counters: ``queries`` tokens looked up, ``hits`` found cached."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
 
 
 class Scheduler:
@@ -32,6 +46,7 @@ class Scheduler:
         # Sequences finished since the last SchedulerOutput; the worker drops their state.
         self._finished_seq_ids: list[int] = []
         self.num_preemptions = 0
+        self.prefix_cache_stats = PrefixCacheStats()
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, group: SequenceGroup) -> None:
@@ -39,6 +54,9 @@ class Scheduler:
             raise ValueError(f"request_id {group.request_id!r} is already in use")
         self.requests[group.request_id] = group
         self.waiting.add(group)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -112,16 +130,25 @@ class Scheduler:
                 continue
             break  # ``group`` preempted itself: nobody after it is left
 
-        # 2. Waiting requests, FCFS, unless this step had to preempt.
+        # 2. Waiting requests, FCFS, unless this step had to preempt. A cached prefix counts as
+        #    computed: only the rest is scheduled.
+        kv = self.kv_cache_manager
         while (not preempted and self.waiting and token_budget > 0
                and len(self.running) < self.config.max_num_seqs):
             group = self.waiting.peek()
             seq = group.seqs[0]
+            computed = kv.get_computed_blocks(seq, group.cache_salt)
+            seq.num_computed_tokens = len(computed) * kv.block_size
             n = self._num_new_tokens(seq, token_budget)
-            if not self.config.enable_chunked_prefill and n < seq.num_tokens - seq.num_computed_tokens:
+            fits = self.config.enable_chunked_prefill or n == seq.num_tokens - seq.num_computed_tokens
+            if not fits or kv.allocate_slots(seq, n, computed) is None:
+                seq.num_computed_tokens = 0
                 break
-            if self.kv_cache_manager.allocate_slots(seq, n) is None:
-                break
+            if group.metrics.first_scheduled_time is None:  # first admission, not a resume
+                group.metrics.first_scheduled_time = time.monotonic()
+                group.num_cached_tokens = seq.num_computed_tokens
+            self.prefix_cache_stats.queries += seq.num_tokens
+            self.prefix_cache_stats.hits += seq.num_computed_tokens
             self.waiting.pop()
             seq.status = SequenceStatus.RUNNING
             self.running.append(group)
@@ -170,6 +197,7 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue
             seq.num_computed_tokens += sched.num_scheduled_tokens
+            self.kv_cache_manager.cache_full_blocks(seq, group.cache_salt)
             if not sched.do_sample:
                 continue
             sampled = runner_output.sampled[seq.seq_id]

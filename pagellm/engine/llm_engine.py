@@ -39,7 +39,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.source, config.model.tokenizer, chat_template)
         self.block_size = config.cache.block_size
         self.max_model_len = self._resolve_max_model_len()
-        self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size)
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
         self._seq_counter = itertools.count()
         self._detok: dict[int, IncrementalDetokenizer] = {}
@@ -86,14 +86,19 @@ class LLMEngine:
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
-        """Validate and queue a request; raises ``ValueError`` naming the problem instead of queueing it."""
+                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
+        """Validate and queue a request; raises ``ValueError`` naming the problem instead of queueing it.
+
+        ``cache_salt``: requests share cached prefix blocks only with requests of the same salt.
+        """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if params.n != 1 or (params.best_of or 1) != 1:
             raise ValueError("n > 1 and best_of > 1 are not supported yet")
         text, ids = self._prompt_ids(prompt)
+        if cache_salt is None and isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt")  # vLLM passes it inside the prompt dict
         if not ids:
             raise ValueError("prompt is empty: at least one token is needed")
         vocab = self.model_info.vocab_size
@@ -112,7 +117,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params.clone(eos_token_id=self.tokenizer.eos_token_id)
         seq = Sequence(next(self._seq_counter), ids)
-        group = SequenceGroup(request_id, [seq], params, arrival_time or time.monotonic(), text, priority)
+        group = SequenceGroup(request_id, [seq], params, arrival_time or time.monotonic(), text, priority, cache_salt)
         self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.scheduler.add_request(group)
 
@@ -123,6 +128,24 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; only possible while no request holds blocks (returns success)."""
+        return self.scheduler.reset_prefix_cache()
+
+    def get_stats(self) -> dict[str, float]:
+        """Counters for metrics: tokens, steps, preemptions, prefix-cache queries/hits/hit rate, KV usage."""
+        pc = self.scheduler.prefix_cache_stats
+        return {
+            **self.stats,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": pc.queries,
+            "prefix_cache_hits": pc.hits,
+            "prefix_cache_hit_rate": pc.hit_rate,
+            "kv_cache_usage": self.kv_cache_manager.usage(),
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+        }
+
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
 
@@ -132,11 +155,6 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty():
             return []
-        now = time.monotonic()
-        for s in sched_out.scheduled:
-            group = self.scheduler.requests[s.request_id]
-            if group.metrics.first_scheduled_time is None:
-                group.metrics.first_scheduled_time = now
         runner_out = self.executor.execute_model(sched_out)
         updated, finished = self.scheduler.update_from_output(sched_out, runner_out)
         self.stats["steps"] += 1
@@ -196,4 +214,5 @@ class LLMEngine:
             outputs=completions,
             finished=group.is_finished(),
             metrics=group.metrics,
+            num_cached_tokens=group.num_cached_tokens,
         )

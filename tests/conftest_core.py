@@ -1,0 +1,44 @@
+"""Helpers for pure-Python scheduler tests: a fake model that samples a fixed token."""
+
+from __future__ import annotations
+
+import itertools
+
+from pagellm.config import SchedulerConfig
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.scheduler import Scheduler
+from pagellm.core.scheduler_output import ModelRunnerOutput, SampledToken
+from pagellm.sampling_params import SamplingParams
+from pagellm.sequence import Sequence, SequenceGroup
+
+EOS = 2
+_seq_ids = itertools.count()
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_model_len=10_000, enable_caching=True, **cfg) -> Scheduler:
+    return Scheduler(SchedulerConfig(**cfg), KVCacheManager(num_blocks, block_size, enable_caching), max_model_len)
+
+
+def make_group(rid: str, prompt_len: int, max_tokens: int = 4, tokens: list[int] | None = None,
+               cache_salt: str | None = None, **params) -> SequenceGroup:
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, eos_token_id=EOS, **params)
+    prompt = list(tokens) if tokens is not None else [7] * prompt_len
+    return SequenceGroup(rid, [Sequence(next(_seq_ids), prompt)], sp, arrival_time=0.0, cache_salt=cache_salt)
+
+
+def fake_step(sched: Scheduler, token: int = 5):
+    out = sched.schedule()
+    sampled = {s.seq_id: SampledToken(token, -0.5) for s in out.scheduled if s.do_sample}
+    _, finished = sched.update_from_output(out, ModelRunnerOutput(sampled))
+    sched.check_invariants()
+    return out, finished
+
+
+def run_all(sched: Scheduler, max_steps: int = 10_000) -> list[SequenceGroup]:
+    finished = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            break
+        finished += fake_step(sched)[1]
+    assert not sched.has_unfinished_requests(), "requests left unfinished"
+    return finished
