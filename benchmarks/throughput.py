@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import resource
+import tempfile
 import time
 
 DEFAULT_WORKLOAD = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "bench", "workload_n64_seed0.json")
@@ -57,10 +58,16 @@ def run_hf(reqs: list[dict], args: argparse.Namespace) -> dict:
     src = resolve_model_source(args.model)
     dtype = getattr(torch, args.hf_dtype)
     t0 = time.perf_counter()
+    path = src.path
     if src.is_gguf:
-        model = transformers.AutoModelForCausalLM.from_pretrained(src.directory, gguf_file=src.gguf_file, dtype=dtype)
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype)
+        # Recent transformers keep GGUF weights quantized and cast around every matmul; export a
+        # dense HF checkpoint first (as for the reference figures) so HF runs its normal path.
+        path = tempfile.mkdtemp(prefix="pagellm-hf-export-")
+        dense = transformers.AutoModelForCausalLM.from_pretrained(src.directory, gguf_file=src.gguf_file,
+                                                                  dtype=torch.float32)
+        dense.save_pretrained(path)
+        del dense
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
     model.generation_config.eos_token_id = None  # EOS ignored, like the pagellm run
     load = time.perf_counter() - t0

@@ -1,4 +1,5 @@
-"""Paged attention equals dense causal SDPA on random shapes (GQA, mixed chunks and decodes)."""
+"""Paged attention equals dense causal SDPA on random shapes (GQA, mixed chunks and decodes,
+decodes sharing prefix blocks)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagellm.attention import torch_paged
 from pagellm.attention.torch_paged import build_metadata, forward
 
 
@@ -24,37 +26,50 @@ def _dense_reference(q, k_all, v_all, num_computed, scale):
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (8, 2)])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_paged_equals_dense(block_size, hq, hkv, seed):
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_paged_equals_dense(block_size, hq, hkv, seed, monkeypatch):
+    monkeypatch.setattr(torch_paged, "MIN_SHARED_TOKENS", 4)  # exercise cascade groups on small shapes
     rng = random.Random(seed)
     torch.manual_seed(seed)
     d = 16
-    num_blocks = 400 // block_size + 64
+    num_blocks = 2000 // block_size + 64
     # Random, not zero: unwritten slots and block tails must not leak into the result.
     key_cache = torch.randn(num_blocks * block_size, hkv, d)
     value_cache = torch.randn_like(key_cache)
-    free = list(range(1, num_blocks))  # block 0 stays the zeroed padding block
+    free = list(range(num_blocks))
     rng.shuffle(free)
-    # (num_computed_tokens, num_new_tokens): decodes, chunks with context, fresh prefills.
-    shapes = [(rng.randint(1, 60), 1) for _ in range(rng.randint(1, 20))]
-    shapes += [(rng.randint(1, 50), rng.randint(2, 20)) for _ in range(rng.randint(0, 3))]
-    shapes += [(0, rng.randint(1, 30)) for _ in range(rng.randint(0, 2))]
+    # A shared prefix (physical blocks and their K/V) that some decodes start with.
+    shared_len = rng.randint(1, 6) * block_size if block_size > 1 else rng.randint(4, 40)
+    shared_blocks = [free.pop() for _ in range(shared_len // block_size)]
+    shared_k, shared_v = torch.randn(shared_len, hkv, d), torch.randn(shared_len, hkv, d)
+    # (num_computed_tokens, num_new_tokens, shares_prefix): decodes, chunks with context, fresh prefills.
+    shapes = [(rng.randint(1, 60), 1, False) for _ in range(rng.randint(0, 20))]
+    shapes += [(shared_len + rng.randint(0, 40), 1, True) for _ in range(rng.randint(0, 12))]
+    shapes += [(rng.randint(1, 50), rng.randint(2, 20), False) for _ in range(rng.randint(0, 3))]
+    shapes += [(0, rng.randint(1, 30), False) for _ in range(rng.randint(1, 2))]
     seqs = []
-    for num_computed, n in shapes:
+    for num_computed, n, shares in shapes:
         total = num_computed + n
-        blocks = [free.pop() for _ in range(-(-total // block_size))]
         k_all, v_all = torch.randn(total, hkv, d), torch.randn(total, hkv, d)
+        blocks = list(shared_blocks) if shares else []
+        if shares:
+            k_all[:shared_len], v_all[:shared_len] = shared_k, shared_v
+        blocks += [free.pop() for _ in range(-(-total // block_size) - len(blocks))]
         past = [blocks[p // block_size] * block_size + p % block_size for p in range(num_computed)]
         if past:
             key_cache[past] = k_all[:num_computed]
             value_cache[past] = v_all[:num_computed]
         seqs.append((num_computed, n, blocks, k_all, v_all, torch.randn(n, hq, d)))
-    decodes = sorted((s for s in seqs if s[1] == 1 and s[0] > 0), key=lambda s: -s[0])
+    decodes = [s for s in seqs if s[1] == 1 and s[0] > 0]
     chunks = [s for s in seqs if not (s[1] == 1 and s[0] > 0)]
-    order = decodes + chunks
-    slots = [b[p // block_size] * block_size + p % block_size for c, n, b, *_ in order for p in range(c, c + n)]
     meta = build_metadata([c + 1 for c, *_ in decodes], [b for _, _, b, *_ in decodes],
-                          [(c, n, b) for c, n, b, *_ in chunks], slots, block_size, torch.device("cpu"))
+                          [(c, n, b) for c, n, b, *_ in chunks], block_size, torch.device("cpu"))
+    assert sorted(meta.decode_order) == list(range(len(decodes)))
+    if sum(s[2][:1] == shared_blocks[:1] for s in decodes) > 1 and shared_len >= 4:
+        assert any(g.shared_blocks is not None for g in meta.groups), "sharing decodes must form a cascade group"
+    order = [decodes[i] for i in meta.decode_order] + chunks
+    slots = [b[p // block_size] * block_size + p % block_size for c, n, b, *_ in order for p in range(c, c + n)]
+    meta.slot_mapping = torch.tensor(slots)
     q = torch.cat([s[5] for s in order])
     k = torch.cat([s[3][s[0]:] for s in order])
     v = torch.cat([s[4][s[0]:] for s in order])
@@ -64,5 +79,4 @@ def test_paged_equals_dense(block_size, hq, hkv, seed):
         ref = _dense_reference(qs, k_all, v_all, c, d ** -0.5)
         torch.testing.assert_close(out[start:start + n], ref, atol=1e-5, rtol=1e-5)
         start += n
-    # New K/V landed in their slots.
-    torch.testing.assert_close(key_cache[slots], k)
+    torch.testing.assert_close(key_cache[slots], k)  # new K/V landed in their slots

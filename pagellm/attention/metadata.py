@@ -31,6 +31,9 @@ class AttentionGroup:
     query_len: int
     kv_blocks: torch.Tensor | None
     mask: torch.Tensor | None
+    # Cascade decode group: ``shared_blocks`` (1-D) prefix every member, ``kv_blocks``/``mask``
+    # then cover only each member's suffix. The shared K/V are read once for the whole group.
+    shared_blocks: torch.Tensor | None = None
     # Gather buffers, allocated by the first layer and reused by the others: a fresh multi-MB
     # tensor per layer costs more in page faults on CPU than the copy itself.
     k_buf: torch.Tensor | None = None
@@ -45,3 +48,5 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
     num_tokens: int
     block_size: int
+    # Flat position -> index into the caller's decode list (decodes are reordered for grouping).
+    decode_order: list[int]

@@ -2,9 +2,11 @@
 
 K/V of every layer live in a flat ``[num_slots, num_kv_heads, head_dim]`` view of the paged cache
 (slot = block_id * block_size + offset). New K/V are scattered into their slots, then each group
-gathers the slots it reads and calls ``scaled_dot_product_attention``. Grouped-query attention
+gathers the blocks it reads and calls ``scaled_dot_product_attention``. Grouped-query attention
 folds the query heads of one KV head into the query-length axis, so K/V are never repeated for
-decodes.
+decodes. Decodes that share prefix-cache blocks attend to the shared part once ("cascade"):
+one GEMM of all their queries against the shared K, merged with each one's own suffix in a
+single softmax.
 """
 
 from __future__ import annotations
@@ -38,27 +40,67 @@ def _padded_block_table(lens: list[int], tables: list[list[int]], block_size: in
     return torch.tensor(rows, dtype=torch.long)
 
 
+# Decodes sharing at least this many leading cached tokens (the same physical blocks, from
+# prefix-cache hits) attend to them in one cascade group: the shared K/V are read once.
+MIN_SHARED_TOKENS = 64
+
+
+def _plan_decodes(lens: list[int], tables: list[list[int]], block_size: int) -> list[tuple[list[int], int]]:
+    """Group decodes: ``[(member indices, shared prefix blocks)]``; 0 shared means a plain group.
+
+    Sequences whose first block is the same physical block share a prefix; their common run of
+    block ids (leaving each at least one position of its own) is attended once. The rest are
+    sorted by length and split into a few groups of similar length (less padding).
+    """
+    by_first: dict[int, list[int]] = {}
+    for i, t in enumerate(tables):
+        by_first.setdefault(t[0], []).append(i)
+    plans: list[tuple[list[int], int]] = []
+    plain: list[int] = []
+    for members in by_first.values():
+        shared = 0
+        if len(members) > 1:
+            limit = (min(lens[i] for i in members) - 1) // block_size
+            first = tables[members[0]]
+            while shared < limit and all(tables[i][shared] == first[shared] for i in members):
+                shared += 1
+        if shared * block_size >= MIN_SHARED_TOKENS:
+            plans.append((sorted(members, key=lambda i: -lens[i]), shared))
+        else:
+            plain.extend(members)
+    plain.sort(key=lambda i: -lens[i])
+    for lo, hi in _decode_groups([lens[i] for i in plain]) if plain else []:
+        plans.append((plain[lo:hi], 0))
+    return plans
+
+
 def build_metadata(
     decode_lens: list[int],
     decode_block_tables: list[list[int]],
     chunks: list[tuple[int, int, list[int]]],
-    slot_mapping: list[int],
     block_size: int,
     device: torch.device,
 ) -> AttentionMetadata:
-    """Build the per-step metadata.
+    """Build the per-step metadata; the caller lays decodes out in ``meta.decode_order`` and
+    then sets ``meta.slot_mapping`` for the whole flat batch.
 
-    ``decode_lens[b]``: context length (including the new token) of decode ``b``; decodes should
-    come sorted by length (descending) so that neighbours batch with little padding.
+    ``decode_lens[b]``: context length (including the new token) of decode ``b``.
     ``chunks``: ``(num_computed_tokens, query_len, block_ids)`` per prefill chunk, in flat order.
     """
     groups: list[AttentionGroup] = []
-    for lo, hi in _decode_groups(decode_lens) if decode_lens else []:
-        lens = decode_lens[lo:hi]
-        table = _padded_block_table(lens, decode_block_tables[lo:hi], block_size)
+    order: list[int] = []
+    for members, shared in _plan_decodes(decode_lens, decode_block_tables, block_size) if decode_lens else []:
+        lo = len(order)
+        order.extend(members)
+        lens = [decode_lens[i] - shared * block_size for i in members]
+        tables = [decode_block_tables[i][shared:] for i in members]
+        table = _padded_block_table(lens, tables, block_size)
         pos = torch.arange(table.shape[1] * block_size)
         mask = (pos[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
-        groups.append(AttentionGroup(lo, hi, hi - lo, 1, table.to(device), mask.to(device)))
+        shared_blocks = (torch.tensor(decode_block_tables[members[0]][:shared], dtype=torch.long, device=device)
+                         if shared else None)
+        groups.append(AttentionGroup(lo, len(order), len(members), 1, table.to(device), mask.to(device),
+                                     shared_blocks=shared_blocks))
     start = len(decode_lens)
     for num_computed, q_len, block_ids in chunks:
         if num_computed == 0:
@@ -73,11 +115,31 @@ def build_metadata(
             groups.append(AttentionGroup(start, start + q_len, 1, q_len, table.to(device), mask.to(device)))
         start += q_len
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+        slot_mapping=torch.empty(0, dtype=torch.long, device=device),
         groups=groups,
         num_tokens=start,
         block_size=block_size,
+        decode_order=order,
     )
+
+
+def _cascade_decode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, key_cache: torch.Tensor,
+                    value_cache: torch.Tensor, grp: AttentionGroup, block_size: int, scale: float) -> torch.Tensor:
+    """Decode attention over a shared prefix (read once, one GEMM for all members) plus each
+    member's own suffix, in one softmax. ``q [B, Hkv, g, D]``, own K/V ``[B, Hkv, S, D]``."""
+    b, hkv, g, d = q.shape
+    assert grp.shared_blocks is not None and grp.mask is not None
+    row = block_size * hkv * d
+    kp = key_cache.view(-1, row).index_select(0, grp.shared_blocks).view(-1, hkv, d).transpose(0, 1)  # [Hkv, P, D]
+    vp = value_cache.view(-1, row).index_select(0, grp.shared_blocks).view(-1, hkv, d).transpose(0, 1)
+    p = kp.shape[1]
+    q_heads = q.permute(1, 0, 2, 3).reshape(hkv, b * g, d)
+    s_shared = torch.bmm(q_heads, kp.transpose(1, 2)).view(hkv, b, g, p).permute(1, 0, 2, 3)
+    s_own = torch.matmul(q, k_own.transpose(-1, -2)).masked_fill(~grp.mask, float("-inf"))
+    probs = (torch.cat([s_shared, s_own], dim=-1) * scale).softmax(dim=-1)
+    p_shared, p_own = probs.split([p, s_own.shape[-1]], dim=-1)
+    out = torch.bmm(p_shared.permute(1, 0, 2, 3).reshape(hkv, b * g, p), vp)
+    return out.view(hkv, b, g, d).permute(1, 0, 2, 3) + torch.matmul(p_own, v_own)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -134,7 +196,10 @@ def forward(
         if ql == 1:
             # Decode: the g query heads of each KV head become g query rows over the same keys.
             qh = q.view(b, hkv, g, d)
-            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=grp.mask, scale=scale)
+            if grp.shared_blocks is not None:
+                o = _cascade_decode(qh, k, v, key_cache, value_cache, grp, block_size, scale)
+            else:
+                o = F.scaled_dot_product_attention(qh, k, v, attn_mask=grp.mask, scale=scale)
             out[grp.token_start:grp.token_end] = o.reshape(b, hq * d)
         else:
             qh = q.view(b, ql, hq, d).transpose(1, 2)

@@ -49,15 +49,20 @@ class ModelRunner:
             return ModelRunnerOutput(sampled={})
         bs = self.block_size
         decodes = [s for s in so.scheduled if s.num_scheduled_tokens == 1 and s.num_computed_tokens > 0]
-        # Longest first: attention batches neighbouring decodes, so similar lengths pad least.
-        decodes.sort(key=lambda s: -s.num_computed_tokens)
         chunks = [s for s in so.scheduled if not (s.num_scheduled_tokens == 1 and s.num_computed_tokens > 0)]
+        meta = _paged.build_metadata(
+            decode_lens=[s.num_computed_tokens + 1 for s in decodes],
+            decode_block_tables=[s.block_ids for s in decodes],
+            chunks=[(s.num_computed_tokens, s.num_scheduled_tokens, s.block_ids) for s in chunks],
+            block_size=bs,
+            device=self.device,
+        )
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_idx: list[int] = []
         sample_seqs: list[ScheduledSequence] = []
-        for s in decodes + chunks:
+        for s in [decodes[i] for i in meta.decode_order] + chunks:
             start = s.num_computed_tokens
             ids = s.block_ids
             for p in range(start, start + s.num_scheduled_tokens):
@@ -67,14 +72,7 @@ class ModelRunner:
             if s.do_sample:
                 sample_idx.append(len(input_ids) - 1)
                 sample_seqs.append(s)
-        meta = _paged.build_metadata(
-            decode_lens=[s.num_computed_tokens + 1 for s in decodes],
-            decode_block_tables=[s.block_ids for s in decodes],
-            chunks=[(s.num_computed_tokens, s.num_scheduled_tokens, s.block_ids) for s in chunks],
-            slot_mapping=slots,
-            block_size=bs,
-            device=self.device,
-        )
+        meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids_t, pos_t, kv_caches, meta)
