@@ -32,7 +32,8 @@ class AttentionGroup:
     kv_blocks: torch.Tensor | None
     mask: torch.Tensor | None
     # Cascade decode group: ``shared_blocks`` (1-D) prefix every member, ``kv_blocks``/``mask``
-    # then cover only each member's suffix. The shared K/V are read once for the whole group.
+    # then cover only each member's suffix (the mask is then additive, float). The shared K/V
+    # are read once for the whole group.
     shared_blocks: torch.Tensor | None = None
     # Gather buffers, allocated by the first layer and reused by the others: a fresh multi-MB
     # tensor per layer costs more in page faults on CPU than the copy itself.

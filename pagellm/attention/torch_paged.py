@@ -97,8 +97,10 @@ def build_metadata(
         table = _padded_block_table(lens, tables, block_size)
         pos = torch.arange(table.shape[1] * block_size)
         mask = (pos[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
-        shared_blocks = (torch.tensor(decode_block_tables[members[0]][:shared], dtype=torch.long, device=device)
-                         if shared else None)
+        shared_blocks = None
+        if shared:
+            shared_blocks = torch.tensor(decode_block_tables[members[0]][:shared], dtype=torch.long, device=device)
+            mask = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))  # additive, for the LSE kernel
         groups.append(AttentionGroup(lo, len(order), len(members), 1, table.to(device), mask.to(device),
                                      shared_blocks=shared_blocks))
     start = len(decode_lens)
@@ -123,23 +125,47 @@ def build_metadata(
     )
 
 
+def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output and its log-sum-exp (for merging partial attentions). ``mask`` is additive.
+
+    On CPU this is the fused flash kernel behind SDPA, which returns the LSE too and reads
+    strided K/V without copying them; elsewhere plain matmuls.
+    """
+    if mask is not None:
+        mask = mask.to(q.dtype)
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+                                                                               scale=scale)
+        return out, lse
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s + mask
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse[..., None]), v), lse
+
+
 def _cascade_decode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, grp: AttentionGroup, block_size: int, scale: float) -> torch.Tensor:
-    """Decode attention over a shared prefix (read once, one GEMM for all members) plus each
-    member's own suffix, in one softmax. ``q [B, Hkv, g, D]``, own K/V ``[B, Hkv, S, D]``."""
+    """Decode attention over a shared prefix plus each member's own suffix, merged exactly by LSE.
+
+    The prefix is one attention call with all ``B * g`` queries of a KV head against the shared
+    K/V (read once); the suffixes are one batched call. ``q [B, Hkv, g, D]``, own K/V
+    ``[B, Hkv, S, D]``, ``grp.mask`` additive ``[B, 1, 1, S]``.
+    """
     b, hkv, g, d = q.shape
-    assert grp.shared_blocks is not None and grp.mask is not None
+    assert grp.shared_blocks is not None
     row = block_size * hkv * d
-    kp = key_cache.view(-1, row).index_select(0, grp.shared_blocks).view(-1, hkv, d).transpose(0, 1)  # [Hkv, P, D]
-    vp = value_cache.view(-1, row).index_select(0, grp.shared_blocks).view(-1, hkv, d).transpose(0, 1)
-    p = kp.shape[1]
-    q_heads = q.permute(1, 0, 2, 3).reshape(hkv, b * g, d)
-    s_shared = torch.bmm(q_heads, kp.transpose(1, 2)).view(hkv, b, g, p).permute(1, 0, 2, 3)
-    s_own = torch.matmul(q, k_own.transpose(-1, -2)).masked_fill(~grp.mask, float("-inf"))
-    probs = (torch.cat([s_shared, s_own], dim=-1) * scale).softmax(dim=-1)
-    p_shared, p_own = probs.split([p, s_own.shape[-1]], dim=-1)
-    out = torch.bmm(p_shared.permute(1, 0, 2, 3).reshape(hkv, b * g, p), vp)
-    return out.view(hkv, b, g, d).permute(1, 0, 2, 3) + torch.matmul(p_own, v_own)
+    kp = key_cache.view(-1, row).index_select(0, grp.shared_blocks).view(-1, hkv, d).transpose(0, 1)[None]
+    vp = value_cache.view(-1, row).index_select(0, grp.shared_blocks).view(-1, hkv, d).transpose(0, 1)[None]
+    q_all = q.permute(1, 0, 2, 3).reshape(1, hkv, b * g, d)
+    out_p, lse_p = _attend_with_lse(q_all, kp, vp, None, scale)
+    out_p = out_p.view(hkv, b, g, d).permute(1, 0, 2, 3)
+    lse_p = lse_p.view(hkv, b, g).permute(1, 0, 2)
+    out_s, lse_s = _attend_with_lse(q, k_own, v_own, grp.mask, scale)
+    m = torch.maximum(lse_p, lse_s)
+    w_p, w_s = torch.exp(lse_p - m)[..., None], torch.exp(lse_s - m)[..., None]
+    return (out_p * w_p + out_s * w_s) / (w_p + w_s)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
