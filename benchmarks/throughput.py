@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import resource
-import tempfile
 import time
 
 DEFAULT_WORKLOAD = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "bench", "workload_n64_seed0.json")
@@ -58,16 +57,20 @@ def run_hf(reqs: list[dict], args: argparse.Namespace) -> dict:
     src = resolve_model_source(args.model)
     dtype = getattr(torch, args.hf_dtype)
     t0 = time.perf_counter()
-    path = src.path
     if src.is_gguf:
-        # Recent transformers keep GGUF weights quantized and cast around every matmul; export a
-        # dense HF checkpoint first (as for the reference figures) so HF runs its normal path.
-        path = tempfile.mkdtemp(prefix="pagellm-hf-export-")
-        dense = transformers.AutoModelForCausalLM.from_pretrained(src.directory, gguf_file=src.gguf_file,
-                                                                  dtype=torch.float32)
-        dense.save_pretrained(path)
-        del dense
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        # Recent transformers keep GGUF weights quantized (casting around every matmul) and cannot
+        # export them; build HF's own model class from the same dequantized weights instead
+        # (tests/test_hf_parity.py shows they equal transformers' GGUF dequantization).
+        from pagellm.weights import iter_weights, load_model_config
+
+        config = load_model_config(src)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        missing, unexpected = model.load_state_dict(dict(iter_weights(src, config)), strict=False)
+        assert not unexpected and all(m == "lm_head.weight" for m in missing), (missing, unexpected)
+        model.tie_weights()
+        model = model.to(dtype)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype)
     model.eval()
     model.generation_config.eos_token_id = None  # EOS ignored, like the pagellm run
     load = time.perf_counter() - t0
@@ -118,6 +121,8 @@ def main() -> None:
     print(f"workload: {os.path.basename(args.workload)}, {len(reqs)} requests, {n_in} prompt tokens, "
           f"{sum(r['max_tokens'] for r in reqs)} output tokens; torch threads {torch.get_num_threads()}")
     results = [run_pagellm(reqs, args)]
+    r = results[0]
+    print(f"pagellm: {(n_in + r['out']) / r['wall']:.1f} total tok/s, {r['wall']:.1f} s", flush=True)
     rss_pagellm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     if not args.skip_hf:
         results.append(run_hf(reqs, args))
