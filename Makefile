@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 run: setup
-	$(BIN)/pagellm generate --chat-format --max-tokens 96 $(PROMPTS)
+	$(BIN)/pagellm generate --chat-format --max-tokens 96 --temperature 0.7 --top-p 0.9 --seed 0 --repetition-penalty 1.1 $(PROMPTS)
 
 test: setup
 	$(BIN)/ruff check .

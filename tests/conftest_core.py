@@ -9,7 +9,7 @@ from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.core.scheduler_output import ModelRunnerOutput, SampledToken
 from pagellm.sampling_params import SamplingParams
-from pagellm.sequence import Sequence, SequenceGroup
+from pagellm.sequence import Sequence, SequenceGroup, SequenceStatus
 
 EOS = 2
 _seq_ids = itertools.count()
@@ -42,3 +42,26 @@ def run_all(sched: Scheduler, max_steps: int = 10_000) -> list[SequenceGroup]:
         finished += fake_step(sched)[1]
     assert not sched.has_unfinished_requests(), "requests left unfinished"
     return finished
+
+
+def drive(sched: Scheduler, ops, build_group) -> None:
+    """Apply random ``("add", *args) / ("step", n, ...) / ("abort", i, ...)`` ops, checking invariants,
+    then run everything left to completion (no request may hang) and check the pool is all free.
+
+    ``build_group(rid, *args)`` returns the group to add, or ``None`` for one the engine would reject.
+    """
+    added: list[str] = []
+    for op, *args in ops:
+        if op == "add":
+            group = build_group(f"r{len(added)}", *args)
+            if group is not None:
+                sched.add_request(group)
+                added.append(group.request_id)
+        elif op == "step":
+            for _ in range(args[0]):
+                fake_step(sched)
+        elif added:
+            sched.finish_requests(added[args[0] % len(added)], SequenceStatus.FINISHED_ABORTED)
+            sched.check_invariants()
+    run_all(sched)
+    assert sched.kv_cache_manager.num_free_blocks == sched.kv_cache_manager.num_blocks

@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 
 from pagellm.core.block_pool import BlockPool, hash_block_tokens
 from pagellm.core.kv_cache_manager import KVCacheManager
-from pagellm.sequence import Sequence, SequenceStatus
+from pagellm.sequence import Sequence
 
-from conftest_core import fake_step, make_group, make_scheduler, run_all
+from conftest_core import drive, fake_step, make_group, make_scheduler, run_all
 
 
 def free_ids(pool: BlockPool) -> list[int]:
@@ -178,22 +178,13 @@ def test_random_shared_prefix_traffic_keeps_invariants(prefix_kinds, ops, num_bl
     prefixes = [[100 + k] * (3 + 5 * k) + list(range(k, k + 4)) for k in range(4)]
     sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_model_len=capacity,
                            max_num_batched_tokens=budget, long_prefill_token_threshold=0)
-    added = []
-    for op, a, b, c, salted in ops:
-        if op == "add":
-            tokens = prefixes[prefix_kinds[a % len(prefix_kinds)]] + list(range(500, 500 + b))
-            if len(tokens) >= capacity:
-                continue
-            rid = f"r{len(added)}"
-            sched.add_request(make_group(rid, 0, max_tokens=c, tokens=tokens, cache_salt="s" if salted else None))
-            added.append(rid)
-        elif op == "step":
-            for _ in range(a):
-                fake_step(sched)
-        elif added:
-            sched.finish_requests(added[a % len(added)], SequenceStatus.FINISHED_ABORTED)
-            sched.check_invariants()
-    run_all(sched)
-    assert sched.kv_cache_manager.num_free_blocks == num_blocks
+
+    def build(rid, kind, suffix_len, max_tokens, salted):
+        tokens = prefixes[prefix_kinds[kind % len(prefix_kinds)]] + list(range(500, 500 + suffix_len))
+        if len(tokens) >= capacity:
+            return None
+        return make_group(rid, 0, max_tokens=max_tokens, tokens=tokens, cache_salt="s" if salted else None)
+
+    drive(sched, ops, build)
     assert sched.reset_prefix_cache()
     sched.check_invariants()

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from pagellm.sequence import SequenceStatus
 
-from conftest_core import EOS, fake_step, make_group, make_scheduler, run_all
+from conftest_core import EOS, drive, fake_step, make_group, make_scheduler
 
 
 def test_core_does_not_import_torch():
@@ -147,20 +147,5 @@ def test_random_add_step_abort_keeps_invariants(ops, num_blocks, block_size, bud
     capacity = num_blocks * block_size
     sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_model_len=capacity,
                            max_num_batched_tokens=budget, max_num_seqs=max_seqs, long_prefill_token_threshold=0)
-    added = []
-    for op, a, b in ops:
-        if op == "add":
-            if a >= capacity:
-                continue  # the engine rejects such prompts before they reach the scheduler
-            rid = f"r{len(added)}"
-            sched.add_request(make_group(rid, a, max_tokens=b))
-            added.append(rid)
-        elif op == "step":
-            for _ in range(a):
-                fake_step(sched)
-        elif added:
-            sched.finish_requests(added[a % len(added)], SequenceStatus.FINISHED_ABORTED)
-            sched.check_invariants()
-    # Everything left must finish: no request can hang.
-    run_all(sched)
-    assert sched.kv_cache_manager.num_free_blocks == num_blocks
+    # The engine rejects prompts that can never fit before they reach the scheduler.
+    drive(sched, ops, lambda rid, n, max_tokens: make_group(rid, n, max_tokens=max_tokens) if n < capacity else None)
