@@ -135,3 +135,18 @@ def test_cli_generate(tiny_llama, capsys):
     assert rc == 0 and "5 tokens, finish_reason=length" in out
     assert main(["generate", "Hello", "--model", tiny_llama, "--temperature", "-1", "--quiet"]) == 2
     assert "temperature" in capsys.readouterr().err
+
+
+def test_priority_without_priority_policy_is_rejected(engine):
+    with pytest.raises(ValueError, match="priority"):
+        engine.add_request("p", [5, 6], GREEDY, priority=1)
+    assert not engine.has_unfinished_requests()
+
+
+def test_bfloat16_engine_runs(tiny_llama):
+    llm = LLM(tiny_llama, dtype="bfloat16", kv_cache_memory="16MiB")
+    assert llm.llm_engine.model_info.dtype == "bfloat16"
+    outs = llm.generate([{"prompt_token_ids": [5] * n} for n in (3, 40, 17)],
+                        SamplingParams(temperature=0, max_tokens=9, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [9, 9, 9]
+    assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.kv_cache_manager.num_blocks

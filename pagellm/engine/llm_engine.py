@@ -94,6 +94,8 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if priority != 0 and self.config.scheduler.scheduling_policy == "fcfs":
+            raise ValueError(f"priority={priority} needs scheduling_policy='priority' (this engine is 'fcfs')")
         if params.n != 1 or (params.best_of or 1) != 1:
             raise ValueError("n > 1 and best_of > 1 are not supported yet")
         text, ids = self._prompt_ids(prompt)
