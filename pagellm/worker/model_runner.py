@@ -23,11 +23,10 @@ _paged = get_attention_backend("torch")
 class ModelRunner:
     """Runs one step of the model for a ``SchedulerOutput``; keeps per-sequence RNGs for seeded sampling."""
 
-    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device, vocab_size: int) -> None:
+    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.vocab_size = vocab_size
         self.generators: dict[int, torch.Generator] = {}
 
     def _generator(self, s: ScheduledSequence) -> torch.Generator | None:

@@ -94,7 +94,7 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.cache_engine = CacheEngine(self.spec, num_blocks, self.device)
-        self.model_runner = ModelRunner(self.model, self.spec.block_size, self.device, self.model.config.vocab_size)
+        self.model_runner = ModelRunner(self.model, self.spec.block_size, self.device)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.cache_engine is not None and self.model_runner is not None, "initialize_cache first"
