@@ -129,7 +129,12 @@ class SchedulerConfig:
 
     @property
     def prefill_chunk_cap(self) -> int:
-        """Most new tokens one sequence may take in a step (0 threshold means only the budget caps it)."""
+        """Most new tokens one sequence may take in a step (0 threshold means only the budget caps it).
+
+        Without chunked prefill a prompt must run whole, so the threshold cannot apply.
+        """
+        if not self.enable_chunked_prefill:
+            return self.max_num_batched_tokens
         return self.long_prefill_token_threshold or self.max_num_batched_tokens
 
 

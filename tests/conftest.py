@@ -66,10 +66,16 @@ def smollm2_path() -> str:
     return bundled_model_path()
 
 
-def run_to_completion(engine, check_invariants: bool = True) -> dict[str, object]:
-    """Step the engine until idle, checking scheduler invariants after every step."""
+def run_to_completion(engine, check_invariants: bool = True, max_steps: int = 20_000) -> dict[str, object]:
+    """Step the engine until idle, checking scheduler invariants after every step.
+
+    A request that never finishes fails the test after ``max_steps`` instead of hanging it.
+    """
     finished = {}
+    steps = 0
     while engine.has_unfinished_requests():
+        steps += 1
+        assert steps <= max_steps, f"requests still unfinished after {max_steps} steps: the engine hangs"
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out

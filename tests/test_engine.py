@@ -150,3 +150,16 @@ def test_bfloat16_engine_runs(tiny_llama):
                         SamplingParams(temperature=0, max_tokens=9, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [9, 9, 9]
     assert llm.llm_engine.kv_cache_manager.num_free_blocks == llm.llm_engine.kv_cache_manager.num_blocks
+
+
+def test_unchunked_prefill_runs_long_prompts_whole(tiny_llama):
+    # The default long_prefill_token_threshold (512) must not apply when prompts cannot be chunked.
+    eng = LLMEngine.from_engine_args(EngineArgs(model=tiny_llama, kv_cache_memory="16MiB", enable_chunked_prefill=False,
+                                                max_num_batched_tokens=1024))
+    assert eng.max_model_len == 1024
+    eng.add_request("long", {"prompt_token_ids": [7] * 700}, GREEDY)
+    eng.add_request("short", {"prompt_token_ids": [7] * 5}, GREEDY)
+    with pytest.raises(ValueError, match="max_model_len"):
+        eng.add_request("too-long", {"prompt_token_ids": [7] * 1100}, GREEDY)
+    done = run_to_completion(eng)
+    assert sorted(done) == ["long", "short"]

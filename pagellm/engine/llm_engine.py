@@ -66,6 +66,12 @@ class LLMEngine:
         if max_len > capacity:
             logger.warning("max_model_len %d capped to the KV cache capacity of %d tokens", max_len, capacity)
             max_len = capacity
+        sched = self.config.scheduler
+        if not sched.enable_chunked_prefill and max_len > sched.max_num_batched_tokens:
+            # Unchunked, a sequence (or its recompute after preemption) must fit one step's budget.
+            logger.warning("max_model_len %d capped to max_num_batched_tokens %d (chunked prefill is off)",
+                           max_len, sched.max_num_batched_tokens)
+            max_len = sched.max_num_batched_tokens
         return max_len
 
     # ------------------------------------------------------------------ requests
