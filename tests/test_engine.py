@@ -163,3 +163,16 @@ def test_unchunked_prefill_runs_long_prompts_whole(tiny_llama):
         eng.add_request("too-long", {"prompt_token_ids": [7] * 1100}, GREEDY)
     done = run_to_completion(eng)
     assert sorted(done) == ["long", "short"]
+
+
+def test_worker_state_of_finished_sequences_is_dropped(engine):
+    runner = engine.executor.worker.model_runner
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=50, ignore_eos=True)
+    engine.add_request("s1", [5, 6, 7], params)
+    engine.add_request("s2", [5, 6, 8], params.clone(max_tokens=2))
+    engine.step()
+    assert len(runner.generators) == 2
+    engine.abort_request("s1")
+    run_to_completion(engine)
+    engine.step()  # idle: nothing to run, but the finished ids still reach the worker
+    assert runner.generators == {}

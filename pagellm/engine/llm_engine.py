@@ -162,6 +162,8 @@ class LLMEngine:
         """Run one scheduler step; return the outputs of requests that got a token or finished."""
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty():
+            if sched_out.finished_seq_ids:  # still tell the worker, so it drops their state (RNGs)
+                self.executor.execute_model(sched_out)
             return []
         runner_out = self.executor.execute_model(sched_out)
         updated, finished = self.scheduler.update_from_output(sched_out, runner_out)
