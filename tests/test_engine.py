@@ -84,6 +84,11 @@ def test_stop_strings(llm):
     assert len(cut.token_ids) < len(full.token_ids)
     kept = _greedy_text(llm, prompt, stop=stop, include_stop_str_in_output=True)
     assert kept.text == full.text[: full.text.index(stop) + len(stop)]
+    # A stop string completed by the very last allowed token still ends with "stop", text cut.
+    tail = full.text[-2:]
+    assert tail.strip() and full.text.index(tail) == len(full.text) - 2
+    last = _greedy_text(llm, prompt, stop=[tail])
+    assert (last.text, last.finish_reason, last.stop_reason) == (full.text[:-2], "stop", tail)
 
 
 def test_stop_token_ids_and_min_tokens(llm):

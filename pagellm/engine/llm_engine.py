@@ -182,13 +182,16 @@ class LLMEngine:
             m.last_token_time = now
             detok = self._detok[seq.seq_id]
             delta = detok.step(seq.output_token_ids[-1:])
-            if delta and group.sampling_params.stop and not seq.is_finished():
+            if delta and group.sampling_params.stop and seq.status != SequenceStatus.FINISHED_STOPPED:
                 hit = find_stop_string(detok.text, len(delta), group.sampling_params.stop,
                                        group.sampling_params.include_stop_str_in_output)
                 if hit is not None:
                     detok.text = detok.text[:hit[1]]
                     seq.stop_reason = hit[0]
-                    self.scheduler.finish_requests(group.request_id, SequenceStatus.FINISHED_STOPPED)
+                    if seq.is_finished():  # the same token also hit max_tokens: the stop string wins
+                        seq.status = SequenceStatus.FINISHED_STOPPED
+                    else:
+                        self.scheduler.finish_requests(group.request_id, SequenceStatus.FINISHED_STOPPED)
             if group.is_finished():
                 m.finished_time = now
             outputs.append(self._make_output(group))
