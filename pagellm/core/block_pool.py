@@ -119,11 +119,10 @@ class BlockPool:
     request with the same prefix wants).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
@@ -159,7 +158,7 @@ class BlockPool:
 
     # ------------------------------------------------------------------ prefix cache
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self.cached_block_hash_to_block.get(block_hash) if self.enable_caching else None
+        return self.cached_block_hash_to_block.get(block_hash)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on cache hits, pulling free ones out of the free list (O(1) each)."""
@@ -170,9 +169,7 @@ class BlockPool:
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Make a full, computed block findable. If an equal block is already cached, keep that one."""
-        if not self.enable_caching or block.block_hash is not None:
-            return
-        if block_hash in self.cached_block_hash_to_block:
+        if block.block_hash is not None or block_hash in self.cached_block_hash_to_block:
             return
         block.block_hash = block_hash
         self.cached_block_hash_to_block[block_hash] = block

@@ -23,8 +23,9 @@ class KVCacheManager:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        # Off: nothing is ever hashed into the pool, so nothing is ever found there either.
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks)
         self.block_tables: dict[int, list[KVCacheBlock]] = {}
         # Per sequence: how many leading blocks are already recorded in the prefix cache.
         self._num_cached_blocks: dict[int, int] = {}
