@@ -8,14 +8,9 @@ import os
 from typing import Any
 
 from pagellm.config import ModelSource, resolve_model_source
+from pagellm.utils import cache_dir
 
 logger = logging.getLogger(__name__)
-
-
-def _cache_dir() -> str:
-    root = os.environ.get("PAGELLM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagellm")
-    return os.path.join(root, "tokenizers")
 
 
 def _load_gguf_tokenizer(source: ModelSource):
@@ -24,7 +19,7 @@ def _load_gguf_tokenizer(source: ModelSource):
 
     st = os.stat(source.path)
     key = hashlib.sha256(f"{os.path.realpath(source.path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = os.path.join(_cache_dir(), key)
+    cached = os.path.join(cache_dir("tokenizers"), key)
     if os.path.exists(os.path.join(cached, "tokenizer_config.json")):
         try:
             return AutoTokenizer.from_pretrained(cached)

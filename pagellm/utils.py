@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
@@ -42,3 +43,10 @@ def random_uuid() -> str:
     import uuid
 
     return uuid.uuid4().hex
+
+
+def cache_dir(kind: str) -> str:
+    """``$PAGELLM_CACHE/kind`` (default ``~/.cache/pagellm/kind``): converted tokenizers, built kernels."""
+    root = os.environ.get("PAGELLM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagellm")
+    return os.path.join(root, kind)

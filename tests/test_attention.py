@@ -3,14 +3,21 @@ decodes sharing prefix blocks)."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention import torch_paged
+from pagellm.attention import cpu_kernel, torch_paged
 from pagellm.attention.torch_paged import build_metadata, forward
+
+
+def _require_kernel() -> None:
+    if os.environ.get("PAGELLM_CPU_KERNELS") == "0":
+        pytest.skip("compiled CPU kernels disabled by PAGELLM_CPU_KERNELS=0")
+    assert cpu_kernel.available(), "the CPU decode kernel failed to build (see the warning log)"
 
 
 def _dense_reference(q, k_all, v_all, num_computed, scale):
@@ -27,11 +34,14 @@ def _dense_reference(q, k_all, v_all, num_computed, scale):
 @pytest.mark.parametrize("block_size", [1, 3, 16])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (8, 2)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_paged_equals_dense(block_size, hq, hkv, seed, monkeypatch):
+# The compiled decode kernel against the same dense oracle; d = 64 takes its specialised branch.
+@pytest.mark.parametrize("decode_kernel,d", [(False, 16), (True, 16), (True, 64)])
+def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, monkeypatch):
     monkeypatch.setattr(torch_paged, "MIN_SHARED_TOKENS", 4)  # exercise cascade groups on small shapes
+    if decode_kernel:
+        _require_kernel()
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    d = 16
     num_blocks = 2000 // block_size + 64
     # Random, not zero: unwritten slots and block tails must not leak into the result.
     key_cache = torch.randn(num_blocks * block_size, hkv, d)
@@ -63,9 +73,10 @@ def test_paged_equals_dense(block_size, hq, hkv, seed, monkeypatch):
     decodes = [s for s in seqs if s[1] == 1 and s[0] > 0]
     chunks = [s for s in seqs if not (s[1] == 1 and s[0] > 0)]
     meta = build_metadata([c + 1 for c, *_ in decodes], [b for _, _, b, *_ in decodes],
-                          [(c, n, b) for c, n, b, *_ in chunks], block_size, torch.device("cpu"))
+                          [(c, n, b) for c, n, b, *_ in chunks], block_size, torch.device("cpu"),
+                          decode_kernel=decode_kernel)
     assert sorted(meta.decode_order) == list(range(len(decodes)))
-    if sum(s[2][:1] == shared_blocks[:1] for s in decodes) > 1 and shared_len >= 4:
+    if not decode_kernel and sum(s[2][:1] == shared_blocks[:1] for s in decodes) > 1 and shared_len >= 4:
         assert any(g.shared_blocks is not None for g in meta.groups), "sharing decodes must form a cascade group"
     order = [decodes[i] for i in meta.decode_order] + chunks
     slots = [b[p // block_size] * block_size + p % block_size for c, n, b, *_ in order for p in range(c, c + n)]

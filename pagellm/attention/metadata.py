@@ -35,6 +35,9 @@ class AttentionGroup:
     # then cover only each member's suffix (the mask is then additive, float). The shared K/V
     # are read once for the whole group.
     shared_blocks: torch.Tensor | None = None
+    # Set for a decode group run by the compiled CPU kernel (``cpu_kernel``): each member's
+    # context length. The kernel reads ``kv_blocks`` in place, so no gather and no mask.
+    seq_lens: torch.Tensor | None = None
     # Gather buffers, allocated by the first layer and reused by the others: a fresh multi-MB
     # tensor per layer costs more in page faults on CPU than the copy itself.
     k_buf: torch.Tensor | None = None

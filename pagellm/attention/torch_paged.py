@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagellm.attention import cpu_kernel
 from pagellm.attention.metadata import AttentionGroup, AttentionMetadata
 
 # Decodes are split into at most this many length-sorted groups: less padding to gather and
@@ -80,15 +81,24 @@ def build_metadata(
     chunks: list[tuple[int, int, list[int]]],
     block_size: int,
     device: torch.device,
+    decode_kernel: bool = False,
 ) -> AttentionMetadata:
     """Build the per-step metadata; the caller lays decodes out in ``meta.decode_order`` and
     then sets ``meta.slot_mapping`` for the whole flat batch.
 
     ``decode_lens[b]``: context length (including the new token) of decode ``b``.
     ``chunks``: ``(num_computed_tokens, query_len, block_ids)`` per prefill chunk, in flat order.
+    ``decode_kernel``: run all decodes as one group through the compiled CPU kernel (the caller
+    checked ``cpu_kernel.usable_for``); it reads blocks in place, so no grouping pays off.
     """
     groups: list[AttentionGroup] = []
     order: list[int] = []
+    if decode_kernel and decode_lens:
+        order = list(range(len(decode_lens)))
+        table = _padded_block_table(decode_lens, decode_block_tables, block_size)
+        groups.append(AttentionGroup(0, len(order), len(order), 1, table, None,
+                                     seq_lens=torch.tensor(decode_lens, dtype=torch.long)))
+        decode_lens = []
     for members, shared in _plan_decodes(decode_lens, decode_block_tables, block_size) if decode_lens else []:
         lo = len(order)
         order.extend(members)
@@ -103,7 +113,7 @@ def build_metadata(
             mask = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))  # additive, for the LSE kernel
         groups.append(AttentionGroup(lo, len(order), len(members), 1, table.to(device), mask.to(device),
                                      shared_blocks=shared_blocks))
-    start = len(decode_lens)
+    start = len(order)
     for num_computed, q_len, block_ids in chunks:
         if num_computed == 0:
             groups.append(AttentionGroup(start, start + q_len, 1, q_len, None, None))
@@ -168,6 +178,11 @@ def _cascade_decode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k
     return (out_p * w_p + out_s * w_s) / (w_p + w_s)
 
 
+def decode_kernel_usable(key_cache: torch.Tensor) -> bool:
+    """Whether decodes over this cache can run in the compiled CPU kernel (built on first call)."""
+    return cpu_kernel.usable_for(key_cache)
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter this step's K/V (``[T, num_kv_heads, head_dim]``) into their cache slots."""
@@ -209,6 +224,10 @@ def forward(
             out[grp.token_start:grp.token_end] = o[0].transpose(0, 1).reshape(grp.token_end - grp.token_start, hq * d)
             continue
         b, ql = grp.batch_size, grp.query_len
+        if grp.seq_lens is not None:
+            cpu_kernel.paged_decode_attention(out[grp.token_start:grp.token_end].view(b, hq, d), q.contiguous(),
+                                              key_cache, value_cache, grp.kv_blocks, grp.seq_lens, block_size, scale)
+            continue
         flat = grp.kv_blocks.reshape(-1)
         kv_len = grp.kv_blocks.shape[1] * block_size
         if grp.k_buf is None or grp.k_buf.dtype != key_cache.dtype:

@@ -55,6 +55,7 @@ class ModelRunner:
             chunks=[(s.num_computed_tokens, s.num_scheduled_tokens, s.block_ids) for s in chunks],
             block_size=bs,
             device=self.device,
+            decode_kernel=bool(decodes) and _paged.decode_kernel_usable(kv_caches[0][0]),
         )
         input_ids: list[int] = []
         positions: list[int] = []
