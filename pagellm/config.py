@@ -92,6 +92,9 @@ class CacheConfig:
     kv_cache_memory: int = parse_size(DEFAULT_KV_CACHE_MEMORY)
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    # CPU swap pool for preemption by swap, in GiB (vLLM's ``--swap-space``); 0 = no swapping.
+    swap_space: float = 4.0
+    num_cpu_blocks_override: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -100,6 +103,10 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        if not self.swap_space >= 0:
+            raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space}")
+        if self.num_cpu_blocks_override is not None and self.num_cpu_blocks_override < 0:
+            raise ValueError(f"num_cpu_blocks_override must be >= 0, got {self.num_cpu_blocks_override}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +117,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 512
-    scheduling_policy: Literal["fcfs"] = "fcfs"
-    preemption_mode: Literal["recompute"] = "recompute"
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # auto: recompute a request with one live sequence, swap one with several (see scheduler.py).
+    preemption_mode: Literal["recompute", "swap", "auto"] = "auto"
+    # Fraction of device blocks admissions and swap-ins leave free, so that running sequences
+    # can grow for a while without preempting what was just admitted.
+    watermark: float = 0.01
+    # Priority policy: a queued request's effective priority improves by one for every this many
+    # engine steps it has spent waiting or swapped out (0 = no aging).
+    priority_aging_steps: int = 256
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -122,10 +136,14 @@ class SchedulerConfig:
             raise ValueError(
                 f"long_prefill_token_threshold must be >= 0 (0 disables it), got {self.long_prefill_token_threshold}"
             )
-        if self.scheduling_policy != "fcfs":
-            raise ValueError(f"scheduling_policy {self.scheduling_policy!r} is not supported yet (only 'fcfs')")
-        if self.preemption_mode != "recompute":
-            raise ValueError(f"preemption_mode {self.preemption_mode!r} is not supported yet (only 'recompute')")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(f"preemption_mode must be 'recompute', 'swap' or 'auto', got {self.preemption_mode!r}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.priority_aging_steps < 0:
+            raise ValueError(f"priority_aging_steps must be >= 0 (0 disables aging), got {self.priority_aging_steps}")
 
     @property
     def prefill_chunk_cap(self) -> int:
@@ -188,6 +206,12 @@ _HELP = {
     "num_gpu_blocks_override": "exact number of KV blocks (on any device)",
     "long_prefill_token_threshold": "most prompt tokens one request computes per step (0 = no cap)",
     "num_threads": "torch CPU threads (default: all cores)",
+    "swap_space": "CPU swap pool for preempted requests, GiB (0 = preempt by recompute only)",
+    "num_cpu_blocks_override": "exact number of CPU swap blocks",
+    "scheduling_policy": "fcfs, or priority (lower value first, ties by arrival)",
+    "preemption_mode": "recompute, swap, or auto (swap only requests with several live sequences)",
+    "watermark": "fraction of KV blocks admissions and swap-ins leave free",
+    "priority_aging_steps": "priority policy: a queued request gains one priority level per this many steps (0 = off)",
 }
 
 
@@ -209,8 +233,12 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 512
+    swap_space: float = 4.0
+    num_cpu_blocks_override: int | None = None
     scheduling_policy: str = "fcfs"
-    preemption_mode: str = "recompute"
+    preemption_mode: str = "auto"
+    watermark: float = 0.01
+    priority_aging_steps: int = 256
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str = "uni"
@@ -231,11 +259,14 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             scheduling_policy=self.scheduling_policy,
             preemption_mode=self.preemption_mode,
+            watermark=self.watermark,
+            priority_aging_steps=self.priority_aging_steps,
         )
         return EngineConfig(
             model=ModelConfig(self.model, self.tokenizer, self.dtype, self.seed,  # type: ignore[arg-type]
                               self.max_model_len, self.served_model_name),
-            cache=CacheConfig(self.block_size, budget, self.num_gpu_blocks_override, self.enable_prefix_caching),
+            cache=CacheConfig(self.block_size, budget, self.num_gpu_blocks_override, self.enable_prefix_caching,
+                              float(self.swap_space), self.num_cpu_blocks_override),
             scheduler=SchedulerConfig(**sched_kwargs),
             parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size,
                                     self.distributed_executor_backend),  # type: ignore[arg-type]
@@ -255,7 +286,9 @@ class EngineArgs:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
             elif isinstance(default, int) and not isinstance(default, bool):
                 parser.add_argument(flag, type=int, default=default, help=help_)
-            elif f.name in ("max_model_len", "num_gpu_blocks_override", "num_threads"):
+            elif isinstance(default, float):
+                parser.add_argument(flag, type=float, default=default, help=help_)
+            elif f.name in ("max_model_len", "num_gpu_blocks_override", "num_cpu_blocks_override", "num_threads"):
                 parser.add_argument(flag, type=int, default=None, help=help_)
             else:
                 parser.add_argument(flag, type=str, default=default, help=help_)

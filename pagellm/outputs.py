@@ -23,7 +23,8 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # by recompute or by swap
+    num_swaps: int = 0  # preemptions by swap (each one swapped out, later back in)
 
 
 @dataclass(slots=True)

@@ -23,10 +23,13 @@ class SequenceStatus(enum.IntEnum):
 
     WAITING = 0
     RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
+    SWAPPED = 2  # preempted by swap: its K/V wait in the CPU swap pool
+    PREEMPTED = 3  # preempted by recompute: back in the waiting queue, K/V dropped
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    # Could never be scheduled (needs more KV blocks than the whole pool): vLLM's "ignored".
+    FINISHED_IGNORED = 7
 
     @property
     def is_finished(self) -> bool:
@@ -41,6 +44,7 @@ _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_IGNORED: "length",  # as in vLLM: it ran out of room
 }
 
 
@@ -114,6 +118,12 @@ class SequenceGroup:
     # Prompt tokens found in the prefix cache at first admission (reported in RequestOutput).
     num_cached_tokens: int = 0
     metrics: RequestMetrics = field(init=False)
+    # Set by the scheduler: arrival order (ties of ``priority``), and for priority aging the
+    # engine steps spent queued (waiting or swapped) before the current stay, and the step the
+    # current stay began (``None`` while running).
+    arrival_index: int = 0
+    steps_queued: int = 0
+    queued_since: int | None = None
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)

@@ -120,8 +120,8 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
@@ -184,7 +184,7 @@ class BlockPool:
         return True
 
     def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
     def check_invariants(self) -> None:
         """Free list holds exactly the blocks with ref_cnt 0, each once, and its count is right."""

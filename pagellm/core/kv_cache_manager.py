@@ -7,26 +7,56 @@ which tells the scheduler to preempt someone::
     block_table:  [b3][b8][b1]           block_size = 4
     tokens:       xxxx xxxx xx..         num_computed_tokens = 10, n = 5 -> needs cdiv(15, 4) = 4 blocks
                                          -> one new block, appended to the table
+
+Preemption by swap moves a group's blocks to a second pool of CPU blocks (``swap_out``) and back
+(``swap_in``); both return the ``(src, dst)`` block-id pairs the worker copies. A block shared
+by several sequences of the group is copied once and stays shared on the other side.
 """
 
 from __future__ import annotations
+
+import enum
 
 from pagellm.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 from pagellm.sequence import Sequence
 from pagellm.utils import cdiv
 
 
+class AllocStatus(enum.Enum):
+    """Answer to "can these blocks be placed?": now, after others free some, or never."""
+
+    OK = enum.auto()
+    LATER = enum.auto()
+    NEVER = enum.auto()
+
+
+def _unique(tables: list[list[KVCacheBlock]]) -> list[KVCacheBlock]:
+    seen: dict[int, KVCacheBlock] = {}
+    for table in tables:
+        for b in table:
+            seen.setdefault(b.block_id, b)
+    return list(seen.values())
+
+
 class KVCacheManager:
     """Maps sequences to their blocks in one ``BlockPool``; finds and records cached prefixes."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_cpu_blocks: int = 0,
+                 watermark: float = 0.0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.block_size = block_size
         # Off: nothing is ever hashed into the pool, so nothing is ever found there either.
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks)
         self.block_tables: dict[int, list[KVCacheBlock]] = {}
+        # The CPU swap pool: plain blocks, never hashed (nothing is looked up there).
+        self.cpu_pool = BlockPool(num_cpu_blocks)
+        self.cpu_block_tables: dict[int, list[KVCacheBlock]] = {}
+        # Admissions and swap-ins leave this many device blocks free for running sequences to grow.
+        self.watermark_blocks = int(watermark * num_blocks)
         # Per sequence: how many leading blocks are already recorded in the prefix cache.
         self._num_cached_blocks: dict[int, int] = {}
 
@@ -93,11 +123,13 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ allocation
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
-                       computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
+                       computed_blocks: list[KVCacheBlock] | None = None,
+                       reserve: int = 0) -> list[KVCacheBlock] | None:
         """Grow ``seq``'s block table to hold ``num_computed_tokens + num_new_tokens`` tokens.
 
         ``computed_blocks`` (a new sequence's prefix-cache hit, from ``get_computed_blocks``) start
         the table: they are touched, and ``seq.num_computed_tokens`` must already count them.
+        ``reserve``: blocks that must stay free afterwards (the watermark, for admissions).
         Returns the newly allocated blocks, or ``None`` (and changes nothing) when the pool
         cannot supply them.
         """
@@ -106,11 +138,8 @@ class KVCacheManager:
         computed_blocks = computed_blocks or []
         table = self.block_tables.get(seq.seq_id, [])
         assert not (computed_blocks and table), "prefix hits only start a new block table"
-        have = len(table) + len(computed_blocks)
-        need = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - have
-        # Touching a free cached block takes it out of the free list too.
-        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if max(need, 0) + reclaimed > self.block_pool.num_free_blocks:
+        need = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(table) - len(computed_blocks)
+        if not self.can_allocate(seq, seq.num_computed_tokens + num_new_tokens, computed_blocks, reserve):
             return None
         if computed_blocks:
             self.block_pool.touch(computed_blocks)
@@ -122,6 +151,17 @@ class KVCacheManager:
         table.extend(new)
         return new
 
+    def can_allocate(self, seq: Sequence, num_tokens: int, computed_blocks: list[KVCacheBlock] | None = None,
+                     reserve: int = 0) -> bool:
+        """Whether ``seq`` could hold ``num_tokens`` tokens (starting from ``computed_blocks`` if it
+        has no table yet) and still leave ``reserve`` blocks free. Changes nothing."""
+        computed_blocks = computed_blocks or []
+        have = len(self.block_tables.get(seq.seq_id, ())) + len(computed_blocks)
+        need = max(0, self.num_blocks_for(num_tokens) - have)
+        # Touching a free cached block takes it out of the free list too.
+        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        return need + reclaimed + reserve <= self.block_pool.num_free_blocks
+
     def get_block_ids(self, seq_id: int) -> list[int]:
         return [b.block_id for b in self.block_tables.get(seq_id, ())]
 
@@ -131,18 +171,103 @@ class KVCacheManager:
         self._num_cached_blocks.pop(seq.seq_id, None)
         if table:
             self.block_pool.free_blocks(reversed(table))
+        self.free_swapped(seq)
 
-    def check_invariants(self, live_seq_ids: set[int] | None = None) -> None:
-        """Pool invariants, ref counts equal to owners, and (if given) tables only for live sequences."""
-        self.block_pool.check_invariants()
-        owners: dict[int, int] = {}
-        for table in self.block_tables.values():
-            for b in table:
-                owners[b.block_id] = owners.get(b.block_id, 0) + 1
-        for b in self.block_pool.blocks:
-            assert b.ref_cnt == owners.get(b.block_id, 0), f"{b} ref_cnt != {owners.get(b.block_id, 0)} owners"
-        for table in self.block_tables.values():
-            assert len({b.block_id for b in table}) == len(table), "a block appears twice in one table"
+    # ------------------------------------------------------------------ swapping
+    def can_swap_out(self, seqs: list[Sequence]) -> AllocStatus:
+        """Whether the CPU pool can take these sequences' blocks (shared ones count once)."""
+        need = len(_unique([self.block_tables.get(s.seq_id, []) for s in seqs]))
+        if need > self.cpu_pool.num_blocks:
+            return AllocStatus.NEVER
+        return AllocStatus.OK if need <= self.cpu_pool.num_free_blocks else AllocStatus.LATER
+
+    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Move the sequences' blocks to the CPU pool; returns ``(device, cpu)`` block-id pairs.
+
+        The device blocks are freed (cached ones keep their hash, so a later hit may reuse them).
+        """
+        assert self.can_swap_out(seqs) == AllocStatus.OK, "swap_out without room: check can_swap_out"
+        pairs = self._move(seqs, self.block_tables, self.cpu_block_tables, self.block_pool, self.cpu_pool)
+        for s in seqs:
+            self._num_cached_blocks.pop(s.seq_id, None)
+        return pairs
+
+    def can_swap_in(self, seqs: list[Sequence], num_new_tokens: int, running: bool = True) -> AllocStatus:
+        """Whether the device pool can take back these sequences' blocks plus room for
+        ``num_new_tokens`` more each. ``running``: others are running, so keep the watermark free."""
+        need = len(_unique([self.cpu_block_tables.get(s.seq_id, []) for s in seqs]))
+        for s in seqs:
+            need += max(0, self.num_blocks_for(s.num_computed_tokens + num_new_tokens)
+                        - len(self.cpu_block_tables.get(s.seq_id, [])))
+        if need > self.num_blocks:
+            return AllocStatus.NEVER
+        reserve = self.watermark_blocks if running else 0
+        return AllocStatus.OK if need + reserve <= self.num_free_blocks else AllocStatus.LATER
+
+    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Move the sequences' blocks back from the CPU pool; returns ``(cpu, device)`` pairs.
+
+        A full block whose hash is still cached on the device is taken from there (no copy).
+        """
+        return self._move(seqs, self.cpu_block_tables, self.block_tables, self.cpu_pool, self.block_pool)
+
+    def _move(self, seqs: list[Sequence], src_tables: dict[int, list[KVCacheBlock]],
+              dst_tables: dict[int, list[KVCacheBlock]], src_pool: BlockPool,
+              dst_pool: BlockPool) -> list[tuple[int, int]]:
+        """Give every source block one destination block (shared stays shared), then free the sources."""
+        to_device = dst_pool is self.block_pool
+        mapping: dict[int, KVCacheBlock] = {}
+        pairs: list[tuple[int, int]] = []
+        for seq in seqs:
+            src = src_tables.pop(seq.seq_id, [])
+            dst: list[KVCacheBlock] = []
+            for i, b in enumerate(src):
+                d = mapping.get(b.block_id)
+                if d is None:
+                    d = self._cached_on_device(seq, i) if to_device else None
+                    if d is not None:
+                        dst_pool.touch([d])
+                    else:
+                        d = dst_pool.get_new_blocks(1)[0]
+                        pairs.append((b.block_id, d.block_id))
+                    mapping[b.block_id] = d
+                else:
+                    dst_pool.touch([d])
+                dst.append(d)
+            dst_tables[seq.seq_id] = dst
+            src_pool.free_blocks(reversed(src))
+        return pairs
+
+    def _cached_on_device(self, seq: Sequence, i: int) -> KVCacheBlock | None:
+        """Block ``i`` of ``seq`` if it is full, computed and its hash is still cached on the device."""
+        if not self.enable_caching or i >= len(seq.block_hashes) or (i + 1) * self.block_size > seq.num_computed_tokens:
+            return None
+        return self.block_pool.get_cached_block(seq.block_hashes[i])
+
+    def free_swapped(self, seq: Sequence) -> None:
+        """Drop a swapped-out sequence's CPU blocks (it was aborted or finished while swapped)."""
+        table = self.cpu_block_tables.pop(seq.seq_id, None)
+        if table:
+            self.cpu_pool.free_blocks(reversed(table))
+
+    # ------------------------------------------------------------------ invariants
+    def check_invariants(self, live_seq_ids: set[int] | None = None, swapped_seq_ids: set[int] | None = None) -> None:
+        """Both pools' invariants, ref counts equal to owners, and (if given) tables only for the
+        live (device) and swapped (CPU) sequences."""
+        for pool, tables in ((self.block_pool, self.block_tables), (self.cpu_pool, self.cpu_block_tables)):
+            pool.check_invariants()
+            owners: dict[int, int] = {}
+            for table in tables.values():
+                assert len({b.block_id for b in table}) == len(table), "a block appears twice in one table"
+                for b in table:
+                    owners[b.block_id] = owners.get(b.block_id, 0) + 1
+            for b in pool.blocks:
+                assert b.ref_cnt == owners.get(b.block_id, 0), f"{b} ref_cnt != {owners.get(b.block_id, 0)} owners"
+        for b in self.cpu_pool.blocks:
+            assert b.block_hash is None, f"CPU {b} carries a prefix-cache hash"
+        assert not set(self.block_tables) & set(self.cpu_block_tables), "a sequence has device and CPU blocks"
         if live_seq_ids is not None:
             stray = set(self.block_tables) - live_seq_ids
             assert not stray, f"block tables kept for sequences no longer scheduled: {sorted(stray)}"
+        if swapped_seq_ids is not None:
+            assert set(self.cpu_block_tables) == swapped_seq_ids, "CPU block tables differ from swapped sequences"

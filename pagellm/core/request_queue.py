@@ -1,9 +1,14 @@
-"""Waiting queue of requests (FCFS; preempted requests re-enter at the front)."""
+"""Queues of requests waiting for admission: FCFS, or by priority (lower value first).
+
+Preempted requests re-enter the waiting queue; under FCFS at the front (they are older than
+anything that arrived since), under priority wherever their key puts them.
+"""
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from pagellm.sequence import SequenceGroup
 
@@ -37,3 +42,24 @@ class FCFSRequestQueue:
 
     def __iter__(self) -> Iterator[SequenceGroup]:
         return iter(self._queue)
+
+
+class PriorityRequestQueue(FCFSRequestQueue):
+    """Smallest ``key(group)`` first. The key may change while a request waits (priority aging),
+    so the minimum is found by a scan when asked for, not kept in a heap; queues here are short
+    next to the cost of a model step."""
+
+    def __init__(self, key: Callable[[SequenceGroup], Any]) -> None:
+        super().__init__()
+        self._key = key
+
+    def prepend(self, group: SequenceGroup) -> None:
+        self.add(group)
+
+    def peek(self) -> SequenceGroup:
+        return min(self._queue, key=self._key)
+
+    def pop(self) -> SequenceGroup:
+        group = self.peek()
+        self._queue.remove(group)
+        return group

@@ -34,19 +34,20 @@ class LLMEngine:
         self.source = resolve_model_source(config.model.model)
         self.executor = create_executor(config)
         self.model_info = self.executor.load_model()
-        self.num_blocks = self.executor.determine_num_blocks()
-        self.executor.initialize_cache(self.num_blocks)
+        self.num_blocks, self.num_cpu_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_cache(self.num_blocks, self.num_cpu_blocks)
         self.tokenizer = Tokenizer(self.source, config.model.tokenizer, chat_template)
         self.block_size = config.cache.block_size
         self.max_model_len = self._resolve_max_model_len()
-        self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching,
+                                               self.num_cpu_blocks, config.scheduler.watermark)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
         self._seq_counter = itertools.count()
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
-        logger.info("pagellm engine: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
-                    self.model_info.architecture, self.model_info.device, self.model_info.dtype,
-                    self.num_blocks, self.block_size, self.max_model_len)
+        logger.info("pagellm engine: %s on %s (%s), %d KV blocks x %d tokens (+%d CPU swap blocks), "
+                    "max_model_len %d", self.model_info.architecture, self.model_info.device, self.model_info.dtype,
+                    self.num_blocks, self.block_size, self.num_cpu_blocks, self.max_model_len)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, chat_template: str | None = None) -> LLMEngine:
@@ -146,12 +147,17 @@ class LLMEngine:
         return {
             **self.stats,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_swap_outs": self.scheduler.num_swap_outs,
+            "num_swap_ins": self.scheduler.num_swap_ins,
+            "num_swap_fallbacks": self.scheduler.num_swap_fallbacks,
             "prefix_cache_queries": pc.queries,
             "prefix_cache_hits": pc.hits,
             "prefix_cache_hit_rate": pc.hit_rate,
             "kv_cache_usage": self.kv_cache_manager.usage(),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "num_swapped": len(self.scheduler.swapped),
+            "cpu_cache_usage": self.kv_cache_manager.cpu_pool.usage(),
         }
 
     def get_num_unfinished_requests(self) -> int:
@@ -161,10 +167,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; return the outputs of requests that got a token or finished."""
         sched_out = self.scheduler.schedule()
+        ignored = self.scheduler.take_ignored()
+        outputs = [self._finish_ignored(g) for g in ignored]
         if sched_out.is_empty():
-            if sched_out.finished_seq_ids:  # still tell the worker, so it drops their state (RNGs)
+            # Still tell the worker: it drops finished sequences' state and must do the swap-outs.
+            if sched_out.finished_seq_ids or not sched_out.cache_ops.is_empty():
                 self.executor.execute_model(sched_out)
-            return []
+            return outputs
         runner_out = self.executor.execute_model(sched_out)
         updated, finished = self.scheduler.update_from_output(sched_out, runner_out)
         self.stats["steps"] += 1
@@ -173,7 +182,6 @@ class LLMEngine:
             for s in sched_out.scheduled)
         self.stats["generation_tokens"] += len(runner_out.sampled)
         now = time.monotonic()
-        outputs = []
         for group in updated:
             seq = group.seqs[0]
             m = group.metrics
@@ -198,6 +206,14 @@ class LLMEngine:
             if group.is_finished():
                 self._forget(group)
         return outputs
+
+    def _finish_ignored(self, group: SequenceGroup) -> RequestOutput:
+        logger.warning("request %s needs more KV blocks than the whole pool holds (%d x %d tokens); "
+                       "finished without completing", group.request_id, self.num_blocks, self.block_size)
+        group.metrics.finished_time = time.monotonic()
+        out = self._make_output(group)
+        self._forget(group)
+        return out
 
     def _forget(self, group: SequenceGroup) -> None:
         for seq in group.seqs:

@@ -18,11 +18,13 @@ class Executor:
     def load_model(self) -> ModelInfo:
         return self.collective_rpc("load_model")[0]
 
-    def determine_num_blocks(self) -> int:
-        return min(self.collective_rpc("determine_num_blocks"))
+    def determine_num_blocks(self) -> tuple[int, int]:
+        """``(device blocks, CPU swap blocks)``: the smallest any worker can hold."""
+        counts = self.collective_rpc("determine_num_blocks")
+        return min(c[0] for c in counts), min(c[1] for c in counts)
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("initialize_cache", (num_blocks,))
+    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        self.collective_rpc("initialize_cache", (num_blocks, num_cpu_blocks))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.collective_rpc("execute_model", (scheduler_output,))[0]

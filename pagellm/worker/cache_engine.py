@@ -39,26 +39,50 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class CacheEngine:
-    """Owns the KV tensor; hands per-layer ``(key_cache, value_cache)`` views to the model."""
+    """Owns the KV tensor and the CPU swap tensor; hands per-layer ``(key_cache, value_cache)``
+    views to the model and performs the block copies of ``CacheOps``.
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
+    The swap tensor has the same layout with ``num_cpu_blocks`` blocks. On CUDA it is pinned host
+    memory (asynchronous copies); on CPU it is still a separate tensor, so swapping exercises the
+    same accounting and copies everywhere.
+    """
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device, num_cpu_blocks: int = 0) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
+        self.num_cpu_blocks = num_cpu_blocks
         shape = (spec.num_layers, 2, num_blocks * spec.block_size, spec.num_kv_heads, spec.head_dim)
         # Zeroed: attention gathers whole blocks and masks the unused tail slots, but a masked key
         # still multiplies its value by 0, so every slot must hold a finite number from the start.
         self.kv = _zeros(shape, spec.dtype, device)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(spec.num_layers)]
+        cpu_shape = (spec.num_layers, 2, num_cpu_blocks * spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.cpu_kv = _zeros(cpu_shape, spec.dtype, torch.device("cpu"))
+        if device.type == "cuda" and num_cpu_blocks:
+            self.cpu_kv = self.cpu_kv.pin_memory()
 
-    def _block_slots(self, block_ids: list[int]) -> torch.Tensor:
-        bs = self.spec.block_size
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
-        return (ids[:, None] * bs + torch.arange(bs, device=self.kv.device)).reshape(-1)
+    @staticmethod
+    def _blocks(kv: torch.Tensor, block_size: int) -> torch.Tensor:
+        """``[layers, 2, num_blocks, block_size * heads * dim]`` view: one row per block and layer."""
+        return kv.view(kv.shape[0], 2, kv.shape[2] // block_size, -1)
 
-    def copy(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks ``src -> dst`` in every layer (copy-on-write)."""
+    def _transfer(self, src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
-        src = self._block_slots([s for s, _ in pairs])
-        dst = self._block_slots([d for _, d in pairs])
-        self.kv[:, :, dst] = self.kv[:, :, src]
+        bs = self.spec.block_size
+        s_ids = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src.device)
+        d_ids = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst.device)
+        rows = self._blocks(src, bs).index_select(2, s_ids)
+        self._blocks(dst, bs).index_copy_(2, d_ids, rows.to(dst.device, non_blocking=True))
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to CPU swap blocks, ``(device, cpu)`` pairs, every layer."""
+        self._transfer(self.kv, self.cpu_kv, pairs)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy CPU swap blocks back to device blocks, ``(cpu, device)`` pairs, every layer."""
+        self._transfer(self.cpu_kv, self.kv, pairs)
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole device blocks ``src -> dst`` in every layer (copy-on-write)."""
+        self._transfer(self.kv, self.kv, pairs)

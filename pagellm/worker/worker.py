@@ -80,23 +80,33 @@ class Worker:
             block_bytes=self.spec.block_bytes,
         )
 
-    def determine_num_blocks(self) -> int:
+    def determine_num_blocks(self) -> tuple[int, int]:
+        """``(device blocks, CPU swap blocks)`` from the byte budgets or the overrides."""
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
-            return cache.num_gpu_blocks_override
-        n = cache.kv_cache_memory // self.spec.block_bytes
-        if n < 1:
-            raise ValueError(
-                f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block "
-                f"(one block of {cache.block_size} tokens needs {self.spec.block_bytes} bytes)"
-            )
-        return n
+            n = cache.num_gpu_blocks_override
+        else:
+            n = cache.kv_cache_memory // self.spec.block_bytes
+            if n < 1:
+                raise ValueError(
+                    f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block "
+                    f"(one block of {cache.block_size} tokens needs {self.spec.block_bytes} bytes)"
+                )
+        if cache.num_cpu_blocks_override is not None:
+            n_cpu = cache.num_cpu_blocks_override
+        else:
+            n_cpu = int(cache.swap_space * 2**30) // self.spec.block_bytes
+        return n, n_cpu
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.cache_engine = CacheEngine(self.spec, num_blocks, self.device)
+    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        self.cache_engine = CacheEngine(self.spec, num_blocks, self.device, num_cpu_blocks)
         self.model_runner = ModelRunner(self.model, self.spec.block_size, self.device)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.cache_engine is not None and self.model_runner is not None, "initialize_cache first"
-        self.cache_engine.copy(scheduler_output.cache_ops.copy)
+        ops = scheduler_output.cache_ops
+        # Before the forward pass: swapped-out blocks may be reused by this very step.
+        self.cache_engine.swap_out(ops.swap_out)
+        self.cache_engine.swap_in(ops.swap_in)
+        self.cache_engine.copy(ops.copy)
         return self.model_runner.execute_model(scheduler_output, self.cache_engine.kv_caches)
