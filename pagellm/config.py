@@ -93,7 +93,8 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     # CPU swap pool for preemption by swap, in GiB (vLLM's ``--swap-space``); 0 = no swapping.
-    swap_space: float = 4.0
+    # None: as large as the device KV cache, at most 4 GiB (more could never be swapped out at once).
+    swap_space: float | None = None
     num_cpu_blocks_override: int | None = None
 
     def __post_init__(self) -> None:
@@ -103,7 +104,7 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
-        if not self.swap_space >= 0:
+        if self.swap_space is not None and not self.swap_space >= 0:
             raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space}")
         if self.num_cpu_blocks_override is not None and self.num_cpu_blocks_override < 0:
             raise ValueError(f"num_cpu_blocks_override must be >= 0, got {self.num_cpu_blocks_override}")
@@ -206,7 +207,8 @@ _HELP = {
     "num_gpu_blocks_override": "exact number of KV blocks (on any device)",
     "long_prefill_token_threshold": "most prompt tokens one request computes per step (0 = no cap)",
     "num_threads": "torch CPU threads (default: all cores)",
-    "swap_space": "CPU swap pool for preempted requests, GiB (0 = preempt by recompute only)",
+    "swap_space": "CPU swap pool for preempted requests, GiB (default: the KV cache's size, at most 4; "
+                  "0 = recompute only)",
     "num_cpu_blocks_override": "exact number of CPU swap blocks",
     "scheduling_policy": "fcfs, or priority (lower value first, ties by arrival)",
     "preemption_mode": "recompute, swap, or auto (swap only requests with several live sequences)",
@@ -233,7 +235,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 512
-    swap_space: float = 4.0
+    swap_space: float | None = None
     num_cpu_blocks_override: int | None = None
     scheduling_policy: str = "fcfs"
     preemption_mode: str = "auto"
@@ -266,7 +268,8 @@ class EngineArgs:
             model=ModelConfig(self.model, self.tokenizer, self.dtype, self.seed,  # type: ignore[arg-type]
                               self.max_model_len, self.served_model_name),
             cache=CacheConfig(self.block_size, budget, self.num_gpu_blocks_override, self.enable_prefix_caching,
-                              float(self.swap_space), self.num_cpu_blocks_override),
+                              None if self.swap_space is None else float(self.swap_space),
+                              self.num_cpu_blocks_override),
             scheduler=SchedulerConfig(**sched_kwargs),
             parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size,
                                     self.distributed_executor_backend),  # type: ignore[arg-type]
@@ -288,6 +291,8 @@ class EngineArgs:
                 parser.add_argument(flag, type=int, default=default, help=help_)
             elif isinstance(default, float):
                 parser.add_argument(flag, type=float, default=default, help=help_)
+            elif f.name == "swap_space":
+                parser.add_argument(flag, type=float, default=None, help=help_)
             elif f.name in ("max_model_len", "num_gpu_blocks_override", "num_cpu_blocks_override", "num_threads"):
                 parser.add_argument(flag, type=int, default=None, help=help_)
             else:

@@ -15,15 +15,18 @@ EOS = 2
 _seq_ids = itertools.count()
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_model_len=10_000, enable_caching=True, **cfg) -> Scheduler:
-    return Scheduler(SchedulerConfig(**cfg), KVCacheManager(num_blocks, block_size, enable_caching), max_model_len)
+def make_scheduler(num_blocks=64, block_size=4, max_model_len=10_000, enable_caching=True, num_cpu_blocks=0,
+                   watermark=0.0, **cfg) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, enable_caching, num_cpu_blocks, watermark)
+    return Scheduler(SchedulerConfig(watermark=watermark, **cfg), kv, max_model_len)
 
 
 def make_group(rid: str, prompt_len: int, max_tokens: int = 4, tokens: list[int] | None = None,
-               cache_salt: str | None = None, **params) -> SequenceGroup:
+               cache_salt: str | None = None, priority: int = 0, **params) -> SequenceGroup:
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, eos_token_id=EOS, **params)
     prompt = list(tokens) if tokens is not None else [7] * prompt_len
-    return SequenceGroup(rid, [Sequence(next(_seq_ids), prompt)], sp, arrival_time=0.0, cache_salt=cache_salt)
+    return SequenceGroup(rid, [Sequence(next(_seq_ids), prompt)], sp, arrival_time=0.0, cache_salt=cache_salt,
+                         priority=priority)
 
 
 def fake_step(sched: Scheduler, token: int = 5):

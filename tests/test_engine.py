@@ -42,7 +42,8 @@ def test_bad_requests_raise_and_engine_keeps_serving(engine):
 
 
 def test_prompt_that_can_never_fit_in_the_cache(tiny_llama):
-    eng = LLMEngine.from_engine_args(EngineArgs(model=tiny_llama, num_gpu_blocks_override=4, block_size=4))
+    eng = LLMEngine.from_engine_args(EngineArgs(model=tiny_llama, num_gpu_blocks_override=4, block_size=4,
+                                                num_cpu_blocks_override=4))
     assert eng.max_model_len == 16  # capped to the cache's 16 token slots
     with pytest.raises(ValueError):
         eng.add_request("big", {"prompt_token_ids": [3] * 40}, GREEDY)
@@ -181,3 +182,31 @@ def test_worker_state_of_finished_sequences_is_dropped(engine):
     run_to_completion(engine)
     engine.step()  # idle: nothing to run, but the finished ids still reach the worker
     assert runner.generators == {}
+
+
+def test_priority_policy_serves_lower_values_first(tiny_llama):
+    eng = LLMEngine.from_engine_args(EngineArgs(model=tiny_llama, kv_cache_memory="16MiB", swap_space=0.01,
+                                                scheduling_policy="priority", max_num_seqs=1))
+    order = []
+    for rid, prio in (("late", 2), ("first", 0), ("second", 1)):
+        eng.add_request(rid, {"prompt_token_ids": [5, 6, 7]}, GREEDY, priority=prio)
+    while eng.has_unfinished_requests():
+        order += [o.request_id for o in eng.step() if o.finished]
+        eng.scheduler.check_invariants()
+    assert order == ["first", "second", "late"]
+    stats = eng.get_stats()
+    assert {"num_swapped", "num_swap_outs", "num_swap_ins", "cpu_cache_usage"} <= set(stats)
+
+
+def test_swap_preemption_is_reported_per_request(tiny_llama):
+    # Two requests that cannot both fit: the newer is swapped out, then back in.
+    eng = LLMEngine.from_engine_args(EngineArgs(model=tiny_llama, num_gpu_blocks_override=6, block_size=4,
+                                                num_cpu_blocks_override=8, preemption_mode="swap",
+                                                enable_prefix_caching=False))
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    eng.add_request("a", {"prompt_token_ids": [5] * 10}, params)
+    eng.add_request("b", {"prompt_token_ids": [6] * 10}, params)
+    done = run_to_completion(eng)
+    assert done["b"].metrics.num_swaps == 1 and done["a"].metrics.num_swaps == 0
+    assert eng.get_stats()["num_swap_outs"] == 1 and eng.get_stats()["num_swap_ins"] == 1
+    assert all(len(o.outputs[0].token_ids) == 10 for o in done.values())

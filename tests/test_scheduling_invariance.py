@@ -29,17 +29,29 @@ CONFIGS = {
     "block_size_32": dict(block_size=32),
     "tight_cache": "tight",
     "tight_cache_and_chunks": "tight+chunks",
+    # Preemption by swap (to the CPU pool and back), with and without prefix caching, and under
+    # the priority policy; "auto" recomputes these single-sequence requests.
+    "tight_swap": ("tight", dict(preemption_mode="swap")),
+    "tight_swap_chunks_no_prefix_cache": ("tight+chunks", dict(preemption_mode="swap", enable_prefix_caching=False)),
+    "tight_auto_no_prefix_cache": ("tight", dict(preemption_mode="auto", enable_prefix_caching=False)),
+    "tight_swap_priority": ("tight", dict(preemption_mode="swap", scheduling_policy="priority")),
 }
 
 
 def _kwargs(name, prompts):
     cfg = CONFIGS[name]
+    if isinstance(cfg, tuple):
+        return {**_tight(cfg[0], prompts), **cfg[1]}
+    return _tight(cfg, prompts) if isinstance(cfg, str) else dict(cfg)
+
+
+def _tight(cfg, prompts):
     if cfg == "tight":
         return dict(num_gpu_blocks_override=_tight_blocks(prompts))
     if cfg == "tight+chunks":
         return dict(num_gpu_blocks_override=_tight_blocks(prompts), max_num_batched_tokens=13,
                     long_prefill_token_threshold=0)
-    return dict(cfg)
+    raise AssertionError(cfg)
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +72,16 @@ def test_tiny_model_outputs_do_not_depend_on_scheduling(baseline, arch, config):
     assert got == ref
     if config.startswith("tight"):
         assert engine.scheduler.num_preemptions > 0, "the tight cache must force preemption"
+    if "swap" in config:
+        assert engine.scheduler.num_swap_outs > 0 and engine.scheduler.num_swap_ins > 0, "no swapping happened"
+    kv = engine.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks and kv.cpu_pool.num_free_blocks == kv.cpu_pool.num_blocks
 
 
 def test_smollm2_outputs_do_not_depend_on_scheduling():
     prompts = random_prompts(8, seed=11, lo=5, hi=120)
     ref, _ = engine_greedy(None, prompts, MAX_TOKENS)
-    for name in ("tight_cache_and_chunks", "max_num_seqs_1", "block_size_1"):
+    for name in ("tight_cache_and_chunks", "max_num_seqs_1", "block_size_1", "tight_swap"):
         got, engine = engine_greedy(None, prompts, MAX_TOKENS, **_kwargs(name, prompts))
         assert got == ref, name
         if name.startswith("tight"):

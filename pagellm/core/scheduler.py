@@ -2,8 +2,9 @@
 
 Each step, in this order:
 
-1. (priority policy) A waiting request that outranks the worst running one and cannot be
-   admitted as things stand preempts running requests, worst first, until it can.
+1. (priority policy) A waiting request that outranks the worst running one (strictly better base
+   priority and better effective priority) and cannot be admitted as things stand preempts
+   running requests, worst first, until it can.
 2. Every running sequence, best first (oldest under FCFS), is offered
    ``min(num_tokens - num_computed_tokens, prefill_chunk_cap, token_budget)`` new tokens. A prompt
    chunk, a resumed recompute and a decode are the same case. When the pool cannot supply the
@@ -25,8 +26,9 @@ recompute instead of failing.
 Priority aging: under the priority policy a request's effective priority is
 ``priority - steps_queued // priority_aging_steps``, where ``steps_queued`` counts the engine
 steps it has spent waiting or swapped out. A low-priority request that keeps being preempted
-gains a level every ``priority_aging_steps`` queued steps, so it eventually outranks newer
-arrivals and can no longer be preempted by them.
+gains a level every ``priority_aging_steps`` queued steps, so it eventually comes before newer
+arrivals in the queues and can no longer be preempted by them. Aging alone never preempts: that
+takes a strictly better base priority too, so requests cannot evict each other in turns.
 """
 
 from __future__ import annotations
@@ -199,13 +201,19 @@ class Scheduler:
                 self.config.max_num_batched_tokens)
         return kv.can_allocate(seq, len(computed) * kv.block_size + n, computed, kv.watermark_blocks)
 
+    def _outranks(self, group: SequenceGroup, victim: SequenceGroup) -> bool:
+        """May ``group`` push ``victim`` out? Only with a strictly better base priority *and* a
+        better effective one: aging orders the queues and shields an aged victim, but never starts
+        a preemption itself (two equal requests aging past each other would evict each other forever)."""
+        return group.priority < victim.priority and self._key(group) < self._key(victim)
+
     def _preempt_for_priority(self, ops: CacheOps) -> list[SequenceGroup]:
         """Push out running requests the best waiting one outranks, worst first, until it fits."""
         forced: list[SequenceGroup] = []
         if not self.waiting:
             return forced
         best = self.waiting.peek()
-        while self.running and self._key(best) < self._key(self.running[-1]) and not self._fits_now(best):
+        while self.running and self._outranks(best, self.running[-1]) and not self._fits_now(best):
             victim = self.running.pop()
             self._preempt(victim, ops)
             forced.append(victim)
@@ -280,6 +288,8 @@ class Scheduler:
             group = self.waiting.peek()
             if self.swapped and not self._key(group) < self._key(self.swapped[0]):
                 break
+            if group in forced:
+                break  # pushed out this very step for a better request: not back before the next
             seq = group.seqs[0]
             if kv.num_blocks_for(seq.num_tokens) > kv.num_blocks:
                 self._ignore(group)  # could never be held, however empty the pool

@@ -94,6 +94,8 @@ class Worker:
                 )
         if cache.num_cpu_blocks_override is not None:
             n_cpu = cache.num_cpu_blocks_override
+        elif cache.swap_space is None:
+            n_cpu = min(n, 4 * 2**30 // self.spec.block_bytes)  # swapped-out work once fit on the device
         else:
             n_cpu = int(cache.swap_space * 2**30) // self.spec.block_bytes
         return n, n_cpu
