@@ -16,7 +16,7 @@ _CONTEXT_TOKENS = 5  # prompt tail used as left context so the first output toke
 class IncrementalDetokenizer:
     """Per-sequence text state; ``step(new_ids)`` returns the text delta."""
 
-    __slots__ = ("tokenizer", "skip_special_tokens", "ids", "prefix_offset", "read_offset", "text")
+    __slots__ = ("tokenizer", "skip_special_tokens", "ids", "prefix_offset", "read_offset", "text", "num_output_tokens")
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
@@ -25,9 +25,11 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+        self.num_output_tokens = 0  # generated tokens fed so far
 
     def step(self, new_token_ids: list[int]) -> str:
         self.ids.extend(new_token_ids)
+        self.num_output_tokens += len(new_token_ids)
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
         full = decode(self.ids[self.prefix_offset:], self.skip_special_tokens)

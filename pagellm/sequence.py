@@ -103,10 +103,18 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    def fork(self, seq_id: int) -> Sequence:
+        """A child with this sequence's tokens and progress (its blocks are shared by the KV manager)."""
+        return Sequence(seq_id, self.prompt_token_ids, list(self.output_token_ids), self.num_computed_tokens,
+                        self.status, self.cumulative_logprob, list(self.output_logprobs), self.stop_reason,
+                        list(self.block_hashes))
+
 
 @dataclass(slots=True, eq=False)
 class SequenceGroup:
-    """One request: its sequences (one until parallel sampling lands), params, priority and timing."""
+    """One request: its sequences (one, then ``n`` / ``best_of`` after the prompt), params,
+    priority and timing. Sequences are only added (forks), never removed: ``seqs[i]`` is
+    completion ``i`` for the whole life of the request."""
 
     request_id: str
     seqs: list[Sequence]
@@ -124,6 +132,18 @@ class SequenceGroup:
     arrival_index: int = 0
     steps_queued: int = 0
     queued_since: int | None = None
+    # Parallel sampling: the prompt's one sequence forks into ``num_samples`` at its first sample.
+    forked: bool = False
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences this request will have: ``best_of`` (>= n) or ``n``."""
+        return self.sampling_params.best_of or self.sampling_params.n
+
+    @property
+    def num_seqs_reserved(self) -> int:
+        """Sequences this request counts against ``max_num_seqs``: its live ones, or all it will fork."""
+        return len(self.live_seqs()) if self.forked else self.num_samples
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)

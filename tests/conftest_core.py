@@ -12,7 +12,7 @@ from pagellm.sampling_params import SamplingParams
 from pagellm.sequence import Sequence, SequenceGroup, SequenceStatus
 
 EOS = 2
-_seq_ids = itertools.count()
+_seq_ids = itertools.count(10**9)  # far from the ids a scheduler hands its forks
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_model_len=10_000, enable_caching=True, num_cpu_blocks=0,

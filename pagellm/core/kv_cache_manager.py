@@ -59,6 +59,7 @@ class KVCacheManager:
         self.watermark_blocks = int(watermark * num_blocks)
         # Per sequence: how many leading blocks are already recorded in the prefix cache.
         self._num_cached_blocks: dict[int, int] = {}
+        self._copies: list[tuple[int, int]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -130,6 +131,8 @@ class KVCacheManager:
         ``computed_blocks`` (a new sequence's prefix-cache hit, from ``get_computed_blocks``) start
         the table: they are touched, and ``seq.num_computed_tokens`` must already count them.
         ``reserve``: blocks that must stay free afterwards (the watermark, for admissions).
+        A shared, partly filled block about to be written is first replaced by a private copy
+        (copy-on-write; the copy is queued for ``take_copies``).
         Returns the newly allocated blocks, or ``None`` (and changes nothing) when the pool
         cannot supply them.
         """
@@ -138,29 +141,61 @@ class KVCacheManager:
         computed_blocks = computed_blocks or []
         table = self.block_tables.get(seq.seq_id, [])
         assert not (computed_blocks and table), "prefix hits only start a new block table"
-        need = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(table) - len(computed_blocks)
-        if not self.can_allocate(seq, seq.num_computed_tokens + num_new_tokens, computed_blocks, reserve):
+        if self.num_new_blocks(seq, num_new_tokens, computed_blocks) + reserve > self.block_pool.num_free_blocks:
             return None
         if computed_blocks:
             self.block_pool.touch(computed_blocks)
             table = list(computed_blocks)
         self.block_tables[seq.seq_id] = table
-        if need <= 0:
-            return []
-        new = self.block_pool.get_new_blocks(need)
-        table.extend(new)
+        new: list[KVCacheBlock] = []
+        if self._needs_cow(seq, table):
+            i = seq.num_computed_tokens // self.block_size
+            old = table[i]
+            table[i] = self.block_pool.get_new_blocks(1)[0]
+            self._copies.append((old.block_id, table[i].block_id))
+            self.block_pool.free_blocks([old])  # still held by its other owners
+            new.append(table[i])
+        need = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(table)
+        if need > 0:
+            added = self.block_pool.get_new_blocks(need)
+            table.extend(added)
+            new.extend(added)
         return new
+
+    def _needs_cow(self, seq: Sequence, table: list[KVCacheBlock]) -> bool:
+        """The block the next token goes into exists and is shared: it must be copied first."""
+        i = seq.num_computed_tokens // self.block_size
+        return i < len(table) and table[i].ref_cnt > 1
+
+    def num_new_blocks(self, seq: Sequence, num_new_tokens: int,
+                       computed_blocks: list[KVCacheBlock] | None = None) -> int:
+        """Free blocks ``allocate_slots(seq, num_new_tokens, computed_blocks)`` would take."""
+        computed_blocks = computed_blocks or []
+        table = self.block_tables.get(seq.seq_id, [])
+        have = len(table) + len(computed_blocks)
+        need = max(0, self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - have)
+        # Touching a free cached block takes it out of the free list too.
+        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        return need + reclaimed + (1 if table and self._needs_cow(seq, table) else 0)
 
     def can_allocate(self, seq: Sequence, num_tokens: int, computed_blocks: list[KVCacheBlock] | None = None,
                      reserve: int = 0) -> bool:
-        """Whether ``seq`` could hold ``num_tokens`` tokens (starting from ``computed_blocks`` if it
-        has no table yet) and still leave ``reserve`` blocks free. Changes nothing."""
-        computed_blocks = computed_blocks or []
-        have = len(self.block_tables.get(seq.seq_id, ())) + len(computed_blocks)
-        need = max(0, self.num_blocks_for(num_tokens) - have)
-        # Touching a free cached block takes it out of the free list too.
-        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        return need + reclaimed + reserve <= self.block_pool.num_free_blocks
+        """Whether ``seq`` (no table yet) could hold ``num_tokens`` tokens starting from
+        ``computed_blocks`` and still leave ``reserve`` blocks free. Changes nothing."""
+        n = num_tokens - seq.num_computed_tokens
+        return n <= 0 or self.num_new_blocks(seq, n, computed_blocks) + reserve <= self.block_pool.num_free_blocks
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares every block of ``parent`` (one more reference each)."""
+        table = self.block_tables.get(parent.seq_id, [])
+        self.block_pool.touch(table)
+        self.block_tables[child.seq_id] = list(table)
+        self._num_cached_blocks[child.seq_id] = self._num_cached_blocks.get(parent.seq_id, 0)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write block copies ``(src, dst)`` queued since the last call."""
+        out, self._copies = self._copies, []
+        return out
 
     def get_block_ids(self, seq_id: int) -> list[int]:
         return [b.block_id for b in self.block_tables.get(seq_id, ())]

@@ -33,6 +33,7 @@ takes a strictly better base priority too, so requests cannot evict each other i
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -74,6 +75,7 @@ class Scheduler:
         self._ignored: list[SequenceGroup] = []
         self._step = 0
         self._num_arrivals = 0
+        self._seq_ids = itertools.count()
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.num_swap_ins = 0
@@ -150,8 +152,9 @@ class Scheduler:
         elif group in self.waiting:
             self.waiting.remove(group)
         for seq in group.seqs:
-            self.kv_cache_manager.free(seq)
-            self._finished_seq_ids.append(seq.seq_id)
+            self.kv_cache_manager.free(seq)  # a no-op for sequences that finished earlier
+            if seq.seq_id not in self._finished_seq_ids:
+                self._finished_seq_ids.append(seq.seq_id)
         del self.requests[group.request_id]
 
     # ------------------------------------------------------------------ preemption
@@ -190,16 +193,17 @@ class Scheduler:
         self._release(group)
         self._ignored.append(group)
 
+    def _num_running_seqs(self) -> int:
+        return sum(g.num_seqs_reserved for g in self.running)
+
     def _fits_now(self, group: SequenceGroup) -> bool:
         """Whether the best waiting request could be admitted this step as things stand."""
-        if len(self.running) >= self.config.max_num_seqs:
+        if self._num_running_seqs() + group.num_seqs_reserved > self.config.max_num_seqs:
             return False
-        kv = self.kv_cache_manager
-        seq = group.seqs[0]
-        computed = kv.get_computed_blocks(seq, group.cache_salt)
-        n = min(seq.num_tokens - len(computed) * kv.block_size, self.config.prefill_chunk_cap,
-                self.config.max_num_batched_tokens)
-        return kv.can_allocate(seq, len(computed) * kv.block_size + n, computed, kv.watermark_blocks)
+        plan = self._plan_admission(group, self.config.max_num_batched_tokens)
+        need = sum(self.kv_cache_manager.num_new_blocks(seq, n, hits) for seq, n, hits in plan)
+        self._unplan(group)
+        return need + self.kv_cache_manager.watermark_blocks <= self.kv_cache_manager.num_free_blocks
 
     def _outranks(self, group: SequenceGroup, victim: SequenceGroup) -> bool:
         """May ``group`` push ``victim`` out? Only with a strictly better base priority *and* a
@@ -220,12 +224,51 @@ class Scheduler:
         return forced
 
     # ------------------------------------------------------------------ one step
+    def _plan(self, group: SequenceGroup, token_budget: int) -> list[tuple[Sequence, int]]:
+        """``(seq, new tokens)`` for the group's live sequences, in order, within the budget."""
+        plan = []
+        for seq in group.live_seqs():
+            if token_budget <= 0:
+                break
+            n = self._num_new_tokens(seq, token_budget)
+            plan.append((seq, n))
+            token_budget -= n
+        return plan
+
+    def _plan_admission(self, group: SequenceGroup, token_budget: int) -> list[tuple[Sequence, int, list]]:
+        """Like ``_plan`` for a waiting group, with each sequence's prefix-cache hit counted as computed.
+        Sets ``num_computed_tokens`` from the hits; ``_unplan`` undoes that."""
+        kv = self.kv_cache_manager
+        plan = []
+        for seq in group.live_seqs():
+            if token_budget <= 0:
+                break
+            hits = kv.get_computed_blocks(seq, group.cache_salt)
+            seq.num_computed_tokens = len(hits) * kv.block_size
+            n = self._num_new_tokens(seq, token_budget)
+            plan.append((seq, n, hits))
+            token_budget -= n
+        return plan
+
+    @staticmethod
+    def _unplan(group: SequenceGroup) -> None:
+        for seq in group.live_seqs():
+            seq.num_computed_tokens = 0
+
+    def _allocate(self, plan: list[tuple[Sequence, int]], reserve: int = 0) -> bool:
+        """All of the plan's blocks, or nothing."""
+        kv = self.kv_cache_manager
+        if sum(kv.num_new_blocks(seq, n) for seq, n in plan) + reserve > kv.num_free_blocks:
+            return False
+        for seq, n in plan:
+            assert kv.allocate_slots(seq, n) is not None
+        return True
+
     def schedule(self) -> SchedulerOutput:
         self._step += 1
         kv = self.kv_cache_manager
         token_budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[int, int] = {}
-        scheduled_groups: list[SequenceGroup] = []
+        scheduled: list[tuple[SequenceGroup, list[tuple[Sequence, int]]]] = []
         ops = CacheOps()
         if self.priority_policy:
             self.running.sort(key=self._key)  # the worst is last: the next victim
@@ -234,22 +277,21 @@ class Scheduler:
             forced = []
         preempted: list[SequenceGroup] = []
 
-        # 1. Running requests first, best first; preempt the worst when blocks run out.
+        # 1. Running requests first, best first; preempt the worst when blocks run out. A
+        #    request's sequences are scheduled (and preempted) together.
         i = 0
         while i < len(self.running) and token_budget > 0:
             group = self.running[i]
-            seq = group.seqs[0]
-            n = self._num_new_tokens(seq, token_budget)
-            while kv.allocate_slots(seq, n) is None:
+            plan = self._plan(group, token_budget)
+            while not self._allocate(plan):
                 victim = self.running.pop()
                 self._preempt(victim, ops)
                 preempted.append(victim)
                 if victim is group:
                     break
             else:
-                num_scheduled[seq.seq_id] = n
-                scheduled_groups.append(group)
-                token_budget -= n
+                scheduled.append((group, plan))
+                token_budget -= sum(n for _, n in plan)
                 i += 1
                 continue
             break  # ``group`` preempted itself: nobody after it is left
@@ -257,67 +299,72 @@ class Scheduler:
         # 2. Swapped requests come back, best first, unless this step had to preempt.
         if not preempted and self.swapped:
             self.swapped.sort(key=self._key)
-            while self.swapped and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while self.swapped and token_budget > 0:
                 group = self.swapped[0]
                 if self.waiting and self._key(self.waiting.peek()) < self._key(group):
                     break  # a better request waits (e.g. the one this step's priority preemption was for)
-                seq = group.seqs[0]
-                n = self._num_new_tokens(seq, token_budget)
-                status = kv.can_swap_in(group.live_seqs(), n, running=bool(self.running))
+                if self._num_running_seqs() + group.num_seqs_reserved > self.config.max_num_seqs:
+                    break
+                seqs = group.live_seqs()
+                n = self._num_new_tokens(seqs[0], max(1, token_budget // len(seqs)))
+                status = kv.can_swap_in(seqs, n, running=bool(self.running))
                 if status == AllocStatus.NEVER:
                     self._ignore(group)
                     continue
                 if status == AllocStatus.LATER:
                     break
                 self.swapped.pop(0)
-                ops.swap_in.extend(kv.swap_in(group.live_seqs()))
+                ops.swap_in.extend(kv.swap_in(seqs))
                 self.num_swap_ins += 1
-                allocated = kv.allocate_slots(seq, n)
-                assert allocated is not None, "can_swap_in promised room for the new tokens"
-                seq.status = SequenceStatus.RUNNING
+                for seq in seqs:
+                    seq.status = SequenceStatus.RUNNING
                 self._dequeue_time(group)
                 self.running.append(group)
-                num_scheduled[seq.seq_id] = n
-                scheduled_groups.append(group)
-                token_budget -= n
+                plan = self._plan(group, min(token_budget, n * len(seqs)))
+                assert self._allocate(plan), "can_swap_in promised room for the next tokens"
+                scheduled.append((group, plan))
+                token_budget -= sum(n for _, n in plan)
 
         # 3. Waiting requests, best first, unless this step preempted or better work is swapped
         #    out. A cached prefix counts as computed: only the rest is scheduled.
-        while (not preempted and self.waiting and token_budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+        while not preempted and self.waiting and token_budget > 0:
             group = self.waiting.peek()
             if self.swapped and not self._key(group) < self._key(self.swapped[0]):
                 break
             if group in forced:
                 break  # pushed out this very step for a better request: not back before the next
-            seq = group.seqs[0]
-            if kv.num_blocks_for(seq.num_tokens) > kv.num_blocks:
+            if self._num_running_seqs() + group.num_seqs_reserved > self.config.max_num_seqs:
+                break
+            if any(kv.num_blocks_for(s.num_tokens) > kv.num_blocks for s in group.live_seqs()):
                 self._ignore(group)  # could never be held, however empty the pool
                 continue
-            computed = kv.get_computed_blocks(seq, group.cache_salt)
-            seq.num_computed_tokens = len(computed) * kv.block_size
-            n = self._num_new_tokens(seq, token_budget)
-            fits = self.config.enable_chunked_prefill or n == seq.num_tokens - seq.num_computed_tokens
+            adm = self._plan_admission(group, token_budget)
+            unchunked_ok = self.config.enable_chunked_prefill or all(
+                n == seq.num_tokens - seq.num_computed_tokens for seq, n, _ in adm)
             # The watermark only matters when someone is running: an empty engine admits anything that fits.
             reserve = kv.watermark_blocks if self.running else 0
-            if not fits or kv.allocate_slots(seq, n, computed, reserve) is None:
-                seq.num_computed_tokens = 0
+            need = sum(kv.num_new_blocks(seq, n, hits) for seq, n, hits in adm)
+            if not unchunked_ok or len(adm) < len(group.live_seqs()) or need + reserve > kv.num_free_blocks:
+                self._unplan(group)
                 break
+            for seq, n, hits in adm:
+                assert kv.allocate_slots(seq, n, hits) is not None
+                self.prefix_cache_stats.queries += seq.num_tokens
+                self.prefix_cache_stats.hits += seq.num_computed_tokens
+                seq.status = SequenceStatus.RUNNING
             if group.metrics.first_scheduled_time is None:  # first admission, not a resume
                 group.metrics.first_scheduled_time = time.monotonic()
-                group.num_cached_tokens = seq.num_computed_tokens
-            self.prefix_cache_stats.queries += seq.num_tokens
-            self.prefix_cache_stats.hits += seq.num_computed_tokens
+                group.num_cached_tokens = adm[0][0].num_computed_tokens
             self.waiting.pop()
             self._dequeue_time(group)
-            seq.status = SequenceStatus.RUNNING
             self.running.append(group)
-            num_scheduled[seq.seq_id] = n
-            scheduled_groups.append(group)
-            token_budget -= n
+            plan = [(seq, n) for seq, n, _ in adm]
+            scheduled.append((group, plan))
+            token_budget -= sum(n for _, n in plan)
 
+        ops.copy.extend(kv.take_copies())
         out = SchedulerOutput(
-            scheduled=[self._make_scheduled(g, num_scheduled[g.seqs[0].seq_id]) for g in scheduled_groups],
+            scheduled=[self._make_scheduled(g, seq, n) for g, plan in scheduled for seq, n in plan],
             num_batched_tokens=self.config.max_num_batched_tokens - token_budget,
             cache_ops=ops,
             finished_seq_ids=self._finished_seq_ids,
@@ -326,49 +373,86 @@ class Scheduler:
         self._finished_seq_ids = []
         return out
 
-    def _make_scheduled(self, group: SequenceGroup, n: int) -> ScheduledSequence:
-        seq = group.seqs[0]
+    def new_seq_id(self) -> int:
+        """A fresh sequence id (the engine's first sequences and every fork draw from one counter)."""
+        return next(self._seq_ids)
+
+    def _make_scheduled(self, group: SequenceGroup, seq: Sequence, n: int) -> ScheduledSequence:
         start = seq.num_computed_tokens
+        do_sample = start + n == seq.num_tokens
+        sample_ids = None
+        if do_sample and not group.forked and group.num_samples > 1:
+            # The request's first sample: draw one token per future sequence from this row.
+            sample_ids = [seq.seq_id] + [self.new_seq_id() for _ in range(group.num_samples - 1)]
         return ScheduledSequence(
             request_id=group.request_id,
             seq_id=seq.seq_id,
             token_ids=seq.token_ids_range(start, start + n),
             num_computed_tokens=start,
             block_ids=self.kv_cache_manager.get_block_ids(seq.seq_id),
-            do_sample=start + n == seq.num_tokens,
+            do_sample=do_sample,
             sampling_params=group.sampling_params,
             output_token_ids=seq.output_token_ids,
             prompt_token_ids=seq.prompt_token_ids,
+            sample_seq_ids=sample_ids,
         )
 
     # ------------------------------------------------------------------ results
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> tuple[list[SequenceGroup], list[SequenceGroup]]:
-        """Advance ``num_computed_tokens``, append sampled tokens, apply token-level stops.
+        """Advance ``num_computed_tokens``, append sampled tokens (forking at a request's first
+        sample), apply token-level stops; a finished sequence frees its blocks at once.
 
-        Returns ``(groups that got a new token, groups that finished)``; finished ones are freed.
+        Returns ``(groups that got a new token, groups that finished)``.
         """
-        updated: list[SequenceGroup] = []
+        updated: dict[str, SequenceGroup] = {}
         finished: list[SequenceGroup] = []
+        kv = self.kv_cache_manager
         for sched in scheduler_output.scheduled:
             group = self.requests.get(sched.request_id)
             if group is None:  # aborted after it was scheduled
                 continue
-            seq = group.seqs[0]
-            if seq.status != SequenceStatus.RUNNING:
+            seq = next((s for s in group.seqs if s.seq_id == sched.seq_id), None)
+            if seq is None or seq.status != SequenceStatus.RUNNING:
                 continue
             seq.num_computed_tokens += sched.num_scheduled_tokens
-            self.kv_cache_manager.cache_full_blocks(seq, group.cache_salt)
+            kv.cache_full_blocks(seq, group.cache_salt)
             if not sched.do_sample:
                 continue
-            sampled = runner_output.sampled[seq.seq_id]
-            seq.append_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
-            self._check_stop(seq, group)
-            updated.append(group)
+            targets = [seq]
+            if sched.sample_seq_ids is not None and not group.forked:
+                for child_id in sched.sample_seq_ids[1:]:
+                    child = seq.fork(child_id)
+                    kv.fork(seq, child)
+                    group.seqs.append(child)
+                    targets.append(child)
+                group.forked = True
+            for target in targets:
+                sampled = runner_output.sampled[target.seq_id]
+                target.append_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
+                self._check_stop(target, group)
+                if target.status.is_finished:
+                    self._free_seq(target)
+            updated[group.request_id] = group
             if group.is_finished():
                 self._release(group)
                 finished.append(group)
-        return updated, finished
+        return list(updated.values()), finished
+
+    def _free_seq(self, seq: Sequence) -> None:
+        """A sequence finished while its siblings go on: its blocks go back now."""
+        self.kv_cache_manager.free(seq)
+        self._finished_seq_ids.append(seq.seq_id)
+
+    def finish_seq(self, group: SequenceGroup, seq: Sequence, status: SequenceStatus) -> None:
+        """End one sequence from outside the step (a stop string); the request ends with its last one."""
+        if seq.status.is_finished:
+            return
+        seq.status = status
+        if group.is_finished():
+            self._release(group)
+        else:
+            self._free_seq(seq)
 
     def _check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
         params = group.sampling_params
@@ -396,13 +480,16 @@ class Scheduler:
         all_ids = [rid for ids in queues.values() for rid in ids]
         assert len(set(all_ids)) == len(all_ids), "a request is in two queues"
         assert set(all_ids) == set(self.requests), "request map out of sync with queues"
-        assert len(self.running) <= self.config.max_num_seqs, "more running than max_num_seqs"
+        assert self._num_running_seqs() <= self.config.max_num_seqs, "more running sequences than max_num_seqs"
         kv = self.kv_cache_manager
         bs = kv.block_size
         live: set[int] = set()
         for g in self.running:
             assert g.queued_since is None, "a running request is still counted as queued"
             for s in g.seqs:
+                if s.status.is_finished:
+                    assert s.seq_id not in kv.block_tables, f"finished {s.seq_id} still holds blocks"
+                    continue
                 assert s.status == SequenceStatus.RUNNING, f"{s.seq_id} in running with status {s.status!r}"
                 assert 0 <= s.num_computed_tokens < s.num_tokens, "running sequence has nothing left to compute"
                 held = len(kv.block_tables.get(s.seq_id, ())) * bs
@@ -417,7 +504,7 @@ class Scheduler:
                 swapped.add(s.seq_id)
         for g in self.waiting:
             assert g.queued_since is not None, "a waiting request is not counted as queued"
-            for s in g.seqs:
+            for s in g.live_seqs():
                 assert s.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED), f"waiting {s.status!r}"
                 assert s.num_computed_tokens == 0, "a waiting sequence claims computed tokens"
         kv.check_invariants(live_seq_ids=live, swapped_seq_ids=swapped)

@@ -29,6 +29,9 @@ class ScheduledSequence:
     # Only for penalties and min_tokens: the tokens generated so far (a reference, not a copy).
     output_token_ids: list[int]
     prompt_token_ids: list[int]
+    # Parallel sampling: at a request's first sample, one token is drawn from this row's logits
+    # for each of these sequence ids (the first is ``seq_id``; the others are the forks to be).
+    sample_seq_ids: list[int] | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -6,7 +6,6 @@ rejected with ``ValueError`` in ``add_request`` so they never reach (or stall) t
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from typing import Any
@@ -42,7 +41,6 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching,
                                                self.num_cpu_blocks, config.scheduler.watermark)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
-        self._seq_counter = itertools.count()
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         logger.info("pagellm engine: %s on %s (%s), %d KV blocks x %d tokens (+%d CPU swap blocks), "
@@ -103,8 +101,10 @@ class LLMEngine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if priority != 0 and self.config.scheduler.scheduling_policy == "fcfs":
             raise ValueError(f"priority={priority} needs scheduling_policy='priority' (this engine is 'fcfs')")
-        if params.n != 1 or (params.best_of or 1) != 1:
-            raise ValueError("n > 1 and best_of > 1 are not supported yet")
+        num_samples = params.best_of or params.n
+        if num_samples > self.config.scheduler.max_num_seqs:
+            raise ValueError(f"best_of/n={num_samples} exceeds max_num_seqs={self.config.scheduler.max_num_seqs}: "
+                             "its sequences could never run together")
         text, ids = self._prompt_ids(prompt)
         if cache_salt is None and isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt")  # vLLM passes it inside the prompt dict
@@ -125,7 +125,7 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params.clone(eos_token_id=self.tokenizer.eos_token_id)
-        seq = Sequence(next(self._seq_counter), ids)
+        seq = Sequence(self.scheduler.new_seq_id(), ids)
         group = SequenceGroup(request_id, [seq], params, arrival_time or time.monotonic(), text, priority, cache_salt)
         self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.scheduler.add_request(group)
@@ -183,29 +183,41 @@ class LLMEngine:
         self.stats["generation_tokens"] += len(runner_out.sampled)
         now = time.monotonic()
         for group in updated:
-            seq = group.seqs[0]
             m = group.metrics
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
-            detok = self._detok[seq.seq_id]
-            delta = detok.step(seq.output_token_ids[-1:])
-            if delta and group.sampling_params.stop and seq.status != SequenceStatus.FINISHED_STOPPED:
-                hit = find_stop_string(detok.text, len(delta), group.sampling_params.stop,
-                                       group.sampling_params.include_stop_str_in_output)
-                if hit is not None:
-                    detok.text = detok.text[:hit[1]]
-                    seq.stop_reason = hit[0]
-                    if seq.is_finished():  # the same token also hit max_tokens: the stop string wins
-                        seq.status = SequenceStatus.FINISHED_STOPPED
-                    else:
-                        self.scheduler.finish_requests(group.request_id, SequenceStatus.FINISHED_STOPPED)
+            for seq in group.seqs:
+                self._detokenize(group, seq)
             if group.is_finished():
                 m.finished_time = now
             outputs.append(self._make_output(group))
             if group.is_finished():
                 self._forget(group)
         return outputs
+
+    def _detokenize(self, group: SequenceGroup, seq: Sequence) -> None:
+        """Feed ``seq``'s new tokens to its detokenizer (a fork gets its own on first sight) and
+        apply stop strings."""
+        detok = self._detok.get(seq.seq_id)
+        if detok is None:
+            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
+                                           group.sampling_params.skip_special_tokens)
+            self._detok[seq.seq_id] = detok
+        new = seq.output_token_ids[detok.num_output_tokens:]
+        if not new:
+            return
+        delta = detok.step(new)
+        params = group.sampling_params
+        if delta and params.stop and seq.status != SequenceStatus.FINISHED_STOPPED:
+            hit = find_stop_string(detok.text, len(delta), params.stop, params.include_stop_str_in_output)
+            if hit is not None:
+                detok.text = detok.text[:hit[1]]
+                seq.stop_reason = hit[0]
+                if seq.is_finished():  # the same token also hit max_tokens: the stop string wins
+                    seq.status = SequenceStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_seq(group, seq, SequenceStatus.FINISHED_STOPPED)
 
     def _finish_ignored(self, group: SequenceGroup) -> RequestOutput:
         logger.warning("request %s needs more KV blocks than the whole pool holds (%d x %d tokens); "
@@ -221,7 +233,13 @@ class LLMEngine:
 
     def _make_output(self, group: SequenceGroup) -> RequestOutput:
         completions = []
-        for i, seq in enumerate(group.seqs):
+        seqs = group.seqs
+        params = group.sampling_params
+        if len(seqs) > params.n:
+            # best_of > n: the n best by cumulative logprob once finished (a preview before).
+            seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob) if group.is_finished() else seqs
+            seqs = seqs[:params.n]
+        for i, seq in enumerate(seqs):
             detok = self._detok[seq.seq_id]
             logprobs = None
             if group.sampling_params.logprobs is not None:

@@ -29,14 +29,16 @@ class ModelRunner:
         self.device = device
         self.generators: dict[int, torch.Generator] = {}
 
-    def _generator(self, s: ScheduledSequence) -> torch.Generator | None:
-        seed = s.sampling_params.seed
+    def _generator(self, seq_id: int, seed: int | None, index: int = 0) -> torch.Generator | None:
+        """The RNG of sequence ``seq_id``, created on its first sample. Sample ``index`` of a request
+        (its fork number) gets its own seed, derived from the request's, so every child is reproducible."""
         if seed is None:
             return None
-        g = self.generators.get(s.seq_id)
+        g = self.generators.get(seq_id)
         if g is None:
-            g = torch.Generator(device=self.device).manual_seed(seed)
-            self.generators[s.seq_id] = g
+            derived = seed if index == 0 else (seed + index * 0x9E3779B97F4A7C15) % 2**63
+            g = torch.Generator(device=self.device).manual_seed(derived)
+            self.generators[seq_id] = g
         return g
 
     @torch.inference_mode()
@@ -78,11 +80,21 @@ class ModelRunner:
         hidden = self.model(ids_t, pos_t, kv_caches, meta)
         if not sample_idx:
             return ModelRunnerOutput(sampled={})
+        # A request's first sample with n > 1 draws one token per future fork from the same row.
+        row_idx: list[int] = []
+        rows: list[SamplingRow] = []
+        row_seq_ids: list[int] = []
+        for i, s in enumerate(sample_seqs):
+            for j, seq_id in enumerate(s.sample_seq_ids or [s.seq_id]):
+                row_idx.append(i)
+                row_seq_ids.append(seq_id)
+                rows.append(SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids,
+                                        self._generator(seq_id, s.sampling_params.seed, j)))
         logits = self.model.compute_logits(hidden[sample_idx]).float()
-        rows = [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self._generator(s))
-                for s in sample_seqs]
+        if len(row_idx) != len(sample_idx):
+            logits = logits[row_idx]
         out = sample(logits, rows)
         return ModelRunnerOutput(sampled={
-            s.seq_id: SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
-            for i, s in enumerate(sample_seqs)
+            seq_id: SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
+            for i, seq_id in enumerate(row_seq_ids)
         })
