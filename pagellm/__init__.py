@@ -3,8 +3,9 @@
 from pagellm.config import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.entrypoints.llm import LLM
-from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
+from pagellm.sampling_params import BeamSearchParams, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "EngineArgs",
+           "LLMEngine", "Logprob", "RequestOutput", "SamplingParams"]

@@ -55,3 +55,23 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: None = field(default=None)
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One finished beam (vLLM's shape): ``tokens`` and ``text`` cover prompt and completion."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    score: float  # cum_logprob / generated_len ** length_penalty, the ranking key
+    finish_reason: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """Beam search result of one prompt: ``sequences`` ranked best first."""
+
+    sequences: list[BeamSearchSequence]

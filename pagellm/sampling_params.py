@@ -115,3 +115,30 @@ def _checked_init(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
 
 
 SamplingParams.__init__ = _checked_init  # type: ignore[method-assign]
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """vLLM's ``BeamSearchParams``, run inside the engine with Hugging Face's beam search rules.
+
+    ``early_stopping`` is HF's: ``False`` (default) stops by HF's heuristic, ``True`` as soon as
+    ``beam_width`` hypotheses are finished, ``"never"`` only when no beam can improve.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"beam_width: must be an integer >= 1, got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature != 0.0:
+            raise ValueError(f"temperature: beam search uses unscaled log-probabilities (0.0), got {self.temperature}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping: must be True, False or 'never', got {self.early_stopping!r}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagellm.outputs import RequestMetrics
 from pagellm.sampling_params import SamplingParams
@@ -134,6 +135,8 @@ class SequenceGroup:
     queued_since: int | None = None
     # Parallel sampling: the prompt's one sequence forks into ``num_samples`` at its first sample.
     forked: bool = False
+    # Beam search: a ``core.beam_search.BeamSearchState`` (typed loosely: L1 does not import core).
+    beam_state: Any = None
 
     @property
     def num_samples(self) -> int:
@@ -142,7 +145,10 @@ class SequenceGroup:
 
     @property
     def num_seqs_reserved(self) -> int:
-        """Sequences this request counts against ``max_num_seqs``: its live ones, or all it will fork."""
+        """Sequences this request counts against ``max_num_seqs``: its live ones, or all it will
+        fork; a beam search always its beam width."""
+        if self.beam_state is not None:
+            return self.beam_state.beam_width
         return len(self.live_seqs()) if self.forked else self.num_samples
 
     def __post_init__(self) -> None:

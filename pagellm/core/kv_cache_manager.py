@@ -178,6 +178,16 @@ class KVCacheManager:
         reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         return need + reclaimed + (1 if table and self._needs_cow(seq, table) else 0)
 
+    def num_new_blocks_for_admission(self, plan: list[tuple[Sequence, int, list[KVCacheBlock]]]) -> int:
+        """Free blocks admitting these ``(seq, new tokens, prefix hits)`` together would take; a
+        cached block several of them hit (sibling forks) is reclaimed from the free list once."""
+        need = 0
+        reclaimed: set[int] = set()
+        for seq, n, hits in plan:
+            need += max(0, self.num_blocks_for(seq.num_computed_tokens + n) - len(hits))
+            reclaimed.update(b.block_id for b in hits if b.ref_cnt == 0)
+        return need + len(reclaimed)
+
     def can_allocate(self, seq: Sequence, num_tokens: int, computed_blocks: list[KVCacheBlock] | None = None,
                      reserve: int = 0) -> bool:
         """Whether ``seq`` (no table yet) could hold ``num_tokens`` tokens starting from

@@ -177,6 +177,8 @@ class Scheduler:
             self.swapped.append(group)
         else:
             self.num_swap_fallbacks += want_swap
+            if group.beam_state is not None:
+                group.beam_state.pending.clear()  # recomputed beams sample again
             for seq in group.seqs:
                 kv.free(seq)
                 if not seq.status.is_finished:
@@ -201,7 +203,7 @@ class Scheduler:
         if self._num_running_seqs() + group.num_seqs_reserved > self.config.max_num_seqs:
             return False
         plan = self._plan_admission(group, self.config.max_num_batched_tokens)
-        need = sum(self.kv_cache_manager.num_new_blocks(seq, n, hits) for seq, n, hits in plan)
+        need = self.kv_cache_manager.num_new_blocks_for_admission(plan)
         self._unplan(group)
         return need + self.kv_cache_manager.watermark_blocks <= self.kv_cache_manager.num_free_blocks
 
@@ -231,8 +233,9 @@ class Scheduler:
             if token_budget <= 0:
                 break
             n = self._num_new_tokens(seq, token_budget)
-            plan.append((seq, n))
-            token_budget -= n
+            if n > 0:  # 0: a beam that sampled and waits for its siblings
+                plan.append((seq, n))
+                token_budget -= n
         return plan
 
     def _plan_admission(self, group: SequenceGroup, token_budget: int) -> list[tuple[Sequence, int, list]]:
@@ -343,9 +346,12 @@ class Scheduler:
                 n == seq.num_tokens - seq.num_computed_tokens for seq, n, _ in adm)
             # The watermark only matters when someone is running: an empty engine admits anything that fits.
             reserve = kv.watermark_blocks if self.running else 0
-            need = sum(kv.num_new_blocks(seq, n, hits) for seq, n, hits in adm)
+            need = kv.num_new_blocks_for_admission(adm)
             if not unchunked_ok or len(adm) < len(group.live_seqs()) or need + reserve > kv.num_free_blocks:
                 self._unplan(group)
+                if not self.running and not self.swapped and need > kv.num_blocks:
+                    self._ignore(group)  # nothing else holds blocks, and it still cannot fit: never will
+                    continue
                 break
             for seq, n, hits in adm:
                 assert kv.allocate_slots(seq, n, hits) is not None
@@ -381,7 +387,7 @@ class Scheduler:
         start = seq.num_computed_tokens
         do_sample = start + n == seq.num_tokens
         sample_ids = None
-        if do_sample and not group.forked and group.num_samples > 1:
+        if do_sample and not group.forked and group.num_samples > 1 and group.beam_state is None:
             # The request's first sample: draw one token per future sequence from this row.
             sample_ids = [seq.seq_id] + [self.new_seq_id() for _ in range(group.num_samples - 1)]
         return ScheduledSequence(
@@ -419,6 +425,13 @@ class Scheduler:
             kv.cache_full_blocks(seq, group.cache_salt)
             if not sched.do_sample:
                 continue
+            if group.beam_state is not None:
+                self._beam_sampled(group, seq, runner_output.sampled[seq.seq_id].top_logprobs or {})
+                updated[group.request_id] = group
+                if group.is_finished():
+                    self._release(group)
+                    finished.append(group)
+                continue
             targets = [seq]
             if sched.sample_seq_ids is not None and not group.forked:
                 for child_id in sched.sample_seq_ids[1:]:
@@ -438,6 +451,42 @@ class Scheduler:
                 self._release(group)
                 finished.append(group)
         return list(updated.values()), finished
+
+    def _beam_sampled(self, group: SequenceGroup, seq: Sequence, top: dict[int, tuple[float, int]]) -> None:
+        """Record a beam's candidates; once every running beam has reported, take the beam step:
+        surviving parents extend in place, extra children fork (sharing blocks), the rest are freed."""
+        state = group.beam_state
+        state.pending[seq.seq_id] = {tok: lp for tok, (lp, _) in top.items()}
+        beams = group.live_seqs()
+        if any(b.seq_id not in state.pending for b in beams):
+            return
+        step = state.step([b.output_token_ids for b in beams], [state.pending[b.seq_id] for b in beams])
+        state.pending.clear()
+        kv = self.kv_cache_manager
+        new_beams: list[Sequence] = []
+        used: set[int] = set()
+        if not step.done:
+            for parent_idx, token, cum in step.running:
+                parent = beams[parent_idx]
+                if parent.seq_id in used:
+                    child = parent.fork(self.new_seq_id())
+                    child.output_token_ids.pop()  # the fork copies the parent's already-extended tokens
+                    kv.fork(parent, child)
+                    group.seqs.append(child)
+                    target = child
+                else:
+                    used.add(parent.seq_id)
+                    target = parent
+                new_beams.append(target)
+                target.output_token_ids.append(token)
+                target.cumulative_logprob = cum
+        for b in beams:  # beams no continuation chose, or all of them when the search is over
+            if b.seq_id not in used:
+                b.status = SequenceStatus.FINISHED_STOPPED
+                self._free_seq(b)
+        # Running order follows the search's ranking (HF breaks ties by beam index).
+        rank = {b.seq_id: i for i, b in enumerate(new_beams)}
+        group.seqs.sort(key=lambda s: rank.get(s.seq_id, len(rank)))
 
     def _free_seq(self, seq: Sequence) -> None:
         """A sequence finished while its siblings go on: its blocks go back now."""
@@ -491,7 +540,8 @@ class Scheduler:
                     assert s.seq_id not in kv.block_tables, f"finished {s.seq_id} still holds blocks"
                     continue
                 assert s.status == SequenceStatus.RUNNING, f"{s.seq_id} in running with status {s.status!r}"
-                assert 0 <= s.num_computed_tokens < s.num_tokens, "running sequence has nothing left to compute"
+                waits = g.beam_state is not None and s.seq_id in g.beam_state.pending  # sampled, waits for siblings
+                assert 0 <= s.num_computed_tokens < s.num_tokens or waits, "running sequence has nothing to compute"
                 held = len(kv.block_tables.get(s.seq_id, ())) * bs
                 assert held >= s.num_computed_tokens, "computed tokens without blocks"
                 live.add(s.seq_id)

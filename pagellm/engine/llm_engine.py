@@ -11,12 +11,13 @@ import time
 from typing import Any
 
 from pagellm.config import EngineArgs, EngineConfig, resolve_model_source
+from pagellm.core.beam_search import BeamSearchState
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.detokenizer import IncrementalDetokenizer, find_stop_string
 from pagellm.executor import create_executor
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import BeamSearchParams, SamplingParams
 from pagellm.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagellm.tokenizer import Tokenizer
 
@@ -97,8 +98,13 @@ class LLMEngine:
         ``cache_salt``: requests share cached prefix blocks only with requests of the same salt.
         """
         params = params or SamplingParams()
+        beam = params if isinstance(params, BeamSearchParams) else None
+        if beam is not None:
+            # The engine samples nothing for a beam search: each beam reports its top candidates.
+            params = SamplingParams(temperature=0, max_tokens=beam.max_tokens, ignore_eos=True,
+                                    n=beam.beam_width, logprobs=2 * beam.beam_width)
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+            raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
         if priority != 0 and self.config.scheduler.scheduling_policy == "fcfs":
             raise ValueError(f"priority={priority} needs scheduling_policy='priority' (this engine is 'fcfs')")
         num_samples = params.best_of or params.n
@@ -127,6 +133,10 @@ class LLMEngine:
         params = params.clone(eos_token_id=self.tokenizer.eos_token_id)
         seq = Sequence(self.scheduler.new_seq_id(), ids)
         group = SequenceGroup(request_id, [seq], params, arrival_time or time.monotonic(), text, priority, cache_salt)
+        if beam is not None:
+            group.beam_state = BeamSearchState(
+                beam.beam_width, min(beam.max_tokens, self.max_model_len - len(ids)), beam.length_penalty,
+                beam.early_stopping, None if beam.ignore_eos else self.tokenizer.eos_token_id)
         self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.scheduler.add_request(group)
 
@@ -187,8 +197,9 @@ class LLMEngine:
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
-            for seq in group.seqs:
-                self._detokenize(group, seq)
+            if group.beam_state is None:  # beams are decoded once, when the search is over
+                for seq in group.seqs:
+                    self._detokenize(group, seq)
             if group.is_finished():
                 m.finished_time = now
             outputs.append(self._make_output(group))
@@ -219,6 +230,17 @@ class LLMEngine:
                 else:
                     self.scheduler.finish_seq(group, seq, SequenceStatus.FINISHED_STOPPED)
 
+    def _make_beam_output(self, group: SequenceGroup) -> RequestOutput:
+        """A beam search's finished hypotheses, best first (none until the search is over)."""
+        hyps = group.beam_state.finished if group.is_finished() else []
+        completions = [CompletionOutput(index=i, text=self.tokenizer.decode(h.output_token_ids, True),
+                                        token_ids=list(h.output_token_ids), cumulative_logprob=h.cum_logprob,
+                                        logprobs=None, finish_reason=h.finish_reason)
+                       for i, h in enumerate(hyps)]
+        return RequestOutput(request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
+                             outputs=completions, finished=group.is_finished(), metrics=group.metrics,
+                             num_cached_tokens=group.num_cached_tokens)
+
     def _finish_ignored(self, group: SequenceGroup) -> RequestOutput:
         logger.warning("request %s needs more KV blocks than the whole pool holds (%d x %d tokens); "
                        "finished without completing", group.request_id, self.num_blocks, self.block_size)
@@ -232,6 +254,8 @@ class LLMEngine:
             self._detok.pop(seq.seq_id, None)
 
     def _make_output(self, group: SequenceGroup) -> RequestOutput:
+        if group.beam_state is not None:
+            return self._make_beam_output(group)
         completions = []
         seqs = group.seqs
         params = group.sampling_params

@@ -9,8 +9,8 @@ from typing import Any
 
 from pagellm.config import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine, PromptType
-from pagellm.outputs import RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagellm.sampling_params import BeamSearchParams, SamplingParams
 
 Messages = list[dict[str, Any]]
 
@@ -43,7 +43,7 @@ class LLM:
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
+        if isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
             params_list = [sampling_params] * len(prompts)
         else:
             params_list = list(sampling_params)
@@ -61,6 +61,31 @@ class LLM:
             self.llm_engine.abort_request(ids)
             raise
         return self._run_engine(ids, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = True) -> list[BeamSearchOutput]:
+        """Beam search for every prompt, inside the engine (beams share blocks by reference).
+
+        Each output's ``sequences`` are the ``beam_width`` finished beams, best first by
+        ``cum_logprob / generated_len ** length_penalty`` (Hugging Face's rules; see
+        ``pagellm.core.beam_search``).
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        outs = self.generate(prompts, params, use_tqdm=use_tqdm)  # type: ignore[arg-type]
+        tok = self.llm_engine.get_tokenizer()
+        results = []
+        for out in outs:
+            seqs = []
+            for c in out.outputs:
+                tokens = list(out.prompt_token_ids) + c.token_ids
+                score = (c.cumulative_logprob or 0.0) / (len(c.token_ids) ** params.length_penalty)
+                seqs.append(BeamSearchSequence(tokens=tokens, text=tok.decode(tokens, True),
+                                               cum_logprob=c.cumulative_logprob or 0.0, score=score,
+                                               finish_reason=c.finish_reason, output_token_ids=c.token_ids,
+                                               output_text=c.text))
+            results.append(BeamSearchOutput(seqs))
+        return results
 
     def chat(
         self,
