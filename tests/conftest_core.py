@@ -31,7 +31,8 @@ def make_group(rid: str, prompt_len: int, max_tokens: int = 4, tokens: list[int]
 
 def fake_step(sched: Scheduler, token: int = 5):
     out = sched.schedule()
-    sampled = {s.seq_id: SampledToken(token, -0.5) for s in out.scheduled if s.do_sample}
+    sampled = {sid: SampledToken(token, -0.5) for s in out.scheduled if s.do_sample
+               for sid in (s.sample_seq_ids or [s.seq_id])}
     _, finished = sched.update_from_output(out, ModelRunnerOutput(sampled))
     sched.check_invariants()
     return out, finished

@@ -263,9 +263,9 @@ def test_abort_while_swapped_frees_cpu_blocks():
 @given(
     st.lists(
         st.one_of(
-            st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 10), st.integers(0, 3)),
-            st.tuples(st.just("step"), st.integers(1, 4), st.just(0), st.just(0)),
-            st.tuples(st.just("abort"), st.integers(0, 50), st.just(0), st.just(0)),
+            st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 10), st.integers(0, 3), st.integers(1, 3)),
+            st.tuples(st.just("step"), st.integers(1, 4), st.just(0), st.just(0), st.just(1)),
+            st.tuples(st.just("abort"), st.integers(0, 50), st.just(0), st.just(0), st.just(1)),
         ),
         max_size=50,
     ),
@@ -287,11 +287,12 @@ def test_random_traffic_under_pressure_keeps_invariants(ops, mode, policy, num_b
                            preemption_mode=mode, scheduling_policy=policy, priority_aging_steps=aging,
                            max_num_batched_tokens=16, long_prefill_token_threshold=0)
 
-    def build(rid, prompt_len, max_tokens, priority):
+    def build(rid, prompt_len, max_tokens, priority, n):
         if prompt_len >= num_blocks * bs:
             return None  # the engine rejects it in add_request
         tokens = [prompt_len % 3] * min(prompt_len, 8) + list(range(prompt_len - min(prompt_len, 8)))
-        return make_group(rid, 0, max_tokens=max_tokens, tokens=tokens,
+        # n > 1: parallel samples share the prompt's blocks (and are swapped as a group in auto mode).
+        return make_group(rid, 0, max_tokens=max_tokens, tokens=tokens, n=n,
                           priority=priority if policy == "priority" else 0)
 
     drive(sched, ops, build)

@@ -242,8 +242,10 @@ class KVCacheManager:
         ``num_new_tokens`` more each. ``running``: others are running, so keep the watermark free."""
         need = len(_unique([self.cpu_block_tables.get(s.seq_id, []) for s in seqs]))
         for s in seqs:
-            need += max(0, self.num_blocks_for(s.num_computed_tokens + num_new_tokens)
-                        - len(self.cpu_block_tables.get(s.seq_id, [])))
+            table = self.cpu_block_tables.get(s.seq_id, [])
+            need += max(0, self.num_blocks_for(s.num_computed_tokens + num_new_tokens) - len(table))
+            i = s.num_computed_tokens // self.block_size
+            need += i < len(table) and table[i].ref_cnt > 1  # a shared block it writes: copy-on-write
         if need > self.num_blocks:
             return AllocStatus.NEVER
         reserve = self.watermark_blocks if running else 0

@@ -288,6 +288,11 @@ class Scheduler:
             plan = self._plan(group, token_budget)
             while not self._allocate(plan):
                 victim = self.running.pop()
+                if victim is group and not self.running:
+                    # Alone with the whole pool and still out of blocks (forks outgrew it): it
+                    # can never go on. End it with what it has instead of recomputing forever.
+                    self._ignore(group)
+                    break
                 self._preempt(victim, ops)
                 preempted.append(victim)
                 if victim is group:
@@ -346,17 +351,19 @@ class Scheduler:
                 n == seq.num_tokens - seq.num_computed_tokens for seq, n, _ in adm)
             # The watermark only matters when someone is running: an empty engine admits anything that fits.
             reserve = kv.watermark_blocks if self.running else 0
-            need = kv.num_new_blocks_for_admission(adm)
-            if not unchunked_ok or len(adm) < len(group.live_seqs()) or need + reserve > kv.num_free_blocks:
+            if not self.running:
+                # An empty pool must admit something: the sequences that fit now (a recomputing
+                # group may get the rest of its sequences' tokens in later steps).
+                while len(adm) > 1 and kv.num_new_blocks_for_admission(adm) > kv.num_free_blocks:
+                    adm.pop()[0].num_computed_tokens = 0
+            if not unchunked_ok or kv.num_new_blocks_for_admission(adm) + reserve > kv.num_free_blocks:
                 self._unplan(group)
-                if not self.running and not self.swapped and need > kv.num_blocks:
-                    self._ignore(group)  # nothing else holds blocks, and it still cannot fit: never will
-                    continue
                 break
             for seq, n, hits in adm:
                 assert kv.allocate_slots(seq, n, hits) is not None
                 self.prefix_cache_stats.queries += seq.num_tokens
                 self.prefix_cache_stats.hits += seq.num_computed_tokens
+            for seq in group.live_seqs():
                 seq.status = SequenceStatus.RUNNING
             if group.metrics.first_scheduled_time is None:  # first admission, not a resume
                 group.metrics.first_scheduled_time = time.monotonic()
