@@ -114,7 +114,34 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--chat-template", default=None, help="Jinja chat template file (default: the model's)")
     _add_sampling_args(chat, default_max_tokens=512)
     EngineArgs.add_cli_args(chat, skip=("seed",))
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)")
+    srv.add_argument("model_tag", nargs="?", default=None, help="model (same as --model; default: the bundled one)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require this bearer token (default: $PAGELLM_API_KEY)")
+    srv.add_argument("--chat-template", default=None, help="Jinja chat template file (default: the model's)")
+    EngineArgs.add_cli_args(srv, skip=("served_model_name",))
+    srv.add_argument("--served-model-name", default=None, help="model id clients use (default: the model path)")
     return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from pagellm.engine.async_llm import AsyncLLM
+    from pagellm.entrypoints.openai_server import serve
+
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    chat_template = None
+    if args.chat_template:
+        with open(args.chat_template) as f:
+            chat_template = f.read()
+    engine_args = EngineArgs.from_cli_args(args)
+    engine = AsyncLLM.from_engine_args(engine_args, chat_template)
+    name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
+    serve(engine, name, args.host, args.port, args.api_key or os.environ.get("PAGELLM_API_KEY"))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "serve":
+            return cmd_serve(args)
         return cmd_chat(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"pagellm: error: {e}", file=sys.stderr)

@@ -1,0 +1,173 @@
+"""``AsyncLLM``: the engine loop on a background thread, one asyncio stream per request.
+
+The thread owns ``LLMEngine``: it steps while requests are unfinished and sleeps on an event
+otherwise. Callers touch the engine only under ``_lock`` and from worker threads
+(``asyncio.to_thread``), so the event loop never blocks on a model step. Each request's
+``RequestOutput``s (cumulative, like vLLM's default) are pushed into its ``asyncio.Queue`` with
+``call_soon_threadsafe``. A stream the caller stops reading (client gone) aborts its request,
+which frees its blocks before the next step. If a step raises, the engine is marked dead, every
+in-flight stream ends with ``EngineDeadError`` and new requests are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from pagellm.config import EngineArgs
+from pagellm.engine.llm_engine import LLMEngine, PromptType
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed or was shut down; requests cannot be served."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncLLM:
+    """Async front of one ``LLMEngine``: ``generate`` yields outputs as they come; ``abort`` frees at once."""
+
+    def __init__(self, engine: LLMEngine, log_stats_interval: float = 10.0) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stopped = False
+        self.dead_error: BaseException | None = None
+        self._log_interval = log_stats_interval
+        self._thread = threading.Thread(target=self._loop, name="pagellm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, chat_template: str | None = None, **kw: Any) -> AsyncLLM:
+        return cls(LLMEngine.from_engine_args(args, chat_template), **kw)
+
+    @property
+    def is_running(self) -> bool:
+        return self.dead_error is None and not self._stopped
+
+    # ------------------------------------------------------------------ the loop thread
+    def _loop(self) -> None:
+        last_log = time.monotonic()
+        last_stats = dict(self.engine.get_stats())
+        while not self._stopped:
+            with self._lock:
+                busy = self.engine.has_unfinished_requests()
+                if busy:
+                    try:
+                        outputs = self.engine.step()
+                    except BaseException as e:  # noqa: BLE001 - any failure kills the engine, loudly
+                        logger.exception("engine step failed; the engine is dead")
+                        self._die(e)
+                        return
+                else:
+                    outputs = []
+            for out in outputs:
+                self._push(out.request_id, out)
+            if self._log_interval and time.monotonic() - last_log >= self._log_interval:
+                last_log, last_stats = self._log_stats(last_log, last_stats)
+            if not busy:
+                self._wakeup.wait(timeout=0.5)
+                self._wakeup.clear()
+
+    def _log_stats(self, since: float, prev: dict[str, float]) -> tuple[float, dict[str, float]]:
+        """vLLM-style periodic line: throughputs, queues, KV usage, prefix-cache hit rate."""
+        now = time.monotonic()
+        with self._lock:
+            s = dict(self.engine.get_stats())
+        dt = max(now - since, 1e-9)
+        if s["steps"] != prev.get("steps"):
+            logger.info(
+                "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
+                "Swapped: %d reqs, Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+                (s["prompt_tokens"] - prev.get("prompt_tokens", 0)) / dt,
+                (s["generation_tokens"] - prev.get("generation_tokens", 0)) / dt,
+                s["num_running"], s["num_swapped"], s["num_waiting"], 100 * s["kv_cache_usage"],
+                100 * s["prefix_cache_hit_rate"])
+        return now, s
+
+    def _push(self, request_id: str, item: RequestOutput | BaseException | None) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _die(self, error: BaseException) -> None:
+        self.dead_error = error
+        for rid in list(self._streams):
+            self._push(rid, EngineDeadError(f"the engine died: {type(error).__name__}: {error}"))
+
+    # ------------------------------------------------------------------ public API
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its (cumulative) outputs until it finishes.
+
+        Invalid requests raise ``ValueError`` here, before anything is yielded. Stopping the
+        iteration early (a client that went away) aborts the request.
+        """
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+        self._streams[request_id] = stream
+        finished = False
+        try:
+            await asyncio.to_thread(self._add, request_id, prompt, sampling_params, priority)
+            while True:
+                item = await stream.queue.get()
+                if item is None:  # aborted through ``abort``
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self.is_running:
+                await asyncio.shield(asyncio.to_thread(self._abort, request_id))
+
+    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int) -> None:
+        with self._lock:
+            self.engine.add_request(request_id, prompt, params, priority=priority)
+        self._wakeup.set()
+
+    def _abort(self, request_id: str) -> None:
+        with self._lock:
+            self.engine.abort_request(request_id)
+        self._push(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Free the request's blocks now; its stream ends (as an aborted output)."""
+        await asyncio.to_thread(self._abort, request_id)
+
+    async def get_stats(self) -> dict[str, float]:
+        return await asyncio.to_thread(self._stats)
+
+    def _stats(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self.engine.get_stats())
+
+    def shutdown(self) -> None:
+        """Stop the loop; in-flight streams end with ``EngineDeadError``."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout=30)
+        for rid in list(self._streams):
+            self._push(rid, EngineDeadError("the engine was shut down"))

@@ -1,0 +1,538 @@
+"""OpenAI-compatible HTTP server (FastAPI + uvicorn) over ``AsyncLLM``.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming as SSE),
+``GET /v1/models``, ``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``,
+``GET /metrics`` (Prometheus). Errors use OpenAI's body ``{"error": {message, type, param, code}}``.
+A client that disconnects aborts its request (its blocks are freed before the next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel, ConfigDict, Field
+
+import pagellm
+from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------- request bodies
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    priority: int = 0
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(_Body):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Body):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int] = Field(default_factory=list)
+
+
+class APIError(Exception):
+    def __init__(self, message: str, status: int = 400, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type_, param, code
+
+
+def _error(message: str, status: int, type_: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status)
+
+
+# ---------------------------------------------------------------------- metrics
+class _EngineCollector:
+    """Gauges and counters read from the engine's stats at scrape time."""
+
+    def __init__(self, server: OpenAIServer) -> None:
+        self.server = server
+
+    def collect(self):
+        s = self.server.engine._stats()
+        labels = ["model_name"]
+        name = [self.server.model_name]
+        for metric, key, doc in (("num_requests_running", "num_running", "Requests running"),
+                                 ("num_requests_waiting", "num_waiting", "Requests waiting"),
+                                 ("num_requests_swapped", "num_swapped", "Requests swapped out to CPU"),
+                                 ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV blocks in use"),
+                                 ("cpu_cache_usage_perc", "cpu_cache_usage", "Fraction of CPU swap blocks in use")):
+            g = GaugeMetricFamily(f"pagellm:{metric}", doc, labels=labels)
+            g.add_metric(name, s[key])
+            yield g
+        for metric, key, doc in (("prompt_tokens", "prompt_tokens", "Prompt tokens computed"),
+                                 ("generation_tokens", "generation_tokens", "Tokens generated"),
+                                 ("num_preemptions", "num_preemptions", "Preemptions (recompute or swap)"),
+                                 ("num_swap_outs", "num_swap_outs", "Preemptions by swap"),
+                                 ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up"),
+                                 ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found cached")):
+            c = CounterMetricFamily(f"pagellm:{metric}", doc, labels=labels)
+            c.add_metric(name, s[key])
+            yield c
+
+
+_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+# ---------------------------------------------------------------------- the server
+class OpenAIServer:
+    """Builds the FastAPI app for one ``AsyncLLM``."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str, api_key: str | None = None) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.api_key = api_key
+        self.tokenizer = engine.engine.get_tokenizer()
+        self.max_model_len = engine.engine.max_model_len
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(self))
+        hist = {"time_to_first_token_seconds": "Time to first token",
+                "time_per_output_token_seconds": "Time per output token after the first",
+                "e2e_request_latency_seconds": "Arrival to finish",
+                "request_queue_time_seconds": "Arrival to first scheduling"}
+        self.hist = {k: Histogram(f"pagellm:{k}", doc, ["model_name"], registry=self.registry, buckets=_BUCKETS)
+                     for k, doc in hist.items()}
+        self.app = self._build()
+
+    # ------------------------------------------------------------------ helpers
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model", "model_not_found")
+
+    def _params(self, body: _Body, prompt_len: int, max_tokens: int | None, logprobs: int | None,
+                best_of: int | None = None) -> SamplingParams:
+        room = self.max_model_len - prompt_len
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                           f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} "
+                           "in the completion). Please reduce the length of the messages or completion.",
+                           param="max_tokens")
+        if room < 1:
+            raise APIError(f"The prompt has {prompt_len} tokens; this model's maximum context length is "
+                           f"{self.max_model_len} tokens.", param="messages")
+        kw: dict[str, Any] = dict(
+            n=body.n, best_of=best_of, max_tokens=max_tokens if max_tokens is not None else room,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0, seed=body.seed,
+            stop=[body.stop] if isinstance(body.stop, str) else (body.stop or []),
+            stop_token_ids=body.stop_token_ids or [], presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, logprobs=logprobs,
+            skip_special_tokens=body.skip_special_tokens, include_stop_str_in_output=body.include_stop_str_in_output)
+        try:
+            return SamplingParams(**kw)
+        except ValueError as e:
+            raise APIError(str(e)) from e
+
+    def _record(self, out: RequestOutput) -> None:
+        m = out.metrics
+        if m is None or m.finished_time is None:
+            return
+        label = self.model_name
+        if m.first_token_time is not None:
+            self.hist["time_to_first_token_seconds"].labels(label).observe(m.first_token_time - m.arrival_time)
+            n_out = max(len(c.token_ids) for c in out.outputs) if out.outputs else 0
+            if n_out > 1 and m.last_token_time is not None:
+                self.hist["time_per_output_token_seconds"].labels(label).observe(
+                    (m.last_token_time - m.first_token_time) / (n_out - 1))
+        self.hist["e2e_request_latency_seconds"].labels(label).observe(m.finished_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.hist["request_queue_time_seconds"].labels(label).observe(m.first_scheduled_time - m.arrival_time)
+
+    async def _start(self, prompt: Any, params: SamplingParams, rid: str,
+                     priority: int) -> AsyncIterator[RequestOutput]:
+        """Queue the request and wait for its first output, so a rejected request becomes an
+        HTTP 400 before a streaming response has started."""
+        gen = self.engine.generate(prompt, params, rid, priority)
+        try:
+            first = await gen.__anext__()
+        except ValueError as e:
+            raise APIError(str(e)) from e
+
+        async def chained() -> AsyncIterator[RequestOutput]:
+            try:
+                yield first
+                async for out in gen:
+                    yield out
+            finally:
+                await gen.aclose()
+        return chained()
+
+    async def _stream(self, outputs: AsyncIterator[RequestOutput], rid: str,
+                      request: Request) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs; stops (which aborts the request) when the client disconnects."""
+        gen = outputs
+        try:
+            async for out in gen:
+                if await request.is_disconnected():
+                    logger.info("client of %s disconnected: aborting", rid)
+                    return
+                if out.finished:
+                    self._record(out)
+                yield out
+        finally:
+            await gen.aclose()
+
+    async def _run(self, prompt: Any, params: SamplingParams, rid: str, priority: int,
+                   request: Request) -> RequestOutput | None:
+        """Non-streaming: wait for the final output, aborting if the client goes away meanwhile."""
+        last: RequestOutput | None = None
+        task = asyncio.ensure_future(self._collect(prompt, params, rid, priority, request))
+        while not task.done():
+            if await request.is_disconnected():
+                task.cancel()
+                logger.info("client of %s disconnected: aborting", rid)
+                return None
+            await asyncio.wait({task}, timeout=0.2)
+        last = task.result()
+        return last
+
+    async def _collect(self, prompt: Any, params: SamplingParams, rid: str, priority: int,
+                       request: Request) -> RequestOutput | None:
+        last = None
+        async for out in self.engine.generate(prompt, params, rid, priority):
+            last = out
+        if last is not None:
+            self._record(last)
+        return last
+
+    def _logprobs_completion(self, c: Any, offset0: int) -> dict[str, Any] | None:
+        if c.logprobs is None:
+            return None
+        tokens, token_lps, tops, offsets = [], [], [], []
+        off = offset0
+        for tid, d in zip(c.token_ids, c.logprobs, strict=False):
+            text = self.tokenizer.decode([tid], False)
+            tokens.append(text)
+            token_lps.append(d[tid].logprob if tid in d else None)
+            tops.append({v.decoded_token or self.tokenizer.decode([t], False): v.logprob for t, v in d.items()})
+            offsets.append(off)
+            off += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _logprobs_chat(self, c: Any, top: int) -> dict[str, Any] | None:
+        if c.logprobs is None:
+            return None
+        content = []
+        for tid, d in zip(c.token_ids, c.logprobs, strict=False):
+            text = self.tokenizer.decode([tid], False)
+            ranked = sorted(d.items(), key=lambda kv: -kv[1].logprob)[:top]
+            content.append({"token": text, "logprob": d[tid].logprob if tid in d else -9999.0,
+                            "bytes": list(text.encode()),
+                            "top_logprobs": [{"token": self.tokenizer.decode([t], False), "logprob": v.logprob,
+                                              "bytes": list(self.tokenizer.decode([t], False).encode())}
+                                             for t, v in ranked]})
+        return {"content": content}
+
+    @staticmethod
+    def _usage(out: RequestOutput) -> dict[str, int]:
+        p = len(out.prompt_token_ids)
+        g = sum(len(c.token_ids) for c in out.outputs)
+        return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
+
+    # ------------------------------------------------------------------ routes
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="pagellm", version=pagellm.__version__)
+        server = self
+
+        @app.exception_handler(APIError)
+        async def _api_error(_: Request, e: APIError) -> JSONResponse:
+            return _error(e.message, e.status, e.type, e.param, e.code)
+
+        @app.exception_handler(RequestValidationError)
+        async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+            first = e.errors()[0] if e.errors() else {}
+            loc = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+            return _error(f"{loc}: {first.get('msg', 'invalid request')}" if loc else str(e), 400,
+                          "BadRequestError", loc)
+
+        @app.exception_handler(EngineDeadError)
+        async def _dead(_: Request, e: EngineDeadError) -> JSONResponse:
+            return _error(str(e), 503, "ServiceUnavailableError")
+
+        # A dependency, not HTTP middleware: Starlette's BaseHTTPMiddleware hides client
+        # disconnects from ``Request.is_disconnected``, which abort-on-disconnect relies on.
+        async def guard(request: Request) -> None:
+            if server.api_key and request.headers.get("authorization") != f"Bearer {server.api_key}":
+                raise APIError("Incorrect or missing API key.", 401, "AuthenticationError", code="invalid_api_key")
+            if not server.engine.is_running:
+                raise APIError("The engine is not running.", 503, "ServiceUnavailableError")
+
+        v1 = [Depends(guard)]
+
+        @app.get("/health")
+        async def health() -> Response:
+            if not server.engine.is_running:
+                return _error("The engine is not running.", 503, "ServiceUnavailableError")
+            return Response(status_code=200)
+
+        @app.get("/version")
+        async def version() -> dict[str, str]:
+            return {"version": pagellm.__version__}
+
+        @app.get("/v1/models", dependencies=v1)
+        async def models() -> dict[str, Any]:
+            return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": int(time.time()),
+                                                "owned_by": "pagellm", "root": server.model_name,
+                                                "max_model_len": server.max_model_len}]}
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(server.registry), media_type="text/plain; version=0.0.4")
+
+        @app.post("/tokenize")
+        async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+            server._check_model(body.model)
+            if body.messages is not None:
+                ids = server.tokenizer.chat_prompt([m.model_dump(exclude_none=True) for m in body.messages])[
+                    "prompt_token_ids"]
+            elif body.prompt is not None:
+                ids = server.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            else:
+                raise APIError("either prompt or messages is required", param="prompt")
+            return {"tokens": ids, "count": len(ids), "max_model_len": server.max_model_len}
+
+        @app.post("/detokenize")
+        async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+            server._check_model(body.model)
+            vocab = server.engine.engine.model_info.vocab_size
+            bad = [t for t in body.tokens if t < 0 or t >= vocab]
+            if bad:
+                raise APIError(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}", param="tokens")
+            return {"prompt": server.tokenizer.decode(body.tokens, False)}
+
+        @app.post("/v1/completions", dependencies=v1)
+        async def completions(body: CompletionRequest, request: Request):
+            return await server._completions(body, request)
+
+        @app.post("/v1/chat/completions", dependencies=v1)
+        async def chat(body: ChatCompletionRequest, request: Request):
+            return await server._chat(body, request)
+
+        return app
+
+    # ------------------------------------------------------------------ /v1/completions
+    def _completion_prompts(self, prompt: Any) -> list[dict[str, Any]]:
+        if isinstance(prompt, str):
+            return [{"prompt": prompt}]
+        if prompt and isinstance(prompt[0], int):
+            return [{"prompt_token_ids": list(prompt)}]
+        if not prompt:
+            raise APIError("prompt must not be empty", param="prompt")
+        if len(prompt) > 1:
+            raise APIError("batched prompts are not supported: send one prompt per request", param="prompt")
+        return self._completion_prompts(prompt[0])
+
+    async def _completions(self, body: CompletionRequest, request: Request):
+        self._check_model(body.model)
+        (prompt,) = self._completion_prompts(body.prompt)
+        ids = prompt.get("prompt_token_ids") or self.tokenizer.encode(prompt["prompt"])
+        prompt = {"prompt": prompt.get("prompt"), "prompt_token_ids": ids}
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default for completions
+        params = self._params(body, len(ids), max_tokens, body.logprobs, body.best_of)
+        if body.stream and params.best_of and params.best_of > params.n:
+            raise APIError("best_of > n cannot be streamed", param="best_of")
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        echo = prompt["prompt"] if prompt["prompt"] is not None else self.tokenizer.decode(ids, False)
+        if body.stream:
+            outputs = await self._start(prompt, params, rid, body.priority)
+            return self._sse(self._completion_chunks(outputs, params, rid, created, body, echo, request))
+        try:
+            out = await self._run(prompt, params, rid, body.priority, request)
+        except ValueError as e:
+            raise APIError(str(e)) from e
+        if out is None:
+            return Response(status_code=499)
+        choices = [{"index": c.index, "text": (echo if body.echo else "") + c.text,
+                    "logprobs": self._logprobs_completion(c, len(echo) if body.echo else 0),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+        return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                "choices": choices, "usage": self._usage(out)}
+
+    async def _completion_chunks(self, outputs: AsyncIterator[RequestOutput], params: SamplingParams, rid: str,
+                                 created: int, body: CompletionRequest, echo: str,
+                                 request: Request) -> AsyncIterator[dict]:
+        sent_text: dict[int, int] = {}
+        sent_tok: dict[int, int] = {}
+        last = None
+        async for out in self._stream(outputs, rid, request):
+            last = out
+            for c in out.outputs:
+                start = sent_text.get(c.index, 0)
+                first = c.index not in sent_text
+                text = c.text[start:]
+                lp = None
+                if c.logprobs is not None:
+                    t0 = sent_tok.get(c.index, 0)
+                    part = type(c)(c.index, text, c.token_ids[t0:], None, c.logprobs[t0:])
+                    lp = self._logprobs_completion(part, start)
+                    sent_tok[c.index] = len(c.token_ids)
+                if not text and c.finish_reason is None and not (first and body.echo):
+                    continue
+                sent_text[c.index] = len(c.text)
+                yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                       "choices": [{"index": c.index, "text": (echo if (first and body.echo) else "") + text,
+                                    "logprobs": lp, "finish_reason": c.finish_reason,
+                                    "stop_reason": c.stop_reason}], "usage": None}
+        if last is not None and (body.stream_options or {}).get("include_usage"):
+            yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                   "choices": [], "usage": self._usage(last)}
+
+    # ------------------------------------------------------------------ /v1/chat/completions
+    async def _chat(self, body: ChatCompletionRequest, request: Request):
+        self._check_model(body.model)
+        if not body.messages:
+            raise APIError("messages must not be empty", param="messages")
+        try:
+            prompt = self.tokenizer.chat_prompt([m.model_dump(exclude_none=True) for m in body.messages],
+                                                body.add_generation_prompt)
+        except Exception as e:  # a template that rejects the conversation
+            raise APIError(f"cannot apply the chat template: {e}", param="messages") from e
+        ids = prompt["prompt_token_ids"]
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        top = body.top_logprobs or 0
+        if top and not body.logprobs:
+            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        params = self._params(body, len(ids), max_tokens, top if body.logprobs else None)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if body.stream:
+            outputs = await self._start(prompt, params, rid, body.priority)
+            return self._sse(self._chat_chunks(outputs, params, rid, created, body, top, request))
+        try:
+            out = await self._run(prompt, params, rid, body.priority, request)
+        except ValueError as e:
+            raise APIError(str(e)) from e
+        if out is None:
+            return Response(status_code=499)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._logprobs_chat(c, top) if body.logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+        return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
+                "choices": choices, "usage": self._usage(out)}
+
+    async def _chat_chunks(self, outputs: AsyncIterator[RequestOutput], params: SamplingParams, rid: str,
+                           created: int, body: ChatCompletionRequest, top: int,
+                           request: Request) -> AsyncIterator[dict]:
+        sent_text: dict[int, int] = {}
+        sent_tok: dict[int, int] = {}
+        last = None
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> dict:
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                    "choices": choices, "usage": usage}
+
+        for i in range(params.n):
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        async for out in self._stream(outputs, rid, request):
+            last = out
+            for c in out.outputs:
+                start = sent_text.get(c.index, 0)
+                text = c.text[start:]
+                if not text and c.finish_reason is None:
+                    continue
+                lp = None
+                if body.logprobs and c.logprobs is not None:
+                    t0 = sent_tok.get(c.index, 0)
+                    part = type(c)(c.index, text, c.token_ids[t0:], None, c.logprobs[t0:])
+                    lp = self._logprobs_chat(part, top)
+                    sent_tok[c.index] = len(c.token_ids)
+                sent_text[c.index] = len(c.text)
+                yield chunk([{"index": c.index, "delta": {"content": text} if text else {}, "logprobs": lp,
+                              "finish_reason": c.finish_reason}])
+        if last is not None and (body.stream_options or {}).get("include_usage"):
+            yield chunk([], self._usage(last))
+
+    def _sse(self, chunks: AsyncIterator[dict]) -> StreamingResponse:
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for c in chunks:
+                    yield f"data: {json.dumps(c)}\n\n".encode()
+            except (ValueError, APIError, EngineDeadError) as e:
+                msg = e.message if isinstance(e, APIError) else str(e)
+                kind = "ServiceUnavailableError" if isinstance(e, EngineDeadError) else "BadRequestError"
+                yield f"data: {json.dumps({'error': {'message': msg, 'type': kind}})}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) -> FastAPI:
+    return OpenAIServer(engine, model_name, api_key).app
+
+
+def serve(engine: AsyncLLM, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+          api_key: str | None = None) -> None:
+    import uvicorn
+
+    app = build_app(engine, model_name, api_key)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info")
+    finally:
+        engine.shutdown()
+

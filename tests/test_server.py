@@ -1,0 +1,194 @@
+"""The OpenAI-compatible server, driven by the official ``openai`` client and raw HTTP: outputs,
+streaming, usage, errors, auth, abort on disconnect, metrics, engine death."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from pagellm import LLM, SamplingParams
+from pagellm.config import EngineArgs
+from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.openai_server import build_app
+
+KEY = "sk-test"
+NAME = "tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    def __init__(self, engine: AsyncLLM, api_key: str | None) -> None:
+        self.port = _free_port()
+        config = uvicorn.Config(build_app(engine, NAME, api_key), host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama):
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, kv_cache_memory="16MiB", max_model_len=256,
+                                                  scheduling_policy="priority"))
+    srv = _Server(engine, KEY)
+    yield srv, engine
+    srv.stop()
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[0].url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _idle(engine: AsyncLLM, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = engine._stats()
+        kv = engine.engine.kv_cache_manager
+        if s["num_running"] + s["num_waiting"] + s["num_swapped"] == 0 and kv.num_free_blocks == kv.num_blocks:
+            return
+        assert time.monotonic() < deadline, f"requests or blocks left behind: {s}"
+        time.sleep(0.05)
+
+
+def test_models_health_version(served, client):
+    srv, _ = served
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(srv.url + "/health").status_code == 200
+    assert httpx.get(srv.url + "/version").json()["version"]
+
+
+def test_completion_equals_offline_greedy(tiny_llama, client, served):
+    prompt = "The quick brown fox"
+    out = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, extra_body={
+        "ignore_eos": True})
+    ref = LLM(tiny_llama, kv_cache_memory="16MiB").generate(prompt, SamplingParams(temperature=0, max_tokens=12,
+                                                                                   ignore_eos=True), use_tqdm=False)
+    assert out.choices[0].text == ref[0].outputs[0].text
+    assert out.usage.completion_tokens == 12 and out.usage.prompt_tokens == len(ref[0].prompt_token_ids)
+    assert out.choices[0].finish_reason == "length"
+    _idle(served[1])
+
+
+def test_chat_streaming_with_usage_only_in_the_last_chunk(client, served):
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "Hello!"}], max_tokens=10, temperature=0,
+              extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].usage.completion_tokens == 10
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    _idle(served[1])
+
+
+def test_raw_sse_ends_with_done(served):
+    srv, _ = served
+    with httpx.stream("POST", srv.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": NAME, "prompt": "Hi", "max_tokens": 4, "stream": True}, timeout=60) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)
+    assert json.loads(lines[0][6:])["object"] == "text_completion"
+
+
+def test_n_and_logprobs(client):
+    out = client.completions.create(model=NAME, prompt="a b c", max_tokens=5, n=3, temperature=1.0, seed=4,
+                                    logprobs=2)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    assert all(len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) for c in out.choices)
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                          logprobs=True, top_logprobs=2, temperature=0)
+    assert len(chat.choices[0].logprobs.content[0].top_logprobs) == 2
+
+
+def test_openai_style_errors(client, served):
+    srv, _ = served
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="hello", max_tokens=10_000)
+    assert "256" in e.value.message and "10000" in e.value.message
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=NAME, prompt="hello", max_tokens=3, temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hello", max_tokens=3)
+    r = httpx.post(srv.url + "/v1/completions", json={"model": NAME, "prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+    r = httpx.post(srv.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, json={"model": NAME})
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    _idle(served[1])
+
+
+def test_client_disconnect_aborts_and_frees_blocks(served, monkeypatch):
+    srv, engine = served
+    step = engine.engine.step
+
+    def slow_step():  # the tiny model would otherwise finish before the hang-up is seen
+        time.sleep(0.02)
+        return step()
+    monkeypatch.setattr(engine.engine, "step", slow_step)
+    body = {"model": NAME, "prompt": "Tell me a long story", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    before = engine._stats()["generation_tokens"]
+    with httpx.stream("POST", srv.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # one token arrived: hang up
+    _idle(engine, timeout=60)
+    assert engine._stats()["generation_tokens"] - before < 200, "the request ran to the end: no abort"
+    # Non-streaming too: the client gives up after a moment.
+    before = engine._stats()["generation_tokens"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={**body, "stream": False, "max_tokens": 240}, timeout=0.3)
+    _idle(engine, timeout=60)
+    assert engine._stats()["generation_tokens"] - before < 240, "the request ran to the end: no abort"
+
+
+def test_tokenize_detokenize_and_metrics(served, client):
+    srv, _ = served
+    r = httpx.post(srv.url + "/tokenize", json={"prompt": "hello world", "add_special_tokens": False})
+    ids = r.json()["tokens"]
+    assert httpx.post(srv.url + "/detokenize", json={"tokens": ids}).json()["prompt"] == "hello world"
+    client.completions.create(model=NAME, prompt="metrics", max_tokens=3)
+    text = httpx.get(srv.url + "/metrics").text
+    for name in ("pagellm:num_requests_running", "pagellm:kv_cache_usage_perc", "pagellm:prompt_tokens_total",
+                 "pagellm:prefix_cache_hits_total", "pagellm:time_to_first_token_seconds_bucket",
+                 "pagellm:e2e_request_latency_seconds_count", "pagellm:num_preemptions_total"):
+        assert name in text, name
+
+
+def test_dead_engine_reports_unhealthy_and_fails_requests(tiny_llama):
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, kv_cache_memory="16MiB"))
+    srv = _Server(engine, None)
+    try:
+        def boom():
+            raise RuntimeError("worker exploded")
+        engine.engine.step = boom  # type: ignore[method-assign]
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
+        assert r.status_code in (500, 503)
+        assert httpx.get(srv.url + "/health").status_code == 503
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 503
+    finally:
+        srv.stop()
+        engine.shutdown()
