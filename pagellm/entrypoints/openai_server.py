@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import pagellm
 from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -110,27 +110,27 @@ class _EngineCollector:
     def __init__(self, server: OpenAIServer) -> None:
         self.server = server
 
+    # (family, metric name, engine stats key, help)
+    _METRICS = (
+        (GaugeMetricFamily, "num_requests_running", "num_running", "Requests running"),
+        (GaugeMetricFamily, "num_requests_waiting", "num_waiting", "Requests waiting"),
+        (GaugeMetricFamily, "num_requests_swapped", "num_swapped", "Requests swapped out to CPU"),
+        (GaugeMetricFamily, "kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV blocks in use"),
+        (GaugeMetricFamily, "cpu_cache_usage_perc", "cpu_cache_usage", "Fraction of CPU swap blocks in use"),
+        (CounterMetricFamily, "prompt_tokens", "prompt_tokens", "Prompt tokens computed"),
+        (CounterMetricFamily, "generation_tokens", "generation_tokens", "Tokens generated"),
+        (CounterMetricFamily, "num_preemptions", "num_preemptions", "Preemptions (recompute or swap)"),
+        (CounterMetricFamily, "num_swap_outs", "num_swap_outs", "Preemptions by swap"),
+        (CounterMetricFamily, "prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up"),
+        (CounterMetricFamily, "prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found cached"),
+    )
+
     def collect(self):
         s = self.server.engine._stats()
-        labels = ["model_name"]
-        name = [self.server.model_name]
-        for metric, key, doc in (("num_requests_running", "num_running", "Requests running"),
-                                 ("num_requests_waiting", "num_waiting", "Requests waiting"),
-                                 ("num_requests_swapped", "num_swapped", "Requests swapped out to CPU"),
-                                 ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV blocks in use"),
-                                 ("cpu_cache_usage_perc", "cpu_cache_usage", "Fraction of CPU swap blocks in use")):
-            g = GaugeMetricFamily(f"pagellm:{metric}", doc, labels=labels)
-            g.add_metric(name, s[key])
-            yield g
-        for metric, key, doc in (("prompt_tokens", "prompt_tokens", "Prompt tokens computed"),
-                                 ("generation_tokens", "generation_tokens", "Tokens generated"),
-                                 ("num_preemptions", "num_preemptions", "Preemptions (recompute or swap)"),
-                                 ("num_swap_outs", "num_swap_outs", "Preemptions by swap"),
-                                 ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up"),
-                                 ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found cached")):
-            c = CounterMetricFamily(f"pagellm:{metric}", doc, labels=labels)
-            c.add_metric(name, s[key])
-            yield c
+        for family, metric, key, doc in self._METRICS:
+            m = family(f"pagellm:{metric}", doc, labels=["model_name"])
+            m.add_metric([self.server.model_name], s[key])
+            yield m
 
 
 _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -250,6 +250,34 @@ class OpenAIServer:
             await asyncio.wait({task}, timeout=0.2)
         last = task.result()
         return last
+
+    async def _final(self, prompt: Any, params: SamplingParams, rid: str, priority: int,
+                     request: Request) -> RequestOutput | None:
+        try:
+            return await self._run(prompt, params, rid, priority, request)
+        except ValueError as e:
+            raise APIError(str(e)) from e
+
+    async def _deltas(self, outputs: AsyncIterator[RequestOutput], rid: str, request: Request, logprobs: bool,
+                      always_first: bool = False) -> AsyncIterator[tuple[RequestOutput, Any, str, Any, bool, int]]:
+        """Per completion, what is new since the last chunk: ``(output, completion, new text, completion
+        holding only the new tokens' logprobs or None, first chunk of this completion, text offset)``."""
+        sent_text: dict[int, int] = {}
+        sent_tok: dict[int, int] = {}
+        async for out in self._stream(outputs, rid, request):
+            for c in out.outputs:
+                start = sent_text.get(c.index, 0)
+                first = c.index not in sent_text
+                text = c.text[start:]
+                if not text and c.finish_reason is None and not (first and always_first):
+                    continue  # tokens that make no text yet (a split UTF-8 character): wait for them
+                part = None
+                if logprobs and c.logprobs is not None:
+                    t0 = sent_tok.get(c.index, 0)
+                    part = CompletionOutput(c.index, text, c.token_ids[t0:], None, c.logprobs[t0:])
+                    sent_tok[c.index] = len(c.token_ids)
+                sent_text[c.index] = len(c.text)
+                yield out, c, text, part, first, start
 
     async def _collect(self, prompt: Any, params: SamplingParams, rid: str, priority: int,
                        request: Request) -> RequestOutput | None:
@@ -399,46 +427,40 @@ class OpenAIServer:
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         echo = prompt["prompt"] if prompt["prompt"] is not None else self.tokenizer.decode(ids, False)
+
+        def whole(out: RequestOutput) -> dict[str, Any]:
+            choices = [{"index": c.index, "text": (echo if body.echo else "") + c.text,
+                        "logprobs": self._logprobs_completion(c, len(echo) if body.echo else 0),
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+            return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                    "choices": choices, "usage": self._usage(out)}
+
+        return await self._respond(prompt, params, rid, body, request, whole,
+                                   lambda outputs: self._completion_chunks(outputs, params, rid, created, body,
+                                                                           echo, request))
+
+    async def _respond(self, prompt: Any, params: SamplingParams, rid: str, body: _Body, request: Request,
+                       whole: Any, chunks: Any) -> Any:
+        """Stream ``chunks(outputs)`` as SSE, or wait for the final output and return ``whole(output)``."""
         if body.stream:
-            outputs = await self._start(prompt, params, rid, body.priority)
-            return self._sse(self._completion_chunks(outputs, params, rid, created, body, echo, request))
-        try:
-            out = await self._run(prompt, params, rid, body.priority, request)
-        except ValueError as e:
-            raise APIError(str(e)) from e
+            return self._sse(chunks(await self._start(prompt, params, rid, body.priority)))
+        out = await self._final(prompt, params, rid, body.priority, request)
         if out is None:
-            return Response(status_code=499)
-        choices = [{"index": c.index, "text": (echo if body.echo else "") + c.text,
-                    "logprobs": self._logprobs_completion(c, len(echo) if body.echo else 0),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
-        return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": choices, "usage": self._usage(out)}
+            return Response(status_code=499)  # the client went away; nobody reads this
+        return whole(out)
 
     async def _completion_chunks(self, outputs: AsyncIterator[RequestOutput], params: SamplingParams, rid: str,
                                  created: int, body: CompletionRequest, echo: str,
                                  request: Request) -> AsyncIterator[dict]:
-        sent_text: dict[int, int] = {}
-        sent_tok: dict[int, int] = {}
         last = None
-        async for out in self._stream(outputs, rid, request):
+        async for out, c, text, part, first, start in self._deltas(outputs, rid, request, body.logprobs is not None,
+                                                                   always_first=body.echo):
             last = out
-            for c in out.outputs:
-                start = sent_text.get(c.index, 0)
-                first = c.index not in sent_text
-                text = c.text[start:]
-                lp = None
-                if c.logprobs is not None:
-                    t0 = sent_tok.get(c.index, 0)
-                    part = type(c)(c.index, text, c.token_ids[t0:], None, c.logprobs[t0:])
-                    lp = self._logprobs_completion(part, start)
-                    sent_tok[c.index] = len(c.token_ids)
-                if not text and c.finish_reason is None and not (first and body.echo):
-                    continue
-                sent_text[c.index] = len(c.text)
-                yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                       "choices": [{"index": c.index, "text": (echo if (first and body.echo) else "") + text,
-                                    "logprobs": lp, "finish_reason": c.finish_reason,
-                                    "stop_reason": c.stop_reason}], "usage": None}
+            lp = self._logprobs_completion(part, start) if part is not None else None
+            yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                   "choices": [{"index": c.index, "text": (echo if (first and body.echo) else "") + text,
+                                "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
+                   "usage": None}
         if last is not None and (body.stream_options or {}).get("include_usage"):
             yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                    "choices": [], "usage": self._usage(last)}
@@ -461,26 +483,21 @@ class OpenAIServer:
         params = self._params(body, len(ids), max_tokens, top if body.logprobs else None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        if body.stream:
-            outputs = await self._start(prompt, params, rid, body.priority)
-            return self._sse(self._chat_chunks(outputs, params, rid, created, body, top, request))
-        try:
-            out = await self._run(prompt, params, rid, body.priority, request)
-        except ValueError as e:
-            raise APIError(str(e)) from e
-        if out is None:
-            return Response(status_code=499)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs_chat(c, top) if body.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
-        return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-                "choices": choices, "usage": self._usage(out)}
+
+        def whole(out: RequestOutput) -> dict[str, Any]:
+            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": self._logprobs_chat(c, top) if body.logprobs else None,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+            return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
+                    "choices": choices, "usage": self._usage(out)}
+
+        return await self._respond(prompt, params, rid, body, request, whole,
+                                   lambda outputs: self._chat_chunks(outputs, params, rid, created, body, top,
+                                                                     request))
 
     async def _chat_chunks(self, outputs: AsyncIterator[RequestOutput], params: SamplingParams, rid: str,
                            created: int, body: ChatCompletionRequest, top: int,
                            request: Request) -> AsyncIterator[dict]:
-        sent_text: dict[int, int] = {}
-        sent_tok: dict[int, int] = {}
         last = None
 
         def chunk(choices: list[dict], usage: dict | None = None) -> dict:
@@ -490,22 +507,11 @@ class OpenAIServer:
         for i in range(params.n):
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
-        async for out in self._stream(outputs, rid, request):
+        async for out, c, text, part, _, _ in self._deltas(outputs, rid, request, body.logprobs):
             last = out
-            for c in out.outputs:
-                start = sent_text.get(c.index, 0)
-                text = c.text[start:]
-                if not text and c.finish_reason is None:
-                    continue
-                lp = None
-                if body.logprobs and c.logprobs is not None:
-                    t0 = sent_tok.get(c.index, 0)
-                    part = type(c)(c.index, text, c.token_ids[t0:], None, c.logprobs[t0:])
-                    lp = self._logprobs_chat(part, top)
-                    sent_tok[c.index] = len(c.token_ids)
-                sent_text[c.index] = len(c.text)
-                yield chunk([{"index": c.index, "delta": {"content": text} if text else {}, "logprobs": lp,
-                              "finish_reason": c.finish_reason}])
+            lp = self._logprobs_chat(part, top) if part is not None else None
+            yield chunk([{"index": c.index, "delta": {"content": text} if text else {}, "logprobs": lp,
+                          "finish_reason": c.finish_reason}])
         if last is not None and (body.stream_options or {}).get("include_usage"):
             yield chunk([], self._usage(last))
 
