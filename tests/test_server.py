@@ -113,9 +113,9 @@ def test_raw_sse_ends_with_done(served):
 
 
 def test_n_and_logprobs(client):
-    out = client.completions.create(model=NAME, prompt="a b c", max_tokens=5, n=3, temperature=1.0, seed=4,
+    out = client.completions.create(model=NAME, prompt="a b c", max_tokens=5, n=2, temperature=1.0, seed=4,
                                     logprobs=2)
-    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    assert sorted(c.index for c in out.choices) == [0, 1]
     assert all(len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) for c in out.choices)
     chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=3,
                                           logprobs=True, top_logprobs=2, temperature=0)
@@ -148,13 +148,24 @@ def test_client_disconnect_aborts_and_frees_blocks(served, monkeypatch):
     monkeypatch.setattr(engine.engine, "step", slow_step)
     body = {"model": NAME, "prompt": "Tell me a long story", "max_tokens": 200, "stream": True, "ignore_eos": True}
     before = engine._stats()["generation_tokens"]
+    others: list[str] = []
+
+    def other_stream() -> None:  # runs alongside, must finish normally
+        with httpx.stream("POST", srv.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                          json={**body, "max_tokens": 20}, timeout=120) as r:
+            others.extend(json.loads(ln[6:])["choices"][0]["finish_reason"] or "" for ln in r.iter_lines()
+                          if ln.startswith("data: {"))
+    t = threading.Thread(target=other_stream)
+    t.start()
     with httpx.stream("POST", srv.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                       json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 break  # one token arrived: hang up
+    t.join(timeout=120)
+    assert others and others[-1] == "length", "the other stream did not finish"
     _idle(engine, timeout=60)
-    assert engine._stats()["generation_tokens"] - before < 200, "the request ran to the end: no abort"
+    assert engine._stats()["generation_tokens"] - before < 200 + 20, "the request ran to the end: no abort"
     # Non-streaming too: the client gives up after a moment.
     before = engine._stats()["generation_tokens"]
     with pytest.raises(httpx.ReadTimeout):
@@ -192,3 +203,93 @@ def test_dead_engine_reports_unhealthy_and_fails_requests(tiny_llama):
     finally:
         srv.stop()
         engine.shutdown()
+
+
+def test_seed_reproducibility_and_stop_strings(client, served):
+    kw = dict(model=NAME, prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=123)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text
+    greedy = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=16, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    words = greedy.split()
+    assert len(words) >= 3, greedy
+    stop = words[2]
+    out = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=16, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    assert out.finish_reason == "stop" and stop not in out.text and greedy.startswith(out.text)
+    _idle(served[1])
+
+
+BAD_REQUESTS = [
+    ("missing prompt", {"model": NAME, "max_tokens": 3}, 400, "prompt"),
+    ("wrong type", {"model": NAME, "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("negative max_tokens", {"model": NAME, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("temperature -1", {"model": NAME, "prompt": "x", "max_tokens": 3, "temperature": -1}, 400, "temperature"),
+    ("top_p 2", {"model": NAME, "prompt": "x", "max_tokens": 3, "top_p": 2}, 400, "top_p"),
+    ("n 0", {"model": NAME, "prompt": "x", "max_tokens": 3, "n": 0}, 400, "n"),
+    ("unknown model", {"model": "gpt-5", "prompt": "x", "max_tokens": 3}, 404, "gpt-5"),
+    ("oversized prompt", {"model": NAME, "prompt": "hello " * 400, "max_tokens": 3}, 400, "context length"),
+    ("token ids outside the vocabulary", {"model": NAME, "prompt": [5, 10**8], "max_tokens": 3}, 400, "vocabulary"),
+]
+
+
+@pytest.mark.parametrize("name,body,status,needle", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_requests_get_clear_errors(served, name, body, status, needle):
+    srv, engine = served
+    r = httpx.post(srv.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"]
+    ok = httpx.post(srv.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                    json={"model": NAME, "prompt": "still serving", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200
+    _idle(engine)
+
+
+def test_invalid_json_and_wrong_key(served):
+    srv, _ = served
+    r = httpx.post(srv.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}",
+                                                              "Content-Type": "application/json"},
+                   content=b"{not json", timeout=30)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(srv.url + "/v1/chat/completions", headers={"Authorization": "Bearer wrong"},
+                   json={"model": NAME, "messages": [{"role": "user", "content": "x"}]}, timeout=30)
+    assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+
+
+def test_concurrent_streams_with_random_disconnects(served):
+    """32 streaming clients at once; every third hangs up after its first token. Survivors complete,
+    nothing errors, the engine ends idle with every block free."""
+    import asyncio
+    import random
+
+    srv, engine = served
+    rng = random.Random(0)
+    drop = set(rng.sample(range(32), 11))
+
+    async def client(i: int, http: httpx.AsyncClient) -> tuple[int, str | None, int]:
+        body = {"model": NAME, "prompt": f"request {i}:", "max_tokens": 24, "stream": True, "ignore_eos": True,
+                "temperature": 0}
+        finish, n = None, 0
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                n += 1
+                finish = chunk["choices"][0]["finish_reason"] or finish
+                if i in drop:
+                    return i, None, n
+        return i, finish, n
+
+    async def main():
+        async with httpx.AsyncClient(base_url=srv.url, headers={"Authorization": f"Bearer {KEY}"},
+                                     timeout=120) as http:
+            return await asyncio.wait_for(asyncio.gather(*(client(i, http) for i in range(32))), 300)
+
+    results = asyncio.run(main())
+    survivors = [r for r in results if r[0] not in drop]
+    assert len(survivors) == 21 and all(f == "length" for _, f, _ in survivors)
+    _idle(engine, timeout=60)
