@@ -1,0 +1,115 @@
+"""Achieved model FLOP/s against this machine's GEMM peak, for prefill-heavy and decode-heavy steps.
+
+1. GEMM peak: ``torch.nn.functional.linear`` at the model's weight shapes (fused qkv, o, gate_up,
+   down, lm_head) for a decode-sized M (64) and a prefill-sized M (2048), float32 and bfloat16.
+2. A workload run (default: the first 32 requests of W64) with every ``execute_model`` timed; each
+   step's model FLOPs are counted from its ``SchedulerOutput``: ``2 x tokens x weights`` for the
+   layers, ``2 x sampled rows x vocab x hidden`` for the LM head, and ``4 x heads x head_dim x``
+   (query x key pairs) for attention. Steps where prefill tokens outnumber decodes are
+   "prefill-heavy", the rest "decode-heavy".
+
+    python benchmarks/roofline.py
+    python benchmarks/roofline.py --num-requests 64 --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+DEFAULT_WORKLOAD = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "bench", "workload_n64_seed0.json")
+
+
+def gemm_peak(shapes: dict[str, tuple[int, int]], m: int, dtype, repeats: int = 5) -> float:
+    """Best GFLOP/s of one pass over every weight shape at batch ``m``."""
+    import torch
+
+    ws = {k: torch.randn(n_out, n_in, dtype=dtype) for k, (n_out, n_in) in shapes.items()}
+    xs = {k: torch.randn(m, n_in, dtype=dtype) for k, (_, n_in) in shapes.items()}
+    flops = sum(2 * m * n_out * n_in for n_out, n_in in shapes.values())
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for k in shapes:
+                torch.nn.functional.linear(xs[k], ws[k])
+            best = min(best, time.perf_counter() - t)
+    return flops / best / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default=DEFAULT_WORKLOAD)
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args()
+
+    import torch
+
+    from pagellm import LLMEngine, SamplingParams
+    from pagellm.config import EngineArgs
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=args.model, dtype=args.dtype))
+    model = engine.executor.worker.model
+    cfg = model.config
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    shapes = {"qkv": tuple(attn.qkv_proj.weight.shape), "o": tuple(attn.o_proj.weight.shape),
+              "gate_up": tuple(mlp.gate_up_proj.weight.shape), "down": tuple(mlp.down_proj.weight.shape),
+              "lm_head": (cfg.vocab_size, cfg.hidden_size)}
+    print("GEMM peak at the model's shapes (GFLOP/s, one pass over qkv, o, gate_up, down, lm_head):")
+    peaks = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for m in (64, 2048):
+            peaks[(dtype, m)] = gemm_peak(shapes, m, dtype)
+            print(f"  {str(dtype).removeprefix('torch.'):9s} M={m:5d}: {peaks[(dtype, m)]:7.1f}")
+
+    layer_weights = sum(a * b for k, (a, b) in shapes.items() if k != "lm_head")
+    n_layers, hd, nh = cfg.num_hidden_layers, attn.head_dim, attn.num_heads
+    stats = {"prefill-heavy": [0.0, 0.0, 0], "decode-heavy": [0.0, 0.0, 0]}  # seconds, flops, steps
+    execute = engine.executor.execute_model
+
+    def timed(so):
+        t = time.perf_counter()
+        out = execute(so)
+        dt = time.perf_counter() - t
+        tokens = sum(s.num_scheduled_tokens for s in so.scheduled)
+        sampled = sum(len(s.sample_seq_ids or [s.seq_id]) for s in so.scheduled if s.do_sample)
+        pairs = sum(s.num_scheduled_tokens * s.num_computed_tokens
+                    + s.num_scheduled_tokens * (s.num_scheduled_tokens + 1) // 2 for s in so.scheduled)
+        flops = 2 * tokens * layer_weights * n_layers + 2 * sampled * cfg.vocab_size * cfg.hidden_size \
+            + 4 * nh * hd * pairs * n_layers
+        decodes = sum(1 for s in so.scheduled if s.num_scheduled_tokens == 1 and s.num_computed_tokens > 0)
+        kind = "prefill-heavy" if tokens - decodes > decodes else "decode-heavy"
+        row = stats[kind]
+        row[0] += dt
+        row[1] += flops
+        row[2] += 1
+        return out
+
+    engine.executor.execute_model = timed  # type: ignore[method-assign]
+    with open(args.workload) as f:
+        reqs = json.load(f)["requests"][: args.num_requests]
+    for i, r in enumerate(reqs):
+        engine.add_request(str(i), {"prompt_token_ids": r["prompt_token_ids"]},
+                           SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True))
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    wall = time.perf_counter() - t0
+    dtype = engine.executor.worker.dtype
+    print(f"\n{len(reqs)} requests of {os.path.basename(args.workload)}, {str(dtype).removeprefix('torch.')}, "
+          f"wall {wall:.1f} s")
+    print(f"{'steps':14s} {'count':>6s} {'time s':>8s} {'GFLOP/s':>9s} {'peak GFLOP/s':>13s} {'of peak':>8s}")
+    for kind, (secs, flops, n) in stats.items():
+        if not n:
+            continue
+        peak = peaks[(dtype, 2048 if kind == "prefill-heavy" else 64)]
+        rate = flops / secs / 1e9
+        print(f"{kind:14s} {n:6d} {secs:8.1f} {rate:9.1f} {peak:13.1f} {rate / peak:8.1%}")
+
+
+if __name__ == "__main__":
+    main()
