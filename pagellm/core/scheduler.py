@@ -473,20 +473,21 @@ class Scheduler:
         new_beams: list[Sequence] = []
         used: set[int] = set()
         if not step.done:
-            for parent_idx, token, cum in step.running:
+            # A parent's first continuation extends it in place; each further one is a fork taken
+            # before any token is appended (so it starts from the parent's state of this step).
+            for parent_idx, _, _ in step.running:
                 parent = beams[parent_idx]
                 if parent.seq_id in used:
                     child = parent.fork(self.new_seq_id())
-                    child.output_token_ids.pop()  # the fork copies the parent's already-extended tokens
                     kv.fork(parent, child)
                     group.seqs.append(child)
-                    target = child
+                    new_beams.append(child)
                 else:
                     used.add(parent.seq_id)
-                    target = parent
-                new_beams.append(target)
-                target.output_token_ids.append(token)
-                target.cumulative_logprob = cum
+                    new_beams.append(parent)
+            for beam, (_, token, cum) in zip(new_beams, step.running, strict=True):
+                beam.output_token_ids.append(token)
+                beam.cumulative_logprob = cum
         for b in beams:  # beams no continuation chose, or all of them when the search is over
             if b.seq_id not in used:
                 b.status = SequenceStatus.FINISHED_STOPPED
