@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 from pagellm.config import SchedulerConfig
+from pagellm.core.beam_search import BeamSearchState
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.core.scheduler_output import ModelRunnerOutput, SampledToken
@@ -22,17 +23,35 @@ def make_scheduler(num_blocks=64, block_size=4, max_model_len=10_000, enable_cac
 
 
 def make_group(rid: str, prompt_len: int, max_tokens: int = 4, tokens: list[int] | None = None,
-               cache_salt: str | None = None, priority: int = 0, **params) -> SequenceGroup:
+               cache_salt: str | None = None, priority: int = 0, beam_width: int = 0, **params) -> SequenceGroup:
+    """A request; ``beam_width > 0`` makes it a beam search (as ``LLMEngine.add_request`` would)."""
+    if beam_width:
+        params = dict(params, n=beam_width, logprobs=2 * beam_width, ignore_eos=True)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, eos_token_id=EOS, **params)
     prompt = list(tokens) if tokens is not None else [7] * prompt_len
-    return SequenceGroup(rid, [Sequence(next(_seq_ids), prompt)], sp, arrival_time=0.0, cache_salt=cache_salt,
-                         priority=priority)
+    group = SequenceGroup(rid, [Sequence(next(_seq_ids), prompt)], sp, arrival_time=0.0, cache_salt=cache_salt,
+                          priority=priority)
+    if beam_width:
+        group.beam_state = BeamSearchState(beam_width, max_tokens, eos_token_id=EOS)
+    return group
+
+
+def _candidates(seq_id: int, n_out: int, k: int) -> dict[int, tuple[float, int]]:
+    """Deterministic, distinct top-k "logprobs" for a beam (EOS among them now and then)."""
+    return {EOS if (seq_id + n_out + j) % 7 == 0 else 10 + j: (-0.1 * (j + 1) - 0.01 * ((seq_id + j) % 5), j + 1)
+            for j in range(k)}
 
 
 def fake_step(sched: Scheduler, token: int = 5):
     out = sched.schedule()
-    sampled = {sid: SampledToken(token, -0.5) for s in out.scheduled if s.do_sample
-               for sid in (s.sample_seq_ids or [s.seq_id])}
+    sampled = {}
+    for s in out.scheduled:
+        if not s.do_sample:
+            continue
+        for sid in s.sample_seq_ids or [s.seq_id]:
+            k = s.sampling_params.logprobs
+            top = _candidates(sid, len(s.output_token_ids), k) if k else None
+            sampled[sid] = SampledToken(token, -0.5, top)
     _, finished = sched.update_from_output(out, ModelRunnerOutput(sampled))
     sched.check_invariants()
     return out, finished

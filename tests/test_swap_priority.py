@@ -263,7 +263,7 @@ def test_abort_while_swapped_frees_cpu_blocks():
 @given(
     st.lists(
         st.one_of(
-            st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 10), st.integers(0, 3), st.integers(1, 3)),
+            st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 10), st.integers(0, 3), st.integers(1, 4)),
             st.tuples(st.just("step"), st.integers(1, 4), st.just(0), st.just(0), st.just(1)),
             st.tuples(st.just("abort"), st.integers(0, 50), st.just(0), st.just(0), st.just(1)),
         ),
@@ -291,8 +291,10 @@ def test_random_traffic_under_pressure_keeps_invariants(ops, mode, policy, num_b
         if prompt_len >= num_blocks * bs:
             return None  # the engine rejects it in add_request
         tokens = [prompt_len % 3] * min(prompt_len, 8) + list(range(prompt_len - min(prompt_len, 8)))
-        # n > 1: parallel samples share the prompt's blocks (and are swapped as a group in auto mode).
-        return make_group(rid, 0, max_tokens=max_tokens, tokens=tokens, n=n,
+        # n > 1: parallel samples share the prompt's blocks (and are swapped as a group in auto mode);
+        # n == 4 stands for a beam search of width 2 (beams fork and die every step).
+        beam = 2 if n == 4 else 0
+        return make_group(rid, 0, max_tokens=max_tokens, tokens=tokens, n=1 if beam else n, beam_width=beam,
                           priority=priority if policy == "priority" else 0)
 
     drive(sched, ops, build)
