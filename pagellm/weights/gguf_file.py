@@ -62,7 +62,9 @@ def gguf_config(path: str):
     p = f"{arch}."
     n_heads = int(_field(r, p + "attention.head_count"))
     hidden = int(_field(r, p + "embedding_length"))
-    tokens = _field(r, "tokenizer.ggml.tokens") or []
+    # Only the count: decoding the ~50k token strings (``contents()``) would cost seconds.
+    tokens_field = r.fields.get("tokenizer.ggml.tokens")
+    n_tokens = len(tokens_field.data) if tokens_field is not None else 0
     names = {t.name for t in r.tensors}
     kwargs: dict[str, Any] = dict(
         hidden_size=hidden,
@@ -74,7 +76,7 @@ def gguf_config(path: str):
         rms_norm_eps=float(_field(r, p + "attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(_field(r, p + "rope.freq_base", 10000.0)),
         max_position_embeddings=int(_field(r, p + "context_length", 2048)),
-        vocab_size=int(_field(r, p + "vocab_size", len(tokens))),
+        vocab_size=int(_field(r, p + "vocab_size", n_tokens)),
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=_field(r, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(r, "tokenizer.ggml.eos_token_id"),
