@@ -11,11 +11,10 @@ the same step cannot hit each other's blocks yet) and off (no sharing at all).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 
-DEFAULT_WORKLOAD = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "bench", "workload_n64_seed0.json")
+from workload import W64 as DEFAULT_WORKLOAD
+from workload import load_workload
 
 
 def run(reqs: list[dict], n: int, grouped: bool, caching: bool, args: argparse.Namespace) -> dict:
@@ -55,10 +54,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--kv-cache-memory", default="2GiB")
     args = ap.parse_args()
-    if not os.path.exists(args.workload):
-        raise SystemExit(f"workload file not found: {args.workload} (pass --workload PATH)")
-    with open(args.workload) as f:
-        reqs = json.load(f)["requests"][: args.num_prompts]
+    reqs = load_workload(args.workload, args.num_prompts)
     n_in = sum(len(r["prompt_token_ids"]) for r in reqs)
     print(f"{len(reqs)} prompts ({n_in} prompt tokens), n = {args.n}, "
           f"{args.n * sum(r['max_tokens'] for r in reqs)} tokens to generate, temperature 0.8")

@@ -11,13 +11,12 @@ prefix-cache hit rate and the on/off ratios. Greedy outputs of the two runs are 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 
-DEFAULT_WORKLOAD = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "bench",
-                                "workload_prefix384_n64_seed1.json")
+from workload import PREFIX384 as DEFAULT_WORKLOAD
+from workload import load_workload
 
 
 def run(reqs: list[dict], caching: bool, args: argparse.Namespace) -> dict:
@@ -50,10 +49,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args()
-    if not os.path.exists(args.workload):
-        raise SystemExit(f"workload file not found: {args.workload} (pass --workload PATH)")
-    with open(args.workload) as f:
-        reqs = json.load(f)["requests"][: args.num_requests]
+    reqs = load_workload(args.workload, args.num_requests)
     n_in = sum(len(r["prompt_token_ids"]) for r in reqs)
     print(f"workload: {os.path.basename(args.workload)}, {len(reqs)} requests, {n_in} prompt tokens, "
           f"{sum(r['max_tokens'] for r in reqs)} output tokens")

@@ -15,11 +15,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
-DEFAULT_WORKLOAD = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "bench", "workload_n64_seed0.json")
+from workload import W64 as DEFAULT_WORKLOAD
+from workload import load_workload
 
 
 def gemm_peak(shapes: dict[str, tuple[int, int]], m: int, dtype, repeats: int = 5) -> float:
@@ -90,8 +90,7 @@ def main() -> None:
         return out
 
     engine.executor.execute_model = timed  # type: ignore[method-assign]
-    with open(args.workload) as f:
-        reqs = json.load(f)["requests"][: args.num_requests]
+    reqs = load_workload(args.workload, args.num_requests)
     for i, r in enumerate(reqs):
         engine.add_request(str(i), {"prompt_token_ids": r["prompt_token_ids"]},
                            SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True))

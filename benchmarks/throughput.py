@@ -12,20 +12,12 @@ Absolute numbers drift on shared machines: read the ratio, which is measured in 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import time
 
-DEFAULT_WORKLOAD = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "bench", "workload_n64_seed0.json")
-
-
-def load_workload(path: str, n: int | None) -> list[dict]:
-    if not os.path.exists(path):
-        raise SystemExit(f"workload file not found: {path} (pass --workload PATH)")
-    with open(path) as f:
-        reqs = json.load(f)["requests"]
-    return reqs[:n] if n else reqs
+from workload import W64 as DEFAULT_WORKLOAD
+from workload import load_workload
 
 
 def run_pagellm(reqs: list[dict], args: argparse.Namespace) -> dict:
