@@ -188,13 +188,6 @@ class KVCacheManager:
             reclaimed.update(b.block_id for b in hits if b.ref_cnt == 0)
         return need + len(reclaimed)
 
-    def can_allocate(self, seq: Sequence, num_tokens: int, computed_blocks: list[KVCacheBlock] | None = None,
-                     reserve: int = 0) -> bool:
-        """Whether ``seq`` (no table yet) could hold ``num_tokens`` tokens starting from
-        ``computed_blocks`` and still leave ``reserve`` blocks free. Changes nothing."""
-        n = num_tokens - seq.num_computed_tokens
-        return n <= 0 or self.num_new_blocks(seq, n, computed_blocks) + reserve <= self.block_pool.num_free_blocks
-
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares every block of ``parent`` (one more reference each)."""
         table = self.block_tables.get(parent.seq_id, [])

@@ -258,10 +258,10 @@ class Scheduler:
         for seq in group.live_seqs():
             seq.num_computed_tokens = 0
 
-    def _allocate(self, plan: list[tuple[Sequence, int]], reserve: int = 0) -> bool:
+    def _allocate(self, plan: list[tuple[Sequence, int]]) -> bool:
         """All of the plan's blocks, or nothing."""
         kv = self.kv_cache_manager
-        if sum(kv.num_new_blocks(seq, n) for seq, n in plan) + reserve > kv.num_free_blocks:
+        if sum(kv.num_new_blocks(seq, n) for seq, n in plan) > kv.num_free_blocks:
             return False
         for seq, n in plan:
             assert kv.allocate_slots(seq, n) is not None
