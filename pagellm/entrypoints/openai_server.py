@@ -225,9 +225,8 @@ class OpenAIServer:
     async def _stream(self, outputs: AsyncIterator[RequestOutput], rid: str,
                       request: Request) -> AsyncIterator[RequestOutput]:
         """The engine's outputs; stops (which aborts the request) when the client disconnects."""
-        gen = outputs
         try:
-            async for out in gen:
+            async for out in outputs:
                 if await request.is_disconnected():
                     logger.info("client of %s disconnected: aborting", rid)
                     return
@@ -235,26 +234,28 @@ class OpenAIServer:
                     self._record(out)
                 yield out
         finally:
-            await gen.aclose()
-
-    async def _run(self, prompt: Any, params: SamplingParams, rid: str, priority: int,
-                   request: Request) -> RequestOutput | None:
-        """Non-streaming: wait for the final output, aborting if the client goes away meanwhile."""
-        last: RequestOutput | None = None
-        task = asyncio.ensure_future(self._collect(prompt, params, rid, priority, request))
-        while not task.done():
-            if await request.is_disconnected():
-                task.cancel()
-                logger.info("client of %s disconnected: aborting", rid)
-                return None
-            await asyncio.wait({task}, timeout=0.2)
-        last = task.result()
-        return last
+            await outputs.aclose()
 
     async def _final(self, prompt: Any, params: SamplingParams, rid: str, priority: int,
                      request: Request) -> RequestOutput | None:
+        """Non-streaming: the final output, or ``None`` (request aborted) if the client went away."""
+        async def collect() -> RequestOutput | None:
+            last = None
+            async for out in self.engine.generate(prompt, params, rid, priority):
+                last = out
+            if last is not None:
+                self._record(last)
+            return last
+
+        task = asyncio.ensure_future(collect())
+        while not task.done():
+            if await request.is_disconnected():
+                task.cancel()  # ends the engine stream, which aborts the request
+                logger.info("client of %s disconnected: aborting", rid)
+                return None
+            await asyncio.wait({task}, timeout=0.2)
         try:
-            return await self._run(prompt, params, rid, priority, request)
+            return task.result()
         except ValueError as e:
             raise APIError(str(e)) from e
 
@@ -278,15 +279,6 @@ class OpenAIServer:
                     sent_tok[c.index] = len(c.token_ids)
                 sent_text[c.index] = len(c.text)
                 yield out, c, text, part, first, start
-
-    async def _collect(self, prompt: Any, params: SamplingParams, rid: str, priority: int,
-                       request: Request) -> RequestOutput | None:
-        last = None
-        async for out in self.engine.generate(prompt, params, rid, priority):
-            last = out
-        if last is not None:
-            self._record(last)
-        return last
 
     def _logprobs_completion(self, c: Any, offset0: int) -> dict[str, Any] | None:
         if c.logprobs is None:
