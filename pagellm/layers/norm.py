@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagellm.kernels import cpu_ops
+
 
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)`` computed in float32, as Hugging Face Llama does."""
@@ -21,7 +23,15 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``."""
+        """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``.
+
+        On CPU float32 2-D inputs the fused kernel does it in one pass and updates ``residual``
+        in place (the decoder owns it), instead of seven PyTorch passes.
+        """
+        if x.dim() == 2 and cpu_ops.usable(x):
+            if residual is None:
+                return cpu_ops.rms_norm(x, self.weight, self.eps)
+            return cpu_ops.rms_norm(x, self.weight, self.eps, residual), residual
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention import AttentionMetadata, get_attention_backend
+from pagellm.kernels import cpu_ops
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -50,14 +51,20 @@ class Attention(nn.Module):
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        rotated = self.q_norm is None and cpu_ops.usable(qkv)
+        if rotated:
+            # q and k are adjacent in each row: one in-place pass rotates both, no copies.
+            cpu_ops.rotary_(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), *rope)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
-        o = _paged.forward(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta, self.scale)
+        if not rotated:
+            q, k = apply_rotary(q, k, *rope)
+        o = _paged.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o)
 
 
@@ -72,7 +79,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_ops.usable(gate_up):
+            return self.down_proj(cpu_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

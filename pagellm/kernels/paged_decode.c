@@ -1,5 +1,5 @@
 /* Paged decode attention for CPU, float32: one query token per sequence attends to its cached
- * K/V read straight from the blocks (no gather copy). Compiled on first use by cpu_kernel.py.
+ * K/V read straight from the blocks (no gather copy). Built on first use by pagellm/kernels/__init__.py.
  *
  * q, out:        [B, Hq, D]
  * key/value:     [num_slots, Hkv, D]   slot = block_id * block_size + offset

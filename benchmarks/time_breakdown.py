@@ -1,0 +1,160 @@
+"""Where a W64 run spends its time: scheduling, input preparation, model ops, attention, sampling.
+
+Wraps the engine's functions with exclusive timers (a nested call's time is not counted twice):
+
+    scheduling          Scheduler.schedule + update_from_output
+    input preparation   ModelRunner.execute_model's own Python (flat batch, slot_mapping) + build_metadata
+    linear (GEMM)       every nn.Linear in the layers
+    attention           the paged attention backend (K/V write, decode kernel / SDPA)
+    other model ops     embedding, RMSNorm, rotary, SiLU*mul, residual adds (model time minus the above)
+    lm head             compute_logits at the sampled rows
+    sampling            the sampler (greedy / top-k / top-p, logprobs)
+    output processing   the rest of LLMEngine.step: detokenization, stop checks, RequestOutputs
+
+Each step is classed prefill-heavy (more prefill tokens than decodes) or decode-heavy. With
+``--torch-profiler N`` it also prints torch.profiler's op table over N steps of each kind.
+
+    python benchmarks/time_breakdown.py                      # W64
+    python benchmarks/time_breakdown.py --num-requests 16 --torch-profiler 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from collections import defaultdict
+
+from workload import W64 as DEFAULT_WORKLOAD
+from workload import load_workload
+
+CATEGORIES = ("scheduling", "input preparation", "linear (GEMM)", "attention", "other model ops", "lm head",
+              "sampling", "output processing")
+
+
+class ExclusiveTimers:
+    """Per-category time, each call's nested timed calls subtracted (a stack of open timers)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self._stack: list[list] = []  # [category, start, child time]
+
+    def wrap(self, fn, category: str):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            self._stack.append([category, time.perf_counter(), 0.0])
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                cat, start, child = self._stack.pop()
+                dt = time.perf_counter() - start
+                self.totals[cat] += dt - child
+                if self._stack:
+                    self._stack[-1][2] += dt
+        return timed
+
+    def take(self) -> dict[str, float]:
+        out, self.totals = dict(self.totals), defaultdict(float)
+        return out
+
+
+def instrument(engine, timers: ExclusiveTimers) -> None:
+    import torch
+
+    import pagellm.worker.model_runner as model_runner_mod
+    from pagellm.attention import torch_paged
+
+    sched = engine.scheduler
+    sched.schedule = timers.wrap(sched.schedule, "scheduling")
+    sched.update_from_output = timers.wrap(sched.update_from_output, "scheduling")
+    runner = engine.executor.worker.model_runner
+    runner.execute_model = timers.wrap(runner.execute_model, "input preparation")
+    torch_paged.build_metadata = timers.wrap(torch_paged.build_metadata, "input preparation")
+    torch_paged.forward = timers.wrap(torch_paged.forward, "attention")
+    model = runner.model
+    model.forward = timers.wrap(model.forward, "other model ops")
+    model.compute_logits = timers.wrap(model.compute_logits, "lm head")
+    model_runner_mod.sample = timers.wrap(model_runner_mod.sample, "sampling")
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.forward = timers.wrap(m.forward, "linear (GEMM)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default=DEFAULT_WORKLOAD)
+    ap.add_argument("--num-requests", type=int, default=None)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--torch-profiler", type=int, default=0, metavar="N",
+                    help="also print torch.profiler's op table over N steps of each kind")
+    args = ap.parse_args()
+
+    import torch
+
+    from pagellm import LLMEngine, SamplingParams
+    from pagellm.config import EngineArgs
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=args.model, dtype=args.dtype))
+    reqs = load_workload(args.workload, args.num_requests)
+    for i, r in enumerate(reqs):
+        engine.add_request(str(i), {"prompt_token_ids": r["prompt_token_ids"]},
+                           SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True))
+    timers = ExclusiveTimers()
+    instrument(engine, timers)
+    engine.step = timers.wrap(engine.step, "output processing")
+    kinds = {"prefill-heavy": defaultdict(float), "decode-heavy": defaultdict(float)}
+    counts: dict[str, int] = defaultdict(int)
+    tokens: dict[str, int] = defaultdict(int)
+    profiled: dict[str, int] = defaultdict(int)
+    kind_of_last = {"kind": "prefill-heavy"}
+    schedule = engine.scheduler.schedule
+
+    def classify(*a, **kw):
+        so = schedule(*a, **kw)
+        decodes = sum(1 for s in so.scheduled if s.num_scheduled_tokens == 1 and s.num_computed_tokens > 0)
+        n = sum(s.num_scheduled_tokens for s in so.scheduled)
+        kind_of_last["kind"] = "prefill-heavy" if n - decodes > decodes else "decode-heavy"
+        tokens[kind_of_last["kind"]] += n
+        return so
+
+    engine.scheduler.schedule = classify
+    t0 = time.perf_counter()
+    wall_by_kind: dict[str, float] = defaultdict(float)
+    while engine.has_unfinished_requests():
+        ts = time.perf_counter()
+        prof = None
+        if args.torch_profiler:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            prof.__enter__()
+        engine.step()
+        kind = kind_of_last["kind"]
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            if profiled[kind] < args.torch_profiler:
+                profiled[kind] += 1
+                if profiled[kind] == args.torch_profiler:
+                    print(f"\ntorch.profiler, one {kind} step:")
+                    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+        wall_by_kind[kind] += time.perf_counter() - ts
+        counts[kind] += 1
+        for cat, dt in timers.take().items():
+            kinds[kind][cat] += dt
+    wall = time.perf_counter() - t0
+    n_tok = sum(r["prompt_len"] + r["max_tokens"] for r in reqs)
+    print(f"\n{len(reqs)} requests, {n_tok} tokens, wall {wall:.1f} s, {n_tok / wall:.1f} total tok/s"
+          + (" (torch.profiler on: slower)" if args.torch_profiler else ""))
+    print(f"{'':20s}" + "".join(f"{k:>24s}" for k in kinds) + f"{'all':>16s}")
+    print(f"{'steps':20s}" + "".join(f"{counts[k]:>24d}" for k in kinds) + f"{sum(counts.values()):>16d}")
+    print(f"{'tokens':20s}" + "".join(f"{tokens[k]:>24d}" for k in kinds) + f"{sum(tokens.values()):>16d}")
+    for cat in CATEGORIES:
+        row = f"{cat:20s}"
+        for k in kinds:
+            row += f"{kinds[k][cat]:>14.2f} s {100 * kinds[k][cat] / max(wall_by_kind[k], 1e-9):5.1f} %"
+        total = sum(kinds[k][cat] for k in kinds)
+        print(row + f"{total:>9.2f} s {100 * total / wall:4.1f} %")
+    print(f"{'wall':20s}" + "".join(f"{wall_by_kind[k]:>14.2f} s {'':7s}" for k in kinds) + f"{wall:>9.2f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Compiled CPU kernels: plain C sources built with the machine's compiler on first use.
+
+Each ``<name>.c`` here is compiled once (about a second; no torch headers) with ``-O3
+-march=native -fopenmp``, cached under ``~/.cache/pagellm/kernels`` by a hash of the source,
+flags and compiler version, and loaded with ``ctypes``. The libraries link the OpenMP runtime
+torch already loaded (same ``libgomp.so.1`` soname), so kernels and torch share one thread pool.
+
+Every kernel is optional: no compiler, a failed build, or ``PAGELLM_CPU_KERNELS=0`` and
+:func:`load` returns ``None`` (logged once); callers then stay on their pure-PyTorch path, which
+is also the oracle the tests compare the kernels against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+
+from pagellm.utils import cache_dir
+
+logger = logging.getLogger(__name__)
+
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_lock = threading.Lock()
+_libs: dict[str, ctypes.CDLL | None] = {}
+
+
+def enabled() -> bool:
+    """``False`` when the user turned the kernels off with ``PAGELLM_CPU_KERNELS=0``."""
+    return os.environ.get("PAGELLM_CPU_KERNELS", "1") != "0"
+
+
+def _build(name: str) -> ctypes.CDLL:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler on PATH")
+    source = os.path.join(os.path.dirname(__file__), f"{name}.c")
+    with open(source, "rb") as f:
+        src = f.read()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + version.encode()).hexdigest()[:16]
+    out_dir = cache_dir("kernels")
+    path = os.path.join(out_dir, f"{name}_{key}.so")
+    if not os.path.exists(path):
+        os.makedirs(out_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        try:
+            subprocess.run([cc, *_FLAGS, source, "-o", tmp, "-lm"], capture_output=True, text=True, check=True)
+            os.replace(tmp, path)  # atomic: concurrent builders never load a half-written file
+        except subprocess.CalledProcessError as e:
+            raise RuntimeError(f"{cc} failed: {e.stderr.strip()[:500]}") from e
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return ctypes.CDLL(path)
+
+
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled library ``<name>.c`` (built on the first call), or ``None`` if unavailable."""
+    if name in _libs:
+        return _libs[name]
+    with _lock:
+        if name not in _libs:
+            lib = None
+            if enabled():
+                try:
+                    lib = _build(name)
+                except Exception as e:  # no compiler, read-only cache, odd platform: the pure path works
+                    logger.warning("CPU kernel %s unavailable (%s); using the pure PyTorch path", name, e)
+            _libs[name] = lib
+    return _libs[name]

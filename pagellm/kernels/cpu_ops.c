@@ -1,0 +1,85 @@
+/* Fused elementwise ops of the decoder for CPU, float32. Built on first use by
+ * pagellm/kernels/__init__.py; wrapped by pagellm/kernels/cpu_ops.py.
+ *
+ * PyTorch runs each of these as several passes over freshly allocated tensors (RMSNorm is
+ * add, pow, mean, add, rsqrt, mul, mul; rotary is cat, neg, four muls and adds); on a CPU those
+ * passes are memory-bound and cost a sixth of a prefill step. Here each op is one pass, in place
+ * where the caller allows it, with the same float32 arithmetic as Hugging Face's modules: the
+ * products and sums are rounded in the same order (the file is compiled without FMA
+ * contraction), only the reduction order of RMSNorm's mean differs.
+ *
+ * Rows are ``T`` tokens; every op parallelises over tokens when there are enough of them.
+ */
+#pragma GCC optimize("fp-contract=off")
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PAR_MIN_ROWS 16
+
+/* x [T, n] (row stride x_stride); if residual: residual += x, out = norm(residual); else out =
+ * norm(x). out [T, n] contiguous. HF: h * rsqrt(mean(h^2) + eps), then weight * h. */
+void rms_norm_f32(const float *x, int64_t x_stride, float *residual, const float *weight, float *out,
+                  int64_t T, int64_t n, float eps) {
+#pragma omp parallel for if (T >= PAR_MIN_ROWS)
+  for (int64_t t = 0; t < T; ++t) {
+    const float *xr = x + t * x_stride;
+    float *h = out + t * n;
+    if (residual) {
+      float *r = residual + t * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) r[i] += xr[i];
+      xr = r;
+    }
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) h[i] = weight[i] * (xr[i] * inv);
+  }
+}
+
+/* Rotate-half rotary, in place: x [T, H, D] with row stride x_stride (heads contiguous), per-token
+ * cos/sin [T, D]. HF: x * cos + cat(-x2, x1) * sin. */
+void rotary_f32(float *x, int64_t x_stride, const float *cos, const float *sin, int64_t T, int64_t H,
+                int64_t D) {
+  const int64_t half = D / 2;
+#pragma omp parallel for if (T >= PAR_MIN_ROWS)
+  for (int64_t t = 0; t < T; ++t) {
+    const float *c = cos + t * D, *s = sin + t * D;
+    for (int64_t h = 0; h < H; ++h) {
+      float *v = x + t * x_stride + h * D;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = v[i], x2 = v[i + half];
+        v[i] = x1 * c[i] + (-x2) * s[i];
+        v[i + half] = x2 * c[i + half] + x1 * s[i + half];
+      }
+    }
+  }
+}
+
+/* out [T, I] = silu(gate) * up with gate_up [T, 2I] = [gate | up]. silu(g) = g / (1 + exp(-g)). */
+#pragma GCC push_options
+#pragma GCC optimize("fast-math") /* vectorised expf (libmvec); silu tolerates its last-ulp error */
+void silu_and_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I) {
+#pragma omp parallel for if (T >= PAR_MIN_ROWS)
+  for (int64_t t = 0; t < T; ++t) {
+    const float *g = gate_up + t * 2 * I, *u = g + I;
+    float *o = out + t * I;
+#pragma omp simd
+    for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+  }
+}
+#pragma GCC pop_options
+
+/* Scatter this step's K and V rows ([T, row] with row strides) into their cache slots. */
+void write_kv_f32(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
+                  float *key_cache, float *value_cache, const int64_t *slots, int64_t T, int64_t row) {
+#pragma omp parallel for if (T >= 4 * PAR_MIN_ROWS)
+  for (int64_t t = 0; t < T; ++t) {
+    memcpy(key_cache + slots[t] * row, key + t * key_stride, sizeof(float) * row);
+    memcpy(value_cache + slots[t] * row, value + t * value_stride, sizeof(float) * row);
+  }
+}

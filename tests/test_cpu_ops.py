@@ -1,0 +1,79 @@
+"""The fused CPU ops (``pagellm/kernels/cpu_ops.c``) against the PyTorch code they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagellm.kernels import cpu_ops
+from pagellm.layers.norm import RMSNorm
+from pagellm.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _built():
+    assert cpu_ops.available(), "the CPU ops library failed to build (see the warning log)"
+
+
+@pytest.mark.parametrize("t", [1, 5, 300])
+def test_rms_norm_matches_hf_arithmetic(t):
+    torch.manual_seed(t)
+    norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x, res = torch.randn(t, 576) * 3, torch.randn(t, 576)
+    with torch.inference_mode():
+        ref = norm._norm(x)  # the pure PyTorch (HF) arithmetic
+        ref_sum = x + res
+        ref_res = norm._norm(ref_sum)
+        assert torch.allclose(cpu_ops.rms_norm(x, norm.weight, 1e-5), ref, rtol=1e-6, atol=1e-6)
+        got_res = res.clone()
+        out = cpu_ops.rms_norm(x, norm.weight, 1e-5, got_res)
+    assert torch.equal(got_res, ref_sum)  # residual updated in place, same float sum
+    assert torch.allclose(out, ref_res, rtol=1e-6, atol=1e-6)
+
+
+def test_rms_norm_reads_row_strided_input():
+    x = torch.randn(7, 1000)[:, 100:676]
+    w = torch.randn(576)
+    ref = RMSNorm(576, 1e-6)
+    with torch.no_grad():
+        ref.weight.copy_(w)
+    with torch.inference_mode():
+        assert torch.allclose(cpu_ops.rms_norm(x, w, 1e-6), ref._norm(x.contiguous()), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("t", [1, 40])
+def test_rotary_in_place_equals_apply_rotary_exactly(t):
+    rope = RotaryEmbedding(64, 4096, 100000.0)
+    pos = torch.randint(0, 4096, (t,))
+    cos, sin = rope.cos_sin(pos, torch.float32)
+    qkv = torch.randn(t, (9 + 2 * 3) * 64)
+    q = qkv[:, :576].view(t, 9, 64)
+    k = qkv[:, 576:768].view(t, 3, 64)
+    v_before = qkv[:, 768:].clone()
+    ref_q, ref_k = apply_rotary(q.clone(), k.clone(), cos, sin)
+    cpu_ops.rotary_(qkv[:, :768].view(t, 12, 64), cos, sin)
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)  # same products and sums, no FMA
+    assert torch.equal(qkv[:, 768:], v_before)  # v untouched
+
+
+def test_silu_and_mul():
+    gu = torch.randn(33, 2 * 1536) * 4
+    ref = F.silu(gu[:, :1536]) * gu[:, 1536:]
+    assert torch.allclose(cpu_ops.silu_and_mul(gu), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_write_kv_from_strided_views():
+    t, hkv, d = 20, 3, 64
+    qkv = torch.randn(t, (9 + 2 * hkv) * d)
+    k = qkv[:, 576:768].view(t, hkv, d)
+    v = qkv[:, 768:].view(t, hkv, d)
+    kc, vc = torch.zeros(64, hkv, d), torch.zeros(64, hkv, d)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    slots = torch.randperm(64)[:t]
+    ref_k.index_copy_(0, slots, k)
+    ref_v.index_copy_(0, slots, v)
+    cpu_ops.write_kv(k, v, kc, vc, slots)
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
