@@ -60,19 +60,38 @@ void rotary_f32(float *x, int64_t x_stride, const float *cos, const float *sin, 
   }
 }
 
+/* exp(x) in float32 to ~2 ulp, written so the compiler vectorises it (glibc's expf is a scalar
+ * call without -ffast-math). Cephes' expf: x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial
+ * for exp(r), times 2^n built in the exponent bits. n is rounded with the 1.5 * 2^23 trick. */
+static inline float exp_f32(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float big = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+  const float n = (x * 1.44269504088896341f + big) - big;
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
 /* out [T, I] = silu(gate) * up with gate_up [T, 2I] = [gate | up]. silu(g) = g / (1 + exp(-g)). */
-#pragma GCC push_options
-#pragma GCC optimize("fast-math") /* vectorised expf (libmvec); silu tolerates its last-ulp error */
 void silu_and_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I) {
 #pragma omp parallel for if (T >= PAR_MIN_ROWS)
   for (int64_t t = 0; t < T; ++t) {
     const float *g = gate_up + t * 2 * I, *u = g + I;
     float *o = out + t * I;
 #pragma omp simd
-    for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + exp_f32(-g[i])) * u[i];
   }
 }
-#pragma GCC pop_options
 
 /* Scatter this step's K and V rows ([T, row] with row strides) into their cache slots. */
 void write_kv_f32(const float *key, int64_t key_stride, const float *value, int64_t value_stride,

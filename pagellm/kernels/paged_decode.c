@@ -16,6 +16,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 /* One (sequence, KV head) task, head_dim D known at compile time when inlined with a constant. */
 static inline __attribute__((always_inline)) void task_impl(
@@ -73,6 +76,98 @@ static inline __attribute__((always_inline)) void task_impl(
     for (int64_t d = 0; d < D; ++d) out[j * D + d] = acc[j * D + d] * inv[j];
 }
 
+#ifdef __AVX512F__
+/* exp(x) for 16 floats: Cephes' range reduction and degree-6 polynomial (~2 ulp), 2^n by scalef. */
+static inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+/* Head size 64, G <= 4 query heads of KV head h: q and the accumulators live in registers. */
+static inline __attribute__((always_inline)) void task64(
+    float *out, const float *qh, const float *kc, const float *vc, const int64_t *bt, int64_t L,
+    const int G, int64_t row, int64_t h, int64_t bs, float scale, float *scores) {
+  __m512 q[4][4];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < 4; ++c) q[j][c] = _mm512_mul_ps(_mm512_loadu_ps(qh + j * 64 + c * 16), _mm512_set1_ps(scale));
+  float m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+  const int64_t nb = (L + bs - 1) / bs;
+  for (int64_t b = 0; b < nb; ++b) {
+    const float *kb = kc + bt[b] * bs * row + h * 64;
+    const float *kn = b + 1 < nb ? kc + bt[b + 1] * bs * row + h * 64 : kb;
+    const int64_t n = L - b * bs < bs ? L - b * bs : bs;
+    for (int64_t i = 0; i < n; ++i) {
+      const float *k = kb + i * row;
+      for (int c = 0; c < 4; ++c) __builtin_prefetch(kn + i * row + c * 16);
+      const __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16), k2 = _mm512_loadu_ps(k + 32),
+                   k3 = _mm512_loadu_ps(k + 48);
+      for (int j = 0; j < G; ++j) {
+        __m512 a = _mm512_mul_ps(q[j][0], k0);
+        a = _mm512_fmadd_ps(q[j][1], k1, a);
+        a = _mm512_fmadd_ps(q[j][2], k2, a);
+        a = _mm512_fmadd_ps(q[j][3], k3, a);
+        const float s = _mm512_reduce_add_ps(a);
+        scores[j * L + b * bs + i] = s;
+        m[j] = s > m[j] ? s : m[j];
+      }
+    }
+  }
+  float inv[4];
+  for (int j = 0; j < G; ++j) {
+    float *sj = scores + j * L;
+    const __m512 mj = _mm512_set1_ps(m[j]);
+    __m512 sum = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + 16 <= L; t += 16) {
+      __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sj + t), mj));
+      _mm512_storeu_ps(sj + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    if (t < L) {
+      __mmask16 mk = (__mmask16)((1u << (L - t)) - 1);
+      __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sj + t), mj));
+      _mm512_mask_storeu_ps(sj + t, mk, e);
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mk, e));
+    }
+    inv[j] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+  __m512 acc[4][4];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < 4; ++c) acc[j][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const float *vb = vc + bt[b] * bs * row + h * 64;
+    const float *vn = b + 1 < nb ? vc + bt[b + 1] * bs * row + h * 64 : vb;
+    const int64_t n = L - b * bs < bs ? L - b * bs : bs;
+    for (int64_t i = 0; i < n; ++i) {
+      const float *v = vb + i * row;
+      for (int c = 0; c < 4; ++c) __builtin_prefetch(vn + i * row + c * 16);
+      const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                   v3 = _mm512_loadu_ps(v + 48);
+      for (int j = 0; j < G; ++j) {
+        const __m512 p = _mm512_set1_ps(scores[j * L + b * bs + i]);
+        acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
+        acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
+        acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);
+        acc[j][3] = _mm512_fmadd_ps(p, v3, acc[j][3]);
+      }
+    }
+  }
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + j * 64 + c * 16, _mm512_mul_ps(acc[j][c], _mm512_set1_ps(inv[j])));
+}
+
+#endif
+
 void paged_decode_f32(float *out, const float *q, const float *kc, const float *vc,
                       const int64_t *block_tables, const int64_t *seq_lens, int64_t B, int64_t Hq,
                       int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, float scale) {
@@ -87,14 +182,30 @@ void paged_decode_f32(float *out, const float *q, const float *kc, const float *
     for (int64_t task = 0; task < B * Hkv; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
       const int64_t L = seq_lens[b];
-      if (g * L > cap) {
-        cap = g * L * 2;
+      if (g * L + 16 > cap) { /* + 16: the vector softmax may touch a partial vector past L */
+        cap = (g * L + 16) * 2;
         free(scores);
         scores = (float *)malloc(sizeof(float) * cap);
       }
       float *o = out + (b * Hq + h * g) * D;
       const float *qh = q + (b * Hq + h * g) * D;
       const int64_t *bt = block_tables + b * max_blocks;
+#ifdef __AVX512F__
+      if (D == 64) {
+        for (int64_t j0 = 0; j0 < g; j0 += 4) {  /* query heads in register-sized groups */
+          const int G = g - j0 < 4 ? (int)(g - j0) : 4;
+          float *oj = o + j0 * D;
+          const float *qj = qh + j0 * D;
+          switch (G) {
+            case 1: task64(oj, qj, kc, vc, bt, L, 1, row, h, block_size, scale, scores); break;
+            case 2: task64(oj, qj, kc, vc, bt, L, 2, row, h, block_size, scale, scores); break;
+            case 3: task64(oj, qj, kc, vc, bt, L, 3, row, h, block_size, scale, scores); break;
+            default: task64(oj, qj, kc, vc, bt, L, 4, row, h, block_size, scale, scores); break;
+          }
+        }
+        continue;
+      }
+#endif
       if (D == 64)
         task_impl(o, qh, kc, vc, bt, L, g, row, h, 64, block_size, scale, scores, acc);
       else if (D == 128)

@@ -17,6 +17,7 @@ from torch import nn
 
 from pagellm.attention import AttentionMetadata, get_attention_backend
 from pagellm.kernels import cpu_ops
+from pagellm.layers.linear import PackedLinear, pack_linear_layers, packing_supported
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -145,14 +146,26 @@ class DecoderForCausalLM(nn.Module):
         self.model = DecoderModel(config, qkv_bias, self.qk_norm, freq_factors)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
+        self.packed_logits: PackedLinear | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_logits is not None:
+            return self.packed_logits(hidden)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)
+
+    def pack_for_cpu(self) -> int:
+        """Pre-pack every projection and the LM head for oneDNN (``layers/linear.py``); after
+        ``load_weights``. A tied LM head gets its own packed copy (the embedding stays as is)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if not packing_supported(weight):
+            return 0
+        self.packed_logits = PackedLinear(weight)
+        return pack_linear_layers(self.model) + 1
 
     def _shard_sizes(self, fused: str) -> list[int]:
         attn = self.model.layers[0].self_attn

@@ -61,6 +61,8 @@ class Worker:
         model = model.to_empty(device=self.device)
         model.load_weights(iter_weights(source, hf_config))
         model = model.to(self.dtype).eval()
+        if self.device.type == "cpu" and hasattr(model, "pack_for_cpu"):
+            logger.debug("packed %d linear layers for oneDNN", model.pack_for_cpu())
         self.model = model
         self.spec = KVCacheSpec(
             num_layers=hf_config.num_hidden_layers,
