@@ -40,15 +40,15 @@ def run_pagellm(reqs: list[dict], args: argparse.Namespace) -> dict:
             "first_tokens": [o.outputs[0].token_ids[:8] for o in outs[:2]]}
 
 
-def run_hf(reqs: list[dict], args: argparse.Namespace) -> dict:
+def load_hf_model(model_path: str | None, dtype_name: str):
+    """HF's own model class for the model pagellm loads (same dequantized weights for a GGUF), in eval mode."""
     import torch
     import transformers
 
     from pagellm.config import resolve_model_source
 
-    src = resolve_model_source(args.model)
-    dtype = getattr(torch, args.hf_dtype)
-    t0 = time.perf_counter()
+    src = resolve_model_source(model_path)
+    dtype = getattr(torch, dtype_name)
     if src.is_gguf:
         # Recent transformers keep GGUF weights quantized (casting around every matmul) and cannot
         # export them; build HF's own model class from the same dequantized weights instead
@@ -65,15 +65,19 @@ def run_hf(reqs: list[dict], args: argparse.Namespace) -> dict:
         model = transformers.AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype)
     model.eval()
     model.generation_config.eos_token_id = None  # EOS ignored, like the pagellm run
-    load = time.perf_counter() - t0
-    pad = 0
-    t0 = time.perf_counter()
-    n_out = 0
+    return model
+
+
+def run_hf_batches(model, reqs: list[dict], batch_size: int, quiet: bool = False) -> int:
+    """Generate every request greedily in padded static batches; returns the tokens requested."""
+    import torch
     from tqdm import tqdm
 
-    batches = [reqs[i:i + args.hf_batch_size] for i in range(0, len(reqs), args.hf_batch_size)]
+    pad = 0
+    n_out = 0
+    batches = [reqs[i:i + batch_size] for i in range(0, len(reqs), batch_size)]
     with torch.inference_mode():
-        for batch in tqdm(batches, desc="HF static batches", disable=args.quiet):
+        for batch in tqdm(batches, desc="HF static batches", disable=quiet):
             longest = max(r["prompt_len"] for r in batch)
             ids = torch.full((len(batch), longest), pad, dtype=torch.long)
             mask = torch.zeros_like(ids)
@@ -86,6 +90,15 @@ def run_hf(reqs: list[dict], args: argparse.Namespace) -> dict:
                                  pad_token_id=pad)
             assert out.shape[1] == longest + new
             n_out += sum(r["max_tokens"] for r in batch)
+    return n_out
+
+
+def run_hf(reqs: list[dict], args: argparse.Namespace) -> dict:
+    t0 = time.perf_counter()
+    model = load_hf_model(args.model, args.hf_dtype)
+    load = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    n_out = run_hf_batches(model, reqs, args.hf_batch_size, args.quiet)
     wall = time.perf_counter() - t0
     return {"engine": f"HF generate, static batch {args.hf_batch_size} ({args.hf_dtype})", "wall": wall,
             "load": load, "out": n_out}

@@ -1,20 +1,16 @@
-"""Linear layers with weights pre-packed for oneDNN's CPU GEMM.
+"""A linear layer with its weight pre-packed for oneDNN's CPU GEMM.
 
-``F.linear`` on a CPU calls MKL's sgemm, which re-packs the weight matrix into its blocked layout
-on every call. At decode batch sizes (a few to 64 rows) that packing is a large share of the
-work; oneDNN's inner-product primitive over a weight reordered once, at load time, into its
-blocked layout (the path ``torch.compile`` takes with weight freezing) runs 1.2-1.5x faster
-there and as fast at prefill sizes (``benchmarks/roofline.py`` prints both).
+``F.linear`` on a CPU calls MKL's sgemm, which re-packs the weight matrix on every call. For the
+LM head (49k x 576 for SmolLM2) at decode batch sizes that packing is a large share of the work:
+oneDNN's inner product over a weight reordered once, at load time (the path ``torch.compile``
+takes with weight freezing), ran 1.2-2.5x faster at 8-128 rows. For the layers' smaller
+projections it measured no faster, so they stay on ``F.linear``.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 
 def packing_supported(weight: torch.Tensor) -> bool:
@@ -40,15 +36,3 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-
-
-def pack_linear_layers(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` in ``model`` by a :class:`PackedLinear` (dropping the plain
-    weight); returns how many were packed. Call after the weights are loaded."""
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and packing_supported(child.weight):
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
-                count += 1
-    return count

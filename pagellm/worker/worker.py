@@ -62,7 +62,7 @@ class Worker:
         model.load_weights(iter_weights(source, hf_config))
         model = model.to(self.dtype).eval()
         if self.device.type == "cpu" and hasattr(model, "pack_for_cpu"):
-            logger.debug("packed %d linear layers for oneDNN", model.pack_for_cpu())
+            model.pack_for_cpu()
         self.model = model
         self.spec = KVCacheSpec(
             num_layers=hf_config.num_hidden_layers,
