@@ -25,7 +25,7 @@ def run_pagellm(reqs: list[dict], args: argparse.Namespace) -> dict:
 
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory)
+              max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size)
     load = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
@@ -112,6 +112,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="pagellm dtype (auto = float32 on CPU)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--hf-dtype", default="bfloat16")
     ap.add_argument("--hf-batch-size", type=int, default=32)
