@@ -56,10 +56,11 @@ def _latency(generate_one, reqs: list[dict], n: int) -> dict:
 def _run_pagellm(args: argparse.Namespace, reqs: list[dict]) -> dict:
     from pagellm import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
     llm.generate([{"prompt_token_ids": reqs[0]["prompt_token_ids"][:8]}], SamplingParams(max_tokens=2),
                  use_tqdm=False)  # first call builds the C kernels if the cache is cold
-    result = {"engine": f"pagellm ({llm.llm_engine.model_info.dtype})", "startup": time.perf_counter() - T_START}
+    kv = "" if args.kv_cache_dtype == "auto" else f", {args.kv_cache_dtype} KV"
+    result = {"engine": f"pagellm ({llm.llm_engine.model_info.dtype}{kv})", "startup": time.perf_counter() - T_START}
 
     def one(r: dict, max_tokens: int) -> int:
         out = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]}],
@@ -215,6 +216,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct GGUF")
     ap.add_argument("--dtype", default="auto", help="pagellm dtype (auto = float32 on CPU)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="pagellm K/V cache dtype (auto = the model's)")
     ap.add_argument("--mode", choices=("throughput", "latency", "both"), default="both")
     ap.add_argument("--latency-requests", type=int, default=4)
     ap.add_argument("--hf-dtype", default="bfloat16")
@@ -238,6 +240,7 @@ def main() -> None:
     modes = ("throughput", "latency") if args.mode == "both" else (args.mode,)
     common = ["--workload", args.workload] + (["--num-requests", str(args.num_requests)] if args.num_requests else [])
     own = [sys.executable, os.path.abspath(__file__), *common, "--dtype", args.dtype,
+           "--kv-cache-dtype", args.kv_cache_dtype,
            "--latency-requests", str(args.latency_requests), "--hf-dtype", args.hf_dtype,
            "--hf-batch-size", str(args.hf_batch_size)] + (["--model", args.model] if args.model else [])
     engines: list[tuple[str, list[str], dict[str, str] | None]] = [("pagellm", [*own, "--run-engine", "pagellm"], None)]

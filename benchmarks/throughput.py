@@ -25,7 +25,8 @@ def run_pagellm(reqs: list[dict], args: argparse.Namespace) -> dict:
 
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size)
+              max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+              kv_cache_dtype=args.kv_cache_dtype)
     load = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
@@ -35,7 +36,8 @@ def run_pagellm(reqs: list[dict], args: argparse.Namespace) -> dict:
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(r["max_tokens"] for r in reqs)
     stats = llm.llm_engine.stats
-    return {"engine": f"pagellm ({llm.llm_engine.model_info.dtype})", "wall": wall, "load": load, "out": n_out,
+    kv = "" if args.kv_cache_dtype == "auto" else f", {args.kv_cache_dtype} KV"
+    return {"engine": f"pagellm ({llm.llm_engine.model_info.dtype}{kv})", "wall": wall, "load": load, "out": n_out,
             "steps": stats["steps"], "preemptions": llm.llm_engine.scheduler.num_preemptions,
             "first_tokens": [o.outputs[0].token_ids[:8] for o in outs[:2]]}
 
@@ -113,6 +115,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--hf-dtype", default="bfloat16")
     ap.add_argument("--hf-batch-size", type=int, default=32)

@@ -35,23 +35,33 @@ def _dense_reference(q, k_all, v_all, num_computed, scale):
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (8, 2), (9, 3), (14, 2)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 # The compiled decode kernel against the same dense oracle; d = 64 takes its specialised branch.
-@pytest.mark.parametrize("decode_kernel,d", [(False, 16), (True, 16), (True, 64)])
-def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, monkeypatch):
+# A float16 cache (kv_cache_dtype="float16") under float32 queries, pure path and kernel; its K/V
+# values are drawn float16-representable so the float32 oracle stays exact.
+@pytest.mark.parametrize("decode_kernel,d,cache_dtype", [
+    (False, 16, torch.float32), (True, 16, torch.float32), (True, 64, torch.float32),
+    (False, 16, torch.float16), (True, 64, torch.float16)])
+def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, cache_dtype, monkeypatch):
     monkeypatch.setattr(torch_paged, "MIN_SHARED_TOKENS", 4)  # exercise cascade groups on small shapes
     if decode_kernel:
         _require_kernel()
+        if cache_dtype == torch.float16:
+            assert cpu_kernel.usable_for(torch.empty(1, hkv, d, dtype=cache_dtype)), "no float16 kernel (AVX-512?)"
+
+    def randn(*shape):
+        return torch.randn(*shape).to(cache_dtype).float()
+
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_blocks = 2000 // block_size + 64
     # Random, not zero: unwritten slots and block tails must not leak into the result.
-    key_cache = torch.randn(num_blocks * block_size, hkv, d)
+    key_cache = torch.randn(num_blocks * block_size, hkv, d).to(cache_dtype)
     value_cache = torch.randn_like(key_cache)
     free = list(range(num_blocks))
     rng.shuffle(free)
     # A shared prefix (physical blocks and their K/V) that some decodes start with.
     shared_len = rng.randint(1, 6) * block_size if block_size > 1 else rng.randint(4, 40)
     shared_blocks = [free.pop() for _ in range(shared_len // block_size)]
-    shared_k, shared_v = torch.randn(shared_len, hkv, d), torch.randn(shared_len, hkv, d)
+    shared_k, shared_v = randn(shared_len, hkv, d), randn(shared_len, hkv, d)
     # (num_computed_tokens, num_new_tokens, shares_prefix): decodes, chunks with context, fresh prefills.
     shapes = [(rng.randint(1, 60), 1, False) for _ in range(rng.randint(0, 20))]
     shapes += [(shared_len + rng.randint(0, 40), 1, True) for _ in range(rng.randint(0, 12))]
@@ -60,15 +70,15 @@ def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, monkeyp
     seqs = []
     for num_computed, n, shares in shapes:
         total = num_computed + n
-        k_all, v_all = torch.randn(total, hkv, d), torch.randn(total, hkv, d)
+        k_all, v_all = randn(total, hkv, d), randn(total, hkv, d)
         blocks = list(shared_blocks) if shares else []
         if shares:
             k_all[:shared_len], v_all[:shared_len] = shared_k, shared_v
         blocks += [free.pop() for _ in range(-(-total // block_size) - len(blocks))]
         past = [blocks[p // block_size] * block_size + p % block_size for p in range(num_computed)]
         if past:
-            key_cache[past] = k_all[:num_computed]
-            value_cache[past] = v_all[:num_computed]
+            key_cache[past] = k_all[:num_computed].to(cache_dtype)
+            value_cache[past] = v_all[:num_computed].to(cache_dtype)
         seqs.append((num_computed, n, blocks, k_all, v_all, torch.randn(n, hq, d)))
     decodes = [s for s in seqs if s[1] == 1 and s[0] > 0]
     chunks = [s for s in seqs if not (s[1] == 1 and s[0] > 0)]
@@ -90,4 +100,4 @@ def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, monkeyp
         ref = _dense_reference(qs, k_all, v_all, c, d ** -0.5)
         torch.testing.assert_close(out[start:start + n], ref, atol=1e-5, rtol=1e-5)
         start += n
-    torch.testing.assert_close(key_cache[slots], k)  # new K/V landed in their slots
+    torch.testing.assert_close(key_cache[slots].float(), k)  # new K/V landed in their slots

@@ -65,15 +65,16 @@ def test_silu_and_mul():
     assert torch.allclose(cpu_ops.silu_and_mul(gu), ref, rtol=1e-5, atol=1e-6)
 
 
-def test_write_kv_from_strided_views():
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_write_kv_from_strided_views(cache_dtype):
     t, hkv, d = 20, 3, 64
     qkv = torch.randn(t, (9 + 2 * hkv) * d)
     k = qkv[:, 576:768].view(t, hkv, d)
     v = qkv[:, 768:].view(t, hkv, d)
-    kc, vc = torch.zeros(64, hkv, d), torch.zeros(64, hkv, d)
+    kc, vc = torch.zeros(64, hkv, d, dtype=cache_dtype), torch.zeros(64, hkv, d, dtype=cache_dtype)
     ref_k, ref_v = kc.clone(), vc.clone()
     slots = torch.randperm(64)[:t]
-    ref_k.index_copy_(0, slots, k)
-    ref_v.index_copy_(0, slots, v)
+    ref_k.index_copy_(0, slots, k.to(cache_dtype))  # torch's rounding (nearest even) is the reference
+    ref_v.index_copy_(0, slots, v.to(cache_dtype))
     cpu_ops.write_kv(k, v, kc, vc, slots)
     assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)

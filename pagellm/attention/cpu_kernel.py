@@ -3,8 +3,9 @@
 The pure-PyTorch decode path gathers every block a decode reads into a dense buffer, then runs
 SDPA over it: the K/V bytes cross memory three times, and at 64 decodes that is more than half
 of a step. The kernel reads K and V straight from their blocks, once. Unavailable (no compiler,
-``PAGELLM_CPU_KERNELS=0``, a non-CPU device or a non-float32 cache): the pure path runs, and it
-remains the oracle the tests compare against.
+``PAGELLM_CPU_KERNELS=0``, a non-CPU device, a cache that is neither float32 nor float16, or a
+float16 cache without AVX-512 / head size 64): the pure path runs, and it remains the oracle the
+tests compare against. Queries and outputs are float32 either way.
 """
 
 from __future__ import annotations
@@ -15,26 +16,34 @@ import torch
 
 from pagellm import kernels
 
-_fn = None
+_fns: dict[torch.dtype, object] = {}
+_lib: ctypes.CDLL | None = None
 
 
 def available() -> bool:
     """Build (once) and load the kernel; ``False`` when it is disabled or cannot be built."""
-    global _fn
-    if _fn is None:
+    global _lib
+    if _lib is None:
         lib = kernels.load("paged_decode")
         if lib is None:
             return False
-        fn = lib.paged_decode_f32
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
-        _fn = fn
+        for dtype, name in ((torch.float32, "paged_decode_f32"), (torch.float16, "paged_decode_f16")):
+            fn = getattr(lib, name)
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+            _fns[dtype] = fn
+        lib.paged_decode_f16_supported.restype = ctypes.c_int
+        lib.paged_decode_f16_supported.argtypes = [ctypes.c_int64]
+        _lib = lib
     return True
 
 
 def usable_for(key_cache: torch.Tensor) -> bool:
-    """Whether decodes over this cache can take the kernel."""
-    return key_cache.device.type == "cpu" and key_cache.dtype == torch.float32 and available()
+    """Whether decodes over this cache (``[num_slots, Hkv, D]``) can take the kernel."""
+    if key_cache.device.type != "cpu" or key_cache.dtype not in (torch.float32, torch.float16) or not available():
+        return False
+    assert _lib is not None
+    return key_cache.dtype == torch.float32 or bool(_lib.paged_decode_f16_supported(key_cache.shape[-1]))
 
 
 def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
@@ -42,17 +51,21 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: to
                            block_size: int, scale: float) -> None:
     """``out[b] = softmax(q[b] K_b^T * scale) V_b`` over the first ``seq_lens[b]`` cached positions.
 
-    ``query``/``out`` ``[B, Hq, D]`` contiguous float32; caches ``[num_slots, Hkv, D]``;
-    ``block_tables`` ``[B, max_blocks]`` and ``seq_lens`` ``[B]`` int64 on the CPU.
+    ``query``/``out`` ``[B, Hq, D]`` contiguous float32; caches ``[num_slots, Hkv, D]`` float32 or
+    float16 (see :func:`usable_for`); ``block_tables`` ``[B, max_blocks]`` and ``seq_lens`` ``[B]``
+    int64 on the CPU.
     """
-    assert _fn is not None, "call available() first"
+    assert _lib is not None, "call available() first"
     b, hq, d = query.shape
     hkv = key_cache.shape[1]
-    for t, name in ((out, "out"), (query, "query"), (key_cache, "key_cache"), (value_cache, "value_cache")):
+    for t, name in ((out, "out"), (query, "query")):
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous float32")
+    for t, name in ((key_cache, "key_cache"), (value_cache, "value_cache")):
+        if t.dtype != key_cache.dtype or t.dtype not in _fns or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32 or float16 (both caches the same)")
     for t, name in ((block_tables, "block_tables"), (seq_lens, "seq_lens")):
         if t.dtype != torch.int64 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous int64")
-    _fn(out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+    _fns[key_cache.dtype](out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
         block_tables.data_ptr(), seq_lens.data_ptr(), b, hq, hkv, d, block_size, block_tables.shape[1], scale)

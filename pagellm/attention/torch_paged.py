@@ -167,8 +167,8 @@ def _cascade_decode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k
     b, hkv, g, d = q.shape
     assert grp.shared_blocks is not None
     row = block_size * hkv * d
-    kp = key_cache.view(-1, row).index_select(0, grp.shared_blocks).view(-1, hkv, d).transpose(0, 1)[None]
-    vp = value_cache.view(-1, row).index_select(0, grp.shared_blocks).view(-1, hkv, d).transpose(0, 1)[None]
+    kp = key_cache.view(-1, row).index_select(0, grp.shared_blocks).view(-1, hkv, d).transpose(0, 1)[None].to(q.dtype)
+    vp = value_cache.view(-1, row).index_select(0, grp.shared_blocks).view(-1, hkv, d).transpose(0, 1)[None].to(q.dtype)
     q_all = q.permute(1, 0, 2, 3).reshape(1, hkv, b * g, d)
     out_p, lse_p = _attend_with_lse(q_all, kp, vp, None, scale)
     out_p = out_p.view(hkv, b, g, d).permute(1, 0, 2, 3)
@@ -179,9 +179,10 @@ def _cascade_decode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k
     return (out_p * w_p + out_s * w_s) / (w_p + w_s)
 
 
-def decode_kernel_usable(key_cache: torch.Tensor) -> bool:
-    """Whether decodes over this cache can run in the compiled CPU kernel (built on first call)."""
-    return cpu_kernel.usable_for(key_cache)
+def decode_kernel_usable(key_cache: torch.Tensor, query_dtype: torch.dtype) -> bool:
+    """Whether decodes over this cache can run in the compiled CPU kernel (built on first call);
+    its queries and outputs are float32."""
+    return query_dtype == torch.float32 and cpu_kernel.usable_for(key_cache)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -191,11 +192,12 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     ``index_copy_`` runs on one thread and costs ~8 % of a prefill step; the CPU kernel is a
     parallel row copy straight from the (strided) qkv output.
     """
-    if cpu_ops.usable(key_cache) and key.stride(1) == key.shape[2] and value.stride(1) == value.shape[2]:
+    if (cpu_ops.writes_kv_into(key_cache) and cpu_ops.usable(key) and key.stride(1) == key.shape[2]
+            and value.stride(1) == value.shape[2]):
         cpu_ops.write_kv(key, value, key_cache, value_cache, slot_mapping)
         return
-    key_cache.index_copy_(0, slot_mapping, key)
-    value_cache.index_copy_(0, slot_mapping, value)
+    key_cache.index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
 def _repeat_kv(x: torch.Tensor, g: int, head_dim: int) -> torch.Tensor:
@@ -244,8 +246,9 @@ def forward(
         assert grp.v_buf is not None
         torch.index_select(key_cache.view(-1, block_size * hkv * d), 0, flat, out=grp.k_buf)
         torch.index_select(value_cache.view(-1, block_size * hkv * d), 0, flat, out=grp.v_buf)
-        k = grp.k_buf.view(b, kv_len, hkv, d).transpose(1, 2)
-        v = grp.v_buf.view(b, kv_len, hkv, d).transpose(1, 2)
+        # A 16-bit cache under a wider model is upcast after the gather (attention math stays in the model dtype).
+        k = grp.k_buf.view(b, kv_len, hkv, d).transpose(1, 2).to(query.dtype)
+        v = grp.v_buf.view(b, kv_len, hkv, d).transpose(1, 2).to(query.dtype)
         if ql == 1:
             # Decode: the g query heads of each KV head become g query rows over the same keys.
             qh = q.view(b, hkv, g, d)

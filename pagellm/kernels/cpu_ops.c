@@ -14,6 +14,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #define PAR_MIN_ROWS 16
 
@@ -100,5 +103,28 @@ void write_kv_f32(const float *key, int64_t key_stride, const float *value, int6
   for (int64_t t = 0; t < T; ++t) {
     memcpy(key_cache + slots[t] * row, key + t * key_stride, sizeof(float) * row);
     memcpy(value_cache + slots[t] * row, value + t * value_stride, sizeof(float) * row);
+  }
+}
+
+/* The same into a float16 cache (kv_cache_dtype="float16"): round to nearest even, as torch's
+ * .to(torch.float16). */
+void write_kv_f16(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
+                  uint16_t *key_cache, uint16_t *value_cache, const int64_t *slots, int64_t T, int64_t row) {
+#pragma omp parallel for if (T >= 4 * PAR_MIN_ROWS)
+  for (int64_t t = 0; t < T; ++t) {
+    for (int kv = 0; kv < 2; ++kv) {
+      const float *src = kv ? value + t * value_stride : key + t * key_stride;
+      uint16_t *dst = (kv ? value_cache : key_cache) + slots[t] * row;
+      int64_t i = 0;
+#ifdef __AVX512F__
+      for (; i + 16 <= row; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+      for (; i < row; ++i) {
+        _Float16 h = (_Float16)src[i];
+        memcpy(dst + i, &h, sizeof h);
+      }
+    }
   }
 }

@@ -19,7 +19,9 @@ _SIGNATURES = {
     "rotary_f32": [_P, _I, _P, _P, _I, _I, _I],
     "silu_and_mul_f32": [_P, _P, _I, _I],
     "write_kv_f32": [_P, _I, _P, _I, _P, _P, _P, _I, _I],
+    "write_kv_f16": [_P, _I, _P, _I, _P, _P, _P, _I, _I],
 }
+_WRITE_KV = {torch.float32: "write_kv_f32", torch.float16: "write_kv_f16"}
 
 
 def available() -> bool:
@@ -34,6 +36,11 @@ def available() -> bool:
             fn.restype, fn.argtypes = None, argtypes
         _lib = lib
     return True
+
+
+def writes_kv_into(key_cache: torch.Tensor) -> bool:
+    """Whether :func:`write_kv` handles a cache of this dtype and device."""
+    return key_cache.device.type == "cpu" and key_cache.dtype in _WRITE_KV and available()
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -86,15 +93,19 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """``key_cache[slot_mapping] = key`` (and value) for ``[T, Hkv, D]`` rows with contiguous heads."""
+    """``key_cache[slot_mapping] = key`` (and value) for float32 ``[T, Hkv, D]`` rows with contiguous
+    heads, into a float32 or float16 cache (rounded to nearest)."""
     assert _lib is not None
     t = key.shape[0]
     row = key_cache[0].numel()
     k2, v2 = key.reshape(t, row), value.reshape(t, row)  # views: heads are contiguous within a row
+    if key.dtype != torch.float32 or value.dtype != torch.float32:
+        raise ValueError("key and value must be float32")
     for c in (key_cache, value_cache):
-        if not c.is_contiguous() or c.dtype != torch.float32:
-            raise ValueError("caches must be contiguous float32")
+        if not c.is_contiguous() or c.dtype not in _WRITE_KV or c.dtype != key_cache.dtype:
+            raise ValueError("caches must be contiguous float32 or float16 (both the same)")
     if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
         raise ValueError("slot_mapping must be contiguous int64")
-    _lib.write_kv_f32(k2.data_ptr(), _rows(k2, "key"), v2.data_ptr(), _rows(v2, "value"), key_cache.data_ptr(),
-                      value_cache.data_ptr(), slot_mapping.data_ptr(), t, row)
+    getattr(_lib, _WRITE_KV[key_cache.dtype])(k2.data_ptr(), _rows(k2, "key"), v2.data_ptr(), _rows(v2, "value"),
+                                              key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
+                                              t, row)

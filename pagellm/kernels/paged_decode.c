@@ -93,24 +93,36 @@ static inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-/* Head size 64, G <= 4 query heads of KV head h: q and the accumulators live in registers. */
+/* 16 cached values from element offset `off` of a float32 (f16 = 0) or float16 (f16 = 1) cache. */
+static inline __attribute__((always_inline)) __m512 load16(const void *base, int64_t off, const int f16) {
+  return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off)))
+             : _mm512_loadu_ps((const float *)base + off);
+}
+
+static inline __attribute__((always_inline)) void prefetch_row(const void *base, int64_t off, const int f16) {
+  const char *p = (const char *)base + off * (f16 ? 2 : 4);
+  for (int c = 0; c < 64 * (f16 ? 2 : 4); c += 64) __builtin_prefetch(p + c);
+}
+
+/* Head size 64, G <= 4 query heads of KV head h: q and the accumulators live in registers.
+ * kc/vc are float32 or (f16) float16 caches; the arithmetic is float32 either way. */
 static inline __attribute__((always_inline)) void task64(
-    float *out, const float *qh, const float *kc, const float *vc, const int64_t *bt, int64_t L,
-    const int G, int64_t row, int64_t h, int64_t bs, float scale, float *scores) {
+    float *out, const float *qh, const void *kc, const void *vc, const int64_t *bt, int64_t L,
+    const int G, int64_t row, int64_t h, int64_t bs, float scale, float *scores, const int f16) {
   __m512 q[4][4];
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < 4; ++c) q[j][c] = _mm512_mul_ps(_mm512_loadu_ps(qh + j * 64 + c * 16), _mm512_set1_ps(scale));
   float m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
   const int64_t nb = (L + bs - 1) / bs;
   for (int64_t b = 0; b < nb; ++b) {
-    const float *kb = kc + bt[b] * bs * row + h * 64;
-    const float *kn = b + 1 < nb ? kc + bt[b + 1] * bs * row + h * 64 : kb;
+    const int64_t kb = bt[b] * bs * row + h * 64;
+    const int64_t kn = b + 1 < nb ? bt[b + 1] * bs * row + h * 64 : kb;
     const int64_t n = L - b * bs < bs ? L - b * bs : bs;
     for (int64_t i = 0; i < n; ++i) {
-      const float *k = kb + i * row;
-      for (int c = 0; c < 4; ++c) __builtin_prefetch(kn + i * row + c * 16);
-      const __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16), k2 = _mm512_loadu_ps(k + 32),
-                   k3 = _mm512_loadu_ps(k + 48);
+      const int64_t k = kb + i * row;
+      prefetch_row(kc, kn + i * row, f16);
+      const __m512 k0 = load16(kc, k, f16), k1 = load16(kc, k + 16, f16), k2 = load16(kc, k + 32, f16),
+                   k3 = load16(kc, k + 48, f16);
       for (int j = 0; j < G; ++j) {
         __m512 a = _mm512_mul_ps(q[j][0], k0);
         a = _mm512_fmadd_ps(q[j][1], k1, a);
@@ -145,14 +157,14 @@ static inline __attribute__((always_inline)) void task64(
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < 4; ++c) acc[j][c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const float *vb = vc + bt[b] * bs * row + h * 64;
-    const float *vn = b + 1 < nb ? vc + bt[b + 1] * bs * row + h * 64 : vb;
+    const int64_t vb = bt[b] * bs * row + h * 64;
+    const int64_t vn = b + 1 < nb ? bt[b + 1] * bs * row + h * 64 : vb;
     const int64_t n = L - b * bs < bs ? L - b * bs : bs;
     for (int64_t i = 0; i < n; ++i) {
-      const float *v = vb + i * row;
-      for (int c = 0; c < 4; ++c) __builtin_prefetch(vn + i * row + c * 16);
-      const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
-                   v3 = _mm512_loadu_ps(v + 48);
+      const int64_t v = vb + i * row;
+      prefetch_row(vc, vn + i * row, f16);
+      const __m512 v0 = load16(vc, v, f16), v1 = load16(vc, v + 16, f16), v2 = load16(vc, v + 32, f16),
+                   v3 = load16(vc, v + 48, f16);
       for (int j = 0; j < G; ++j) {
         const __m512 p = _mm512_set1_ps(scores[j * L + b * bs + i]);
         acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
@@ -166,7 +178,59 @@ static inline __attribute__((always_inline)) void task64(
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + j * 64 + c * 16, _mm512_mul_ps(acc[j][c], _mm512_set1_ps(inv[j])));
 }
 
+/* One (sequence, KV head) task of the AVX-512 path: query heads in register-sized groups. */
+static inline __attribute__((always_inline)) void task64_groups(
+    float *o, const float *qh, const void *kc, const void *vc, const int64_t *bt, int64_t L, int64_t g,
+    int64_t row, int64_t h, int64_t bs, float scale, float *scores, const int f16) {
+  for (int64_t j0 = 0; j0 < g; j0 += 4) {
+    const int G = g - j0 < 4 ? (int)(g - j0) : 4;
+    float *oj = o + j0 * 64;
+    const float *qj = qh + j0 * 64;
+    switch (G) {
+      case 1: task64(oj, qj, kc, vc, bt, L, 1, row, h, bs, scale, scores, f16); break;
+      case 2: task64(oj, qj, kc, vc, bt, L, 2, row, h, bs, scale, scores, f16); break;
+      case 3: task64(oj, qj, kc, vc, bt, L, 3, row, h, bs, scale, scores, f16); break;
+      default: task64(oj, qj, kc, vc, bt, L, 4, row, h, bs, scale, scores, f16); break;
+    }
+  }
+}
+
+/* Decode attention over a float16 cache (kv_cache_dtype="float16"): AVX-512 and head size 64
+ * only; paged_decode_f16_supported() tells the caller. */
+void paged_decode_f16(float *out, const float *q, const uint16_t *kc, const uint16_t *vc,
+                      const int64_t *block_tables, const int64_t *seq_lens, int64_t B, int64_t Hq,
+                      int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, float scale) {
+  const int64_t g = Hq / Hkv;
+  const int64_t row = Hkv * D;
+#pragma omp parallel
+  {
+    float *scores = NULL;
+    int64_t cap = 0;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < B * Hkv; ++task) {
+      const int64_t b = task / Hkv, h = task % Hkv;
+      const int64_t L = seq_lens[b];
+      if (g * L + 16 > cap) {
+        cap = (g * L + 16) * 2;
+        free(scores);
+        scores = (float *)malloc(sizeof(float) * cap);
+      }
+      task64_groups(out + (b * Hq + h * g) * D, q + (b * Hq + h * g) * D, kc, vc, block_tables + b * max_blocks,
+                    L, g, row, h, block_size, scale, scores, 1);
+    }
+    free(scores);
+  }
+}
 #endif
+
+int paged_decode_f16_supported(int64_t D) {
+#ifdef __AVX512F__
+  return D == 64;
+#else
+  (void)D;
+  return 0;
+#endif
+}
 
 void paged_decode_f32(float *out, const float *q, const float *kc, const float *vc,
                       const int64_t *block_tables, const int64_t *seq_lens, int64_t B, int64_t Hq,
@@ -192,17 +256,7 @@ void paged_decode_f32(float *out, const float *q, const float *kc, const float *
       const int64_t *bt = block_tables + b * max_blocks;
 #ifdef __AVX512F__
       if (D == 64) {
-        for (int64_t j0 = 0; j0 < g; j0 += 4) {  /* query heads in register-sized groups */
-          const int G = g - j0 < 4 ? (int)(g - j0) : 4;
-          float *oj = o + j0 * D;
-          const float *qj = qh + j0 * D;
-          switch (G) {
-            case 1: task64(oj, qj, kc, vc, bt, L, 1, row, h, block_size, scale, scores); break;
-            case 2: task64(oj, qj, kc, vc, bt, L, 2, row, h, block_size, scale, scores); break;
-            case 3: task64(oj, qj, kc, vc, bt, L, 3, row, h, block_size, scale, scores); break;
-            default: task64(oj, qj, kc, vc, bt, L, 4, row, h, block_size, scale, scores); break;
-          }
-        }
+        task64_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, 0);
         continue;
       }
 #endif

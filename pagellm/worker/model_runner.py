@@ -28,6 +28,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.generators: dict[int, torch.Generator] = {}
+        self.dtype = next(model.parameters()).dtype
 
     def _generator(self, seq_id: int, seed: int | None, index: int = 0) -> torch.Generator | None:
         """The RNG of sequence ``seq_id``, created on its first sample. Sample ``index`` of a request
@@ -57,7 +58,7 @@ class ModelRunner:
             chunks=[(s.num_computed_tokens, s.num_scheduled_tokens, s.block_ids) for s in chunks],
             block_size=bs,
             device=self.device,
-            decode_kernel=bool(decodes) and _paged.decode_kernel_usable(kv_caches[0][0]),
+            decode_kernel=bool(decodes) and _paged.decode_kernel_usable(kv_caches[0][0], self.dtype),
         )
         input_ids: list[int] = []
         positions: list[int] = []

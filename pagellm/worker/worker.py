@@ -69,7 +69,7 @@ class Worker:
             num_kv_heads=model.model.layers[0].self_attn.num_kv_heads,
             head_dim=model.model.layers[0].self_attn.head_dim,
             block_size=self.config.cache.block_size,
-            dtype=self.dtype,
+            dtype=self.dtype if (kv := self.config.cache.kv_cache_dtype) == "auto" else _DTYPES[kv],
         )
         return ModelInfo(
             architecture=arch,
