@@ -7,6 +7,7 @@ token ids as the default configuration; invariants are checked after every step.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagellm.utils import cdiv
 
@@ -86,3 +87,15 @@ def test_smollm2_outputs_do_not_depend_on_scheduling():
         assert got == ref, name
         if name.startswith("tight"):
             assert engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_float16_kv_cache_outputs_do_not_depend_on_scheduling(baseline, arch):
+    """A float16 cache under the float32 model: every attention reads the rounded K/V (fresh
+    prompts too), so chunking, preemption by swap or recompute and block size still change nothing."""
+    path, prompts, _ = baseline[arch]
+    ref, engine = engine_greedy(path, prompts, MAX_TOKENS, kv_cache_dtype="float16")
+    assert engine.executor.worker.cache_engine.kv.dtype == torch.float16
+    for name in ("chunk_every_prompt", "tight_cache_and_chunks", "tight_swap", "block_size_1"):
+        got, _ = engine_greedy(path, prompts, MAX_TOKENS, kv_cache_dtype="float16", **_kwargs(name, prompts))
+        assert got == ref, name

@@ -228,8 +228,13 @@ def forward(
             # Fresh chunk: causal attention over its own K/V, no cache read.
             # 4-D inputs: with 3-D ones CPU SDPA silently takes the slow math kernel.
             qh = q.transpose(0, 1)[None]
-            kh = _repeat_kv(key[grp.token_start:grp.token_end].transpose(0, 1)[None], g, 1)
-            vh = _repeat_kv(value[grp.token_start:grp.token_end].transpose(0, 1)[None], g, 1)
+            kf, vf = key[grp.token_start:grp.token_end], value[grp.token_start:grp.token_end]
+            if key_cache.dtype != query.dtype:
+                # Attend to the K/V as cached (rounded), like chunked and decode steps do, so that
+                # chunking, prefix hits and preemption still cannot change the result.
+                kf, vf = kf.to(key_cache.dtype).to(query.dtype), vf.to(key_cache.dtype).to(query.dtype)
+            kh = _repeat_kv(kf.transpose(0, 1)[None], g, 1)
+            vh = _repeat_kv(vf.transpose(0, 1)[None], g, 1)
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
             out[grp.token_start:grp.token_end] = o[0].transpose(0, 1).reshape(grp.token_end - grp.token_start, hq * d)
             continue
