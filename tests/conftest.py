@@ -16,6 +16,14 @@ ARCH_CONFIGS = {
 }
 
 
+def require_cpu_kernel(available) -> None:
+    """Skip when the user disabled the compiled kernels; otherwise ``available()`` must hold (a
+    failed build on this machine is a test failure, not a skip)."""
+    if os.environ.get("PAGELLM_CPU_KERNELS") == "0":
+        pytest.skip("compiled CPU kernels disabled by PAGELLM_CPU_KERNELS=0")
+    assert available(), "the CPU kernel failed to build (see the warning log)"
+
+
 def _tokenizer_dir(tmp_root: str) -> str:
     """The SmolLM2 tokenizer (from the bundled GGUF) saved as a plain HF tokenizer directory."""
     from pagellm.config import resolve_model_source

@@ -3,7 +3,6 @@ decodes sharing prefix blocks)."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -13,11 +12,7 @@ import torch.nn.functional as F
 from pagellm.attention import cpu_kernel, torch_paged
 from pagellm.attention.torch_paged import build_metadata, forward
 
-
-def _require_kernel() -> None:
-    if os.environ.get("PAGELLM_CPU_KERNELS") == "0":
-        pytest.skip("compiled CPU kernels disabled by PAGELLM_CPU_KERNELS=0")
-    assert cpu_kernel.available(), "the CPU decode kernel failed to build (see the warning log)"
+from conftest import require_cpu_kernel
 
 
 def _dense_reference(q, k_all, v_all, num_computed, scale):
@@ -43,7 +38,7 @@ def _dense_reference(q, k_all, v_all, num_computed, scale):
 def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, cache_dtype, monkeypatch):
     monkeypatch.setattr(torch_paged, "MIN_SHARED_TOKENS", 4)  # exercise cascade groups on small shapes
     if decode_kernel:
-        _require_kernel()
+        require_cpu_kernel(cpu_kernel.available)
         if cache_dtype == torch.float16:
             assert cpu_kernel.usable_for(torch.empty(1, hkv, d, dtype=cache_dtype)), "no float16 kernel (AVX-512?)"
 

@@ -10,10 +10,12 @@ from pagellm.kernels import cpu_ops
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryEmbedding, apply_rotary
 
+from conftest import require_cpu_kernel
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _built():
-    assert cpu_ops.available(), "the CPU ops library failed to build (see the warning log)"
+    require_cpu_kernel(cpu_ops.available)
 
 
 @pytest.mark.parametrize("t", [1, 5, 300])

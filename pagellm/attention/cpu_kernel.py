@@ -16,34 +16,28 @@ import torch
 
 from pagellm import kernels
 
-_fns: dict[torch.dtype, object] = {}
-_lib: ctypes.CDLL | None = None
+_ARGS = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+_SIGNATURES: kernels.Signatures = {
+    "paged_decode_f32": (None, _ARGS),
+    "paged_decode_f16": (None, _ARGS),
+    "paged_decode_f16_supported": (ctypes.c_int, [ctypes.c_int64]),
+}
+_DECODE = {torch.float32: "paged_decode_f32", torch.float16: "paged_decode_f16"}
 
 
 def available() -> bool:
     """Build (once) and load the kernel; ``False`` when it is disabled or cannot be built."""
-    global _lib
-    if _lib is None:
-        lib = kernels.load("paged_decode")
-        if lib is None:
-            return False
-        for dtype, name in ((torch.float32, "paged_decode_f32"), (torch.float16, "paged_decode_f16")):
-            fn = getattr(lib, name)
-            fn.restype = None
-            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
-            _fns[dtype] = fn
-        lib.paged_decode_f16_supported.restype = ctypes.c_int
-        lib.paged_decode_f16_supported.argtypes = [ctypes.c_int64]
-        _lib = lib
-    return True
+    return kernels.load("paged_decode", _SIGNATURES) is not None
 
 
 def usable_for(key_cache: torch.Tensor) -> bool:
     """Whether decodes over this cache (``[num_slots, Hkv, D]``) can take the kernel."""
-    if key_cache.device.type != "cpu" or key_cache.dtype not in (torch.float32, torch.float16) or not available():
+    if key_cache.device.type != "cpu" or key_cache.dtype not in _DECODE:
         return False
-    assert _lib is not None
-    return key_cache.dtype == torch.float32 or bool(_lib.paged_decode_f16_supported(key_cache.shape[-1]))
+    lib = kernels.load("paged_decode", _SIGNATURES)
+    if lib is None:
+        return False
+    return key_cache.dtype == torch.float32 or bool(lib.paged_decode_f16_supported(key_cache.shape[-1]))
 
 
 def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
@@ -55,17 +49,21 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: to
     float16 (see :func:`usable_for`); ``block_tables`` ``[B, max_blocks]`` and ``seq_lens`` ``[B]``
     int64 on the CPU.
     """
-    assert _lib is not None, "call available() first"
+    lib = kernels.load("paged_decode", _SIGNATURES)
+    assert lib is not None, "call available() first"
     b, hq, d = query.shape
     hkv = key_cache.shape[1]
     for t, name in ((out, "out"), (query, "query")):
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous float32")
     for t, name in ((key_cache, "key_cache"), (value_cache, "value_cache")):
-        if t.dtype != key_cache.dtype or t.dtype not in _fns or not t.is_contiguous():
+        if t.dtype != key_cache.dtype or t.dtype not in _DECODE or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous float32 or float16 (both caches the same)")
+    if not usable_for(key_cache):
+        raise ValueError(f"no decode kernel for a {key_cache.dtype} cache with head size {d} on this machine")
     for t, name in ((block_tables, "block_tables"), (seq_lens, "seq_lens")):
         if t.dtype != torch.int64 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous int64")
-    _fns[key_cache.dtype](out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-        block_tables.data_ptr(), seq_lens.data_ptr(), b, hq, hkv, d, block_size, block_tables.shape[1], scale)
+    decode = getattr(lib, _DECODE[key_cache.dtype])
+    decode(out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+           seq_lens.data_ptr(), b, hq, hkv, d, block_size, block_tables.shape[1], scale)

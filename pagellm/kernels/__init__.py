@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from typing import Any
 
 from pagellm.utils import cache_dir
 
@@ -33,6 +34,10 @@ _libs: dict[str, ctypes.CDLL | None] = {}
 def enabled() -> bool:
     """``False`` when the user turned the kernels off with ``PAGELLM_CPU_KERNELS=0``."""
     return os.environ.get("PAGELLM_CPU_KERNELS", "1") != "0"
+
+
+# Exported function name -> (restype, argtypes), declared by each wrapper module.
+Signatures = dict[str, tuple[Any, list[Any]]]
 
 
 def _build(name: str) -> ctypes.CDLL:
@@ -61,8 +66,9 @@ def _build(name: str) -> ctypes.CDLL:
     return ctypes.CDLL(path)
 
 
-def load(name: str) -> ctypes.CDLL | None:
-    """The compiled library ``<name>.c`` (built on the first call), or ``None`` if unavailable."""
+def load(name: str, signatures: Signatures) -> ctypes.CDLL | None:
+    """The compiled library ``<name>.c`` (built on the first call) with ``signatures`` declared on
+    its functions, or ``None`` if unavailable. Later calls return the same library at dict cost."""
     if name in _libs:
         return _libs[name]
     with _lock:
@@ -71,6 +77,9 @@ def load(name: str) -> ctypes.CDLL | None:
             if enabled():
                 try:
                     lib = _build(name)
+                    for fn_name, (restype, argtypes) in signatures.items():
+                        fn = getattr(lib, fn_name)  # a missing symbol is a failed build
+                        fn.restype, fn.argtypes = restype, argtypes
                 except Exception as e:  # no compiler, read-only cache, odd platform: the pure path works
                     logger.warning("CPU kernel %s unavailable (%s); using the pure PyTorch path", name, e)
             _libs[name] = lib

@@ -12,30 +12,26 @@ import torch
 
 from pagellm import kernels
 
-_lib: ctypes.CDLL | None = None
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_SIGNATURES = {
-    "rms_norm_f32": [_P, _I, _P, _P, _P, _I, _I, _F],
-    "rotary_f32": [_P, _I, _P, _P, _I, _I, _I],
-    "silu_and_mul_f32": [_P, _P, _I, _I],
-    "write_kv_f32": [_P, _I, _P, _I, _P, _P, _P, _I, _I],
-    "write_kv_f16": [_P, _I, _P, _I, _P, _P, _P, _I, _I],
+_SIGNATURES: kernels.Signatures = {
+    "rms_norm_f32": (None, [_P, _I, _P, _P, _P, _I, _I, _F]),
+    "rotary_f32": (None, [_P, _I, _P, _P, _I, _I, _I]),
+    "silu_and_mul_f32": (None, [_P, _P, _I, _I]),
+    "write_kv_f32": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I]),
+    "write_kv_f16": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I]),
 }
 _WRITE_KV = {torch.float32: "write_kv_f32", torch.float16: "write_kv_f16"}
 
 
+def _lib() -> ctypes.CDLL:
+    lib = kernels.load("cpu_ops", _SIGNATURES)
+    assert lib is not None, "check available() / usable() first"
+    return lib
+
+
 def available() -> bool:
     """Build (once) and load the library; ``False`` when disabled or impossible."""
-    global _lib
-    if _lib is None:
-        lib = kernels.load("cpu_ops")
-        if lib is None:
-            return False
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = None, argtypes
-        _lib = lib
-    return True
+    return kernels.load("cpu_ops", _SIGNATURES) is not None
 
 
 def writes_kv_into(key_cache: torch.Tensor) -> bool:
@@ -61,33 +57,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
     ``x [T, n]`` (row-strided allowed), ``residual [T, n]`` contiguous; returns a new ``[T, n]``.
     """
-    assert _lib is not None
     t, n = x.shape
     out = torch.empty(t, n, dtype=x.dtype)
     if residual is not None and not residual.is_contiguous():
         raise ValueError("residual must be contiguous")
-    _lib.rms_norm_f32(x.data_ptr(), _rows(x, "x"), None if residual is None else residual.data_ptr(),
+    _lib().rms_norm_f32(x.data_ptr(), _rows(x, "x"), None if residual is None else residual.data_ptr(),
                       weight.contiguous().data_ptr(), out.data_ptr(), t, n, eps)
     return out
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate ``x [T, H, D]`` in place (heads contiguous, any row stride) by per-token ``cos/sin [T, D]``."""
-    assert _lib is not None
     t, h, d = x.shape
     if x.stride(2) != 1 or x.stride(1) != d:
         raise ValueError(f"x must have contiguous heads, got strides {x.stride()}")
     cos, sin = cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous()
-    _lib.rotary_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, h, d)
+    _lib().rotary_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, h, d)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up [T, 2I]`` contiguous; returns ``[T, I]``."""
-    assert _lib is not None
     t, two_i = gate_up.shape
     gate_up = gate_up.contiguous()
     out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
-    _lib.silu_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2)
+    _lib().silu_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2)
     return out
 
 
@@ -95,7 +88,6 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
              slot_mapping: torch.Tensor) -> None:
     """``key_cache[slot_mapping] = key`` (and value) for float32 ``[T, Hkv, D]`` rows with contiguous
     heads, into a float32 or float16 cache (rounded to nearest)."""
-    assert _lib is not None
     t = key.shape[0]
     row = key_cache[0].numel()
     k2, v2 = key.reshape(t, row), value.reshape(t, row)  # views: heads are contiguous within a row
@@ -106,6 +98,6 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
             raise ValueError("caches must be contiguous float32 or float16 (both the same)")
     if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
         raise ValueError("slot_mapping must be contiguous int64")
-    getattr(_lib, _WRITE_KV[key_cache.dtype])(k2.data_ptr(), _rows(k2, "key"), v2.data_ptr(), _rows(v2, "value"),
+    getattr(_lib(), _WRITE_KV[key_cache.dtype])(k2.data_ptr(), _rows(k2, "key"), v2.data_ptr(), _rows(v2, "value"),
                                               key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
                                               t, row)

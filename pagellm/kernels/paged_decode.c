@@ -195,32 +195,6 @@ static inline __attribute__((always_inline)) void task64_groups(
   }
 }
 
-/* Decode attention over a float16 cache (kv_cache_dtype="float16"): AVX-512 and head size 64
- * only; paged_decode_f16_supported() tells the caller. */
-void paged_decode_f16(float *out, const float *q, const uint16_t *kc, const uint16_t *vc,
-                      const int64_t *block_tables, const int64_t *seq_lens, int64_t B, int64_t Hq,
-                      int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, float scale) {
-  const int64_t g = Hq / Hkv;
-  const int64_t row = Hkv * D;
-#pragma omp parallel
-  {
-    float *scores = NULL;
-    int64_t cap = 0;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < B * Hkv; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv;
-      const int64_t L = seq_lens[b];
-      if (g * L + 16 > cap) {
-        cap = (g * L + 16) * 2;
-        free(scores);
-        scores = (float *)malloc(sizeof(float) * cap);
-      }
-      task64_groups(out + (b * Hq + h * g) * D, q + (b * Hq + h * g) * D, kc, vc, block_tables + b * max_blocks,
-                    L, g, row, h, block_size, scale, scores, 1);
-    }
-    free(scores);
-  }
-}
 #endif
 
 int paged_decode_f16_supported(int64_t D) {
@@ -232,9 +206,13 @@ int paged_decode_f16_supported(int64_t D) {
 #endif
 }
 
-void paged_decode_f32(float *out, const float *q, const float *kc, const float *vc,
-                      const int64_t *block_tables, const int64_t *seq_lens, int64_t B, int64_t Hq,
-                      int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, float scale) {
+/* Every (sequence, KV head) task of one call. f16: the caches hold float16, which only the AVX-512
+ * path for head size 64 reads (callers check paged_decode_f16_supported); inlined into each entry
+ * point with a constant f16, so the element type costs no branch in the inner loops. */
+static inline __attribute__((always_inline)) void decode_all(
+    float *out, const float *q, const void *kc, const void *vc, const int64_t *block_tables,
+    const int64_t *seq_lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
+    int64_t max_blocks, float scale, const int f16) {
   const int64_t g = Hq / Hkv;
   const int64_t row = Hkv * D;
 #pragma omp parallel
@@ -256,18 +234,34 @@ void paged_decode_f32(float *out, const float *q, const float *kc, const float *
       const int64_t *bt = block_tables + b * max_blocks;
 #ifdef __AVX512F__
       if (D == 64) {
-        task64_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, 0);
+        task64_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, f16);
         continue;
       }
 #endif
+      if (f16) continue; /* unreachable: no portable float16 path */
+      const float *kf = (const float *)kc, *vf = (const float *)vc;
       if (D == 64)
-        task_impl(o, qh, kc, vc, bt, L, g, row, h, 64, block_size, scale, scores, acc);
+        task_impl(o, qh, kf, vf, bt, L, g, row, h, 64, block_size, scale, scores, acc);
       else if (D == 128)
-        task_impl(o, qh, kc, vc, bt, L, g, row, h, 128, block_size, scale, scores, acc);
+        task_impl(o, qh, kf, vf, bt, L, g, row, h, 128, block_size, scale, scores, acc);
       else
-        task_impl(o, qh, kc, vc, bt, L, g, row, h, D, block_size, scale, scores, acc);
+        task_impl(o, qh, kf, vf, bt, L, g, row, h, D, block_size, scale, scores, acc);
     }
     free(scores);
     free(acc);
   }
+}
+
+void paged_decode_f32(float *out, const float *q, const float *kc, const float *vc,
+                      const int64_t *block_tables, const int64_t *seq_lens, int64_t B, int64_t Hq,
+                      int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, float scale) {
+  decode_all(out, q, kc, vc, block_tables, seq_lens, B, Hq, Hkv, D, block_size, max_blocks, scale, 0);
+}
+
+/* Decode attention over a float16 cache (kv_cache_dtype="float16"). Always exported, so the
+ * library's symbols do not depend on the build machine's ISA. */
+void paged_decode_f16(float *out, const float *q, const uint16_t *kc, const uint16_t *vc,
+                      const int64_t *block_tables, const int64_t *seq_lens, int64_t B, int64_t Hq,
+                      int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, float scale) {
+  decode_all(out, q, kc, vc, block_tables, seq_lens, B, Hq, Hkv, D, block_size, max_blocks, scale, 1);
 }
