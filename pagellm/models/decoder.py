@@ -152,20 +152,20 @@ class DecoderForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
+    def _lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_logits is not None:
             return self.packed_logits(hidden)
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return F.linear(hidden, self._lm_head_weight())
 
-    def pack_for_cpu(self) -> bool:
+    def pack_for_cpu(self) -> None:
         """Pre-pack the LM head for oneDNN (``layers/linear.py``), after ``load_weights``. A tied
         head gets its own packed copy (the embedding stays as is). The layers' projections stay
         on ``F.linear``: packed, they measured no faster at any batch size."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if packing_supported(weight):
-            self.packed_logits = PackedLinear(weight)
-        return self.packed_logits is not None
+        if packing_supported(self._lm_head_weight()):
+            self.packed_logits = PackedLinear(self._lm_head_weight())
 
     def _shard_sizes(self, fused: str) -> list[int]:
         attn = self.model.layers[0].self_attn
