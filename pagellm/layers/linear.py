@@ -20,19 +20,17 @@ def packing_supported(weight: torch.Tensor) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """``y = x W^T + b`` with ``W`` held in oneDNN's blocked layout (not a Parameter: inference only)."""
+    """``y = x W^T`` for ``x [N, in_features]``, with ``W`` held in oneDNN's blocked layout (not a
+    Parameter: inference only; no bias, as no supported LM head has one)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         # The batch-size hint only picks the blocking; any number of rows works afterwards.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 64)
-        self.bias = None if bias is None else bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or not x.is_contiguous():
-            x = x.reshape(-1, self.in_features).contiguous()
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return f"in_features={self.in_features}, out_features={self.out_features}"
