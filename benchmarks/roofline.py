@@ -81,7 +81,7 @@ def main() -> None:
                     + s.num_scheduled_tokens * (s.num_scheduled_tokens + 1) // 2 for s in so.scheduled)
         flops = 2 * tokens * layer_weights * n_layers + 2 * sampled * cfg.vocab_size * cfg.hidden_size \
             + 4 * nh * hd * pairs * n_layers
-        decodes = sum(1 for s in so.scheduled if s.num_scheduled_tokens == 1 and s.num_computed_tokens > 0)
+        decodes = sum(s.is_decode for s in so.scheduled)
         kind = "prefill-heavy" if tokens - decodes > decodes else "decode-heavy"
         row = stats[kind]
         row[0] += dt

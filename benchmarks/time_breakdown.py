@@ -112,7 +112,7 @@ def main() -> None:
 
     def classify(*a, **kw):
         so = schedule(*a, **kw)
-        decodes = sum(1 for s in so.scheduled if s.num_scheduled_tokens == 1 and s.num_computed_tokens > 0)
+        decodes = sum(s.is_decode for s in so.scheduled)
         n = sum(s.num_scheduled_tokens for s in so.scheduled)
         kind_of_last["kind"] = "prefill-heavy" if n - decodes > decodes else "decode-heavy"
         tokens[kind_of_last["kind"]] += n
@@ -124,7 +124,7 @@ def main() -> None:
     while engine.has_unfinished_requests():
         ts = time.perf_counter()
         prof = None
-        if args.torch_profiler:
+        if any(profiled[k] < args.torch_profiler for k in kinds):  # stop once every kind has its table
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             prof.__enter__()
         engine.step()

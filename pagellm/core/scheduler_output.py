@@ -37,6 +37,11 @@ class ScheduledSequence:
     def num_scheduled_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def is_decode(self) -> bool:
+        """One new token after earlier context (a 1-token prompt's prefill is not a decode)."""
+        return len(self.token_ids) == 1 and self.num_computed_tokens > 0
+
 
 @dataclass(slots=True)
 class CacheOps:

@@ -50,8 +50,8 @@ class ModelRunner:
         if not so.scheduled:
             return ModelRunnerOutput(sampled={})
         bs = self.block_size
-        decodes = [s for s in so.scheduled if s.num_scheduled_tokens == 1 and s.num_computed_tokens > 0]
-        chunks = [s for s in so.scheduled if not (s.num_scheduled_tokens == 1 and s.num_computed_tokens > 0)]
+        decodes = [s for s in so.scheduled if s.is_decode]
+        chunks = [s for s in so.scheduled if not s.is_decode]
         meta = _paged.build_metadata(
             decode_lens=[s.num_computed_tokens + 1 for s in decodes],
             decode_block_tables=[s.block_ids for s in decodes],
