@@ -34,49 +34,22 @@ T_START = time.perf_counter()
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 from workload import W64 as DEFAULT_WORKLOAD  # noqa: E402 (after T_START: start-up counts imports)
-from workload import load_workload  # noqa: E402
+from workload import latency, llm_latency, load_workload, run_all  # noqa: E402
 
 # --- run inside the engine subprocess ----------------------------------------------------------
-
-def _latency(generate_one, reqs: list[dict], n: int) -> dict:
-    """Median time to first token and decode tok/s over the first ``n`` requests, one at a time.
-    ``generate_one(request, max_tokens)`` returns the number of tokens generated."""
-    ttft, decode = [], []
-    for r in reqs[:n]:
-        t0 = time.perf_counter()
-        generate_one(r, 1)
-        ttft.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        got = generate_one(r, r["max_tokens"])
-        dt = time.perf_counter() - t0
-        decode.append((got - 1) / max(dt - ttft[-1], 1e-9))
-    return {"ttft": sorted(ttft)[len(ttft) // 2], "decode_tok_s": sorted(decode)[len(decode) // 2]}
-
 
 def _run_pagellm(args: argparse.Namespace, reqs: list[dict]) -> dict:
     from pagellm import LLM, SamplingParams
 
+    from throughput import pagellm_name
+
     llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
     llm.generate([{"prompt_token_ids": reqs[0]["prompt_token_ids"][:8]}], SamplingParams(max_tokens=2),
                  use_tqdm=False)  # first call builds the C kernels if the cache is cold
-    kv = "" if args.kv_cache_dtype == "auto" else f", {args.kv_cache_dtype} KV"
-    result = {"engine": f"pagellm ({llm.llm_engine.model_info.dtype}{kv})", "startup": time.perf_counter() - T_START}
-
-    def one(r: dict, max_tokens: int) -> int:
-        out = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]}],
-                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
-        return len(out[0].outputs[0].token_ids)
-
+    result = {"engine": pagellm_name(llm), "startup": time.perf_counter() - T_START}
     if args.mode == "throughput":
-        params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
-        t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs], params, use_tqdm=False)
-        result["wall"] = time.perf_counter() - t0
-        result["out"] = sum(len(o.outputs[0].token_ids) for o in outs)
-        result["first_tokens"] = [list(o.outputs[0].token_ids[:8]) for o in outs[:2]]
-    else:
-        result.update(_latency(one, reqs, args.latency_requests))
-    return result
+        return {**result, **run_all(llm, SamplingParams, reqs)}
+    return {**result, **llm_latency(llm, SamplingParams, reqs, args.latency_requests)}
 
 
 def _run_hf(args: argparse.Namespace, reqs: list[dict]) -> dict:
@@ -99,7 +72,7 @@ def _run_hf(args: argparse.Namespace, reqs: list[dict]) -> dict:
         result["out"] = run_hf_batches(model, reqs, args.hf_batch_size, quiet=True)
         result["wall"] = time.perf_counter() - t0
     else:
-        result.update(_latency(one, reqs, args.latency_requests))
+        result.update(latency(one, reqs, args.latency_requests))
     return result
 
 
@@ -123,10 +96,9 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
-def _spawn(cmd: list[str], env: dict[str, str] | None = None) -> dict:
+def _spawn(cmd: list[str]) -> dict:
     """Run one engine subprocess; return its RESULT line plus the peak RSS of its process tree."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak = 0
     stop = threading.Event()
 
@@ -243,21 +215,20 @@ def main() -> None:
            "--kv-cache-dtype", args.kv_cache_dtype,
            "--latency-requests", str(args.latency_requests), "--hf-dtype", args.hf_dtype,
            "--hf-batch-size", str(args.hf_batch_size)] + (["--model", args.model] if args.model else [])
-    engines: list[tuple[str, list[str], dict[str, str] | None]] = [("pagellm", [*own, "--run-engine", "pagellm"], None)]
+    engines: list[tuple[str, list[str]]] = [("pagellm", [*own, "--run-engine", "pagellm"])]
     if not args.skip_hf:
-        engines.append(("hf", [*own, "--run-engine", "hf"], None))
+        engines.append(("hf", [*own, "--run-engine", "hf"]))
     if args.vllm_venv:
         python = os.path.join(args.vllm_venv, "bin", "python")
         if not os.path.exists(python):
             raise SystemExit(f"--vllm-venv: {python} not found")
         engines.append(("vllm", [python, os.path.join(HERE, "vllm_runner.py"), "--model", _export_hf_dir(args.model),
-                                 *common, "--latency-requests", str(args.latency_requests)],
-                        {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1"}))
+                                 *common, "--latency-requests", str(args.latency_requests)]))
     results: list[dict] = []
     for mode in modes:
-        for name, cmd, env in engines:
+        for name, cmd in engines:
             print(f"running {name} ({mode}) ...", flush=True)
-            r = _spawn([*cmd, "--mode", mode], env)
+            r = _spawn([*cmd, "--mode", mode])
             r.update(mode=mode, key=name)
             if mode == "throughput":
                 r["total_tok_s"] = (n_in + r["out"]) / r["wall"]

@@ -17,7 +17,7 @@ import resource
 import time
 
 from workload import W64 as DEFAULT_WORKLOAD
-from workload import load_workload
+from workload import load_workload, run_all
 
 
 def run_pagellm(reqs: list[dict], args: argparse.Namespace) -> dict:
@@ -28,18 +28,15 @@ def run_pagellm(reqs: list[dict], args: argparse.Namespace) -> dict:
               max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
               kv_cache_dtype=args.kv_cache_dtype)
     load = time.perf_counter() - t0
-    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
-    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=not args.quiet)
-    wall = time.perf_counter() - t0
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert n_out == sum(r["max_tokens"] for r in reqs)
-    stats = llm.llm_engine.stats
-    kv = "" if args.kv_cache_dtype == "auto" else f", {args.kv_cache_dtype} KV"
-    return {"engine": f"pagellm ({llm.llm_engine.model_info.dtype}{kv})", "wall": wall, "load": load, "out": n_out,
-            "steps": stats["steps"], "preemptions": llm.llm_engine.scheduler.num_preemptions,
-            "first_tokens": [o.outputs[0].token_ids[:8] for o in outs[:2]]}
+    result = run_all(llm, SamplingParams, reqs, use_tqdm=not args.quiet)
+    return {**result, "engine": pagellm_name(llm), "load": load, "steps": llm.llm_engine.stats["steps"],
+            "preemptions": llm.llm_engine.scheduler.num_preemptions}
+
+
+def pagellm_name(llm) -> str:
+    """``pagellm (float32)``, with the K/V cache dtype when it is not the model's."""
+    kv = llm.llm_engine.config.cache.kv_cache_dtype
+    return f"pagellm ({llm.llm_engine.model_info.dtype}{'' if kv == 'auto' else f', {kv} KV'})"
 
 
 def load_hf_model(model_path: str | None, dtype_name: str):

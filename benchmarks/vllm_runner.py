@@ -1,9 +1,9 @@
 """Run a workload through vLLM and print one JSON line of results. Runs inside vLLM's own venv.
 
 ``compare.py --vllm-venv DIR`` starts this file with ``DIR/bin/python``; it imports nothing from
-pagellm (vLLM's venv does not have it). Throughput mode generates every request in one
-``LLM.generate`` call; latency mode runs them one at a time and reports time to first token
-(a 1-token request) and decode speed.
+pagellm (vLLM's venv does not have it), only ``workload.py`` (standard library), so vLLM runs
+exactly the measurement pagellm runs: every request in one ``LLM.generate`` call, or (latency
+mode) one at a time, time to first token and decode speed.
 
     vllm-venv/bin/python benchmarks/vllm_runner.py --model HF_DIR --workload W.json --mode throughput
 """
@@ -16,6 +16,8 @@ import os
 import time
 
 T_START = time.perf_counter()
+
+from workload import llm_latency, load_workload, run_all  # noqa: E402 (after T_START: start-up counts imports)
 
 
 def main() -> None:
@@ -32,35 +34,13 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
-    with open(args.workload) as f:
-        reqs = json.load(f)["requests"]
-    reqs = reqs[: args.num_requests] if args.num_requests else reqs
+    reqs = load_workload(args.workload, args.num_requests)
     llm = LLM(model=args.model, dtype="bfloat16", seed=0)
-    startup = time.perf_counter() - T_START
-    result: dict = {"engine": "vLLM CPU (bfloat16)", "startup": startup}
+    result = {"engine": "vLLM CPU (bfloat16)", "startup": time.perf_counter() - T_START}
     if args.mode == "throughput":
-        prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
-        params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        result["wall"] = time.perf_counter() - t0
-        result["out"] = sum(len(o.outputs[0].token_ids) for o in outs)
-        result["first_tokens"] = [list(o.outputs[0].token_ids[:8]) for o in outs[:2]]
+        result.update(run_all(llm, SamplingParams, reqs))
     else:
-        ttft, decode = [], []
-        for r in reqs[: args.latency_requests]:
-            prompt = {"prompt_token_ids": r["prompt_token_ids"]}
-            t0 = time.perf_counter()
-            llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
-            ttft.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True),
-                               use_tqdm=False)
-            dt = time.perf_counter() - t0
-            n = len(out[0].outputs[0].token_ids)
-            decode.append((n - 1) / max(dt - ttft[-1], 1e-9))
-        result["ttft"] = sorted(ttft)[len(ttft) // 2]
-        result["decode_tok_s"] = sorted(decode)[len(decode) // 2]
+        result.update(llm_latency(llm, SamplingParams, reqs, args.latency_requests))
     print("RESULT " + json.dumps(result), flush=True)
 
 

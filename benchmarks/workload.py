@@ -1,9 +1,15 @@
-"""The shared benchmark workloads (``../shared/bench``): where they are and how to load them."""
+"""The shared benchmark workloads (``../shared/bench``): where they are, how to load them, and how
+to run them through any engine with vLLM's offline API (``LLM.generate(prompts, params)``, which
+pagellm's ``LLM`` shares). Standard library only: vLLM's venv imports this file too.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Callable
+from typing import Any
 
 BENCH_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "bench")
 W64 = os.path.join(BENCH_DIR, "workload_n64_seed0.json")
@@ -17,3 +23,45 @@ def load_workload(path: str, n: int | None) -> list[dict]:
     with open(path) as f:
         reqs = json.load(f)["requests"]
     return reqs[:n] if n else reqs
+
+
+def _prompt(r: dict) -> dict:
+    return {"prompt_token_ids": r["prompt_token_ids"]}
+
+
+def run_all(llm: Any, sampling_params: type, reqs: list[dict], use_tqdm: bool = False) -> dict:
+    """Every request in one ``generate`` call, greedy with EOS ignored: wall time, tokens out, and
+    the first tokens of two requests (to eyeball that engines agree)."""
+    params = [sampling_params(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
+    t0 = time.perf_counter()
+    outs = llm.generate([_prompt(r) for r in reqs], params, use_tqdm=use_tqdm)
+    wall = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert n_out == sum(r["max_tokens"] for r in reqs), "every request must yield exactly max_tokens"
+    return {"wall": wall, "out": n_out, "first_tokens": [list(o.outputs[0].token_ids[:8]) for o in outs[:2]]}
+
+
+def latency(generate_one: Callable[[dict, int], int], reqs: list[dict], n: int) -> dict:
+    """Median time to first token and decode tok/s over the first ``n`` requests, one at a time.
+    ``generate_one(request, max_tokens)`` returns the number of tokens generated; time to first
+    token is a 1-token request, decode speed the rest of the full request."""
+    ttft, decode = [], []
+    for r in reqs[:n]:
+        t0 = time.perf_counter()
+        generate_one(r, 1)
+        ttft.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        got = generate_one(r, r["max_tokens"])
+        dt = time.perf_counter() - t0
+        decode.append((got - 1) / max(dt - ttft[-1], 1e-9))
+    return {"ttft": sorted(ttft)[len(ttft) // 2], "decode_tok_s": sorted(decode)[len(decode) // 2]}
+
+
+def llm_latency(llm: Any, sampling_params: type, reqs: list[dict], n: int) -> dict:
+    """:func:`latency` through ``LLM.generate`` (vLLM's API)."""
+
+    def one(r: dict, max_tokens: int) -> int:
+        params = sampling_params(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        return len(llm.generate([_prompt(r)], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+    return latency(one, reqs, n)
