@@ -33,8 +33,8 @@ import time
 T_START = time.perf_counter()
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-from workload import W64 as DEFAULT_WORKLOAD  # noqa: E402 (after T_START: start-up counts imports)
-from workload import latency, llm_latency, load_workload, run_all  # noqa: E402
+# After T_START: start-up counts imports.
+from workload import add_workload_args, latency, llm_latency, load_workload, run_all  # noqa: E402
 
 # --- run inside the engine subprocess ----------------------------------------------------------
 
@@ -184,9 +184,7 @@ def _chart(results: list[dict], path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", default=DEFAULT_WORKLOAD)
-    ap.add_argument("--num-requests", type=int, default=None)
-    ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct GGUF")
+    add_workload_args(ap)
     ap.add_argument("--dtype", default="auto", help="pagellm dtype (auto = float32 on CPU)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="pagellm K/V cache dtype (auto = the model's)")
     ap.add_argument("--mode", choices=("throughput", "latency", "both"), default="both")

@@ -16,7 +16,7 @@ import statistics
 import time
 
 from workload import PREFIX384 as DEFAULT_WORKLOAD
-from workload import load_workload
+from workload import add_workload_args, load_workload
 
 
 def run(reqs: list[dict], caching: bool, args: argparse.Namespace) -> dict:
@@ -42,9 +42,7 @@ def run(reqs: list[dict], caching: bool, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", default=DEFAULT_WORKLOAD)
-    ap.add_argument("--num-requests", type=int, default=None)
-    ap.add_argument("--model", default=None)
+    add_workload_args(ap, DEFAULT_WORKLOAD)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--quiet", action="store_true")

@@ -18,8 +18,7 @@ import argparse
 import os
 import time
 
-from workload import W64 as DEFAULT_WORKLOAD
-from workload import load_workload
+from workload import add_workload_args, load_workload
 
 
 def gemm_peak(shapes: dict[str, tuple[int, int]], m: int, dtype, repeats: int = 5) -> float:
@@ -41,9 +40,7 @@ def gemm_peak(shapes: dict[str, tuple[int, int]], m: int, dtype, repeats: int = 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", default=DEFAULT_WORKLOAD)
-    ap.add_argument("--num-requests", type=int, default=32)
-    ap.add_argument("--model", default=None)
+    add_workload_args(ap, num_requests=32)
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
 

@@ -16,8 +16,7 @@ import os
 import resource
 import time
 
-from workload import W64 as DEFAULT_WORKLOAD
-from workload import load_workload, run_all
+from workload import add_workload_args, load_workload, run_all
 
 
 def run_pagellm(reqs: list[dict], args: argparse.Namespace) -> dict:
@@ -105,9 +104,7 @@ def run_hf(reqs: list[dict], args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", default=DEFAULT_WORKLOAD)
-    ap.add_argument("--num-requests", type=int, default=None)
-    ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct GGUF")
+    add_workload_args(ap)
     ap.add_argument("--dtype", default="auto", help="pagellm dtype (auto = float32 on CPU)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)

@@ -25,8 +25,7 @@ import functools
 import time
 from collections import defaultdict
 
-from workload import W64 as DEFAULT_WORKLOAD
-from workload import load_workload
+from workload import add_workload_args, load_workload
 
 CATEGORIES = ("scheduling", "input preparation", "linear (GEMM)", "attention", "other model ops", "lm head",
               "sampling", "output processing")
@@ -82,9 +81,7 @@ def instrument(engine, timers: ExclusiveTimers) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", default=DEFAULT_WORKLOAD)
-    ap.add_argument("--num-requests", type=int, default=None)
-    ap.add_argument("--model", default=None)
+    add_workload_args(ap)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--torch-profiler", type=int, default=0, metavar="N",
                     help="also print torch.profiler's op table over N steps of each kind")

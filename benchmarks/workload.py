@@ -16,6 +16,14 @@ W64 = os.path.join(BENCH_DIR, "workload_n64_seed0.json")
 PREFIX384 = os.path.join(BENCH_DIR, "workload_prefix384_n64_seed1.json")
 
 
+def add_workload_args(ap: Any, default: str = W64, num_requests: int | None = None) -> None:
+    """``--workload``, ``--num-requests`` and ``--model``, the flags every pagellm benchmark takes."""
+    ap.add_argument("--workload", default=default)
+    ap.add_argument("--num-requests", type=int, default=num_requests, help="the first N requests (default: all)"
+                    if num_requests is None else f"the first N requests (default: {num_requests})")
+    ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct GGUF")
+
+
 def load_workload(path: str, n: int | None) -> list[dict]:
     """The first ``n`` requests (all if ``n`` is None) of a workload file."""
     if not os.path.exists(path):
