@@ -27,7 +27,7 @@ def _dense_reference(q, k_all, v_all, num_computed, scale):
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])
-@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (8, 2), (9, 3), (14, 2)])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (8, 2), (9, 3), (14, 2), (18, 1)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 # The compiled decode kernel against the same dense oracle; d = 64 takes its specialised branch.
 # A float16 cache (kv_cache_dtype="float16") under float32 queries, pure path and kernel; its K/V

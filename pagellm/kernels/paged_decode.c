@@ -25,7 +25,7 @@ static inline __attribute__((always_inline)) void task_impl(
     float *out, const float *qh, const float *kc, const float *vc, const int64_t *bt, int64_t L,
     int64_t g, int64_t row, int64_t h, const int64_t D, int64_t block_size, float scale, float *scores,
     float *acc) {
-  float m[16];
+  float *m = acc + g * D, *inv = m + g; /* per query head: running max, then 1 / sum */
   for (int64_t j = 0; j < g; ++j) m[j] = -INFINITY;
   for (int64_t t0 = 0; t0 < L; t0 += block_size) {
     const float *kb = kc + bt[t0 / block_size] * block_size * row + h * D;
@@ -45,7 +45,6 @@ static inline __attribute__((always_inline)) void task_impl(
       }
     }
   }
-  float inv[16];
   for (int64_t j = 0; j < g; ++j) {
     float *sj = scores + j * L;
     float sum = 0.f;
@@ -219,7 +218,7 @@ static inline __attribute__((always_inline)) void decode_all(
   {
     float *scores = NULL;
     int64_t cap = 0;
-    float *acc = (float *)malloc(sizeof(float) * g * D);
+    float *acc = (float *)malloc(sizeof(float) * (g * D + 2 * g)); /* + task_impl's max and 1/sum */
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < B * Hkv; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
