@@ -165,19 +165,35 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
-    """How many workers run the model. Only one in-process worker exists so far."""
+    """How many workers run the model: ``tensor_parallel_size`` ranks per engine replica,
+    ``data_parallel_size`` replicas, each rank in-process (``uni``), a local process (``mp``) or a
+    Ray actor (``ray``)."""
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
-    distributed_executor_backend: Literal["uni"] = "uni"
+    distributed_executor_backend: Literal["uni", "mp", "ray"] = "uni"
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1 or self.data_parallel_size != 1:
-            raise ValueError("tensor_parallel_size and data_parallel_size other than 1 are not supported yet")
-        if self.distributed_executor_backend != "uni":
-            raise ValueError(
-                f"distributed_executor_backend {self.distributed_executor_backend!r} is not supported yet (only 'uni')"
-            )
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.distributed_executor_backend not in ("uni", "mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be 'uni', 'mp' or 'ray', "
+                             f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} with data_parallel_size="
+                             f"{self.data_parallel_size} needs workers out of process: "
+                             "distributed_executor_backend 'mp' or 'ray'")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    @staticmethod
+    def default_backend(tensor_parallel_size: int, data_parallel_size: int) -> str:
+        """vLLM's choice when none is given: in-process for one worker, else local processes."""
+        return "uni" if tensor_parallel_size == 1 and data_parallel_size == 1 else "mp"
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +228,12 @@ _HELP = {
     "kv_cache_memory": "KV cache byte budget, e.g. 2GiB (ignored with --num-gpu-blocks-override)",
     "num_gpu_blocks_override": "exact number of KV blocks (on any device)",
     "long_prefill_token_threshold": "most prompt tokens one request computes per step (0 = no cap)",
-    "num_threads": "torch CPU threads (default: all cores)",
+    "num_threads": "torch CPU threads per worker (default: the cores, shared out between local workers)",
+    "tensor_parallel_size": "ranks that split each layer's heads and features (torch.distributed: gloo on CPU, "
+                            "nccl on CUDA)",
+    "data_parallel_size": "independent engine replicas behind one front end, requests sent to the least loaded",
+    "distributed_executor_backend": "uni (in-process), mp (a process per rank on this machine) or ray (a Ray actor "
+                                    "per rank, any node); default: uni for one worker, else mp",
     "kv_cache_dtype": "K/V cache element type: auto (the model's dtype), float32, float16 or bfloat16; "
                       "float16 under a float32 model halves decode attention's memory traffic",
     "swap_space": "CPU swap pool for preempted requests, GiB (default: the KV cache's size, at most 4; "
@@ -252,7 +273,7 @@ class EngineArgs:
     priority_aging_steps: int = 256
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
-    distributed_executor_backend: str = "uni"
+    distributed_executor_backend: str | None = None
     device: str = "auto"
     num_threads: int | None = None
 
@@ -281,7 +302,8 @@ class EngineArgs:
                               self.num_cpu_blocks_override, self.kv_cache_dtype),  # type: ignore[arg-type]
             scheduler=SchedulerConfig(**sched_kwargs),
             parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size,
-                                    self.distributed_executor_backend),  # type: ignore[arg-type]
+                                    self.distributed_executor_backend or ParallelConfig.default_backend(
+                                        self.tensor_parallel_size, self.data_parallel_size)),  # type: ignore
             device=DeviceConfig(self.device, self.num_threads),  # type: ignore[arg-type]
         )
 

@@ -3,7 +3,9 @@
 The variants differ only in flags: bias on the fused qkv projection (Qwen2) and RMSNorm on each
 head's q and k before rotary (Qwen3). Projections are fused (``qkv_proj``, ``gate_up_proj``);
 ``packed_modules_mapping`` lets HF checkpoints with separate q/k/v and gate/up load unchanged.
-The model sees flat tokens, positions and ``AttentionMetadata`` — never sequences.
+The model sees flat tokens, positions and ``AttentionMetadata`` — never sequences. Under tensor
+parallelism (``layers/parallel.py``) each rank builds the same model over its share of the heads,
+the MLP's intermediate features and the vocabulary.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention import AttentionMetadata, get_attention_backend
+from pagellm.distributed import TensorParallelGroup
 from pagellm.kernels import cpu_ops
 from pagellm.layers.linear import PackedLinear, packing_supported
 from pagellm.layers.norm import RMSNorm
+from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from pagellm.layers.rotary import RotaryEmbedding, apply_rotary
 
 _paged = get_attention_backend("torch")
@@ -36,16 +40,23 @@ def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
 class Attention(nn.Module):
     """Fused qkv projection, optional q/k norm, rotary, paged attention, output projection."""
 
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = hd = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        if total_kv_heads < tp.world_size:
+            raise ValueError(f"tensor_parallel_size={tp.world_size} exceeds the model's {total_kv_heads} KV heads")
+        # Whole GQA groups per rank: KV head j serves query heads j*group ... (j+1)*group - 1.
+        kv_start, self.num_kv_heads = tp.shard(total_kv_heads)
+        group = total_heads // total_kv_heads
+        self.num_heads = self.num_kv_heads * group
+        self.q_size = self.num_heads * hd
+        self.kv_size = self.num_kv_heads * hd
+        self.scale = hd ** -0.5
+        q_part, kv_part = (kv_start * group * hd, self.q_size), (kv_start * hd, self.kv_size)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_part, kv_part, kv_part], bias=qkv_bias)
+        self.o_proj = RowParallelLinear(q_part, config.hidden_size, getattr(config, "attention_bias", False), tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
@@ -72,12 +83,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp: TensorParallelGroup) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        part = tp.shard(config.intermediate_size)
+        self.intermediate_size = part[1]
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [part, part], bias=bias)
+        self.down_proj = RowParallelLinear(part, config.hidden_size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -88,12 +100,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, qkv_bias, qk_norm)
+        self.self_attn = Attention(config, qkv_bias, qk_norm, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(self, rope, x, residual, kv_cache, meta):
         if residual is None:
@@ -107,11 +119,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, freq_factors: torch.Tensor | None) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, freq_factors: torch.Tensor | None,
+                 tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, qkv_bias, qk_norm, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         attn = self.layers[0].self_attn
@@ -139,13 +152,16 @@ class DecoderForCausalLM(nn.Module):
         "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)],
     }
 
-    def __init__(self, config: Any, freq_factors: torch.Tensor | None = None) -> None:
+    def __init__(self, config: Any, freq_factors: torch.Tensor | None = None,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp = tp or TensorParallelGroup()
         qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.model = DecoderModel(config, qkv_bias, self.qk_norm, freq_factors)
+        self.model = DecoderModel(config, qkv_bias, self.qk_norm, freq_factors, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
+        vocab = self.model.embed_tokens.vocab_range  # the LM head's rows are the embedding's
+        self.lm_head = None if self.tie_word_embeddings else ColumnParallelLinear(config.hidden_size, [vocab], False)
         self.packed_logits: PackedLinear | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -156,9 +172,12 @@ class DecoderForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary (each rank computes its rows; every rank gets all)."""
         if self.packed_logits is not None:
-            return self.packed_logits(hidden)
-        return F.linear(hidden, self._lm_head_weight())
+            logits = self.packed_logits(hidden)
+        else:
+            logits = F.linear(hidden, self._lm_head_weight())
+        return self.tp.all_gather_last_dim(logits, self.model.embed_tokens.vocab_sizes)
 
     def pack_for_cpu(self) -> None:
         """Pre-pack the LM head for oneDNN (``layers/linear.py``), after ``load_weights``. A tied
@@ -167,15 +186,10 @@ class DecoderForCausalLM(nn.Module):
         if packing_supported(self._lm_head_weight()):
             self.packed_logits = PackedLinear(self._lm_head_weight())
 
-    def _shard_sizes(self, fused: str) -> list[int]:
-        attn = self.model.layers[0].self_attn
-        if fused == "qkv_proj":
-            return [attn.q_size, attn.kv_size, attn.kv_size]
-        inter = self.model.layers[0].mlp.intermediate_size
-        return [inter, inter]
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the (fused) parameters; missing or unexpected names raise."""
+        """Copy HF-named tensors into the (fused, sharded) parameters; missing or unexpected names raise.
+
+        Sharded layers cut this rank's slice out of each full tensor (``weight_loader``)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         unexpected: list[str] = []
@@ -196,20 +210,19 @@ class DecoderForCausalLM(nn.Module):
             if param is None:
                 unexpected.append(name)
                 continue
+            module = self.get_submodule(target.rsplit(".", 1)[0])
+            part = None if shard is None else shard[1]
             with torch.no_grad():
-                if shard is None:
-                    if param.shape != tensor.shape:
-                        raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
-                    param.copy_(tensor)
-                    loaded.add(target)
-                else:
-                    sizes = self._shard_sizes(shard[0])
-                    offset = sum(sizes[: shard[1]])
-                    dst = param.narrow(0, offset, sizes[shard[1]])
-                    if dst.shape != tensor.shape:
-                        raise ValueError(f"weight {name}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
-                    dst.copy_(tensor)
-                    loaded.add(f"{target}#{shard[1]}")
+                try:
+                    if hasattr(module, "weight_loader"):
+                        module.weight_loader(param, tensor, part)
+                    elif param.shape != tensor.shape:
+                        raise ValueError(f"shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
+                    else:
+                        param.copy_(tensor)
+                except ValueError as e:
+                    raise ValueError(f"weight {name}: {e}") from None
+            loaded.add(target if part is None else f"{target}#{part}")
         expected: set[str] = set()
         for pname in params:
             fused = next((f for f in self.packed_modules_mapping if f".{f}." in pname), None)

@@ -21,10 +21,14 @@ _paged = get_attention_backend("torch")
 
 
 class ModelRunner:
-    """Runs one step of the model for a ``SchedulerOutput``; keeps per-sequence RNGs for seeded sampling."""
+    """Runs one step of the model for a ``SchedulerOutput``; keeps per-sequence RNGs for seeded sampling.
 
-    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device) -> None:
+    Only the driver (tensor-parallel rank 0, or the only worker) samples; other ranks return ``None``.
+    """
+
+    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device, is_driver: bool = True) -> None:
         self.model = model
+        self.is_driver = is_driver
         self.block_size = block_size
         self.device = device
         self.generators: dict[int, torch.Generator] = {}
@@ -44,7 +48,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput,
-                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ModelRunnerOutput:
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ModelRunnerOutput | None:
         for seq_id in so.finished_seq_ids:
             self.generators.pop(seq_id, None)
         if not so.scheduled:
@@ -80,7 +84,10 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids_t, pos_t, kv_caches, meta)
         if not sample_idx:
-            return ModelRunnerOutput(sampled={})
+            return ModelRunnerOutput(sampled={}) if self.is_driver else None
+        logits = self.model.compute_logits(hidden[sample_idx]).float()  # a collective under TP
+        if not self.is_driver:
+            return None
         # A request's first sample with n > 1 draws one token per future fork from the same row.
         row_idx: list[int] = []
         rows: list[SamplingRow] = []
@@ -91,7 +98,6 @@ class ModelRunner:
                 row_seq_ids.append(seq_id)
                 rows.append(SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids,
                                         self._generator(seq_id, s.sampling_params.seed, j)))
-        logits = self.model.compute_logits(hidden[sample_idx]).float()
         if len(row_idx) != len(sample_idx):
             logits = logits[row_idx]
         out = sample(logits, rows)

@@ -9,6 +9,7 @@ import torch
 
 from pagellm.config import EngineConfig, default_num_threads, resolve_model_source
 from pagellm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagellm.distributed import init_tensor_parallel
 from pagellm.models import get_model_class
 from pagellm.weights import freq_factors, iter_weights, load_model_config
 from pagellm.worker.cache_engine import CacheEngine, KVCacheSpec
@@ -33,16 +34,26 @@ class ModelInfo:
 
 
 class Worker:
-    """Owns the model, the ``CacheEngine`` and the ``ModelRunner`` of one device."""
+    """Owns the model, the ``CacheEngine`` and the ``ModelRunner`` of one device.
 
-    def __init__(self, config: EngineConfig) -> None:
+    Under tensor parallelism there is one worker per rank, each holding its shard of the weights
+    and of the KV cache (its KV heads); ``init_method`` is the ``torch.distributed`` rendezvous.
+    """
+
+    def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None,
+                 device_index: int | None = None) -> None:
         self.config = config
+        self.rank = rank
         dev = config.device.device
         if dev == "auto":
             dev = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(dev)
+        self.device = torch.device(dev, device_index) if dev == "cuda" and device_index is not None \
+            else torch.device(dev)
         if self.device.type == "cpu":
             torch.set_num_threads(config.device.num_threads or default_num_threads())
+        elif self.device.index is not None:
+            torch.cuda.set_device(self.device)
+        self.tp = init_tensor_parallel(rank, config.parallel.tensor_parallel_size, init_method, self.device)
         dtype_name = config.model.dtype
         if dtype_name == "auto":
             dtype_name = "float32" if self.device.type == "cpu" else "bfloat16"
@@ -56,7 +67,7 @@ class Worker:
         arch = hf_config.architectures[0]
         cls = get_model_class(arch)
         with torch.device("meta"):
-            model = cls(hf_config, freq_factors(source))
+            model = cls(hf_config, freq_factors(source), tp=self.tp)
         # Built on meta (no random init), materialised uninitialised, then every weight is loaded.
         model = model.to_empty(device=self.device)
         model.load_weights(iter_weights(source, hf_config))
@@ -104,9 +115,10 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         self.cache_engine = CacheEngine(self.spec, num_blocks, self.device, num_cpu_blocks)
-        self.model_runner = ModelRunner(self.model, self.spec.block_size, self.device)
+        self.model_runner = ModelRunner(self.model, self.spec.block_size, self.device, self.tp.is_driver)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The step's sampled tokens (``None`` on ranks other than 0, which only compute)."""
         assert self.cache_engine is not None and self.model_runner is not None, "initialize_cache first"
         ops = scheduler_output.cache_ops
         # Before the forward pass: swapped-out blocks may be reused by this very step.

@@ -1,0 +1,97 @@
+"""Tensor-parallel linear and embedding layers (Megatron's split, as vLLM does it).
+
+Each rank holds a slice of the weight and ``weight_loader`` cuts that slice out of the full
+checkpoint tensor, so a rank's parameters are only its shard::
+
+    ColumnParallelLinear   W[out, in]  split by rows (output features); fused layers (qkv,
+                           gate/up) split each part separately, so every rank gets whole heads
+    RowParallelLinear      W[out, in]  split by columns; partial outputs are summed (all-reduce)
+    VocabParallelEmbedding E[vocab, d] split by rows; tokens outside a rank's rows give zeros,
+                           then an all-reduce (exact: one non-zero addend per token)
+
+With a group of size 1 each is a plain ``nn.Linear`` / ``nn.Embedding``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.distributed import TensorParallelGroup, shard_range
+
+
+class ColumnParallelLinear(nn.Linear):
+    """Output features split across ranks. ``parts`` lists, per fused part (q, k, v or gate, up),
+    this rank's ``(start, size)`` inside that part of the full weight."""
+
+    def __init__(self, input_size: int, parts: list[tuple[int, int]], bias: bool) -> None:
+        super().__init__(input_size, sum(size for _, size in parts), bias=bias)
+        self.parts = parts
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, part: int | None) -> None:
+        """Copy this rank's rows of checkpoint tensor ``loaded`` (part ``part`` of a fused layer)."""
+        idx = 0 if part is None else part
+        if part is None and len(self.parts) != 1:
+            raise ValueError(f"a fused layer of {len(self.parts)} parts needs the part of each checkpoint tensor")
+        start, size = self.parts[idx]
+        offset = sum(s for _, s in self.parts[:idx])
+        _copy_shard(param.narrow(0, offset, size), loaded, 0, start, size)
+
+
+class RowParallelLinear(nn.Linear):
+    """Input features split across ranks (``in_range`` = this rank's ``(start, size)``); the
+    outputs are summed over the group, then the bias (held whole by every rank) is added once."""
+
+    def __init__(self, in_range: tuple[int, int], output_size: int, bias: bool, tp: TensorParallelGroup) -> None:
+        super().__init__(in_range[1], output_size, bias=bias)
+        self.in_range = in_range
+        self.tp = tp
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, part: int | None) -> None:
+        if param.dim() == 1:  # the bias
+            _copy_shard(param, loaded, None, 0, 0)
+        else:
+            _copy_shard(param, loaded, 1, *self.in_range)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return super().forward(x)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Embedding rows ``vocab_range = (start, size)`` of the full vocabulary; the same slice serves as
+    the LM head's weight when the embeddings are tied."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup) -> None:
+        self.vocab_range = tp.shard(vocab_size)
+        # Every rank's share, to concatenate the LM head's logits in rank order.
+        self.vocab_sizes = [shard_range(vocab_size, tp.world_size, r)[1] for r in range(tp.world_size)]
+        super().__init__(self.vocab_range[1], hidden_size)
+        self.tp = tp
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, part: int | None) -> None:
+        _copy_shard(param, loaded, 0, *self.vocab_range)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return super().forward(input_ids)
+        start, size = self.vocab_range
+        local = input_ids - start
+        outside = (local < 0) | (local >= size)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(x)
+
+
+def _copy_shard(dst: torch.Tensor, full: torch.Tensor, dim: int | None, start: int, size: int) -> None:
+    """``dst.copy_(full.narrow(dim, start, size))`` (``dim=None``: all of ``full``); a checkpoint
+    tensor of the wrong shape raises ``ValueError`` naming both shapes."""
+    src = full
+    if dim is not None and full.dim() > dim and full.shape[dim] >= start + size:
+        src = full.narrow(dim, start, size)
+    if dst.shape != src.shape:
+        raise ValueError(f"shape {tuple(full.shape)} does not give this rank's shard {tuple(dst.shape)}")
+    dst.copy_(src)
