@@ -20,15 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagellm.config import EngineArgs
-from pagellm.engine.llm_engine import LLMEngine, PromptType
+from pagellm.engine.data_parallel import DataParallelEngine, create_engine
+from pagellm.engine.llm_engine import EngineDeadError, LLMEngine, PromptType
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop failed or was shut down; requests cannot be served."""
 
 
 @dataclass(slots=True)
@@ -37,10 +34,13 @@ class _Stream:
     queue: asyncio.Queue
 
 
+__all__ = ["AsyncLLM", "EngineDeadError"]
+
+
 class AsyncLLM:
     """Async front of one ``LLMEngine``: ``generate`` yields outputs as they come; ``abort`` frees at once."""
 
-    def __init__(self, engine: LLMEngine, log_stats_interval: float = 10.0) -> None:
+    def __init__(self, engine: LLMEngine | DataParallelEngine, log_stats_interval: float = 10.0) -> None:
         self.engine = engine
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
@@ -53,7 +53,7 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, chat_template: str | None = None, **kw: Any) -> AsyncLLM:
-        return cls(LLMEngine.from_engine_args(args, chat_template), **kw)
+        return cls(create_engine(args, chat_template), **kw)
 
     @property
     def is_running(self) -> bool:
@@ -171,3 +171,4 @@ class AsyncLLM:
         self._thread.join(timeout=30)
         for rid in list(self._streams):
             self._push(rid, EngineDeadError("the engine was shut down"))
+        self.engine.shutdown()

@@ -1,7 +1,9 @@
 """``LLMEngine``: tokenize -> schedule -> execute -> update -> detokenize -> ``RequestOutput``.
 
 Synchronous and single-threaded: ``step()`` runs exactly one scheduler step. Bad requests are
-rejected with ``ValueError`` in ``add_request`` so they never reach (or stall) the scheduler.
+rejected with ``ValueError`` in ``add_request`` so they never reach (or stall) the scheduler. If a
+worker fails, the step raises ``EngineDeadError``: every in-flight request is aborted (its blocks
+freed), the workers are shut down and the engine refuses further work.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pagellm.core.beam_search import BeamSearchState
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.detokenizer import IncrementalDetokenizer, find_stop_string
-from pagellm.executor import create_executor
+from pagellm.executor import PendingOutput, WorkerError, create_executor
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
 from pagellm.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -26,16 +28,26 @@ logger = logging.getLogger(__name__)
 PromptType = str | list[int] | dict[str, Any]
 
 
+class EngineDeadError(RuntimeError):
+    """The engine failed (a worker died or raised) or was shut down; requests cannot be served."""
+
+
 class LLMEngine:
     """The synchronous engine. ``add_request`` / ``step`` / ``abort_request`` / ``has_unfinished_requests``."""
 
-    def __init__(self, config: EngineConfig, chat_template: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, chat_template: str | None = None,
+                 workers_per_machine: int | None = None) -> None:
         self.config = config
         self.source = resolve_model_source(config.model.model)
-        self.executor = create_executor(config)
-        self.model_info = self.executor.load_model()
-        self.num_blocks, self.num_cpu_blocks = self.executor.determine_num_blocks()
-        self.executor.initialize_cache(self.num_blocks, self.num_cpu_blocks)
+        self.dead_error: BaseException | None = None
+        self.executor = create_executor(config, workers_per_machine)
+        try:
+            self.model_info = self.executor.load_model()
+            self.num_blocks, self.num_cpu_blocks = self.executor.determine_num_blocks()
+            self.executor.initialize_cache(self.num_blocks, self.num_cpu_blocks)
+        except BaseException:
+            self.executor.shutdown()  # no worker process outlives a failed start-up
+            raise
         self.tokenizer = Tokenizer(self.source, config.model.tokenizer, chat_template)
         self.block_size = config.cache.block_size
         self.max_model_len = self._resolve_max_model_len()
@@ -128,6 +140,8 @@ class LLMEngine:
         capacity = self.num_blocks * self.block_size
         if len(ids) + 1 > capacity:
             raise ValueError(f"prompt of {len(ids)} tokens can never fit in the KV cache ({capacity} token slots)")
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine is dead ({self.dead_error}); request {request_id!r} refused")
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params.clone(eos_token_id=self.tokenizer.eos_token_id)
@@ -173,18 +187,63 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
 
+    def check_health(self) -> None:
+        """Raise ``EngineDeadError`` if the engine or any of its workers has failed."""
+        if self.dead_error is None:
+            try:
+                self.executor.check_health()
+            except WorkerError as e:
+                self._die(e)
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_error}")
+
+    def shutdown(self) -> None:
+        """Stop the workers (processes or Ray actors); idempotent."""
+        self.executor.shutdown()
+
+    def _die(self, error: BaseException) -> EngineDeadError:
+        """Fail every in-flight request (blocks freed), stop the workers, refuse further work."""
+        self.dead_error = error
+        groups = self.scheduler.finish_requests(list(self.scheduler.requests), SequenceStatus.FINISHED_ABORTED)
+        for group in groups:
+            self._forget(group)
+        logger.error("engine failed, %d in-flight request(s) aborted: %s", len(groups), error)
+        self.executor.shutdown()
+        return EngineDeadError(f"the engine died: {error}")
+
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; return the outputs of requests that got a token or finished."""
+        return self.finish_step(self.begin_step())
+
+    def begin_step(self) -> tuple[Any, list[RequestOutput], PendingOutput | None]:
+        """Schedule and start the step on the workers without waiting (``finish_step`` waits);
+        several engines (data-parallel replicas) can so compute at the same time."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_error}")
         sched_out = self.scheduler.schedule()
         ignored = self.scheduler.take_ignored()
         outputs = [self._finish_ignored(g) for g in ignored]
-        if sched_out.is_empty():
-            # Still tell the worker: it drops finished sequences' state and must do the swap-outs.
-            if sched_out.finished_seq_ids or not sched_out.cache_ops.is_empty():
-                self.executor.execute_model(sched_out)
+        # An empty step still goes to the workers when they must drop finished sequences' state
+        # or do swap-outs.
+        if sched_out.is_empty() and not sched_out.finished_seq_ids and sched_out.cache_ops.is_empty():
+            return sched_out, outputs, None
+        try:
+            return sched_out, outputs, self.executor.submit_model(sched_out)
+        except WorkerError as e:
+            raise self._die(e) from e
+
+    def finish_step(self, started: tuple[Any, list[RequestOutput], PendingOutput | None]) -> list[RequestOutput]:
+        """Wait for the step ``begin_step`` started; update sequences; return the outputs."""
+        sched_out, outputs, pending = started
+        if pending is None:
             return outputs
-        runner_out = self.executor.execute_model(sched_out)
+        try:
+            runner_out = pending.result()
+        except WorkerError as e:
+            raise self._die(e) from e
+        if sched_out.is_empty():
+            return outputs
         updated, finished = self.scheduler.update_from_output(sched_out, runner_out)
         self.stats["steps"] += 1
         self.stats["prompt_tokens"] += sum(

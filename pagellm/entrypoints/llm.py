@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagellm.config import EngineArgs
-from pagellm.engine.llm_engine import LLMEngine, PromptType
+from pagellm.engine.data_parallel import create_engine
+from pagellm.engine.llm_engine import PromptType
 from pagellm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -24,8 +25,18 @@ class LLM:
 
     def __init__(self, model: str | None = None, chat_template: str | None = None, **kwargs: Any) -> None:
         args = EngineArgs.from_kwargs(model=model, **kwargs)
-        self.llm_engine = LLMEngine.from_engine_args(args, chat_template=chat_template)
+        self.llm_engine = create_engine(args, chat_template=chat_template)
         self._counter = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes or Ray actors (also done when the process exits)."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer().hf

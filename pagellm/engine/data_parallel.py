@@ -1,0 +1,159 @@
+"""Data parallelism: ``data_parallel_size`` independent engine replicas behind one engine API.
+
+Each replica is a whole ``LLMEngine`` (its own scheduler, KV cache manager and workers, which may
+themselves be tensor parallel). A new request goes to the replica with the fewest outstanding
+tokens (prompt tokens plus the most it may still generate, over its unfinished requests). One
+``step`` starts a step on every busy replica before waiting for any, so the replicas' workers
+compute at the same time. A replica that fails takes the whole engine down: every in-flight
+request, on every replica, ends with ``EngineDeadError``.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+from pagellm.config import EngineArgs, EngineConfig
+from pagellm.engine.llm_engine import EngineDeadError, LLMEngine, PromptType
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Counters summed over replicas by ``get_stats``; the others are recomputed or averaged.
+_SUMMED = ("prompt_tokens", "generation_tokens", "steps", "num_preemptions", "num_swap_outs", "num_swap_ins",
+           "num_swap_fallbacks", "prefix_cache_queries", "prefix_cache_hits", "num_running", "num_waiting",
+           "num_swapped")
+
+
+class DataParallelEngine:
+    """``LLMEngine``'s public API over N replicas, balanced by least outstanding tokens."""
+
+    def __init__(self, config: EngineConfig, chat_template: str | None = None) -> None:
+        par = config.parallel
+        self.config = config
+        replica = replace(config, parallel=replace(par, data_parallel_size=1))
+        # Replicas start in parallel (their workers load the model at the same time).
+        with ThreadPoolExecutor(par.data_parallel_size) as pool:
+            futures = [pool.submit(LLMEngine, replica, chat_template, par.world_size)
+                       for _ in range(par.data_parallel_size)]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            for f in futures:
+                if f.exception() is None:
+                    f.result().shutdown()
+            raise errors[0]  # type: ignore[misc]
+        self.replicas: list[LLMEngine] = [f.result() for f in futures]
+        first = self.replicas[0]
+        self.tokenizer, self.model_info, self.max_model_len = first.tokenizer, first.model_info, first.max_model_len
+        self._replica_of: dict[str, int] = {}
+        self._cost: dict[str, int] = {}
+        self.outstanding = [0] * len(self.replicas)  # tokens per replica, for routing
+        self.dead_error: BaseException | None = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, chat_template: str | None = None) -> DataParallelEngine:
+        return cls(engine_args.create_engine_config(), chat_template)
+
+    # ------------------------------------------------------------------ requests
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
+        if request_id in self._replica_of:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        i = min(range(len(self.replicas)), key=self.outstanding.__getitem__)
+        replica = self.replicas[i]
+        replica.add_request(request_id, prompt, params, arrival_time, priority, cache_salt)
+        group = replica.scheduler.requests[request_id]
+        max_new = group.sampling_params.max_tokens or (self.max_model_len - len(group.prompt_token_ids))
+        cost = len(group.prompt_token_ids) + (group.sampling_params.best_of or group.sampling_params.n) * max_new
+        self._replica_of[request_id], self._cost[request_id] = i, cost
+        self.outstanding[i] += cost
+
+    def _release(self, request_id: str) -> None:
+        i = self._replica_of.pop(request_id, None)
+        if i is not None:
+            self.outstanding[i] -= self._cost.pop(request_id)
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            i = self._replica_of.get(rid)
+            if i is not None:
+                self.replicas[i].abort_request(rid)
+                self._release(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return any(r.has_unfinished_requests() for r in self.replicas)
+
+    def get_num_unfinished_requests(self) -> int:
+        return sum(r.get_num_unfinished_requests() for r in self.replicas)
+
+    def reset_prefix_cache(self) -> bool:
+        return all([r.reset_prefix_cache() for r in self.replicas])
+
+    def get_stats(self) -> dict[str, float]:
+        per = [r.get_stats() for r in self.replicas]
+        out: dict[str, float] = {k: sum(s[k] for s in per) for k in _SUMMED}
+        out["prefix_cache_hit_rate"] = sum(s["prefix_cache_hit_rate"] * s["prefix_cache_queries"] for s in per) / max(
+            1, out["prefix_cache_queries"])
+        for k in ("kv_cache_usage", "cpu_cache_usage"):
+            out[k] = sum(s[k] for s in per) / len(per)
+        return out
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return self.get_stats()
+
+    # ------------------------------------------------------------------ steps
+    def step(self) -> list[RequestOutput]:
+        """One step of every replica with work, computed concurrently."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_error}")
+        started: list[tuple[LLMEngine, Any]] = []
+        outputs: list[RequestOutput] = []
+        try:
+            for r in self.replicas:
+                started.append((r, r.begin_step()))
+            for r, s in started:
+                outputs += r.finish_step(s)
+        except EngineDeadError as e:
+            raise self._die(e) from e
+        for out in outputs:
+            if out.finished:
+                self._release(out.request_id)
+        return outputs
+
+    def _die(self, error: BaseException) -> EngineDeadError:
+        self.dead_error = error
+        for r in self.replicas:
+            if r.dead_error is None:
+                r._die(RuntimeError(f"another data-parallel replica failed: {error}"))
+        self._replica_of.clear()
+        self._cost.clear()
+        self.outstanding = [0] * len(self.replicas)
+        return EngineDeadError(f"the engine died: {error}")
+
+    def check_health(self) -> None:
+        try:
+            for r in self.replicas:
+                r.check_health()
+        except EngineDeadError as e:
+            if self.dead_error is None:
+                self._die(e)
+            raise
+
+    def shutdown(self) -> None:
+        for r in self.replicas:
+            r.shutdown()
+
+
+def create_engine(engine_args: EngineArgs, chat_template: str | None = None) -> LLMEngine | DataParallelEngine:
+    """An ``LLMEngine``, or a ``DataParallelEngine`` of them when ``data_parallel_size > 1``."""
+    config = engine_args.create_engine_config()
+    if config.parallel.data_parallel_size > 1:
+        return DataParallelEngine(config, chat_template)
+    return LLMEngine(config, chat_template)
