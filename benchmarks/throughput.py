@@ -7,6 +7,11 @@ Absolute numbers drift on shared machines: read the ratio, which is measured in 
 
     python benchmarks/throughput.py                       # W64, pagellm float32 vs HF bfloat16
     python benchmarks/throughput.py --num-requests 16 --skip-hf
+    python benchmarks/throughput.py --skip-hf --parallel uni mp mp:tp2 ray:tp2 mp:dp2   # executor overheads
+
+``--parallel`` runs pagellm once per ``BACKEND[:tpN][:dpN]`` (distributed executor backend,
+tensor- and data-parallel sizes) and prints each one's ratio to the first, with the extra time
+per engine step.
 """
 
 from __future__ import annotations
@@ -19,17 +24,30 @@ import time
 from workload import add_workload_args, load_workload, run_all
 
 
-def run_pagellm(reqs: list[dict], args: argparse.Namespace) -> dict:
+def parse_parallel(spec: str) -> dict:
+    """``mp:tp2:dp1`` -> engine keywords (backend, tensor_parallel_size, data_parallel_size)."""
+    backend, *sizes = spec.split(":")
+    kw: dict = {"distributed_executor_backend": backend}
+    for s in sizes:
+        if s[:2] not in ("tp", "dp") or not s[2:].isdigit():
+            raise SystemExit(f"--parallel {spec!r}: expected BACKEND[:tpN][:dpN], e.g. mp:tp2")
+        kw["tensor_parallel_size" if s[:2] == "tp" else "data_parallel_size"] = int(s[2:])
+    return kw
+
+
+def run_pagellm(reqs: list[dict], args: argparse.Namespace, parallel: str = "uni") -> dict:
     from pagellm import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, **parse_parallel(parallel))
     load = time.perf_counter() - t0
-    result = run_all(llm, SamplingParams, reqs, use_tqdm=not args.quiet)
-    return {**result, "engine": pagellm_name(llm), "load": load, "steps": llm.llm_engine.stats["steps"],
-            "preemptions": llm.llm_engine.scheduler.num_preemptions}
+    with llm:
+        result = run_all(llm, SamplingParams, reqs, use_tqdm=not args.quiet)
+        stats = llm.llm_engine.get_stats()
+        name = pagellm_name(llm) + ("" if parallel == "uni" else f" {parallel}")
+    return {**result, "engine": name, "load": load, "steps": stats["steps"], "preemptions": stats["num_preemptions"]}
 
 
 def pagellm_name(llm) -> str:
@@ -113,6 +131,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--hf-dtype", default="bfloat16")
     ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--parallel", nargs="+", default=["uni"], metavar="BACKEND[:tpN][:dpN]",
+                    help="executor backend (uni, mp, ray) and parallel sizes; one pagellm run per item")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args()
@@ -123,21 +143,29 @@ def main() -> None:
     n_in = sum(r["prompt_len"] for r in reqs)
     print(f"workload: {os.path.basename(args.workload)}, {len(reqs)} requests, {n_in} prompt tokens, "
           f"{sum(r['max_tokens'] for r in reqs)} output tokens; torch threads {torch.get_num_threads()}")
-    results = [run_pagellm(reqs, args)]
-    r = results[0]
-    print(f"pagellm: {(n_in + r['out']) / r['wall']:.1f} total tok/s, {r['wall']:.1f} s", flush=True)
+    results = []
+    for parallel in args.parallel:
+        r = run_pagellm(reqs, args, parallel)
+        results.append(r)
+        print(f"{r['engine']}: {(n_in + r['out']) / r['wall']:.1f} total tok/s, {r['wall']:.1f} s", flush=True)
     rss_pagellm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     if not args.skip_hf:
         results.append(run_hf(reqs, args))
-    print(f"\n{'engine':44s} {'output tok/s':>12s} {'total tok/s':>12s} {'wall s':>8s} {'load s':>7s}")
+    print(f"\n{'engine':52s} {'output tok/s':>12s} {'total tok/s':>12s} {'wall s':>8s} {'load s':>7s} {'steps':>6s}")
     for r in results:
-        print(f"{r['engine']:44s} {r['out'] / r['wall']:12.1f} {(n_in + r['out']) / r['wall']:12.1f} "
-              f"{r['wall']:8.1f} {r['load']:7.1f}")
+        print(f"{r['engine']:52s} {r['out'] / r['wall']:12.1f} {(n_in + r['out']) / r['wall']:12.1f} "
+              f"{r['wall']:8.1f} {r['load']:7.1f} {r.get('steps', ''):>6}")
     p = results[0]
     print(f"\npagellm: {p['steps']} steps, {p['preemptions']} preemptions, peak RSS {rss_pagellm:.2f} GiB "
-          f"(after the pagellm run)")
-    if len(results) > 1:
-        print(f"ratio pagellm / HF (total tok/s, same run): {results[1]['wall'] / p['wall']:.2f}x")
+          f"(of this process, after the pagellm runs)")
+    for r in results[1:len(args.parallel)]:
+        extra_ms = 1000 * (r["wall"] - p["wall"]) / max(1, r["steps"])
+        if r["first_tokens"] != p["first_tokens"]:
+            print(f"WARNING: {r['engine']} generated other tokens than {p['engine']}")
+        print(f"ratio {r['engine']} / {p['engine']} (total tok/s, same run): {p['wall'] / r['wall']:.2f}x, "
+              f"{extra_ms:+.1f} ms per step")
+    if not args.skip_hf:
+        print(f"ratio pagellm / HF (total tok/s, same run): {results[-1]['wall'] / p['wall']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -205,6 +205,29 @@ def test_dead_engine_reports_unhealthy_and_fails_requests(tiny_llama):
         engine.shutdown()
 
 
+def test_worker_killed_while_idle_makes_health_fail(tiny_llama):
+    """A tensor-parallel worker dies between requests: /health notices at once (it asks the
+    executor, not only the last step), requests get 503, shutdown leaves no worker behind."""
+    import os
+    import signal
+
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, kv_cache_memory="16MiB", tensor_parallel_size=2))
+    srv = _Server(engine, None)
+    procs = engine.engine.executor.procs
+    try:
+        assert httpx.get(srv.url + "/health").status_code == 200
+        os.kill(procs[1].pid, signal.SIGKILL)
+        procs[1].wait(30)
+        r = httpx.get(srv.url + "/health")
+        assert r.status_code == 503 and "died" in r.json()["error"]["message"]
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 503
+    finally:
+        srv.stop()
+        engine.shutdown()
+    assert all(p.poll() is not None for p in procs)
+
+
 def test_seed_reproducibility_and_stop_strings(client, served):
     kw = dict(model=NAME, prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=123)
     a, b = client.completions.create(**kw), client.completions.create(**kw)

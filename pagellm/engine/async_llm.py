@@ -155,6 +155,21 @@ class AsyncLLM:
         """Free the request's blocks now; its stream ends (as an aborted output)."""
         await asyncio.to_thread(self._abort, request_id)
 
+    async def check_health(self) -> None:
+        """Raise ``EngineDeadError`` if the engine or a worker has failed (checked now, not only at
+        the next step: a worker can die while the engine is idle)."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        await asyncio.to_thread(self._check_health)
+
+    def _check_health(self) -> None:
+        with self._lock:
+            try:
+                self.engine.check_health()
+            except EngineDeadError as e:
+                self._die(e)
+                raise
+
     async def get_stats(self) -> dict[str, float]:
         return await asyncio.to_thread(self._stats)
 

@@ -346,8 +346,10 @@ class OpenAIServer:
 
         @app.get("/health")
         async def health() -> Response:
-            if not server.engine.is_running:
-                return _error("The engine is not running.", 503, "ServiceUnavailableError")
+            try:
+                await server.engine.check_health()
+            except EngineDeadError as e:
+                return _error(f"The engine is not running: {e}", 503, "ServiceUnavailableError")
             return Response(status_code=200)
 
         @app.get("/version")

@@ -139,6 +139,15 @@ class MultiprocExecutor(Executor):
         self._send_all("execute_model_delta", (self._encoder.encode(scheduler_output),))
         return PendingOutput(wait=lambda: self._wait_all()[0])
 
+    def check_health(self) -> None:
+        """Also notices a worker that died while the engine was idle."""
+        if self.failure is None and not self._closed:
+            dead = [(rank, p) for rank, p in enumerate(self.procs) if p.poll() is not None]
+            if dead:
+                rank, p = dead[0]
+                self.failure = WorkerError(f"worker rank {rank} (pid {p.pid}) died with exit code {p.returncode}")
+        super().check_health()
+
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 

@@ -141,6 +141,12 @@ class RayExecutor(Executor):
         refs = [a.execute_model_delta.remote(delta) for a in self.actors]
         return PendingOutput(wait=lambda: self._get(refs)[0])
 
+    def check_health(self) -> None:
+        """Also notices an actor that died while the engine was idle (a cheap call to every actor)."""
+        if self.failure is None and not self._closed:
+            self._get([a.execute_method.remote("getpid") for a in self.actors])
+        super().check_health()
+
     def worker_pids(self) -> list[int]:
         return list(getattr(self, "pids", []))
 
