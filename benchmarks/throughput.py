@@ -159,11 +159,12 @@ def main() -> None:
     print(f"\npagellm: {p['steps']} steps, {p['preemptions']} preemptions, peak RSS {rss_pagellm:.2f} GiB "
           f"(of this process, after the pagellm runs)")
     for r in results[1:len(args.parallel)]:
-        extra_ms = 1000 * (r["wall"] - p["wall"]) / max(1, r["steps"])
         if r["first_tokens"] != p["first_tokens"]:
             print(f"WARNING: {r['engine']} generated other tokens than {p['engine']}")
-        print(f"ratio {r['engine']} / {p['engine']} (total tok/s, same run): {p['wall'] / r['wall']:.2f}x, "
-              f"{extra_ms:+.1f} ms per step")
+        # Per step only when the steps are the same ones (data-parallel replicas each step apart).
+        per_step = f", {1000 * (r['wall'] - p['wall']) / r['steps']:+.1f} ms per step" \
+            if r["steps"] == p["steps"] else ""
+        print(f"ratio {r['engine']} / {p['engine']} (total tok/s, same run): {p['wall'] / r['wall']:.2f}x{per_step}")
     if not args.skip_hf:
         print(f"ratio pagellm / HF (total tok/s, same run): {results[-1]['wall'] / p['wall']:.2f}x")
 

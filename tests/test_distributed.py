@@ -90,13 +90,16 @@ def test_tp2_mp_matches_tp1_on_smollm2(smollm2_path):
     assert_same(greedy(smollm2_path, prompts, tensor_parallel_size=2), greedy(smollm2_path, prompts))
 
 
-def test_dp2_matches_dp1(tiny_llama):
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_dp2_matches_dp1(tiny_llama, backend, request):
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
     prompts = random_prompts(10, seed=8, hi=80)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     with LLM(tiny_llama, kv_cache_memory="64MiB") as llm:
         want = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                             use_tqdm=False)]
-    with LLM(tiny_llama, kv_cache_memory="64MiB", data_parallel_size=2) as llm:
+    with LLM(tiny_llama, kv_cache_memory="64MiB", data_parallel_size=2, distributed_executor_backend=backend) as llm:
         engine = llm.llm_engine
         got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                            use_tqdm=False)]

@@ -23,5 +23,5 @@ def create_executor(config, workers_per_machine: int | None = None) -> Executor:
     if backend == "ray":
         from pagellm.executor.ray_executor import RayExecutor
 
-        return RayExecutor(config)
+        return RayExecutor(config, workers_per_machine)
     raise ValueError(f"distributed_executor_backend {backend!r} is not one of 'uni', 'mp', 'ray'")

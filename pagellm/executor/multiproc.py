@@ -122,9 +122,21 @@ class MultiprocExecutor(Executor):
                     self._fail(f"worker rank {rank} (pid {self.procs[rank].pid}) died"
                                + ("" if code is None else f" with exit code {code}"))
                 if not ok:
-                    self._fail(f"worker rank {rank} raised: {value}")
+                    self._fail(self._root_cause() + f"worker rank {rank} raised: {value}")
                 results[rank] = value
         return results
+
+    def _root_cause(self, grace_s: float = 1.0) -> str:
+        """A rank's error is often the echo of a peer's death (gloo: connection closed by peer):
+        name the dead rank first when there is one."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = [(rank, p) for rank, p in enumerate(self.procs) if p.poll() is not None]
+            if dead:
+                return "".join(f"worker rank {r} (pid {p.pid}) died with exit code {p.returncode}; " for r, p in dead)
+            if time.monotonic() >= deadline:
+                return ""
+            time.sleep(0.05)
 
     def _fail(self, message: str) -> None:
         self.failure = WorkerError(message)

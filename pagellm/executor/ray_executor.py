@@ -69,7 +69,7 @@ class RayWorker:
 class RayExecutor(Executor):
     """``tensor_parallel_size`` Ray actors in one placement group."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, workers_per_machine: int | None = None) -> None:
         ray = self._ray = import_ray()
         from ray.util import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -78,7 +78,8 @@ class RayExecutor(Executor):
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init()
-        wconfig = worker_config(config, self.world_size)
+        # Each rank's bundle reserves its threads' CPUs (data-parallel replicas share them out too).
+        wconfig = worker_config(config, workers_per_machine or self.world_size)
         threads = wconfig.device.num_threads
         gpu = config.device.device == "cuda"
         bundle = {"CPU": threads, **({"GPU": 1} if gpu else {})}
@@ -123,8 +124,23 @@ class RayExecutor(Executor):
                 except ray.exceptions.RayActorError as e:
                     self._fail(f"Ray worker rank {index[ref]} died: {e}")
                 except ray.exceptions.RayError as e:
-                    self._fail(f"Ray worker rank {index[ref]} raised: {e}")
+                    self._fail(self._dead_peers(pending, index) + f"Ray worker rank {index[ref]} raised: {e}")
         return results
+
+    def _dead_peers(self, pending: list[Any], index: dict[Any, int], grace_s: float = 1.0) -> str:
+        """A rank's error is often the echo of a peer's death (gloo: connection closed by peer):
+        name the dead ranks first when there are any."""
+        ray = self._ray
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s) if pending else ([], [])
+        dead = []
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                dead.append(index[ref])
+            except ray.exceptions.RayError:
+                pass
+        return "".join(f"Ray worker rank {r} died; " for r in dead)
 
     def _fail(self, message: str) -> None:
         self.failure = WorkerError(message)

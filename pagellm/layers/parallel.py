@@ -14,6 +14,8 @@ With a group of size 1 each is a plain ``nn.Linear`` / ``nn.Embedding``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,7 +38,7 @@ class ColumnParallelLinear(nn.Linear):
             raise ValueError(f"a fused layer of {len(self.parts)} parts needs the part of each checkpoint tensor")
         start, size = self.parts[idx]
         offset = sum(s for _, s in self.parts[:idx])
-        _copy_shard(param.narrow(0, offset, size), loaded, 0, start, size)
+        copy_shard(param.narrow(0, offset, size), loaded, 0, start, size)
 
 
 class RowParallelLinear(nn.Linear):
@@ -50,9 +52,9 @@ class RowParallelLinear(nn.Linear):
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, part: int | None) -> None:
         if param.dim() == 1:  # the bias
-            _copy_shard(param, loaded, None, 0, 0)
+            copy_shard(param, loaded, None, 0, 0)
         else:
-            _copy_shard(param, loaded, 1, *self.in_range)
+            copy_shard(param, loaded, 1, *self.in_range)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
@@ -73,7 +75,7 @@ class VocabParallelEmbedding(nn.Embedding):
         self.tp = tp
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, part: int | None) -> None:
-        _copy_shard(param, loaded, 0, *self.vocab_range)
+        copy_shard(param, loaded, 0, *self.vocab_range)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
@@ -86,12 +88,13 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.tp.all_reduce(x)
 
 
-def _copy_shard(dst: torch.Tensor, full: torch.Tensor, dim: int | None, start: int, size: int) -> None:
+def copy_shard(dst: torch.Tensor, full: Any, dim: int | None, start: int, size: int) -> None:
     """``dst.copy_(full.narrow(dim, start, size))`` (``dim=None``: all of ``full``); a checkpoint
-    tensor of the wrong shape raises ``ValueError`` naming both shapes."""
-    src = full
-    if dim is not None and full.dim() > dim and full.shape[dim] >= start + size:
-        src = full.narrow(dim, start, size)
+    tensor of the wrong shape raises ``ValueError`` naming both shapes. ``full`` is a tensor or a
+    not-yet-read one with ``shape``, ``dim()`` and ``narrow`` (only the slice is read)."""
+    if dim is None or full.dim() <= dim or full.shape[dim] < start + size:
+        dim, start, size = 0, 0, full.shape[0] if full.dim() else 0
+    src = full.narrow(dim, start, size) if full.dim() else full
     if dst.shape != src.shape:
         raise ValueError(f"shape {tuple(full.shape)} does not give this rank's shard {tuple(dst.shape)}")
     dst.copy_(src)

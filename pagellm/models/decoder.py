@@ -22,7 +22,7 @@ from pagellm.distributed import TensorParallelGroup
 from pagellm.kernels import cpu_ops
 from pagellm.layers.linear import PackedLinear, packing_supported
 from pagellm.layers.norm import RMSNorm
-from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_shard
 from pagellm.layers.rotary import RotaryEmbedding, apply_rotary
 
 _paged = get_attention_backend("torch")
@@ -216,10 +216,8 @@ class DecoderForCausalLM(nn.Module):
                 try:
                     if hasattr(module, "weight_loader"):
                         module.weight_loader(param, tensor, part)
-                    elif param.shape != tensor.shape:
-                        raise ValueError(f"shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
                     else:
-                        param.copy_(tensor)
+                        copy_shard(param, tensor, None, 0, 0)
                 except ValueError as e:
                     raise ValueError(f"weight {name}: {e}") from None
             loaded.add(target if part is None else f"{target}#{part}")

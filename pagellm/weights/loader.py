@@ -38,8 +38,26 @@ def _safetensors_files(directory: str) -> list[str]:
     return [os.path.join(directory, f) for f in files]
 
 
-def iter_weights(source: ModelSource, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, tensor)`` for every tensor of the checkpoint."""
+class LazyTensor:
+    """A safetensors tensor not read yet: ``narrow`` reads only the rows or columns asked for, so a
+    tensor-parallel rank reads its shard and never the whole weight."""
+
+    __slots__ = ("_slice", "shape")
+
+    def __init__(self, sl: Any) -> None:
+        self._slice = sl
+        self.shape = torch.Size(sl.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, size: int) -> torch.Tensor:
+        return self._slice[(slice(None),) * dim + (slice(start, start + size),)]
+
+
+def iter_weights(source: ModelSource, config: Any, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` for every tensor of the checkpoint; with ``lazy``, safetensors come as
+    ``LazyTensor`` (a GGUF tensor is dequantized whole either way)."""
     if source.is_gguf:
         from pagellm.weights.gguf_file import iter_gguf_weights
 
@@ -50,7 +68,7 @@ def iter_weights(source: ModelSource, config: Any) -> Iterator[tuple[str, torch.
     for path in _safetensors_files(source.path):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, f.get_tensor(name)
+                yield name, LazyTensor(f.get_slice(name)) if lazy else f.get_tensor(name)  # type: ignore[misc]
 
 
 def freq_factors(source: ModelSource) -> torch.Tensor | None:

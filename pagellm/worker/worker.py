@@ -70,7 +70,8 @@ class Worker:
             model = cls(hf_config, freq_factors(source), tp=self.tp)
         # Built on meta (no random init), materialised uninitialised, then every weight is loaded.
         model = model.to_empty(device=self.device)
-        model.load_weights(iter_weights(source, hf_config))
+        # Sharded, a rank reads only its slice of each safetensors weight.
+        model.load_weights(iter_weights(source, hf_config, lazy=self.tp.world_size > 1))
         model = model.to(self.dtype).eval()
         if self.device.type == "cpu" and hasattr(model, "pack_for_cpu"):
             model.pack_for_cpu()
