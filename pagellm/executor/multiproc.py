@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from dataclasses import replace
 from multiprocessing.connection import Client, Connection, Listener, wait
 from typing import Any
@@ -68,6 +69,8 @@ class MultiprocExecutor(Executor):
         try:
             self.procs = [subprocess.Popen([sys.executable, "-m", "pagellm.executor.multiproc"], env=env,
                                            stdin=subprocess.DEVNULL) for _ in range(self.world_size)]
+            # An executor dropped without shutdown() (an LLM garbage-collected) still stops its workers.
+            self._finalizer = weakref.finalize(self, _kill, self.procs)
             self._accept(wconfig, init_method)
         except BaseException:
             self.shutdown()
@@ -77,8 +80,12 @@ class MultiprocExecutor(Executor):
         """Hand each connecting worker its rank and config, then wait until every ``Worker`` is built."""
         deadline = time.monotonic() + _STARTUP_TIMEOUT_S
         accepted: list[Connection] = []
-        acceptor = threading.Thread(target=lambda: accepted.extend(
-            self._listener.accept() for _ in range(self.world_size)), daemon=True)
+
+        def accept() -> None:
+            with contextlib.suppress(OSError):  # the listener closed: start-up failed
+                accepted.extend(self._listener.accept() for _ in range(self.world_size))
+
+        acceptor = threading.Thread(target=accept, daemon=True)
         acceptor.start()
         while acceptor.is_alive():
             acceptor.join(0.1)
@@ -91,7 +98,7 @@ class MultiprocExecutor(Executor):
             pid = conn.recv()
             rank = next(i for i, p in enumerate(self.procs) if p.pid == pid)
             self.conns[rank] = conn
-            conn.send((config, rank, init_method))
+            conn.send((config, rank, init_method, rank))  # rank r uses cuda:r on a CUDA machine
         self._wait_all(deadline)  # each worker answers once its Worker (and process group) exists
 
     # ------------------------------------------------------------------ rpc
@@ -183,6 +190,15 @@ class MultiprocExecutor(Executor):
             if conn is not None:
                 conn.close()
         self._listener.close()
+        if hasattr(self, "_finalizer"):
+            self._finalizer.detach()
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 # ---------------------------------------------------------------------- the worker process
@@ -201,9 +217,9 @@ def _worker_main() -> None:
     host, port = os.environ["PAGELLM_WORKER_ADDR"].rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["PAGELLM_WORKER_AUTHKEY"]))
     conn.send(os.getpid())
-    config, rank, init_method = conn.recv()
+    config, rank, init_method, device_index = conn.recv()
     try:
-        wrapper = WorkerWrapper(config, rank, init_method)
+        wrapper = WorkerWrapper(config, rank, init_method, device_index)
     except BaseException:  # noqa: BLE001 - reported to the driver, which raises it
         conn.send((False, traceback.format_exc()))
         return

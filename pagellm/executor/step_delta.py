@@ -11,9 +11,9 @@ and its new output tokens. The worker keeps the sequences and rebuilds the full
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
-from pagellm.core.scheduler_output import CacheOps, ScheduledSequence, SchedulerOutput
+from pagellm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagellm.sampling_params import SamplingParams
 
 
@@ -37,10 +37,10 @@ class SequenceDelta:
 
 @dataclass(slots=True)
 class SchedulerOutputDelta:
+    """The step's sequences as diffs; ``rest`` is the ``SchedulerOutput`` without its sequences."""
+
     seqs: list[SequenceDelta]
-    num_batched_tokens: int
-    cache_ops: CacheOps = field(default_factory=CacheOps)
-    finished_seq_ids: list[int] = field(default_factory=list)
+    rest: SchedulerOutput
 
 
 class StepEncoder:
@@ -68,7 +68,7 @@ class StepEncoder:
                                   s.output_token_ids[n_out:])
             self._sent[s.seq_id] = (list(s.block_ids), len(s.output_token_ids))
             deltas.append(d)
-        return SchedulerOutputDelta(deltas, so.num_batched_tokens, so.cache_ops, so.finished_seq_ids)
+        return SchedulerOutputDelta(deltas, replace(so, scheduled=[]))
 
     @property
     def num_tracked(self) -> int:
@@ -82,7 +82,7 @@ class StepDecoder:
         self._seqs: dict[int, ScheduledSequence] = {}
 
     def decode(self, delta: SchedulerOutputDelta) -> SchedulerOutput:
-        for seq_id in delta.finished_seq_ids:
+        for seq_id in delta.rest.finished_seq_ids:
             self._seqs.pop(seq_id, None)
         scheduled = []
         for d in delta.seqs:
@@ -102,7 +102,7 @@ class StepDecoder:
                     s.block_ids.extend(d.block_ids)
                 s.output_token_ids.extend(d.new_output_token_ids)
             scheduled.append(s)
-        return SchedulerOutput(scheduled, delta.num_batched_tokens, delta.cache_ops, delta.finished_seq_ids)
+        return replace(delta.rest, scheduled=scheduled)
 
     @property
     def num_tracked(self) -> int:
