@@ -110,6 +110,27 @@ def test_dp2_matches_dp1(tiny_llama, backend, request):
             assert r.kv_cache_manager.num_free_blocks == r.kv_cache_manager.num_blocks
 
 
+def test_dp_routes_a_cached_prefix_to_the_replica_that_holds_it(tiny_llama):
+    """Both replicas idle: the tie-break would pick replica 0, the prefix cache picks replica 1."""
+    def run(engine, rid: str, ids: list[int]):
+        engine.add_request(rid, {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=2))
+        replica = engine._replica_of[rid]
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        return replica, done[rid]
+
+    prefix = list(range(100, 164))  # 4 blocks of 16 tokens
+    with LLM(tiny_llama, kv_cache_memory="64MiB", data_parallel_size=2) as llm:
+        engine = llm.llm_engine
+        engine.add_request("x", {"prompt_token_ids": [7] * 40}, SamplingParams(max_tokens=2))  # replica 0 busy
+        replica, _ = run(engine, "p", prefix + [1, 2, 3])
+        assert replica == 1
+        replica, out = run(engine, "q", prefix + [4, 5, 6])
+        assert engine.outstanding == [0, 0]
+        assert replica == 1 and out.num_cached_tokens == len(prefix)
+
+
 # ---------------------------------------------------------------------- failures
 def _children() -> set[int]:
     """Pids whose parent is this process (from /proc)."""

@@ -2,7 +2,10 @@
 
 Each replica is a whole ``LLMEngine`` (its own scheduler, KV cache manager and workers, which may
 themselves be tensor parallel). A new request goes to the replica with the fewest outstanding
-tokens (prompt tokens plus the most it may still generate, over its unfinished requests). One
+tokens (prompt tokens plus the most it may still generate, over its unfinished requests), less
+the tokens of its prompt that replica already holds in its prefix cache: a replica that cached a
+request's system prompt gets the next request with that prompt unless it is busier by more than
+the prefix is worth. One
 ``step`` starts a step on every busy replica before waiting for any, so the replicas' workers
 compute at the same time. A replica that fails takes the whole engine down: every in-flight
 request, on every replica, ends with ``EngineDeadError``.
@@ -19,6 +22,7 @@ from pagellm.config import EngineArgs, EngineConfig
 from pagellm.engine.llm_engine import EngineDeadError, LLMEngine, PromptType
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
+from pagellm.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -65,14 +69,26 @@ class DataParallelEngine:
                     arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
         if request_id in self._replica_of:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        i = min(range(len(self.replicas)), key=self.outstanding.__getitem__)
+        if cache_salt is None and isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt")
+        text, ids = self.replicas[0].tokenize_prompt(prompt)  # once, not once per replica
+        i = self._route(ids, cache_salt)
         replica = self.replicas[i]
-        replica.add_request(request_id, prompt, params, arrival_time, priority, cache_salt)
+        replica.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params, arrival_time, priority,
+                            cache_salt)
         group = replica.scheduler.requests[request_id]
         max_new = group.sampling_params.max_tokens or (self.max_model_len - len(group.prompt_token_ids))
         cost = len(group.prompt_token_ids) + (group.sampling_params.best_of or group.sampling_params.n) * max_new
         self._replica_of[request_id], self._cost[request_id] = i, cost
         self.outstanding[i] += cost
+
+    def _route(self, ids: list[int], cache_salt: str | None) -> int:
+        """The replica with the least outstanding tokens once its cached prefix of ``ids`` is
+        counted as done (ties: the lowest index). The lookup only reads the replicas' caches."""
+        probe = Sequence(-1, ids)  # its block hashes are computed once and reused for every replica
+        cached = [len(r.kv_cache_manager.get_computed_blocks(probe, cache_salt)) * r.block_size if ids else 0
+                  for r in self.replicas]
+        return min(range(len(self.replicas)), key=lambda i: self.outstanding[i] - cached[i])
 
     def _release(self, request_id: str) -> None:
         i = self._replica_of.pop(request_id, None)

@@ -90,7 +90,8 @@ class LLMEngine:
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
 
-    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """``(text or None, token ids)`` of any accepted prompt form."""
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
@@ -123,7 +124,7 @@ class LLMEngine:
         if num_samples > self.config.scheduler.max_num_seqs:
             raise ValueError(f"best_of/n={num_samples} exceeds max_num_seqs={self.config.scheduler.max_num_seqs}: "
                              "its sequences could never run together")
-        text, ids = self._prompt_ids(prompt)
+        text, ids = self.tokenize_prompt(prompt)
         if cache_salt is None and isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt")  # vLLM passes it inside the prompt dict
         if not ids:
