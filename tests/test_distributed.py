@@ -295,3 +295,15 @@ def test_killed_ray_worker_fails_requests_and_leaves_no_actor(ray_cluster, tiny_
     # The placement group was freed: a new engine gets both CPUs again.
     with LLM(tiny_llama, tensor_parallel_size=2, distributed_executor_backend="ray", kv_cache_memory="64MiB") as again:
         assert again.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_cli_generate_with_two_replicas_in_a_fresh_process(tiny_llama):
+    """A new process (nothing imported yet) starting replicas in parallel: this once failed in
+    transformers' lazy imports, which are not thread-safe."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "pagellm.entrypoints.cli", "generate", "--model", tiny_llama,
+                          "--data-parallel-size", "2", "--max-tokens", "4", "--temperature", "0", "Hello", "Bye"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]

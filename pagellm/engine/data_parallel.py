@@ -18,11 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from pagellm.config import EngineArgs, EngineConfig
+from pagellm.config import EngineArgs, EngineConfig, resolve_model_source
 from pagellm.engine.llm_engine import EngineDeadError, LLMEngine, PromptType
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.sequence import Sequence
+from pagellm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +40,11 @@ class DataParallelEngine:
         par = config.parallel
         self.config = config
         replica = replace(config, parallel=replace(par, data_parallel_size=1))
+        # One tokenizer for all, loaded here: transformers' lazy imports are not thread-safe.
+        tokenizer = Tokenizer(resolve_model_source(config.model.model), config.model.tokenizer, chat_template)
         # Replicas start in parallel (their workers load the model at the same time).
         with ThreadPoolExecutor(par.data_parallel_size) as pool:
-            futures = [pool.submit(LLMEngine, replica, chat_template, par.world_size)
+            futures = [pool.submit(LLMEngine, replica, chat_template, par.world_size, tokenizer)
                        for _ in range(par.data_parallel_size)]
         errors = [f.exception() for f in futures if f.exception() is not None]
         if errors:

@@ -36,7 +36,9 @@ class LLMEngine:
     """The synchronous engine. ``add_request`` / ``step`` / ``abort_request`` / ``has_unfinished_requests``."""
 
     def __init__(self, config: EngineConfig, chat_template: str | None = None,
-                 workers_per_machine: int | None = None) -> None:
+                 workers_per_machine: int | None = None, tokenizer: Tokenizer | None = None) -> None:
+        """``workers_per_machine`` and ``tokenizer`` are for data-parallel replicas: how many
+        workers share this machine's cores, and the tokenizer they share."""
         self.config = config
         self.source = resolve_model_source(config.model.model)
         self.dead_error: BaseException | None = None
@@ -48,7 +50,7 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()  # no worker process outlives a failed start-up
             raise
-        self.tokenizer = Tokenizer(self.source, config.model.tokenizer, chat_template)
+        self.tokenizer = tokenizer or Tokenizer(self.source, config.model.tokenizer, chat_template)
         self.block_size = config.cache.block_size
         self.max_model_len = self._resolve_max_model_len()
         self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching,
