@@ -175,11 +175,12 @@ class MultiprocExecutor(Executor):
         if self._closed:
             return
         self._closed = True
-        for conn in self.conns:
+        # After a failure the survivors may be stuck in a collective with the dead rank: kill them.
+        for conn in self.conns if self.failure is None else []:
             if conn is not None:
                 with contextlib.suppress(OSError):
                     conn.send_bytes(pickle.dumps(("shutdown", ())))
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + (5.0 if self.failure is None else 0.0)
         for p in self.procs:
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))
