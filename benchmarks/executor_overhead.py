@@ -5,9 +5,9 @@
 1. Round trip of an empty call to every worker (``collective_rpc``), ``mp`` and ``ray``, 2 ranks.
 2. One W64-sized decode step's message: the whole ``SchedulerOutput`` pickled vs the diff
    (``executor/step_delta.py``) the executors send, and the encoding time.
-3. gloo all-reduce latency between 2 local processes at decode and prefill shapes; a
-   tensor-parallel step of SmolLM2 does 2 per layer (60) plus one each for the embedding and
-   the logits.
+3. All-reduce latency between 2 local processes at decode and prefill shapes, gloo (loopback
+   TCP) and the shared-memory path tensor-parallel ranks on one machine use; a tensor-parallel
+   step of SmolLM2 does 61 all-reduces (2 per layer and the embedding) and gathers the logits.
 """
 
 from __future__ import annotations
@@ -63,25 +63,29 @@ def _all_reduce_worker(rank: int, port: int, rows: list[int], out) -> None:
     import torch
     import torch.distributed as dist
 
+    from pagellm.distributed.shm_allreduce import ShmAllReduce
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    shm = ShmAllReduce(rank, 2, f"pagellm-bench-{port}")
     result = {}
-    for n in rows:
-        x = torch.randn(n, HIDDEN)
-        for _ in range(10):
-            dist.all_reduce(x)
-        times = []
-        for _ in range(100):
-            t0 = time.perf_counter()
-            dist.all_reduce(x)
-            times.append(time.perf_counter() - t0)
-        result[n] = statistics.median(times)
+    for name, reduce in (("gloo", dist.all_reduce), ("shm", shm.all_reduce)):
+        for n in rows:
+            x = torch.randn(n, HIDDEN)
+            for _ in range(10):
+                reduce(x)
+            times = []
+            for _ in range(100):
+                t0 = time.perf_counter()
+                reduce(x)
+                times.append(time.perf_counter() - t0)
+            result[name, n] = statistics.median(times)
     if rank == 0:
         out.put(result)
     dist.destroy_process_group()
 
 
-def all_reduce_latency(rows: list[int]) -> dict[int, float]:
+def all_reduce_latency(rows: list[int]) -> dict[tuple[str, int], float]:
     import multiprocessing as mp
     import socket
 
@@ -110,9 +114,9 @@ def main() -> None:
     print(f"64-decode step message: whole SchedulerOutput {whole / 1024:.1f} KiB pickled, diff {diff / 1024:.1f} KiB "
           f"({whole / diff:.0f}x smaller), encoded in {1000 * enc:.3f} ms")
     lat = all_reduce_latency([1, 64, 2048])
-    for n, t in lat.items():
-        print(f"gloo all_reduce [{n}, {HIDDEN}] float32, 2 processes: {1e6 * t:.0f} us "
-              f"(x62 per tensor-parallel step: {62 * 1000 * t:.1f} ms)")
+    for (name, n), t in lat.items():
+        print(f"{name} all_reduce [{n}, {HIDDEN}] float32, 2 processes: {1e6 * t:.0f} us "
+              f"(x61 per tensor-parallel step: {61 * 1000 * t:.1f} ms)")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pagellm.distributed import shm_allreduce
+from pagellm.distributed.shm_allreduce import ShmAllReduce
+
 
 def shard_range(total: int, world_size: int, rank: int) -> tuple[int, int]:
     """``(start, size)`` of ``rank``'s share of ``total`` units, as even as possible (the first
@@ -24,9 +27,10 @@ def shard_range(total: int, world_size: int, rank: int) -> tuple[int, int]:
 class TensorParallelGroup:
     """Rank, size and the two collectives tensor parallelism needs (sum and concatenation)."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, rank: int = 0, world_size: int = 1, shm: ShmAllReduce | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
+        self.shm = shm  # ranks on one machine sum through shared memory instead of loopback TCP
 
     @property
     def is_driver(self) -> bool:
@@ -39,6 +43,8 @@ class TensorParallelGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of ``x`` over the ranks, in place."""
         if self.world_size > 1:
+            if self.shm is not None and self.shm.usable_for(x):
+                return self.shm.all_reduce(x)
             dist.all_reduce(x)
         return x
 
@@ -57,9 +63,13 @@ class TensorParallelGroup:
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str | None, device: torch.device,
                          timeout_s: float = 600.0) -> TensorParallelGroup:
-    """Join the process group (gloo on CPU, nccl on CUDA) when ``world_size > 1``."""
-    if world_size > 1 and not dist.is_initialized():
+    """Join the process group (gloo on CPU, nccl on CUDA) when ``world_size > 1``; CPU ranks that
+    share a machine also map a shared-memory segment for their all-reduces."""
+    if world_size == 1:
+        return TensorParallelGroup()
+    if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
-    return TensorParallelGroup(rank, world_size)
+    shm = shm_allreduce.maybe_create(rank, world_size) if device.type == "cpu" else None
+    return TensorParallelGroup(rank, world_size, shm)

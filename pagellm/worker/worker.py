@@ -54,6 +54,9 @@ class Worker:
         elif self.device.index is not None:
             torch.cuda.set_device(self.device)
         self.tp = init_tensor_parallel(rank, config.parallel.tensor_parallel_size, init_method, self.device)
+        if self.tp.world_size > 1:
+            logger.info("tensor-parallel rank %d of %d on %s, all-reduce over %s", rank, self.tp.world_size,
+                        self.device, "shared memory" if self.tp.shm is not None else "torch.distributed")
         dtype_name = config.model.dtype
         if dtype_name == "auto":
             dtype_name = "float32" if self.device.type == "cpu" else "bfloat16"
@@ -93,6 +96,11 @@ class Worker:
             device=str(self.device),
             block_bytes=self.spec.block_bytes,
         )
+
+    def parallel_info(self) -> dict[str, object]:
+        """This worker's place in the tensor-parallel group (for logs and tests)."""
+        return {"rank": self.tp.rank, "world_size": self.tp.world_size, "shm_all_reduce": self.tp.shm is not None,
+                "num_kv_heads": self.spec.num_kv_heads if hasattr(self, "spec") else None}
 
     def determine_num_blocks(self) -> tuple[int, int]:
         """``(device blocks, CPU swap blocks)`` from the byte budgets or the overrides."""
