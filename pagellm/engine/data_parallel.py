@@ -16,10 +16,9 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
 
 from pagellm.config import EngineArgs, EngineConfig, resolve_model_source
-from pagellm.engine.llm_engine import EngineDeadError, LLMEngine, PromptType
+from pagellm.engine.llm_engine import EngineDeadError, LLMEngine, PromptType, StartedStep
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.sequence import Sequence
@@ -132,7 +131,7 @@ class DataParallelEngine:
         """One step of every replica with work, computed concurrently."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead_error}")
-        started: list[tuple[LLMEngine, Any]] = []
+        started: list[tuple[LLMEngine, StartedStep]] = []
         outputs: list[RequestOutput] = []
         try:
             for r in self.replicas:

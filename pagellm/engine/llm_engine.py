@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from pagellm.config import EngineArgs, EngineConfig, resolve_model_source
 from pagellm.core.beam_search import BeamSearchState
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
+from pagellm.core.scheduler_output import SchedulerOutput
 from pagellm.detokenizer import IncrementalDetokenizer, find_stop_string
 from pagellm.executor import PendingOutput, WorkerError, create_executor
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -30,6 +32,16 @@ PromptType = str | list[int] | dict[str, Any]
 
 class EngineDeadError(RuntimeError):
     """The engine failed (a worker died or raised) or was shut down; requests cannot be served."""
+
+
+@dataclass(slots=True)
+class StartedStep:
+    """A step between ``begin_step`` and ``finish_step``: what was scheduled, the outputs already
+    known (requests that can never fit), and the workers' pending result (``None``: nothing sent)."""
+
+    scheduler_output: SchedulerOutput
+    outputs: list[RequestOutput]
+    pending: PendingOutput | None
 
 
 class LLMEngine:
@@ -112,6 +124,8 @@ class LLMEngine:
 
         ``cache_salt``: requests share cached prefix blocks only with requests of the same salt.
         """
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine is dead ({self.dead_error}); request {request_id!r} refused")
         params = params or SamplingParams()
         beam = params if isinstance(params, BeamSearchParams) else None
         if beam is not None:
@@ -143,8 +157,6 @@ class LLMEngine:
         capacity = self.num_blocks * self.block_size
         if len(ids) + 1 > capacity:
             raise ValueError(f"prompt of {len(ids)} tokens can never fit in the KV cache ({capacity} token slots)")
-        if self.dead_error is not None:
-            raise EngineDeadError(f"the engine is dead ({self.dead_error}); request {request_id!r} refused")
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params.clone(eos_token_id=self.tokenizer.eos_token_id)
@@ -219,7 +231,7 @@ class LLMEngine:
         """Run one scheduler step; return the outputs of requests that got a token or finished."""
         return self.finish_step(self.begin_step())
 
-    def begin_step(self) -> tuple[Any, list[RequestOutput], PendingOutput | None]:
+    def begin_step(self) -> StartedStep:
         """Schedule and start the step on the workers without waiting (``finish_step`` waits);
         several engines (data-parallel replicas) can so compute at the same time."""
         if self.dead_error is not None:
@@ -230,19 +242,19 @@ class LLMEngine:
         # An empty step still goes to the workers when they must drop finished sequences' state
         # or do swap-outs.
         if sched_out.is_empty() and not sched_out.finished_seq_ids and sched_out.cache_ops.is_empty():
-            return sched_out, outputs, None
+            return StartedStep(sched_out, outputs, None)
         try:
-            return sched_out, outputs, self.executor.submit_model(sched_out)
+            return StartedStep(sched_out, outputs, self.executor.submit_model(sched_out))
         except WorkerError as e:
             raise self._die(e) from e
 
-    def finish_step(self, started: tuple[Any, list[RequestOutput], PendingOutput | None]) -> list[RequestOutput]:
+    def finish_step(self, started: StartedStep) -> list[RequestOutput]:
         """Wait for the step ``begin_step`` started; update sequences; return the outputs."""
-        sched_out, outputs, pending = started
-        if pending is None:
+        sched_out, outputs = started.scheduler_output, started.outputs
+        if started.pending is None:
             return outputs
         try:
-            runner_out = pending.result()
+            runner_out = started.pending.result()
         except WorkerError as e:
             raise self._die(e) from e
         if sched_out.is_empty():
