@@ -138,7 +138,8 @@ class MultiprocExecutor(Executor):
         name the dead rank first when there is one."""
         deadline = time.monotonic() + grace_s
         while True:
-            dead = [(rank, p) for rank, p in enumerate(self.procs) if p.poll() is not None]
+            # A rank that exits cleanly after reporting its own error is not a death.
+            dead = [(rank, p) for rank, p in enumerate(self.procs) if p.poll() not in (None, 0)]
             if dead:
                 return "".join(f"worker rank {r} (pid {p.pid}) died with exit code {p.returncode}; " for r, p in dead)
             if time.monotonic() >= deadline:
