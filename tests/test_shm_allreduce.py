@@ -1,4 +1,4 @@
-"""The shared-memory all-reduce equals gloo's, in every rank, across chunk boundaries and buffer
+"""The shared-memory all-reduce and all-gather equal gloo's, in every rank, across chunk boundaries and buffer
 reuse; and tensor-parallel workers on one machine actually use it."""
 
 from __future__ import annotations
@@ -22,20 +22,23 @@ def _rank_main(rank: int, world: int, port: int, out) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     shm = ShmAllReduce(rank, world, f"pagellm-test-{port}", chunk=1000)
-    results = []
+    results, gathered = [], []
     for rep in range(3):  # the same sizes again: both buffers are reused
         for n in SIZES:
             x = torch.randn(n, generator=torch.Generator().manual_seed(1000 * rank + 10 * rep + n))
             ref = x.clone()
             dist.all_reduce(ref)
             results.append((shm.all_reduce(x.clone()).numpy(), ref.numpy()))  # numpy: plain pickling
-    out.put((rank, results))
+            parts = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(parts, x)
+            gathered.append((shm.all_gather(x).numpy(), torch.stack(parts).numpy()))
+    out.put((rank, (results, gathered)))
     dist.barrier()
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_shm_all_reduce_matches_gloo_on_every_rank(world):
+def test_shm_all_reduce_and_all_gather_match_gloo_on_every_rank(world):
     from pagellm.distributed import shm_allreduce
 
     require_cpu_kernel(lambda: shm_allreduce.kernels.load("shm_allreduce", shm_allreduce._SIGNATURES) is not None)
@@ -47,10 +50,14 @@ def test_shm_all_reduce_matches_gloo_on_every_rank(world):
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, out)) for r in range(world)]
     for p in procs:
         p.start()
-    results = dict(out.get(timeout=120) for _ in range(world))
+    both = dict(out.get(timeout=120) for _ in range(world))
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
+    results = {r: both[r][0] for r in both}
+    for r in both:
+        for shm_gathered, ref in both[r][1]:
+            assert (shm_gathered == ref).all()  # a copy: exact
     for i in range(len(results[0])):
         shm0 = torch.from_numpy(results[0][i][0])
         for r in range(world):

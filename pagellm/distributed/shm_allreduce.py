@@ -1,4 +1,5 @@
-"""All-reduce through shared memory for tensor-parallel ranks on one machine (``shm_allreduce.c``).
+"""All-reduce (and all-gather) through shared memory for tensor-parallel ranks on one machine
+(``shm_allreduce.c``).
 
 gloo sends every all-reduce over loopback TCP: ~0.5 ms even for one row, and a tensor-parallel
 step of SmolLM2 does 62 of them. Ranks that share a machine can instead exchange through one
@@ -22,6 +23,7 @@ from pagellm import kernels
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES: kernels.Signatures = {
     "shm_all_reduce_f32": (_I, [_P, _P, _I, _I, _I, _I, _I, ctypes.c_double]),
+    "shm_all_gather_f32": (_I, [_P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_double]),
 }
 CHUNK = 1 << 20  # floats per rank and buffer: 4 MiB, a 2048-token step of a 512-wide model at once
 TIMEOUT_S = 600.0
@@ -49,7 +51,7 @@ class ShmAllReduce:
         lib = kernels.load("shm_allreduce", _SIGNATURES)
         if lib is None:
             raise RuntimeError("the shared-memory all-reduce kernel is unavailable")
-        self._fn = lib.shm_all_reduce_f32
+        self._reduce, self._gather = lib.shm_all_reduce_f32, lib.shm_all_gather_f32
         self.rank, self.world_size, self.chunk = rank, world_size, chunk
         size = 64 * world_size + 2 * world_size * chunk * 4
         path = f"/dev/shm/{name}"
@@ -74,12 +76,21 @@ class ShmAllReduce:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of ``x`` over the ranks, in place (same rank order on every rank)."""
-        step = self._fn(self._base, x.data_ptr(), x.numel(), self.rank, self.world_size, self.chunk, self._step,
-                        TIMEOUT_S)
-        if step < 0:
-            raise RuntimeError(f"shared-memory all-reduce: no answer from a peer rank within {TIMEOUT_S:.0f} s")
-        self._step = step
+        self._advance(self._reduce(self._base, x.data_ptr(), x.numel(), self.rank, self.world_size, self.chunk,
+                                   self._step, TIMEOUT_S))
         return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``[world_size, *x.shape]``: every rank's ``x`` (same shape on every rank), in rank order."""
+        out = torch.empty((self.world_size, *x.shape), dtype=x.dtype)
+        self._advance(self._gather(self._base, x.data_ptr(), out.data_ptr(), x.numel(), self.rank, self.world_size,
+                                   self.chunk, self._step, TIMEOUT_S))
+        return out
+
+    def _advance(self, step: int) -> None:
+        if step < 0:
+            raise RuntimeError(f"shared-memory collective: no answer from a peer rank within {TIMEOUT_S:.0f} s")
+        self._step = step
 
 
 def maybe_create(rank: int, world_size: int) -> ShmAllReduce | None:

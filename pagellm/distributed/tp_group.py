@@ -56,8 +56,12 @@ class TensorParallelGroup:
         width = max(sizes)
         if x.shape[-1] < width:
             x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous())
+        x = x.contiguous()
+        if self.shm is not None and self.shm.usable_for(x):
+            parts = list(self.shm.all_gather(x))
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.world_size)]
+            dist.all_gather(parts, x)
         return torch.cat([p[..., :n] for p, n in zip(parts, sizes, strict=True)], dim=-1)
 
 
