@@ -18,6 +18,7 @@ import statistics
 import time
 
 HIDDEN = 576
+VOCAB = 49152
 
 
 def rpc_round_trip(backend: str, n: int = 300) -> float:
@@ -80,12 +81,24 @@ def _all_reduce_worker(rank: int, port: int, rows: list[int], out) -> None:
                 reduce(x)
                 times.append(time.perf_counter() - t0)
             result[name, n] = statistics.median(times)
+    # The logits gather: each rank's half of SmolLM2's 49,152-word vocabulary for 64 sampled rows.
+    x = torch.randn(64, VOCAB // 2)
+    parts = [torch.empty_like(x) for _ in range(2)]
+    for name, gather in (("gloo", lambda: dist.all_gather(parts, x)), ("shm", lambda: shm.all_gather(x))):
+        for _ in range(5):
+            gather()
+        times = []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            gather()
+            times.append(time.perf_counter() - t0)
+        result[name, "gather"] = statistics.median(times)
     if rank == 0:
         out.put(result)
     dist.destroy_process_group()
 
 
-def all_reduce_latency(rows: list[int]) -> dict[tuple[str, int], float]:
+def all_reduce_latency(rows: list[int]) -> dict[tuple[str, int | str], float]:
     import multiprocessing as mp
     import socket
 
@@ -115,6 +128,9 @@ def main() -> None:
           f"({whole / diff:.0f}x smaller), encoded in {1000 * enc:.3f} ms")
     lat = all_reduce_latency([1, 64, 2048])
     for (name, n), t in lat.items():
+        if n == "gather":
+            print(f"{name} all_gather of logits [64, {VOCAB // 2}] per rank, 2 processes: {1000 * t:.2f} ms per step")
+            continue
         print(f"{name} all_reduce [{n}, {HIDDEN}] float32, 2 processes: {1e6 * t:.0f} us "
               f"(x61 per tensor-parallel step: {61 * 1000 * t:.1f} ms)")
 
