@@ -66,7 +66,10 @@ def main() -> None:
     layer_weights = sum(a * b for k, (a, b) in shapes.items() if k != "lm_head")
     n_layers, hd, nh = cfg.num_hidden_layers, attn.head_dim, attn.num_heads
     stats = {"prefill-heavy": [0.0, 0.0, 0], "decode-heavy": [0.0, 0.0, 0]}  # seconds, flops, steps
-    execute = engine.executor.execute_model
+    # Timed at the worker: the engine starts steps with ``submit_model``, and the in-process
+    # executor calls the worker's ``execute_model`` for each.
+    worker = engine.executor.worker
+    execute = worker.execute_model
 
     def timed(so):
         t = time.perf_counter()
@@ -86,7 +89,7 @@ def main() -> None:
         row[2] += 1
         return out
 
-    engine.executor.execute_model = timed  # type: ignore[method-assign]
+    worker.execute_model = timed  # type: ignore[method-assign]
     reqs = load_workload(args.workload, args.num_requests)
     for i, r in enumerate(reqs):
         engine.add_request(str(i), {"prompt_token_ids": r["prompt_token_ids"]},
