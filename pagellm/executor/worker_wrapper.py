@@ -27,9 +27,6 @@ class WorkerWrapper:
     def execute_model_delta(self, delta: SchedulerOutputDelta) -> ModelRunnerOutput | None:
         return self.worker.execute_model(self.decoder.decode(delta))
 
-    def num_tracked_sequences(self) -> int:
-        return self.decoder.num_tracked
-
     def getpid(self) -> int:
         return os.getpid()
 
@@ -40,4 +37,4 @@ class WorkerWrapper:
             dist.destroy_process_group()
 
 
-_OWN_METHODS = {"execute_model_delta", "num_tracked_sequences", "getpid", "shutdown"}
+_OWN_METHODS = {"execute_model_delta", "getpid", "shutdown"}
