@@ -1,7 +1,8 @@
 """Achieved model FLOP/s against this machine's GEMM peak, for prefill-heavy and decode-heavy steps.
 
 1. GEMM peak: ``torch.nn.functional.linear`` at the model's weight shapes (fused qkv, o, gate_up,
-   down, lm_head) for a decode-sized M (64) and a prefill-sized M (2048), float32 and bfloat16.
+   down, lm_head) for a decode-sized M (64) and a prefill-sized M (2048), float32 and bfloat16,
+   and pagellm's packed-weight float32 kernel (``kernels/gemm.c``); the peak is the best of them.
 2. A workload run (default: the first 32 requests of W64) with every ``execute_model`` timed; each
    step's model FLOPs are counted from its ``SchedulerOutput``: ``2 x tokens x weights`` for the
    layers, ``2 x sampled rows x vocab x hidden`` for the LM head, and ``4 x heads x head_dim x``
@@ -21,19 +22,25 @@ import time
 from workload import add_workload_args, load_workload
 
 
-def gemm_peak(shapes: dict[str, tuple[int, int]], m: int, dtype, repeats: int = 5) -> float:
-    """Best GFLOP/s of one pass over every weight shape at batch ``m``."""
+def gemm_peak(shapes: dict[str, tuple[int, int]], m: int, dtype, packed: bool = False, repeats: int = 5) -> float:
+    """Best GFLOP/s of one pass over every weight shape at batch ``m`` (``packed``: the kernel)."""
     import torch
+
+    from pagellm.kernels import gemm
 
     ws = {k: torch.randn(n_out, n_in, dtype=dtype) for k, (n_out, n_in) in shapes.items()}
     xs = {k: torch.randn(m, n_in, dtype=dtype) for k, (_, n_in) in shapes.items()}
+    ps = {k: gemm.pack(w) for k, w in ws.items()} if packed else {}
     flops = sum(2 * m * n_out * n_in for n_out, n_in in shapes.values())
     best = float("inf")
     with torch.inference_mode():
         for _ in range(repeats):
             t = time.perf_counter()
-            for k in shapes:
-                torch.nn.functional.linear(xs[k], ws[k])
+            for k, (n_out, _) in shapes.items():
+                if packed:
+                    gemm.linear(xs[k], ps[k], n_out)
+                else:
+                    torch.nn.functional.linear(xs[k], ws[k])
             best = min(best, time.perf_counter() - t)
     return flops / best / 1e9
 
@@ -48,20 +55,26 @@ def main() -> None:
 
     from pagellm import LLMEngine, SamplingParams
     from pagellm.config import EngineArgs
+    from pagellm.kernels import gemm
 
     engine = LLMEngine.from_engine_args(EngineArgs(model=args.model, dtype=args.dtype))
     model = engine.executor.worker.model
     cfg = model.config
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    shapes = {"qkv": tuple(attn.qkv_proj.weight.shape), "o": tuple(attn.o_proj.weight.shape),
-              "gate_up": tuple(mlp.gate_up_proj.weight.shape), "down": tuple(mlp.down_proj.weight.shape),
-              "lm_head": (cfg.vocab_size, cfg.hidden_size)}
+    shapes = {name: (layer.out_features, layer.in_features) for name, layer in
+              (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj))}
+    shapes["lm_head"] = (cfg.vocab_size, cfg.hidden_size)
     print("GEMM peak at the model's shapes (GFLOP/s, one pass over qkv, o, gate_up, down, lm_head):")
-    peaks = {}
-    for dtype in (torch.float32, torch.bfloat16):
+    peaks: dict = {}
+    kernel = gemm.usable(torch.zeros(1, 1))
+    for dtype, packed in ((torch.float32, False), (torch.float32, True), (torch.bfloat16, False)):
+        if packed and not kernel:
+            continue
         for m in (64, 2048):
-            peaks[(dtype, m)] = gemm_peak(shapes, m, dtype)
-            print(f"  {str(dtype).removeprefix('torch.'):9s} M={m:5d}: {peaks[(dtype, m)]:7.1f}")
+            rate = gemm_peak(shapes, m, dtype, packed)
+            peaks[(dtype, m)] = max(rate, peaks.get((dtype, m), 0.0))
+            name = f"{str(dtype).removeprefix('torch.')}{' packed' if packed else ''}"
+            print(f"  {name:16s} M={m:5d}: {rate:7.1f}")
 
     layer_weights = sum(a * b for k, (a, b) in shapes.items() if k != "lm_head")
     n_layers, hd, nh = cfg.num_hidden_layers, attn.head_dim, attn.num_heads

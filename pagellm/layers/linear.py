@@ -1,36 +1,46 @@
-"""A linear layer with its weight pre-packed for oneDNN's CPU GEMM.
+"""``Linear``: ``nn.Linear`` whose weight is repacked after loading for the CPU GEMM kernel.
 
-``F.linear`` on a CPU calls MKL's sgemm, which re-packs the weight matrix on every call. For the
-LM head (49k x 576 for SmolLM2) at decode batch sizes that packing is a large share of the work:
-oneDNN's inner product over a weight reordered once, at load time (the path ``torch.compile``
-takes with weight freezing), ran 1.2-2.5x faster at 8-128 rows. For the layers' smaller
-projections it measured no faster, so they stay on ``F.linear``.
+``F.linear`` on a CPU calls MKL's sgemm, which re-packs the weight on every call; at decode
+batch sizes that is a large share of the work. :meth:`Linear.pack_for_cpu` packs the weight once
+(``kernels/gemm.py``) and the packed copy replaces it, so memory does not grow. Without the
+kernel (no AVX-512 or compiler, ``PAGELLM_CPU_KERNELS=0``, a GPU, bfloat16) nothing is packed
+and ``F.linear`` runs as before.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-
-def packing_supported(weight: torch.Tensor) -> bool:
-    """Whether oneDNN can take this weight: a float32 CPU tensor on a torch build with mkldnn."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+from pagellm.kernels import gemm
 
 
-class PackedLinear(nn.Module):
-    """``y = x W^T`` for ``x [N, in_features]``, with ``W`` held in oneDNN's blocked layout (not a
-    Parameter: inference only; no bias, as no supported LM head has one)."""
+class Linear(nn.Linear):
+    """``nn.Linear`` with an optional packed weight (inference only)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        # The batch-size hint only picks the blocking; any number of rows works afterwards.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 64)
+    packed: torch.Tensor | None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.register_buffer("packed", None, persistent=False)
+
+    def pack_for_cpu(self) -> bool:
+        """Pack the loaded weight for the GEMM kernel if it can run here; ``True`` if packed."""
+        if self.packed is not None:
+            return True
+        if self.weight is None or not gemm.usable(self.weight):
+            return False
+        self.packed = gemm.pack(self.weight)
+        # Nothing reads the row-major weight any more: drop it rather than hold the layer twice.
+        self.register_parameter("weight", None)
+        return True
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T (+ bias)``, through the kernel once packed."""
+        if self.packed is not None:
+            return gemm.linear(x, self.packed, self.out_features, bias)
+        return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
+        return self.matmul(x, self.bias)

@@ -9,7 +9,7 @@ checkpoint tensor, so a rank's parameters are only its shard::
     VocabParallelEmbedding E[vocab, d] split by rows; tokens outside a rank's rows give zeros,
                            then an all-reduce (exact: one non-zero addend per token)
 
-With a group of size 1 each is a plain ``nn.Linear`` / ``nn.Embedding``.
+With a group of size 1 each is a plain ``Linear`` (``layers/linear.py``) / ``nn.Embedding``.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.distributed import TensorParallelGroup, shard_range
+from pagellm.layers.linear import Linear
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(Linear):
     """Output features split across ranks. ``parts`` lists, per fused part (q, k, v or gate, up),
     this rank's ``(start, size)`` inside that part of the full weight."""
 
@@ -41,7 +42,7 @@ class ColumnParallelLinear(nn.Linear):
         copy_shard(param.narrow(0, offset, size), loaded, 0, start, size)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """Input features split across ranks (``in_range`` = this rank's ``(start, size)``); the
     outputs are summed over the group, then the bias (held whole by every rank) is added once."""
 
@@ -59,7 +60,7 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
             return super().forward(x)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias
 
 

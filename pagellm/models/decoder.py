@@ -19,8 +19,8 @@ from torch import nn
 
 from pagellm.attention import AttentionMetadata, get_attention_backend
 from pagellm.distributed import TensorParallelGroup
-from pagellm.kernels import cpu_ops
-from pagellm.layers.linear import PackedLinear, packing_supported
+from pagellm.kernels import cpu_ops, gemm
+from pagellm.layers.linear import Linear
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_shard
 from pagellm.layers.rotary import RotaryEmbedding, apply_rotary
@@ -162,29 +162,33 @@ class DecoderForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         vocab = self.model.embed_tokens.vocab_range  # the LM head's rows are the embedding's
         self.lm_head = None if self.tie_word_embeddings else ColumnParallelLinear(config.hidden_size, [vocab], False)
-        self.packed_logits: PackedLinear | None = None
+        # A tied LM head's packed copy of the embedding (the embedding itself stays as it is).
+        self.tied_head_packed: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def _lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary (each rank computes its rows; every rank gets all)."""
-        if self.packed_logits is not None:
-            logits = self.packed_logits(hidden)
+        embed = self.model.embed_tokens
+        if self.lm_head is not None:
+            logits = self.lm_head(hidden)
+        elif self.tied_head_packed is not None:
+            logits = gemm.linear(hidden, self.tied_head_packed, embed.num_embeddings)
         else:
-            logits = F.linear(hidden, self._lm_head_weight())
-        return self.tp.all_gather_last_dim(logits, self.model.embed_tokens.vocab_sizes)
+            logits = F.linear(hidden, embed.weight)
+        return self.tp.all_gather_last_dim(logits, embed.vocab_sizes)
 
     def pack_for_cpu(self) -> None:
-        """Pre-pack the LM head for oneDNN (``layers/linear.py``), after ``load_weights``. A tied
-        head gets its own packed copy (the embedding stays as is). The layers' projections stay
-        on ``F.linear``: packed, they measured no faster at any batch size."""
-        if packing_supported(self._lm_head_weight()):
-            self.packed_logits = PackedLinear(self._lm_head_weight())
+        """After ``load_weights``: pack every projection and the LM head for the CPU GEMM kernel
+        (``layers/linear.py``) where it can run. A tied head gets its own packed copy."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()
+        weight = self.model.embed_tokens.weight
+        if self.lm_head is None and gemm.usable(weight):
+            self.tied_head_packed = gemm.pack(weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused, sharded) parameters; missing or unexpected names raise.

@@ -1,0 +1,100 @@
+"""The packed-weight GEMM kernel (``kernels/gemm.c``) against ``F.linear``, and ``layers.Linear`` on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagellm.distributed import TensorParallelGroup
+from pagellm.kernels import gemm
+from pagellm.layers.linear import Linear
+from pagellm.layers.parallel import RowParallelLinear
+
+pytestmark = pytest.mark.skipif(not gemm.usable(torch.zeros(1, 1)), reason="GEMM kernel unavailable here")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
+    # Summation order differs from MKL's: allow a few ulps of the largest partial sums.
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * k)
+
+
+# N not a multiple of 32 (masked last panel), K of 1, odd and model-sized; M across tile sizes
+# (14 rows) and, for K = 1536, across row blocks (42 rows each).
+@pytest.mark.parametrize("n", [1, 17, 32, 33, 99, 960])
+@pytest.mark.parametrize("k", [1, 7, 576, 1536])
+@pytest.mark.parametrize("m", [1, 5, 14, 15, 64, 100])
+def test_matches_f_linear(m: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(m * 10007 + n * 101 + k)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    p = gemm.pack(w)
+    _close(gemm.linear(x, p, n), F.linear(x, w), k)
+    _close(gemm.linear(x, p, n, b), F.linear(x, w, b), k)
+
+
+def test_strided_and_batched_inputs() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 24, generator=g)
+    p = gemm.pack(w)
+    wide = torch.randn(9, 50, generator=g)
+    x = wide[:, 10:34]  # row stride 50: read in place
+    _close(gemm.linear(x, p, 40), F.linear(x, w), 24)
+    x3 = torch.randn(2, 3, 24, generator=g)
+    _close(gemm.linear(x3, p, 40), F.linear(x3, w), 24)
+    assert gemm.linear(torch.empty(0, 24), p, 40).shape == (0, 40)
+
+
+def test_rows_do_not_depend_on_the_batch() -> None:
+    """Each output is one in-order sum over k, whatever the tile or row block a row lands in:
+    a sequence's logits are bit-identical whether it decodes alone or in a batch of 100."""
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(70, 1536, generator=g), torch.randn(100, 1536, generator=g)
+    p = gemm.pack(w)
+    full = gemm.linear(x, p, 70)
+    for i in (0, 13, 14, 41, 42, 99):
+        assert torch.equal(full[i], gemm.linear(x[i:i + 1], p, 70)[0])
+    assert torch.equal(full[20:77], gemm.linear(x[20:77], p, 70))
+
+
+def test_bad_arguments_raise() -> None:
+    w = torch.randn(8, 4)
+    p = gemm.pack(w)
+    with pytest.raises(ValueError, match="does not fit"):
+        gemm.linear(torch.randn(2, 5), p, 8)
+    with pytest.raises(ValueError, match="bias"):
+        gemm.linear(torch.randn(2, 4), p, 8, torch.randn(7))
+    with pytest.raises(ValueError, match="float32"):
+        gemm.linear(torch.randn(2, 4, dtype=torch.float64), p, 8)
+    with pytest.raises(ValueError, match="cannot pack"):
+        gemm.pack(w.to(torch.bfloat16))
+
+
+def test_linear_layer_packs_and_drops_its_weight() -> None:
+    torch.manual_seed(0)
+    layer = Linear(48, 40, bias=True).eval()
+    x = torch.randn(6, 48)
+    with torch.no_grad():
+        want = layer(x)
+        assert layer.pack_for_cpu()
+        assert layer.weight is None and layer.packed is not None
+        assert "weight" not in dict(layer.named_parameters())
+        _close(layer(x), want, 48)
+        assert layer.pack_for_cpu()  # idempotent
+
+
+def test_row_parallel_adds_the_bias_once() -> None:
+    torch.manual_seed(0)
+    layer = RowParallelLinear((0, 32), 16, bias=True, tp=TensorParallelGroup()).eval()
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        want = F.linear(x, layer.weight, layer.bias)
+        layer.pack_for_cpu()
+        _close(layer(x), want, 32)
+
+
+def test_disabled_keeps_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGELLM_CPU_GEMM", "0")
+    layer = Linear(8, 4, bias=False)
+    assert not layer.pack_for_cpu()
+    assert layer.weight is not None and layer.packed is None
