@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from pagellm.distributed import TensorParallelGroup
 from pagellm.kernels import gemm
-from pagellm.layers.linear import Linear
+from pagellm.layers.linear import KERNEL_MAX_ROWS, Linear
 from pagellm.layers.parallel import RowParallelLinear
 
 pytestmark = pytest.mark.skipif(not gemm.usable(torch.zeros(1, 1)), reason="GEMM kernel unavailable here")
@@ -70,17 +70,18 @@ def test_bad_arguments_raise() -> None:
         gemm.pack(w.to(torch.bfloat16))
 
 
-def test_linear_layer_packs_and_drops_its_weight() -> None:
+def test_linear_layer_takes_the_kernel_for_small_batches_only() -> None:
     torch.manual_seed(0)
     layer = Linear(48, 40, bias=True).eval()
-    x = torch.randn(6, 48)
+    small, large = torch.randn(KERNEL_MAX_ROWS, 48), torch.randn(KERNEL_MAX_ROWS + 1, 48)
     with torch.no_grad():
-        want = layer(x)
-        assert layer.pack_for_cpu()
-        assert layer.weight is None and layer.packed is not None
-        assert "weight" not in dict(layer.named_parameters())
-        _close(layer(x), want, 48)
+        want = layer(small)
+        assert layer.pack_for_cpu() and layer.packed is not None
         assert layer.pack_for_cpu()  # idempotent
+        got = layer(small)
+        _close(got, want, 48)
+        assert torch.equal(got, gemm.linear(small, layer.packed, 40, layer.bias))
+        assert torch.equal(layer(large), F.linear(large, layer.weight, layer.bias))
 
 
 def test_row_parallel_adds_the_bias_once() -> None:

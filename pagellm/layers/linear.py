@@ -1,10 +1,12 @@
-"""``Linear``: ``nn.Linear`` whose weight is repacked after loading for the CPU GEMM kernel.
+"""``Linear``: ``nn.Linear`` with a second copy of its weight packed for the CPU GEMM kernel.
 
 ``F.linear`` on a CPU calls MKL's sgemm, which re-packs the weight on every call; at decode
 batch sizes that is a large share of the work. :meth:`Linear.pack_for_cpu` packs the weight once
-(``kernels/gemm.py``) and the packed copy replaces it, so memory does not grow. Without the
-kernel (no AVX-512 or compiler, ``PAGELLM_CPU_KERNELS=0``, a GPU, bfloat16) nothing is packed
-and ``F.linear`` runs as before.
+(``kernels/gemm.py``); batches of up to ``KERNEL_MAX_ROWS`` rows then take the kernel (1.2-2.5x
+MKL on this machine), larger ones (prefill) stay on MKL, which is ~15 % faster there in whole
+runs. The price is the packed copy: one more float32 copy of the projections (0.42 GB for
+SmolLM2-135M). Without the kernel (no AVX-512 or compiler, ``PAGELLM_CPU_KERNELS=0``, a GPU,
+bfloat16) nothing is packed and ``F.linear`` runs as before.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.kernels import gemm
+
+# Measured with benchmarks/gemm.py (crossover 128-512 rows) and, in whole runs, with
+# benchmarks/time_breakdown.py under PAGELLM_CPU_GEMM=0 (prefill GEMMs 9.8 s on MKL vs 11.2 s).
+KERNEL_MAX_ROWS = 128
 
 
 class Linear(nn.Linear):
@@ -29,16 +35,14 @@ class Linear(nn.Linear):
         """Pack the loaded weight for the GEMM kernel if it can run here; ``True`` if packed."""
         if self.packed is not None:
             return True
-        if self.weight is None or not gemm.usable(self.weight):
+        if not gemm.usable(self.weight):
             return False
         self.packed = gemm.pack(self.weight)
-        # Nothing reads the row-major weight any more: drop it rather than hold the layer twice.
-        self.register_parameter("weight", None)
         return True
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x W^T (+ bias)``, through the kernel once packed."""
-        if self.packed is not None:
+        """``x W^T (+ bias)``: small batches through the kernel once packed, the rest through MKL."""
+        if self.packed is not None and x.numel() <= KERNEL_MAX_ROWS * self.in_features:
             return gemm.linear(x, self.packed, self.out_features, bias)
         return F.linear(x, self.weight, bias)
 

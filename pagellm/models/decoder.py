@@ -20,7 +20,7 @@ from torch import nn
 from pagellm.attention import AttentionMetadata, get_attention_backend
 from pagellm.distributed import TensorParallelGroup
 from pagellm.kernels import cpu_ops, gemm
-from pagellm.layers.linear import Linear
+from pagellm.layers.linear import KERNEL_MAX_ROWS, Linear
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_shard
 from pagellm.layers.rotary import RotaryEmbedding, apply_rotary
@@ -174,7 +174,7 @@ class DecoderForCausalLM(nn.Module):
         embed = self.model.embed_tokens
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
-        elif self.tied_head_packed is not None:
+        elif self.tied_head_packed is not None and hidden.shape[0] <= KERNEL_MAX_ROWS:
             logits = gemm.linear(hidden, self.tied_head_packed, embed.num_embeddings)
         else:
             logits = F.linear(hidden, embed.weight)
@@ -182,7 +182,7 @@ class DecoderForCausalLM(nn.Module):
 
     def pack_for_cpu(self) -> None:
         """After ``load_weights``: pack every projection and the LM head for the CPU GEMM kernel
-        (``layers/linear.py``) where it can run. A tied head gets its own packed copy."""
+        (``layers/linear.py``) where it can run; a tied head's packed copy is held here."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu()
