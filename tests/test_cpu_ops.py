@@ -80,3 +80,19 @@ def test_write_kv_from_strided_views(cache_dtype):
     ref_v.index_copy_(0, slots, v.to(cache_dtype))
     cpu_ops.write_kv(k, v, kc, vc, slots)
     assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+
+
+def test_argmax_logsumexp_matches_torch() -> None:
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(7, 1100, generator=g) * 5
+    x = wide[:, :1037]  # row stride 1100, a length that is no multiple of the vector width
+    x[1, 40] = x[1, 900] = x[1].max() + 1  # a tie: the first index wins, as in torch
+    x[2, :500] = float("-inf")  # banned tokens (min_tokens, penalties)
+    x[3, 12] = float("nan")  # torch's answer for a NaN row
+    x[4] = float("-inf")
+    idx, lse = cpu_ops.argmax_logsumexp(x)
+    assert torch.equal(idx, x.argmax(-1))
+    torch.testing.assert_close(lse, torch.logsumexp(x, -1), rtol=1e-6, atol=1e-6, equal_nan=True)
+    assert idx[1] == 40
+    empty_idx, empty_lse = cpu_ops.argmax_logsumexp(torch.empty(0, 5))
+    assert empty_idx.shape == empty_lse.shape == (0,)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +14,18 @@ from pagellm.kernels import gemm
 from pagellm.layers.linear import KERNEL_MAX_ROWS, Linear
 from pagellm.layers.parallel import RowParallelLinear
 
-pytestmark = pytest.mark.skipif(not gemm.usable(torch.zeros(1, 1)), reason="GEMM kernel unavailable here")
+from conftest import require_cpu_kernel
+
+
+@pytest.fixture(autouse=True)
+def _built(request: pytest.FixtureRequest) -> None:
+    if request.node.name.startswith("test_disabled"):
+        return
+    if os.environ.get("PAGELLM_CPU_GEMM") == "0":
+        pytest.skip("GEMM kernel disabled by PAGELLM_CPU_GEMM=0")
+    if "avx512f" not in (Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""):
+        pytest.skip("the GEMM kernel needs AVX-512")
+    require_cpu_kernel(lambda: gemm.usable(torch.zeros(1, 1)))
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:

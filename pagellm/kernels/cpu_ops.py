@@ -19,6 +19,7 @@ _SIGNATURES: kernels.Signatures = {
     "silu_and_mul_f32": (None, [_P, _P, _I, _I]),
     "write_kv_f32": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I]),
     "write_kv_f16": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I]),
+    "argmax_logsumexp_f32": (None, [_P, _I, _I, _I, _P, _P]),
 }
 _WRITE_KV = {torch.float32: "write_kv_f32", torch.float16: "write_kv_f16"}
 
@@ -101,3 +102,22 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     getattr(_lib(), _WRITE_KV[key_cache.dtype])(k2.data_ptr(), _rows(k2, "key"), v2.data_ptr(), _rows(v2, "value"),
                                               key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
                                               t, row)
+
+
+def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits.argmax(-1), torch.logsumexp(logits, -1))`` for float32 ``[R, V]`` in one pass per
+    row; the same first-maximum tie-break as ``argmax``. Rows holding a NaN, or only -inf, go
+    through torch."""
+    r, v = logits.shape
+    if r and v == 0:
+        raise ValueError("logits must have at least one column")
+    x = logits if logits.stride(1) == 1 else logits.contiguous()
+    idx = torch.empty(r, dtype=torch.int64)
+    lse = torch.empty(r, dtype=torch.float32)
+    if r:
+        _lib().argmax_logsumexp_f32(x.data_ptr(), _rows(x, "logits"), r, v, idx.data_ptr(), lse.data_ptr())
+    bad = ((idx < 0) | lse.isnan()).nonzero().flatten()
+    if len(bad):
+        idx[bad] = logits[bad].argmax(-1)
+        lse[bad] = torch.logsumexp(logits[bad], -1)
+    return idx, lse

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagellm.kernels import cpu_ops
 from pagellm.sampling_params import SamplingParams
 
 
@@ -94,12 +95,19 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     """``logits [S, V]`` (float32, one row per sampling sequence) -> one token per row."""
-    raw_logprobs = logits.log_softmax(dim=-1)
+    raw = logits
     if any(r.params.has_penalties for r in rows) or any(len(r.output_token_ids) < r.params.min_tokens for r in rows):
         logits = logits.clone()
         apply_penalties(logits, rows)
         apply_min_tokens(logits, rows)
-    tokens = logits.argmax(dim=-1)
+    # Logprobs are of the raw distribution: ``raw - logsumexp(raw)``, never materialised whole
+    # unless top logprobs are asked for. On a CPU one fused pass gives the greedy token too.
+    if cpu_ops.usable(raw) and raw.dim() == 2:
+        tokens, lse = cpu_ops.argmax_logsumexp(raw)
+        if logits is not raw:
+            tokens = cpu_ops.argmax_logsumexp(logits)[0]
+    else:
+        tokens, lse = logits.argmax(dim=-1), torch.logsumexp(raw, dim=-1)
     random_idx = [i for i, r in enumerate(rows) if r.params.temperature > 0.0]
     if random_idx:
         filtered = _filter(logits[random_idx], [rows[i].params for i in random_idx])
@@ -113,12 +121,12 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
                 noise[j].exponential_()
         tokens[random_idx] = (probs / noise).argmax(dim=-1)
     token_list = tokens.tolist()
-    chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+    chosen = (raw.gather(1, tokens[:, None]).squeeze(1) - lse).tolist()
     tops: list[dict[int, tuple[float, int]] | None] = [None] * len(rows)
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if want:
         k_max = max(rows[i].params.logprobs or 0 for i in want)
-        sub = raw_logprobs[want]
+        sub = raw[want] - lse[want, None]
         top_vals, top_ids = sub.topk(k_max, dim=-1) if k_max > 0 else (sub[:, :0], sub[:, :0].long())
         ranks = (sub > sub.gather(1, tokens[want][:, None])).sum(dim=-1) + 1
         for j, i in enumerate(want):
