@@ -1,0 +1,84 @@
+"""Decode attention over a multi-GiB paged KV cache: the compiled kernel against the pure PyTorch path.
+
+``--batch`` decodes with contexts drawn from ``--context``, their blocks scattered at random over a
+``--cache-gib`` cache of ``--layers`` layers (SmolLM2-135M's shapes by default), so K/V come from
+memory as in a real decode step, not from cache. One "step" runs the attention of every layer
+(``torch_paged.forward``, K/V write included). Prints the best of ``--repeats`` for each path, the
+K/V bytes read per second, and the ratio, measured in the same run.
+
+    python benchmarks/decode_attention.py
+    python benchmarks/decode_attention.py --batch 8 --context 1000 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, nargs=2, default=[300, 600], metavar=("MIN", "MAX"))
+    ap.add_argument("--cache-gib", type=float, default=2.0)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--heads", type=int, nargs=2, default=[9, 3], metavar=("Q", "KV"))
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+
+    import torch
+
+    from pagellm.attention import cpu_kernel, torch_paged
+
+    if not cpu_kernel.available():
+        raise SystemExit("the decode kernel cannot run here (no compiler, or PAGELLM_CPU_KERNELS=0)")
+    random.seed(0)
+    torch.manual_seed(0)
+    hq, hkv = args.heads
+    d, bs, n_layers = args.head_dim, args.block_size, args.layers
+    row_bytes = hkv * d * 4
+    num_blocks = int(args.cache_gib * 2**30 / (n_layers * 2 * bs * row_bytes))
+    kv = torch.randn(n_layers, 2, num_blocks * bs, hkv, d)  # every page touched before timing
+    lens = [random.randint(*args.context) for _ in range(args.batch)]
+    free = random.sample(range(num_blocks), num_blocks)
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in lens]
+    if not free:
+        raise SystemExit("the cache is too small for these contexts")
+    q = torch.randn(args.batch, hq, d)
+    k, v = torch.randn(args.batch, hkv, d), torch.randn(args.batch, hkv, d)
+    slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens, strict=True)])
+
+    def step_fn(kernel: bool):
+        meta = torch_paged.build_metadata(lens, tables, [], bs, torch.device("cpu"), decode_kernel=kernel)
+        meta.slot_mapping = slots
+        qo, ko, vo = (x[meta.decode_order] for x in (q, k, v))
+
+        def step() -> None:
+            for layer in range(n_layers):
+                torch_paged.forward(qo, ko, vo, kv[layer, 0], kv[layer, 1], meta, d ** -0.5)
+        return step
+
+    steps = {"pure PyTorch (gather + SDPA)": step_fn(False), "decode kernel": step_fn(True)}
+    best = dict.fromkeys(steps, float("inf"))
+    with torch.inference_mode():
+        for fn in steps.values():
+            fn()
+        for _ in range(args.repeats):
+            for name, fn in steps.items():
+                t = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - t)
+    read = sum(lens) * row_bytes * 2 * n_layers
+    print(f"{args.batch} decodes, contexts {args.context[0]}-{args.context[1]} (K/V {read / 2**20:.0f} MiB per step), "
+          f"{num_blocks} blocks of {bs} over {args.cache_gib:g} GiB, {torch.get_num_threads()} threads")
+    base = best["pure PyTorch (gather + SDPA)"]
+    for name, secs in best.items():
+        print(f"  {name:30s} {secs * 1e3:8.1f} ms per {n_layers}-layer step  {read / secs / 1e9:6.1f} GB/s  "
+              f"{base / secs:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
