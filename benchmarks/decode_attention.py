@@ -16,17 +16,16 @@ import argparse
 import random
 import time
 
+from workload import add_shape_args
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, nargs=2, default=[300, 600], metavar=("MIN", "MAX"))
     ap.add_argument("--cache-gib", type=float, default=2.0)
-    ap.add_argument("--layers", type=int, default=30)
-    ap.add_argument("--heads", type=int, nargs=2, default=[9, 3], metavar=("Q", "KV"))
-    ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=5)
+    add_shape_args(ap)
     args = ap.parse_args()
 
     import torch
@@ -43,10 +42,11 @@ def main() -> None:
     num_blocks = int(args.cache_gib * 2**30 / (n_layers * 2 * bs * row_bytes))
     kv = torch.randn(n_layers, 2, num_blocks * bs, hkv, d)  # every page touched before timing
     lens = [random.randint(*args.context) for _ in range(args.batch)]
+    need = sum(-(-n // bs) for n in lens)
+    if need > num_blocks:
+        raise SystemExit(f"the cache holds {num_blocks} blocks; these contexts need {need}: raise --cache-gib")
     free = random.sample(range(num_blocks), num_blocks)
     tables = [[free.pop() for _ in range(-(-n // bs))] for n in lens]
-    if not free:
-        raise SystemExit("the cache is too small for these contexts")
     q = torch.randn(args.batch, hq, d)
     k, v = torch.randn(args.batch, hkv, d), torch.randn(args.batch, hkv, d)
     slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens, strict=True)])

@@ -14,17 +14,16 @@ from __future__ import annotations
 import argparse
 import time
 
+from workload import add_shape_args
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 512, 2048])
-    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=576, help="default: SmolLM2-135M's shapes")
     ap.add_argument("--intermediate", type=int, default=1536)
-    ap.add_argument("--heads", type=int, nargs=2, default=[9, 3], metavar=("Q", "KV"))
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--vocab", type=int, default=49152)
+    add_shape_args(ap)
     args = ap.parse_args()
 
     import torch

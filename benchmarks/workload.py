@@ -24,6 +24,14 @@ def add_workload_args(ap: Any, default: str = W64, num_requests: int | None = No
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct GGUF")
 
 
+def add_shape_args(ap: Any) -> None:
+    """The attention shapes and repeat count of the kernel microbenchmarks (SmolLM2-135M's by default)."""
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--heads", type=int, nargs=2, default=[9, 3], metavar=("Q", "KV"))
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5, help="best of this many timed runs")
+
+
 def load_workload(path: str, n: int | None) -> list[dict]:
     """The first ``n`` requests (all if ``n`` is None) of a workload file."""
     if not os.path.exists(path):
