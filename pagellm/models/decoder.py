@@ -19,8 +19,8 @@ from torch import nn
 
 from pagellm.attention import AttentionMetadata, get_attention_backend
 from pagellm.distributed import TensorParallelGroup
-from pagellm.kernels import cpu_ops, gemm
-from pagellm.layers.linear import KERNEL_MAX_ROWS, Linear
+from pagellm.kernels import cpu_ops
+from pagellm.layers.linear import Linear
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_shard
 from pagellm.layers.rotary import RotaryEmbedding, apply_rotary
@@ -162,8 +162,8 @@ class DecoderForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         vocab = self.model.embed_tokens.vocab_range  # the LM head's rows are the embedding's
         self.lm_head = None if self.tie_word_embeddings else ColumnParallelLinear(config.hidden_size, [vocab], False)
-        # A tied LM head's packed copy of the embedding (the embedding itself stays as it is).
-        self.tied_head_packed: torch.Tensor | None = None
+        # A tied LM head, made by ``pack_for_cpu`` to hold the embedding's packed copy.
+        self.tied_head: Linear | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -172,12 +172,8 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary (each rank computes its rows; every rank gets all)."""
         embed = self.model.embed_tokens
-        if self.lm_head is not None:
-            logits = self.lm_head(hidden)
-        elif self.tied_head_packed is not None and hidden.shape[0] <= KERNEL_MAX_ROWS:
-            logits = gemm.linear(hidden, self.tied_head_packed, embed.num_embeddings)
-        else:
-            logits = F.linear(hidden, embed.weight)
+        head = self.lm_head if self.lm_head is not None else self.tied_head
+        logits = F.linear(hidden, embed.weight) if head is None else head(hidden)
         return self.tp.all_gather_last_dim(logits, embed.vocab_sizes)
 
     def pack_for_cpu(self) -> None:
@@ -186,9 +182,13 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu()
-        weight = self.model.embed_tokens.weight
-        if self.lm_head is None and gemm.usable(weight):
-            self.tied_head_packed = gemm.pack(weight)
+        if self.lm_head is None and self.tied_head is None:
+            embed = self.model.embed_tokens
+            with torch.device("meta"):
+                head = Linear(embed.embedding_dim, embed.num_embeddings, bias=False)
+            head.weight = embed.weight  # shared: batches past the kernel's read the embedding itself
+            if head.pack_for_cpu():
+                self.tied_head = head
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused, sharded) parameters; missing or unexpected names raise.
