@@ -94,5 +94,6 @@ def test_argmax_logsumexp_matches_torch() -> None:
     assert torch.equal(idx, x.argmax(-1))
     torch.testing.assert_close(lse, torch.logsumexp(x, -1), rtol=1e-6, atol=1e-6, equal_nan=True)
     assert idx[1] == 40
+    assert torch.equal(cpu_ops.argmax(x), idx)
     empty_idx, empty_lse = cpu_ops.argmax_logsumexp(torch.empty(0, 5))
     assert empty_idx.shape == empty_lse.shape == (0,)

@@ -132,8 +132,8 @@ void write_kv_f16(const float *key, int64_t key_stride, const float *value, int6
 /* Greedy sampling's two reductions over logits [R, V] (row stride ld) in one parallel call:
  * idx[r] = the first index of row r's maximum (torch.argmax's choice; torch's CPU argmax is a
  * scalar loop, 3.5 ms for 64 x 49152 here) and lse[r] = log(sum(exp(x - max))) + max, for the
- * sampled token's logprob without materialising log_softmax. idx[r] = -1 when the row holds a
- * NaN: the caller then falls back to torch for that row. */
+ * sampled token's logprob without materialising log_softmax (lse = NULL: the argmax only).
+ * idx[r] = -1 when the row holds a NaN: the caller then falls back to torch for that row. */
 void argmax_logsumexp_f32(const float *x, int64_t ld, int64_t R, int64_t V, int64_t *idx, float *lse) {
 #pragma omp parallel for if (R >= 2)
   for (int64_t r = 0; r < R; ++r) {
@@ -151,10 +151,11 @@ void argmax_logsumexp_f32(const float *x, int64_t ld, int64_t R, int64_t V, int6
         best = i;
         break;
       }
+    idx[r] = best;
+    if (lse == NULL) continue; /* only the token: penalised logits, whose logprobs nobody reads */
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
     for (int64_t i = 0; i < V; ++i) s += exp_f32(row[i] - m);
-    idx[r] = best;
     lse[r] = logf(s) + m;
   }
 }

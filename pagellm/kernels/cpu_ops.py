@@ -108,16 +108,32 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logits.argmax(-1), torch.logsumexp(logits, -1))`` for float32 ``[R, V]`` in one pass per
     row; the same first-maximum tie-break as ``argmax``. Rows holding a NaN, or only -inf, go
     through torch."""
+    idx, lse = _argmax_lse(logits, with_lse=True)
+    assert lse is not None
+    return idx, lse
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` for float32 ``[R, V]``, as :func:`argmax_logsumexp` without the sum."""
+    return _argmax_lse(logits, with_lse=False)[0]
+
+
+def _argmax_lse(logits: torch.Tensor, with_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     r, v = logits.shape
     if r and v == 0:
         raise ValueError("logits must have at least one column")
     x = logits if logits.stride(1) == 1 else logits.contiguous()
     idx = torch.empty(r, dtype=torch.int64)
-    lse = torch.empty(r, dtype=torch.float32)
+    lse = torch.empty(r, dtype=torch.float32) if with_lse else None
     if r:
-        _lib().argmax_logsumexp_f32(x.data_ptr(), _rows(x, "logits"), r, v, idx.data_ptr(), lse.data_ptr())
-    bad = ((idx < 0) | lse.isnan()).nonzero().flatten()
-    if len(bad):
-        idx[bad] = logits[bad].argmax(-1)
-        lse[bad] = torch.logsumexp(logits[bad], -1)
+        _lib().argmax_logsumexp_f32(x.data_ptr(), _rows(x, "logits"), r, v, idx.data_ptr(),
+                                    None if lse is None else lse.data_ptr())
+    bad = idx < 0
+    if lse is not None:
+        bad |= lse.isnan()
+    rows = bad.nonzero().flatten()
+    if len(rows):
+        idx[rows] = logits[rows].argmax(-1)
+        if lse is not None:
+            lse[rows] = torch.logsumexp(logits[rows], -1)
     return idx, lse

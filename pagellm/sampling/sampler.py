@@ -104,8 +104,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     # unless top logprobs are asked for. On a CPU one fused pass gives the greedy token too.
     if cpu_ops.usable(raw) and raw.dim() == 2:
         tokens, lse = cpu_ops.argmax_logsumexp(raw)
-        if logits is not raw:
-            tokens = cpu_ops.argmax_logsumexp(logits)[0]
+        if logits is not raw:  # penalised: the token from them, the logprobs still from ``raw``
+            tokens = cpu_ops.argmax(logits)
     else:
         tokens, lse = logits.argmax(dim=-1), torch.logsumexp(raw, dim=-1)
     random_idx = [i for i, r in enumerate(rows) if r.params.temperature > 0.0]
