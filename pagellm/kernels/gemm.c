@@ -5,7 +5,10 @@
  * that packing and a cold weight stream cost up to half the time: measured here 1.3-2.3x slower
  * than this kernel for M = 8..64 (benchmarks/gemm.py). Packing W once into panels of 32 output
  * features, [ceil(N / 32)][K][32], makes each panel one contiguous stream that is read from memory
- * once per call and then from L2 for every further tile of rows.
+ * once per call and then from L2 for every tile of rows. Each thread walks its panels in order and
+ * prefetches the next one into L2 while it computes on this one, so the weight stream overlaps the
+ * arithmetic instead of stalling the first tile of every panel (the previous scheme prefetched the
+ * current panel 8 KiB ahead: 16-64 rows 1.1-1.3x slower than this, benchmarks/gemm.py).
  *
  * x:    [M, K] rows ldx apart (last dimension contiguous)
  * wp:   the packed weight (pack_weight_f32), N padded with zero columns to a multiple of 32
@@ -25,7 +28,6 @@
 
 #define NR 32 /* outputs per panel: two 16-float registers */
 #define MR 14 /* rows per tile: 28 accumulators + 2 weights + 1 broadcast of 32 registers */
-#define PF 64 /* prefetch the panel this many k ahead (8 KiB): its first pass streams from memory */
 #define XBLOCK (1024 * 1024) /* bytes of x per row block: it stays in L2 (2 MiB) across all panels */
 
 int gemm_f32_supported(void) {
@@ -51,16 +53,22 @@ void pack_weight_f32(float *dst, const float *w, int64_t N, int64_t K) {
 }
 
 #ifdef __AVX512F__
-/* Rows [0, R) of one panel: y[r][0:32] = x[r] . panel (+ bias), columns masked to `mask`. */
+/* Rows [0, R) of one panel: y[r][0:32] = x[r] . panel (+ bias), columns masked to `mask`.
+ * Meanwhile, one row of `next` (2 cache lines) is prefetched into L2 every T steps of k: the T
+ * tiles of a panel together bring in the whole next panel while this one computes from L2. */
 static inline __attribute__((always_inline)) void tile(float *y, int64_t ldy, const float *x, int64_t ldx,
                                                        const float *wp, const float *bias, int64_t K,
-                                                       __mmask16 m0, __mmask16 m1, const int R, const int pf) {
+                                                       __mmask16 m0, __mmask16 m1, const int R,
+                                                       const float *next, int64_t T) {
   __m512 acc[MR][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  int64_t c = 0;
   for (int64_t k = 0; k < K; ++k) {
-    if (pf) {
-      _mm_prefetch((const char *)(wp + (k + PF) * NR), _MM_HINT_T0);
-      _mm_prefetch((const char *)(wp + (k + PF) * NR + 16), _MM_HINT_T0);
+    if (++c == T) {
+      c = 0;
+      _mm_prefetch((const char *)next, _MM_HINT_T1);
+      _mm_prefetch((const char *)(next + 16), _MM_HINT_T1);
+      next += NR;
     }
     const __m512 w0 = _mm512_loadu_ps(wp + k * NR), w1 = _mm512_loadu_ps(wp + k * NR + 16);
     for (int r = 0; r < R; ++r) {
@@ -82,10 +90,8 @@ static inline __attribute__((always_inline)) void tile(float *y, int64_t ldy, co
   }
 }
 
-/* Only the first tile of a panel prefetches: it brings the panel in, later tiles find it in L2 and
- * the prefetches would only take load slots (prefill 250 -> 280 GFLOP/s). */
 #define CASE(R) case R: TILE(R); break;
-#define TILE(R) (t == 0 ? tile(yy, ldy, xx, ldx, w, bb, K, m0, m1, R, 1) : tile(yy, ldy, xx, ldx, w, bb, K, m0, m1, R, 0))
+#define TILE(R) tile(yy, ldy, xx, ldx, w, bb, K, m0, m1, R, nx, tiles)
 #endif
 
 /* Rows [0, M) against every panel; the panels are split between the threads. */
@@ -107,6 +113,7 @@ static void row_block(float *y, int64_t ldy, const float *x, int64_t ldx, const 
       const int64_t rows = (M - m + (tiles - t) - 1) / (tiles - t);
       float *yy = y + m * ldy + p * NR;
       const float *xx = x + m * ldx;
+      const float *nx = (p + 1 < P ? w + K * NR : w) + t * K / tiles * NR; /* its share of the next panel */
       switch (rows) { /* a constant R per case, so the accumulators stay in registers */
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7)
         CASE(8) CASE(9) CASE(10) CASE(11) CASE(12) CASE(13)
