@@ -8,6 +8,7 @@ K/V bytes read per second, and the ratio, measured in the same run.
 
     python benchmarks/decode_attention.py
     python benchmarks/decode_attention.py --batch 8 --context 1000 2000
+    python benchmarks/decode_attention.py --context 450 700 --shared-prefix 384
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, nargs=2, default=[300, 600], metavar=("MIN", "MAX"))
     ap.add_argument("--cache-gib", type=float, default=2.0)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="tokens every context starts with, in blocks all decodes share (a prefix-cache hit)")
     add_shape_args(ap)
     args = ap.parse_args()
 
@@ -42,11 +45,13 @@ def main() -> None:
     num_blocks = int(args.cache_gib * 2**30 / (n_layers * 2 * bs * row_bytes))
     kv = torch.randn(n_layers, 2, num_blocks * bs, hkv, d)  # every page touched before timing
     lens = [random.randint(*args.context) for _ in range(args.batch)]
-    need = sum(-(-n // bs) for n in lens)
+    shared = min(args.shared_prefix, *lens) // bs
+    need = shared + sum(-(-n // bs) - shared for n in lens)
     if need > num_blocks:
         raise SystemExit(f"the cache holds {num_blocks} blocks; these contexts need {need}: raise --cache-gib")
     free = random.sample(range(num_blocks), num_blocks)
-    tables = [[free.pop() for _ in range(-(-n // bs))] for n in lens]
+    prefix = [free.pop() for _ in range(shared)]
+    tables = [prefix + [free.pop() for _ in range(-(-n // bs) - shared)] for n in lens]
     q = torch.randn(args.batch, hq, d)
     k, v = torch.randn(args.batch, hkv, d), torch.randn(args.batch, hkv, d)
     slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens, strict=True)])
@@ -71,8 +76,9 @@ def main() -> None:
                 t = time.perf_counter()
                 fn()
                 best[name] = min(best[name], time.perf_counter() - t)
-    read = sum(lens) * row_bytes * 2 * n_layers
-    print(f"{args.batch} decodes, contexts {args.context[0]}-{args.context[1]} (K/V {read / 2**20:.0f} MiB per step), "
+    read = sum(lens) * row_bytes * 2 * n_layers  # as if every decode read its own copy of the prefix
+    print(f"{args.batch} decodes, contexts {args.context[0]}-{args.context[1]}, {shared * bs} tokens shared "
+          f"(K/V {read / 2**20:.0f} MiB per step), "
           f"{num_blocks} blocks of {bs} over {args.cache_gib:g} GiB, {torch.get_num_threads()} threads")
     base = best["pure PyTorch (gather + SDPA)"]
     for name, secs in best.items():

@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--torch-profiler", type=int, default=0, metavar="N",
                     help="also print torch.profiler's op table over N steps of each kind")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="run with enable_prefix_caching=False")
     args = ap.parse_args()
 
     import torch
@@ -92,7 +93,8 @@ def main() -> None:
     from pagellm import LLMEngine, SamplingParams
     from pagellm.config import EngineArgs
 
-    engine = LLMEngine.from_engine_args(EngineArgs(model=args.model, dtype=args.dtype))
+    engine = LLMEngine.from_engine_args(EngineArgs(model=args.model, dtype=args.dtype,
+                                                           enable_prefix_caching=not args.no_prefix_caching))
     reqs = load_workload(args.workload, args.num_requests)
     for i, r in enumerate(reqs):
         engine.add_request(str(i), {"prompt_token_ids": r["prompt_token_ids"]},
