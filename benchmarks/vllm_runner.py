@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--mode", choices=("throughput", "latency"), default="throughput")
     ap.add_argument("--latency-requests", type=int, default=4)
+    ap.add_argument("--no-prefix-caching", action="store_true", help="enable_prefix_caching=False (on by default)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -35,7 +36,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     reqs = load_workload(args.workload, args.num_requests)
-    llm = LLM(model=args.model, dtype="bfloat16", seed=0)
+    llm = LLM(model=args.model, dtype="bfloat16", seed=0, enable_prefix_caching=not args.no_prefix_caching)
     result = {"engine": "vLLM CPU (bfloat16)", "startup": time.perf_counter() - T_START}
     if args.mode == "throughput":
         result.update(run_all(llm, SamplingParams, reqs))
