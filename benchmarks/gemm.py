@@ -7,6 +7,8 @@ kernel's, measured in the same run.
 
     python benchmarks/gemm.py
     python benchmarks/gemm.py --rows 1 8 64 2048
+    git show REV:pagellm/kernels/gemm.c > /tmp/gemm_old.c
+    python benchmarks/gemm.py --baseline-source /tmp/gemm_old.c   # an older kernel, interleaved too
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=576, help="default: SmolLM2-135M's shapes")
     ap.add_argument("--intermediate", type=int, default=1536)
     ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--baseline-source", default=None, metavar="FILE.c",
+                    help="also time this version of gemm.c (same packed layout), interleaved with the others")
     add_shape_args(ap)
     args = ap.parse_args()
 
     import torch
     import torch.nn.functional as F
 
+    from pagellm import kernels
     from pagellm.kernels import gemm
 
     torch.manual_seed(0)
@@ -41,7 +46,9 @@ def main() -> None:
     packed = [gemm.pack(w) for w in weights]
     print(f"{len(weights)} weights, {sum(w.numel() for w in weights) * 4 / 2**20:.0f} MiB, "
           f"{torch.get_num_threads()} threads")
-    print(f"{'rows':>6} {'F.linear ms':>12} {'GFLOP/s':>8} {'kernel ms':>10} {'GFLOP/s':>8} {'F.linear / kernel':>18}")
+    base_lib = kernels.build_source(args.baseline_source, gemm.SIGNATURES) if args.baseline_source else None
+    print(f"{'rows':>6} {'F.linear ms':>12} {'GFLOP/s':>8} {'kernel ms':>10} {'GFLOP/s':>8} {'F.linear / kernel':>18}"
+          + (f" {'baseline ms':>12} {'baseline / kernel':>18}" if base_lib else ""))
     for m in args.rows:
         xs = {k: torch.randn(m, k) for k in {w.shape[1] for w in weights}}
         flops = sum(2 * m * w.numel() for w in weights)
@@ -54,7 +61,15 @@ def main() -> None:
             for w, p in zip(weights, packed, strict=True):
                 gemm.linear(xs[w.shape[1]], p, w.shape[0])
 
-        best = {mkl: float("inf"), kernel: float("inf")}
+        ys = {w.shape[0]: torch.empty(m, w.shape[0]) for w in weights}
+
+        def baseline(xs: dict = xs, ys: dict = ys, m: int = m) -> None:
+            assert base_lib is not None
+            for w, p in zip(weights, packed, strict=True):
+                n, k = w.shape
+                base_lib.gemm_packed_f32(ys[n].data_ptr(), n, xs[k].data_ptr(), k, p.data_ptr(), None, m, n, k)
+
+        best = {mkl: float("inf"), kernel: float("inf")} | ({baseline: float("inf")} if base_lib else {})
         with torch.inference_mode():
             for _ in range(args.repeats):
                 for fn in best:
@@ -62,7 +77,10 @@ def main() -> None:
                     fn()
                     best[fn] = min(best[fn], time.perf_counter() - t)
         a, b = best[mkl], best[kernel]
-        print(f"{m:6d} {a * 1e3:12.2f} {flops / a / 1e9:8.1f} {b * 1e3:10.2f} {flops / b / 1e9:8.1f} {a / b:17.2f}x")
+        line = f"{m:6d} {a * 1e3:12.2f} {flops / a / 1e9:8.1f} {b * 1e3:10.2f} {flops / b / 1e9:8.1f} {a / b:17.2f}x"
+        if base_lib:
+            line += f" {best[baseline] * 1e3:12.2f} {best[baseline] / b:17.2f}x"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -40,11 +40,14 @@ def enabled() -> bool:
 Signatures = dict[str, tuple[Any, list[Any]]]
 
 
-def _build(name: str) -> ctypes.CDLL:
+def build_source(source: str, signatures: Signatures | None = None) -> ctypes.CDLL:
+    """Compile any C file with the kernels' flags (cached the same way) and load it. :func:`load`
+    builds the package's own kernels through this; benchmarks use it to time an older version of
+    a kernel (``git show REV:pagellm/kernels/gemm.c``) against the current one in one process."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler on PATH")
-    source = os.path.join(os.path.dirname(__file__), f"{name}.c")
+    name = os.path.splitext(os.path.basename(source))[0]
     with open(source, "rb") as f:
         src = f.read()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
@@ -63,7 +66,11 @@ def _build(name: str) -> ctypes.CDLL:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    return ctypes.CDLL(path)
+    lib = ctypes.CDLL(path)
+    for fn_name, (restype, argtypes) in (signatures or {}).items():
+        fn = getattr(lib, fn_name)  # a missing symbol is a failed build
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
 
 
 def load(name: str, signatures: Signatures) -> ctypes.CDLL | None:
@@ -76,10 +83,7 @@ def load(name: str, signatures: Signatures) -> ctypes.CDLL | None:
             lib = None
             if enabled():
                 try:
-                    lib = _build(name)
-                    for fn_name, (restype, argtypes) in signatures.items():
-                        fn = getattr(lib, fn_name)  # a missing symbol is a failed build
-                        fn.restype, fn.argtypes = restype, argtypes
+                    lib = build_source(os.path.join(os.path.dirname(__file__), f"{name}.c"), signatures)
                 except Exception as e:  # no compiler, read-only cache, odd platform: the pure path works
                     logger.warning("CPU kernel %s unavailable (%s); using the pure PyTorch path", name, e)
             _libs[name] = lib

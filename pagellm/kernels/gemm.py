@@ -16,7 +16,7 @@ import torch
 from pagellm import kernels
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-_SIGNATURES: kernels.Signatures = {
+SIGNATURES: kernels.Signatures = {
     "gemm_f32_supported": (ctypes.c_int, []),
     "packed_size_f32": (_I, [_I, _I]),
     "pack_weight_f32": (None, [_P, _P, _I, _I]),
@@ -25,7 +25,7 @@ _SIGNATURES: kernels.Signatures = {
 
 
 def _lib() -> ctypes.CDLL | None:
-    lib = kernels.load("gemm", _SIGNATURES)
+    lib = kernels.load("gemm", SIGNATURES)
     return lib if lib is not None and lib.gemm_f32_supported() else None
 
 
