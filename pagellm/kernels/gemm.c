@@ -8,7 +8,7 @@
  * once per call and then from L2 for every tile of rows. Each thread walks its panels in order and
  * prefetches the next one into L2 while it computes on this one, so the weight stream overlaps the
  * arithmetic instead of stalling the first tile of every panel (the previous scheme prefetched the
- * current panel 8 KiB ahead: 16-64 rows 1.1-1.3x slower than this, benchmarks/gemm.py).
+ * current panel 8 KiB ahead: 3-20 % slower at 16-128 rows, benchmarks/gemm.py --baseline-source).
  *
  * x:    [M, K] rows ldx apart (last dimension contiguous)
  * wp:   the packed weight (pack_weight_f32), N padded with zero columns to a multiple of 32
@@ -94,7 +94,8 @@ static inline __attribute__((always_inline)) void tile(float *y, int64_t ldy, co
 #define TILE(R) tile(yy, ldy, xx, ldx, w, bb, K, m0, m1, R, nx, tiles)
 #endif
 
-/* Rows [0, M) against every panel; the panels are split between the threads. */
+/* Rows [0, M) against every panel; the panels are split between the threads in contiguous ranges
+ * (static schedule), so the panel after p is the one this thread takes next. */
 static void row_block(float *y, int64_t ldy, const float *x, int64_t ldx, const float *wp, const float *bias,
                       int64_t M, int64_t N, int64_t K) {
 #ifdef __AVX512F__
