@@ -142,6 +142,28 @@ def test_scheduler_admits_with_cached_prefix_and_counts_stats():
     assert (stats.queries, stats.hits) == (22, 8)
 
 
+def test_request_waits_for_a_prefix_a_running_prefill_is_computing():
+    sched = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=100)
+    sched.add_request(make_group("a", 10, tokens=list(range(10))))
+    sched.add_request(make_group("b", 10, tokens=list(range(8)) + [50, 51]))  # a's first 2 blocks
+    sched.add_request(make_group("c", 10, tokens=[60 + i for i in range(10)]))  # behind b: FCFS
+    out, _ = fake_step(sched)
+    assert [s.request_id for s in out.scheduled] == ["a"]  # b's first block is a's, not cached yet
+    out, _ = fake_step(sched)
+    b = next(s for s in out.scheduled if s.request_id == "b")
+    assert b.num_computed_tokens == 8 and b.token_ids == [50, 51]  # now a hit: computed once
+    assert [s.request_id for s in out.scheduled] == ["a", "b", "c"]
+    sched.check_invariants()
+
+
+def test_caching_off_admits_identical_prompts_together():
+    sched = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=100, enable_caching=False)
+    sched.add_request(make_group("a", 10, tokens=list(range(10))))
+    sched.add_request(make_group("b", 10, tokens=list(range(10))))
+    out, _ = fake_step(sched)
+    assert [(s.request_id, s.num_scheduled_tokens) for s in out.scheduled] == [("a", 10), ("b", 10)]
+
+
 def test_preempted_request_resumes_from_its_own_cached_blocks():
     sched = make_scheduler(num_blocks=6, block_size=2, max_num_batched_tokens=100)
     sched.add_request(make_group("old", 4, max_tokens=6, tokens=[1, 2, 3, 4]))

@@ -22,7 +22,7 @@ def test_core_does_not_import_torch():
 def test_token_budget_and_chunking():
     sched = make_scheduler(max_num_batched_tokens=10, long_prefill_token_threshold=0)
     sched.add_request(make_group("a", 8))
-    sched.add_request(make_group("b", 8))
+    sched.add_request(make_group("b", 8, tokens=[8] * 8))  # no prefix in common with a
     out, _ = fake_step(sched)
     assert [(s.request_id, s.num_scheduled_tokens, s.do_sample) for s in out.scheduled] == [
         ("a", 8, True), ("b", 2, False)]
@@ -118,7 +118,7 @@ def test_max_model_len_caps_generation():
 def test_abort_frees_blocks_immediately():
     sched = make_scheduler(num_blocks=8, block_size=2)
     sched.add_request(make_group("a", 5))
-    sched.add_request(make_group("b", 5))
+    sched.add_request(make_group("b", 5, tokens=[8] * 5))  # no prefix in common with a
     fake_step(sched)
     done = sched.finish_requests("a", SequenceStatus.FINISHED_ABORTED)
     assert [g.seqs[0].status.finish_reason for g in done] == ["abort"]

@@ -12,6 +12,9 @@ Each step, in this order:
 3. Swapped requests, best first, are swapped back in while blocks (above the watermark) allow.
 4. Waiting requests, best first, are admitted with their prefix-cache hits counted as computed.
    Nobody is admitted while an older (or, under priority, better) request is still swapped out.
+   A request whose next uncached block is one a running prefill is about to compute waits until
+   it is cached (SGLang's in-batch prefix caching): requests that arrive together with a common
+   prefix compute it once instead of once each in the same step.
 
 Steps 3 and 4 are skipped in a step whose step 2 preempted anyone: that step had no room, and an
 admission must never push out older work at once.
@@ -253,6 +256,12 @@ class Scheduler:
             token_budget -= n
         return plan
 
+    def _pending_block_hashes(self) -> set[bytes]:
+        """Hashes of the full prompt blocks that running sequences have yet to compute (and cache)."""
+        bs = self.kv_cache_manager.block_size
+        return {h for group in self.running for seq in group.live_seqs()
+                for h in seq.block_hashes[seq.num_computed_tokens // bs:]}
+
     @staticmethod
     def _unplan(group: SequenceGroup) -> None:
         for seq in group.live_seqs():
@@ -335,6 +344,7 @@ class Scheduler:
 
         # 3. Waiting requests, best first, unless this step preempted or better work is swapped
         #    out. A cached prefix counts as computed: only the rest is scheduled.
+        pending = self._pending_block_hashes() if kv.enable_caching and self.waiting else set()
         while not preempted and self.waiting and token_budget > 0:
             group = self.waiting.peek()
             if self.swapped and not self._key(group) < self._key(self.swapped[0]):
@@ -347,6 +357,10 @@ class Scheduler:
                 self._ignore(group)  # could never be held, however empty the pool
                 continue
             adm = self._plan_admission(group, token_budget)
+            first, _, hits = adm[0]
+            if len(hits) < len(first.block_hashes) and first.block_hashes[len(hits)] in pending:
+                self._unplan(group)  # its next block is being computed: a hit in a step or two
+                break
             unchunked_ok = self.config.enable_chunked_prefill or all(
                 n == seq.num_tokens - seq.num_computed_tokens for seq, n, _ in adm)
             # The watermark only matters when someone is running: an empty engine admits anything that fits.
@@ -372,6 +386,8 @@ class Scheduler:
             self._dequeue_time(group)
             self.running.append(group)
             plan = [(seq, n) for seq, n, _ in adm]
+            if kv.enable_caching:
+                pending.update(first.block_hashes[first.num_computed_tokens // kv.block_size:])
             scheduled.append((group, plan))
             token_budget -= sum(n for _, n in plan)
 
