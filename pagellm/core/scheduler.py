@@ -256,10 +256,10 @@ class Scheduler:
             token_budget -= n
         return plan
 
-    def _pending_block_hashes(self) -> set[bytes]:
-        """Hashes of the full prompt blocks that running sequences have yet to compute (and cache)."""
+    def _pending_block_hashes(self, groups: Iterable[SequenceGroup]) -> set[bytes]:
+        """Hashes of the full blocks that these (running) groups have yet to compute and cache."""
         bs = self.kv_cache_manager.block_size
-        return {h for group in self.running for seq in group.live_seqs()
+        return {h for group in groups for seq in group.live_seqs()
                 for h in seq.block_hashes[seq.num_computed_tokens // bs:]}
 
     @staticmethod
@@ -344,7 +344,7 @@ class Scheduler:
 
         # 3. Waiting requests, best first, unless this step preempted or better work is swapped
         #    out. A cached prefix counts as computed: only the rest is scheduled.
-        pending = self._pending_block_hashes() if kv.enable_caching and self.waiting else set()
+        pending = self._pending_block_hashes(self.running) if kv.enable_caching and self.waiting else set()
         while not preempted and self.waiting and token_budget > 0:
             group = self.waiting.peek()
             if self.swapped and not self._key(group) < self._key(self.swapped[0]):
@@ -386,8 +386,7 @@ class Scheduler:
             self._dequeue_time(group)
             self.running.append(group)
             plan = [(seq, n) for seq, n, _ in adm]
-            if kv.enable_caching:
-                pending.update(first.block_hashes[first.num_computed_tokens // kv.block_size:])
+            pending |= self._pending_block_hashes([group])  # empty with caching off: nothing is hashed
             scheduled.append((group, plan))
             token_budget -= sum(n for _, n in plan)
 
