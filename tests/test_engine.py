@@ -212,3 +212,18 @@ def test_swap_preemption_is_reported_per_request(tiny_llama):
     assert done["b"].metrics.num_swaps == 1 and done["a"].metrics.num_swaps == 0
     assert eng.get_stats()["num_swap_outs"] == 1 and eng.get_stats()["num_swap_ins"] == 1
     assert all(len(o.outputs[0].token_ids) == 10 for o in done.values())
+
+
+def test_no_swap_space_preempts_by_recompute(tiny_llama):
+    # swap_space=0: no CPU blocks at all (an empty swap tensor), so even preemption_mode="swap"
+    # has to recompute; the same two requests as above still both finish.
+    eng = LLMEngine.from_engine_args(EngineArgs(model=tiny_llama, num_gpu_blocks_override=6, block_size=4,
+                                                swap_space=0, preemption_mode="swap", enable_prefix_caching=False))
+    assert eng.num_cpu_blocks == 0
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    eng.add_request("a", {"prompt_token_ids": [5] * 10}, params)
+    eng.add_request("b", {"prompt_token_ids": [6] * 10}, params)
+    done = run_to_completion(eng)
+    assert eng.get_stats()["num_swap_outs"] == 0
+    assert sum(o.metrics.num_preemptions for o in done.values()) >= 1
+    assert all(len(o.outputs[0].token_ids) == 10 for o in done.values())

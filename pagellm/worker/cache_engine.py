@@ -30,7 +30,7 @@ class KVCacheSpec:
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.zeros``, but on CPU from calloc'd memory: the OS zero-fills pages on first touch,
     so a multi-GiB cache costs nothing at start-up (``torch.zeros`` memsets it: seconds)."""
-    if device.type != "cpu":
+    if device.type != "cpu" or not math.prod(shape):  # (an empty numpy buffer cannot be viewed as float)
         return torch.zeros(shape, dtype=dtype, device=device)
     import numpy as np
 
