@@ -29,7 +29,8 @@ def _dense_reference(q, k_all, v_all, num_computed, scale):
 @pytest.mark.parametrize("block_size", [1, 3, 16])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (8, 2), (9, 3), (14, 2), (18, 1)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-# The compiled decode kernel against the same dense oracle; d = 64 takes its specialised branch.
+# The compiled decode kernel against the same dense oracle; d = 64 takes its specialised branch,
+# and with a float32 cache the prefill kernel takes every chunk (queries strided, as in the model).
 # A float16 cache (kv_cache_dtype="float16") under float32 queries, pure path and kernel; its K/V
 # values are drawn float16-representable so the float32 oracle stays exact.
 @pytest.mark.parametrize("decode_kernel,d,cache_dtype", [
@@ -77,9 +78,13 @@ def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, cache_d
         seqs.append((num_computed, n, blocks, k_all, v_all, torch.randn(n, hq, d)))
     decodes = [s for s in seqs if s[1] == 1 and s[0] > 0]
     chunks = [s for s in seqs if not (s[1] == 1 and s[0] > 0)]
+    prefill_kernel = decode_kernel and d == 64 and cache_dtype == torch.float32
+    if prefill_kernel:
+        assert torch_paged.prefill_kernel_usable(key_cache, torch.float32), "no prefill kernel (AVX-512?)"
     meta = build_metadata([c + 1 for c, *_ in decodes], [b for _, _, b, *_ in decodes],
                           [(c, n, b) for c, n, b, *_ in chunks], block_size, torch.device("cpu"),
-                          decode_kernel=decode_kernel)
+                          decode_kernel=decode_kernel, prefill_kernel=prefill_kernel)
+    assert any(g.prefill_chunks is not None for g in meta.groups) == prefill_kernel
     assert sorted(meta.decode_order) == list(range(len(decodes)))
     if not decode_kernel and sum(s[2][:1] == shared_blocks[:1] for s in decodes) > 1 and shared_len >= 4:
         assert any(g.shared_blocks is not None for g in meta.groups), "sharing decodes must form a cascade group"
@@ -87,6 +92,7 @@ def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, cache_d
     slots = [b[p // block_size] * block_size + p % block_size for c, n, b, *_ in order for p in range(c, c + n)]
     meta.slot_mapping = torch.tensor(slots)
     q = torch.cat([s[5] for s in order])
+    q = torch.cat([q.flatten(1), torch.randn(q.shape[0], 8)], dim=1)[:, :hq * d].view(q.shape)  # rows strided
     k = torch.cat([s[3][s[0]:] for s in order])
     v = torch.cat([s[4][s[0]:] for s in order])
     out = forward(q, k, v, key_cache, value_cache, meta, d ** -0.5)

@@ -1,4 +1,5 @@
-"""The compiled CPU kernel for paged decode attention (``pagellm/kernels/paged_decode.c``).
+"""The compiled CPU kernels for paged attention: decode (``pagellm/kernels/paged_decode.c``) and
+prefill (``paged_prefill.c``, below).
 
 The pure-PyTorch decode path gathers every block a decode reads into a dense buffer, then runs
 SDPA over it: the K/V bytes cross memory three times, and at 64 decodes that is more than half
@@ -67,3 +68,60 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: to
     decode = getattr(lib, _DECODE[key_cache.dtype])
     decode(out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
            seq_lens.data_ptr(), b, hq, hkv, d, block_size, block_tables.shape[1], scale)
+
+
+# ---- prefill (``pagellm/kernels/paged_prefill.c``) ------------------------------------------------
+# The pure path runs SDPA per chunk: a fresh chunk over its own K/V with the K/V heads repeated
+# for grouped-query attention, a chunk after cached tokens over a gather of its blocks with a
+# mask. The kernel reads the blocks in place for every chunk, one task per (chunk, KV head,
+# query tile), and shares each K/V row among the KV head's query heads: 2.1-2.4x SDPA's rate on
+# SmolLM2's shapes (docs/performance.md).
+_PREFILL_SIGNATURES: kernels.Signatures = {
+    "paged_prefill_f32": (None, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+                          + [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 3
+                          + [ctypes.c_int64] * 4 + [ctypes.c_float]),
+    "paged_prefill_supported": (ctypes.c_int, [ctypes.c_int64]),
+}
+
+
+def prefill_usable_for(key_cache: torch.Tensor) -> bool:
+    """Whether prefill chunks over this cache (``[num_slots, Hkv, D]``) can take the prefill kernel:
+    a float32 CPU cache with head size 64 on an AVX-512 machine."""
+    if key_cache.device.type != "cpu" or key_cache.dtype != torch.float32:
+        return False
+    lib = kernels.load("paged_prefill", _PREFILL_SIGNATURES)
+    return lib is not None and bool(lib.paged_prefill_supported(key_cache.shape[-1]))
+
+
+def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, block_tables: torch.Tensor, token_starts: torch.Tensor,
+                            num_computed: torch.Tensor, query_lens: torch.Tensor, block_size: int,
+                            scale: float) -> None:
+    """Causal attention of every prefill chunk of a step over its sequence's cached K/V.
+
+    Chunk ``c``'s tokens are rows ``token_starts[c] ..`` of ``query`` ``[T, Hq, D]`` (rows may be
+    strided, heads contiguous) and of ``out`` ``[T, Hq * D]``, at positions ``num_computed[c] ..``;
+    their own K/V must already be in the cache. ``block_tables`` ``[C, max_blocks]`` and the
+    per-chunk vectors are contiguous int64 CPU tensors.
+    """
+    lib = kernels.load("paged_prefill", _PREFILL_SIGNATURES)
+    assert lib is not None, "check prefill_usable_for() first"
+    t, hq, d = query.shape
+    hkv = key_cache.shape[1]
+    if query.dtype != torch.float32 or query.stride(2) != 1 or query.stride(1) != d:
+        raise ValueError("query must be float32 with contiguous heads")
+    if out.dtype != torch.float32 or out.shape != (t, hq * d) or out.stride(1) != 1:
+        raise ValueError("out must be float32 [T, Hq * D] with contiguous rows")
+    for x, name in ((key_cache, "key_cache"), (value_cache, "value_cache")):
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32")
+    if not prefill_usable_for(key_cache):
+        raise ValueError(f"no prefill kernel for head size {d} on this machine")
+    for x, name in ((block_tables, "block_tables"), (token_starts, "token_starts"), (num_computed, "num_computed"),
+                    (query_lens, "query_lens")):
+        if x.dtype != torch.int64 or not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous int64")
+    lib.paged_prefill_f32(out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0), key_cache.data_ptr(),
+                          value_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+                          token_starts.data_ptr(), num_computed.data_ptr(), query_lens.data_ptr(),
+                          len(token_starts), hq, hkv, block_size, scale)

@@ -38,6 +38,10 @@ class AttentionGroup:
     # Set for a decode group run by the compiled CPU kernel (``cpu_kernel``): each member's
     # context length. The kernel reads ``kv_blocks`` in place, so no gather and no mask.
     seq_lens: torch.Tensor | None = None
+    # Set for the group of every prefill chunk of a step run by the compiled prefill kernel:
+    # int64 ``[3, C]`` rows = each chunk's first flat token, num_computed_tokens, query length
+    # (``kv_blocks`` then holds the chunks' block tables; ``token_start/end`` span all chunks).
+    prefill_chunks: torch.Tensor | None = None
     # Gather buffers, allocated by the first layer and reused by the others: a fresh multi-MB
     # tensor per layer costs more in page faults on CPU than the copy itself.
     k_buf: torch.Tensor | None = None

@@ -6,7 +6,9 @@ gathers the blocks it reads and calls ``scaled_dot_product_attention``. Grouped-
 folds the query heads of one KV head into the query-length axis, so K/V are never repeated for
 decodes. Decodes that share prefix-cache blocks attend to the shared part once ("cascade"):
 one GEMM of all their queries against the shared K, merged with each one's own suffix in a
-single softmax.
+single softmax. On CPU, compiled kernels take the decodes (``cpu_kernel.paged_decode_attention``)
+and the prefill chunks (``cpu_kernel.paged_prefill_attention``) where they apply; this path stays
+their fallback and the tests' oracle.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ def build_metadata(
     block_size: int,
     device: torch.device,
     decode_kernel: bool = False,
+    prefill_kernel: bool = False,
 ) -> AttentionMetadata:
     """Build the per-step metadata; the caller lays decodes out in ``meta.decode_order`` and
     then sets ``meta.slot_mapping`` for the whole flat batch.
@@ -91,6 +94,8 @@ def build_metadata(
     ``chunks``: ``(num_computed_tokens, query_len, block_ids)`` per prefill chunk, in flat order.
     ``decode_kernel``: run all decodes as one group through the compiled CPU kernel (the caller
     checked ``cpu_kernel.usable_for``); it reads blocks in place, so no grouping pays off.
+    ``prefill_kernel``: run all chunks as one group through the compiled prefill kernel (the caller
+    checked :func:`prefill_kernel_usable`).
     """
     groups: list[AttentionGroup] = []
     order: list[int] = []
@@ -115,6 +120,16 @@ def build_metadata(
         groups.append(AttentionGroup(lo, len(order), len(members), 1, table.to(device), mask.to(device),
                                      shared_blocks=shared_blocks))
     start = len(order)
+    if prefill_kernel and chunks:
+        lens = [num_computed + q_len for num_computed, q_len, _ in chunks]
+        table = _padded_block_table(lens, [ids for _, _, ids in chunks], block_size)
+        starts = [start]
+        for _, q_len, _ in chunks[:-1]:
+            starts.append(starts[-1] + q_len)
+        info = torch.tensor([starts, [c[0] for c in chunks], [c[1] for c in chunks]], dtype=torch.long)
+        end = starts[-1] + chunks[-1][1]
+        groups.append(AttentionGroup(start, end, len(chunks), 0, table, None, prefill_chunks=info))
+        start, chunks = end, []
     for num_computed, q_len, block_ids in chunks:
         if num_computed == 0:
             groups.append(AttentionGroup(start, start + q_len, 1, q_len, None, None))
@@ -179,6 +194,12 @@ def _cascade_decode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k
     return (out_p * w_p + out_s * w_s) / (w_p + w_s)
 
 
+def prefill_kernel_usable(key_cache: torch.Tensor, query_dtype: torch.dtype) -> bool:
+    """Whether prefill chunks over this cache can run in the compiled CPU prefill kernel (built on
+    first call): float32 queries and cache, head size 64, AVX-512."""
+    return query_dtype == torch.float32 and cpu_kernel.prefill_usable_for(key_cache)
+
+
 def decode_kernel_usable(key_cache: torch.Tensor, query_dtype: torch.dtype) -> bool:
     """Whether decodes over this cache can run in the compiled CPU kernel (built on first call);
     its queries and outputs are float32."""
@@ -237,6 +258,12 @@ def forward(
             vh = _repeat_kv(vf.transpose(0, 1)[None], g, 1)
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
             out[grp.token_start:grp.token_end] = o[0].transpose(0, 1).reshape(grp.token_end - grp.token_start, hq * d)
+            continue
+        if grp.prefill_chunks is not None:
+            # Reads every chunk's K/V (just written above) in place; queries stay strided.
+            info = grp.prefill_chunks
+            cpu_kernel.paged_prefill_attention(out, query, key_cache, value_cache, grp.kv_blocks, info[0], info[1],
+                                               info[2], block_size, scale)
             continue
         b, ql = grp.batch_size, grp.query_len
         if grp.seq_lens is not None:

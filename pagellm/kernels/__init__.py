@@ -50,6 +50,10 @@ def build_source(source: str, signatures: Signatures | None = None) -> ctypes.CD
     name = os.path.splitext(os.path.basename(source))[0]
     with open(source, "rb") as f:
         src = f.read()
+    src_dir = os.path.dirname(os.path.abspath(source))
+    for header in sorted(h for h in os.listdir(src_dir) if h.endswith(".h")):  # what `#include "x.h"` can read
+        with open(os.path.join(src_dir, header), "rb") as f:
+            src += f.read()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(src + " ".join(_FLAGS).encode() + version.encode()).hexdigest()[:16]
     out_dir = cache_dir("kernels")

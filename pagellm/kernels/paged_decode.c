@@ -20,6 +20,7 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+#include "simd_common.h"
 
 /* One (sequence, KV head) task, head_dim D known at compile time when inlined with a constant. */
 static inline __attribute__((always_inline)) void task_impl(
@@ -77,22 +78,6 @@ static inline __attribute__((always_inline)) void task_impl(
 }
 
 #ifdef __AVX512F__
-/* exp(x) for 16 floats: Cephes' range reduction and degree-6 polynomial (~2 ulp), 2^n by scalef. */
-static inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 /* 16 cached values from element offset `off` of a float32 (f16 = 0) or float16 (f16 = 1) cache. */
 static inline __attribute__((always_inline)) __m512 load16(const void *base, int64_t off, const int f16) {
   return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off)))
@@ -197,14 +182,7 @@ static inline __attribute__((always_inline)) void task64_groups(
 
 #endif
 
-int paged_decode_f16_supported(int64_t D) {
-#ifdef __AVX512F__
-  return D == 64;
-#else
-  (void)D;
-  return 0;
-#endif
-}
+int paged_decode_f16_supported(int64_t D) { return avx512_head64(D); }
 
 /* Every (sequence, KV head) task of one call. f16: the caches hold float16, which only the AVX-512
  * path for head size 64 reads (callers check paged_decode_f16_supported); inlined into each entry

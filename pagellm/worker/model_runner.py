@@ -63,6 +63,7 @@ class ModelRunner:
             block_size=bs,
             device=self.device,
             decode_kernel=bool(decodes) and _paged.decode_kernel_usable(kv_caches[0][0], self.dtype),
+            prefill_kernel=bool(chunks) and _paged.prefill_kernel_usable(kv_caches[0][0], self.dtype),
         )
         input_ids: list[int] = []
         positions: list[int] = []

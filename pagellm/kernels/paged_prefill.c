@@ -1,0 +1,240 @@
+/* Paged prefill attention for CPU: every prefill chunk of a step, float32 cache, head size 64
+ * (AVX-512). Each query token attends causally to its sequence's cached K/V, read straight from
+ * the blocks (the chunk's own K/V were written there first), so a chunk that starts after cached
+ * tokens (prefix-cache hit, chunked prefill) needs no gather and no mask tensor.
+ *
+ * out:          [T, out_stride]       row t, head j at out + t * out_stride + j * 64
+ * q:            [T, q_stride]         the same layout (q is a strided view of the qkv output)
+ * key/value:    [num_slots, Hkv, 64]  slot = block_id * block_size + offset
+ * block_tables: [C, max_blocks]       int64, one row per chunk
+ * token_starts, num_computed, q_lens: [C] int64; chunk c's tokens are rows token_starts[c] ..,
+ *               at positions num_computed[c] .. num_computed[c] + q_lens[c] - 1
+ *
+ * A task is (chunk, KV head, a tile of query tokens). Its rows are the tile's tokens times the
+ * g = Hq / Hkv query heads of that KV head, so every K/V row loaded serves g heads. Rows are
+ * the vector lanes throughout: q is transposed once per task (Qt[d][row], pre-scaled), the
+ * scores are computed key-major (St[key][row]: a key's element broadcast against 32 rows of Qt),
+ * the softmax runs down the keys 16 rows at a time, and P V accumulates 4 rows x 64 dims in
+ * registers over 128-key slices of V that stay in L1. No K transpose is needed. Each output is
+ * the same in-order sum over d and then over keys whatever the tiling, so a token's result does
+ * not depend on how its prompt was chunked or batched.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#include "simd_common.h"
+
+int paged_prefill_supported(int64_t D) { return avx512_head64(D); }
+
+#ifdef __AVX512F__
+#define D 64
+#define KEYS 12     /* keys per score micro-tile (x 32 rows: 24 accumulators) */
+#define PV_KEYS 128 /* keys per P V slice: 32 KiB of V, reused from L1 by every 4-row block */
+#define ST_FLOATS (1 << 16) /* score buffer target per task (256 KiB, L2): sets the token tile */
+
+typedef struct {
+  int64_t c, t0, nt;
+} Task;
+
+typedef struct {
+  float *qt, *st, *o, *inv, *kb;
+  int64_t *pos, *koff;
+  int64_t cap_rows, cap_keys;
+} Scratch;
+
+static void scratch_reserve(Scratch *s, int64_t rows, int64_t keys) {
+  if (rows > s->cap_rows) {
+    free(s->qt), free(s->o), free(s->inv), free(s->pos);
+    s->cap_rows = rows;
+    s->qt = (float *)aligned_alloc(64, sizeof(float) * D * rows);
+    s->o = (float *)aligned_alloc(64, sizeof(float) * D * rows);
+    s->inv = (float *)malloc(sizeof(float) * rows);
+    s->pos = (int64_t *)malloc(sizeof(int64_t) * rows);
+    s->cap_keys = 0; /* st depends on rows too */
+  }
+  if (keys > s->cap_keys) {
+    free(s->st), free(s->koff), free(s->kb);
+    s->cap_keys = keys;
+    s->st = (float *)aligned_alloc(64, sizeof(float) * keys * s->cap_rows);
+    s->koff = (int64_t *)malloc(sizeof(int64_t) * keys);
+    s->kb = (float *)aligned_alloc(64, sizeof(float) * D * keys);
+  }
+}
+
+/* St[j][r0 .. r0 + 32) for keys j0 .. j0 + KEYS of kb (the task's keys, contiguous; rows past the
+ * last key are zero). */
+static inline void scores_tile(float *st, int64_t rp, const float *qt, int64_t r0, const float *kb, int64_t j0) {
+  const float *k = kb + j0 * D;
+  __m512 a[KEYS][2];
+  for (int jj = 0; jj < KEYS; ++jj) a[jj][0] = a[jj][1] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m512 qa = _mm512_load_ps(qt + d * rp + r0), qb = _mm512_load_ps(qt + d * rp + r0 + 16);
+    for (int jj = 0; jj < KEYS; ++jj) {
+      const __m512 kv = _mm512_set1_ps(k[jj * D + d]);
+      a[jj][0] = _mm512_fmadd_ps(qa, kv, a[jj][0]);
+      a[jj][1] = _mm512_fmadd_ps(qb, kv, a[jj][1]);
+    }
+  }
+  for (int jj = 0; jj < KEYS; ++jj) {
+    _mm512_store_ps(st + (j0 + jj) * rp + r0, a[jj][0]);
+    _mm512_store_ps(st + (j0 + jj) * rp + r0 + 16, a[jj][1]);
+  }
+}
+
+/* o[r0 .. r0 + 4) (+)= sum over keys j0 .. j1 of St[j][r] * V[j]. */
+static inline void pv_tile(float *o, const float *st, int64_t rp, int64_t r0, const float *vc,
+                           const int64_t *koff, int64_t j0, int64_t j1) {
+  __m512 a[4][4];
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < 4; ++c)
+      a[r][c] = j0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(o + (r0 + r) * D + c * 16);
+  for (int64_t j = j0; j < j1; ++j) {
+    const float *v = vc + koff[j];
+    const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                 v3 = _mm512_loadu_ps(v + 48);
+    const float *p = st + j * rp + r0;
+    for (int r = 0; r < 4; ++r) {
+      const __m512 pr = _mm512_set1_ps(p[r]);
+      a[r][0] = _mm512_fmadd_ps(pr, v0, a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(pr, v1, a[r][1]);
+      a[r][2] = _mm512_fmadd_ps(pr, v2, a[r][2]);
+      a[r][3] = _mm512_fmadd_ps(pr, v3, a[r][3]);
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_store_ps(o + (r0 + r) * D + c * 16, a[r][c]);
+}
+
+static inline int64_t max_pos(const int64_t *pos, int64_t r0, int64_t n) {
+  int64_t m = pos[r0];
+  for (int64_t r = r0 + 1; r < r0 + n; ++r) m = pos[r] > m ? pos[r] : m;
+  return m;
+}
+
+static void run_task(Scratch *s, const Task *tk, float *out, int64_t out_stride, const float *q,
+                     int64_t q_stride, const float *kc, const float *vc, const int64_t *bt,
+                     int64_t ts, int64_t nc, int64_t h, int64_t g, int64_t Hkv, int64_t bs, float scale) {
+  const int64_t R = tk->nt * g, rp = (R + 31) / 32 * 32;
+  const int64_t L = nc + tk->t0 + tk->nt; /* keys the last token attends to */
+  const int64_t lk = (L + KEYS - 1) / KEYS * KEYS;
+  scratch_reserve(s, rp, lk);
+  const int64_t row = Hkv * D;
+  for (int64_t j = 0; j < L; ++j) {
+    s->koff[j] = (bt[j / bs] * bs + j % bs) * row + h * D;
+    for (int c = 0; c < 4; ++c) _mm512_store_ps(s->kb + j * D + c * 16, _mm512_loadu_ps(kc + s->koff[j] + c * 16));
+  }
+  memset(s->kb + L * D, 0, sizeof(float) * D * (lk - L));
+  /* rows r = t * g + i: token t0 + t, query head h * g + i; padding rows repeat the last row's
+   * position (computed and discarded) and have zero queries. */
+  for (int64_t r = 0; r < rp; ++r) s->pos[r] = nc + tk->t0 + (r < R ? r / g : tk->nt - 1);
+  /* Qt[d][r] = q[row r][d] * scale, 16 rows per gather. */
+  const float *q0 = q + (ts + tk->t0) * q_stride + h * g * D;
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t r0 = 0; r0 < rp; r0 += 16) {
+    int32_t off[16];
+    __mmask16 live = 0;
+    for (int i = 0; i < 16; ++i) {
+      const int64_t r = r0 + i;
+      off[i] = r < R ? (int32_t)((r / g) * q_stride + (r % g) * D) : 0;
+      live |= (__mmask16)((r < R) << i);
+    }
+    const __m512i idx = _mm512_loadu_si512((const void *)off);
+    for (int d = 0; d < D; ++d) {
+      const __m512 v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, q0 + d, 4);
+      _mm512_store_ps(s->qt + d * rp + r0, _mm512_mul_ps(v, sc));
+    }
+  }
+  /* Scores: each 32-row group only up to the keys its last row sees. */
+  for (int64_t r0 = 0; r0 < rp; r0 += 32) {
+    const int64_t nk = max_pos(s->pos, r0, 32) + 1;
+    for (int64_t j0 = 0; j0 < nk; j0 += KEYS) scores_tile(s->st, rp, s->qt, r0, s->kb, j0);
+  }
+  /* Softmax down the keys, 16 rows per vector; masked (future) keys become exact zeros. */
+  for (int64_t r0 = 0; r0 < rp; r0 += 16) {
+    const __m512i pv = _mm512_loadu_si512((const void *)(s->pos + r0));
+    const __m512i pv2 = _mm512_loadu_si512((const void *)(s->pos + r0 + 8));
+    const int64_t nk = max_pos(s->pos, r0, 16) + 1;
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < nk; ++j) {
+      const __m512i jv = _mm512_set1_epi64(j);
+      const __mmask16 ok = (__mmask16)(_mm512_cmple_epi64_mask(jv, pv) | (_mm512_cmple_epi64_mask(jv, pv2) << 8));
+      m = _mm512_mask_max_ps(m, ok, m, _mm512_load_ps(s->st + j * rp + r0));
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nk; ++j) {
+      const __m512i jv = _mm512_set1_epi64(j);
+      const __mmask16 ok = (__mmask16)(_mm512_cmple_epi64_mask(jv, pv) | (_mm512_cmple_epi64_mask(jv, pv2) << 8));
+      const __m512 e = _mm512_maskz_mov_ps(ok, exp512(_mm512_sub_ps(_mm512_load_ps(s->st + j * rp + r0), m)));
+      _mm512_store_ps(s->st + j * rp + r0, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    _mm512_storeu_ps(s->inv + r0, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
+  }
+  /* P V over 128-key slices; a 4-row block stops at the keys its last row sees. */
+  const int64_t r4 = (R + 3) / 4 * 4;
+  for (int64_t j0 = 0; j0 < L; j0 += PV_KEYS) {
+    for (int64_t r0 = 0; r0 < r4; r0 += 4) {
+      const int64_t nk = max_pos(s->pos, r0, 4) + 1;
+      if (nk <= j0) continue;
+      pv_tile(s->o, s->st, rp, r0, vc, s->koff, j0, nk < j0 + PV_KEYS ? nk : j0 + PV_KEYS);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float *dst = out + (ts + tk->t0 + r / g) * out_stride + (h * g + r % g) * D;
+    const __m512 iv = _mm512_set1_ps(s->inv[r]);
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(dst + c * 16, _mm512_mul_ps(_mm512_load_ps(s->o + r * D + c * 16), iv));
+  }
+}
+#endif
+
+void paged_prefill_f32(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *kc,
+                       const float *vc, const int64_t *block_tables, int64_t max_blocks,
+                       const int64_t *token_starts, const int64_t *num_computed, const int64_t *q_lens,
+                       int64_t C, int64_t Hq, int64_t Hkv, int64_t block_size, float scale) {
+#ifdef __AVX512F__
+  const int64_t g = Hq / Hkv;
+  int64_t n = 0;
+  for (int64_t c = 0; c < C; ++c) {
+    const int64_t L = num_computed[c] + q_lens[c];
+    int64_t nt = ST_FLOATS / (g * L);
+    nt = nt < 1 ? 1 : nt > q_lens[c] ? q_lens[c] : nt;
+    n += Hkv * ((q_lens[c] + nt - 1) / nt);
+  }
+  Task *tasks = (Task *)malloc(sizeof(Task) * (n ? n : 1));
+  n = 0;
+  /* Longest tasks first (the later tiles of a chunk see the most keys) for dynamic scheduling. */
+  for (int64_t c = 0; c < C; ++c) {
+    const int64_t L = num_computed[c] + q_lens[c];
+    int64_t nt = ST_FLOATS / (g * L);
+    nt = nt < 1 ? 1 : nt > q_lens[c] ? q_lens[c] : nt;
+    for (int64_t t0 = (q_lens[c] - 1) / nt * nt; t0 >= 0; t0 -= nt)
+      for (int64_t h = 0; h < Hkv; ++h) {
+        tasks[n].c = c * Hkv + h; /* chunk and head packed */
+        tasks[n].t0 = t0;
+        tasks[n].nt = q_lens[c] - t0 < nt ? q_lens[c] - t0 : nt;
+        ++n;
+      }
+  }
+#pragma omp parallel
+  {
+    Scratch s = {0};
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t c = tasks[i].c / Hkv, h = tasks[i].c % Hkv;
+      run_task(&s, &tasks[i], out, out_stride, q, q_stride, kc, vc, block_tables + c * max_blocks,
+               token_starts[c], num_computed[c], h, g, Hkv, block_size, scale);
+    }
+    free(s.qt), free(s.st), free(s.o), free(s.inv), free(s.pos), free(s.koff), free(s.kb);
+  }
+  free(tasks);
+#else
+  (void)out, (void)out_stride, (void)q, (void)q_stride, (void)kc, (void)vc, (void)block_tables;
+  (void)max_blocks, (void)token_starts, (void)num_computed, (void)q_lens, (void)C, (void)Hq, (void)Hkv;
+  (void)block_size, (void)scale;
+#endif
+}
