@@ -1,0 +1,84 @@
+"""Prefill attention of one step: the compiled prefill kernel against the pure PyTorch path (SDPA).
+
+A step of prefill chunks, each ``(cached tokens, new tokens)``, with blocks scattered at random
+over the cache; one "step" runs the attention of every layer (``torch_paged.forward``, K/V write
+included), as the model does. The default step is W64's first: seven fresh prompts filling the
+2,048-token budget. ``--cached N`` starts every chunk after N cached tokens (prefix-cache hits,
+chunked prefill). Prints the best of ``--repeats`` for each path, the attention's useful GFLOP/s
+(causal: only the scores a token may see) and the ratio, measured in the same run.
+
+    python benchmarks/prefill_attention.py
+    python benchmarks/prefill_attention.py --chunks 12 --new 160 --cached 384   # prefix384 hits
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+from workload import add_shape_args
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chunks", type=int, default=7)
+    ap.add_argument("--new", type=int, default=292, help="new tokens per chunk")
+    ap.add_argument("--cached", type=int, default=0, help="cached tokens before each chunk")
+    ap.add_argument("--block-size", type=int, default=16)
+    add_shape_args(ap)
+    args = ap.parse_args()
+
+    import torch
+
+    from pagellm.attention import torch_paged
+
+    if not torch_paged.prefill_kernel_usable(torch.empty(1, args.heads[1], args.head_dim), torch.float32):
+        raise SystemExit("the prefill kernel cannot run here (no compiler, no AVX-512, head size != 64, "
+                         "or PAGELLM_CPU_KERNELS=0)")
+    random.seed(0)
+    torch.manual_seed(0)
+    hq, hkv = args.heads
+    d, bs, n_layers = args.head_dim, args.block_size, args.layers
+    per_seq = -(-(args.cached + args.new) // bs)
+    num_blocks = per_seq * args.chunks * 2
+    kv = torch.randn(n_layers, 2, num_blocks * bs, hkv, d)
+    free = random.sample(range(num_blocks), num_blocks)
+    chunks = [(args.cached, args.new, [free.pop() for _ in range(per_seq)]) for _ in range(args.chunks)]
+    t = args.chunks * args.new
+    qkv = torch.randn(t, (hq + 2 * hkv) * d)  # q, k, v as strided views of one projection, as in the model
+    q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=1))
+    slots = torch.tensor([ids[p // bs] * bs + p % bs for c, n, ids in chunks for p in range(c, c + n)])
+
+    def step_fn(kernel: bool):
+        meta = torch_paged.build_metadata([], [], chunks, bs, torch.device("cpu"), prefill_kernel=kernel)
+        meta.slot_mapping = slots
+
+        def step() -> None:
+            for layer in range(n_layers):
+                torch_paged.forward(q, k, v, kv[layer, 0], kv[layer, 1], meta, d ** -0.5)
+        return step
+
+    steps = {"pure PyTorch (SDPA)": step_fn(False), "prefill kernel": step_fn(True)}
+    best = dict.fromkeys(steps, float("inf"))
+    with torch.inference_mode():
+        for fn in steps.values():  # warm-up: kernel build, buffers
+            fn()
+        for _ in range(args.repeats):
+            for name, fn in steps.items():
+                t0 = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - t0)
+    # q.k and p.v: 2 x 2 x D flops per (query head, visible key) pair.
+    visible = args.chunks * sum(args.cached + i + 1 for i in range(args.new))
+    flops = 4 * d * hq * visible * n_layers
+    print(f"{args.chunks} chunks of {args.new} new tokens after {args.cached} cached, {hq}/{hkv} heads of {d}, "
+          f"{n_layers} layers, {torch.get_num_threads()} threads")
+    base = best["pure PyTorch (SDPA)"]
+    for name, secs in best.items():
+        print(f"  {name:22s} {secs * 1e3:8.1f} ms per {n_layers}-layer step  {flops / secs / 1e9:6.1f} GFLOP/s  "
+              f"{base / secs:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
