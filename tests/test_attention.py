@@ -102,3 +102,30 @@ def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, cache_d
         torch.testing.assert_close(out[start:start + n], ref, atol=1e-5, rtol=1e-5)
         start += n
     torch.testing.assert_close(key_cache[slots].float(), k)  # new K/V landed in their slots
+
+
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4), (32, 1)])
+def test_prefill_kernel_over_long_contexts(hq, hkv):
+    """Chunks after thousands of cached tokens and a long fresh prompt: the prefill kernel's tiling
+    changes with the context length (fewer query tokens per task), the result must not."""
+    require_cpu_kernel(lambda: torch_paged.prefill_kernel_usable(torch.empty(1, hkv, 64), torch.float32))
+    torch.manual_seed(0)
+    bs, d = 16, 64
+    shapes = [(3000, 40), (0, 1100), (1999, 1)]
+    num_blocks = sum(-(-(c + n) // bs) for c, n in shapes) + 8
+    key_cache, value_cache = torch.randn(num_blocks * bs, hkv, d), torch.randn(num_blocks * bs, hkv, d)
+    free = torch.randperm(num_blocks).tolist()
+    chunks, qs, ks, vs, refs = [], [], [], [], []
+    for c, n in shapes:
+        blocks = [free.pop() for _ in range(-(-(c + n) // bs))]
+        k_all, v_all = torch.randn(c + n, hkv, d), torch.randn(c + n, hkv, d)
+        past = [blocks[p // bs] * bs + p % bs for p in range(c)]
+        key_cache[past], value_cache[past] = k_all[:c], v_all[:c]
+        q = torch.randn(n, hq, d)
+        chunks.append((c, n, blocks))
+        qs.append(q), ks.append(k_all[c:]), vs.append(v_all[c:])
+        refs.append(_dense_reference(q, k_all, v_all, c, d ** -0.5))
+    meta = build_metadata([], [], chunks, bs, torch.device("cpu"), prefill_kernel=True)
+    meta.slot_mapping = torch.tensor([b[p // bs] * bs + p % bs for c, n, b in chunks for p in range(c, c + n)])
+    out = forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), key_cache, value_cache, meta, d ** -0.5)
+    torch.testing.assert_close(out, torch.cat(refs), atol=1e-5, rtol=1e-5)

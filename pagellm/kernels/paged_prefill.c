@@ -190,6 +190,16 @@ static void run_task(Scratch *s, const Task *tk, float *out, int64_t out_stride,
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(dst + c * 16, _mm512_mul_ps(_mm512_load_ps(s->o + r * D + c * 16), iv));
   }
 }
+/* Query tokens per task for a chunk seeing up to L keys: rows (tokens x g) a multiple of 32 that
+ * keeps the score buffer near ST_FLOATS, but never under 32 rows (long contexts would otherwise
+ * get tasks of a few rows padded to 32). */
+static int64_t tile_tokens(int64_t L, int64_t q_len, int64_t g) {
+  int64_t rows = ST_FLOATS / L / 32 * 32;
+  rows = rows < 32 ? 32 : rows;
+  int64_t nt = rows / g;
+  nt = nt < 1 ? 1 : nt;
+  return nt > q_len ? q_len : nt;
+}
 #endif
 
 void paged_prefill_f32(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *kc,
@@ -200,18 +210,14 @@ void paged_prefill_f32(float *out, int64_t out_stride, const float *q, int64_t q
   const int64_t g = Hq / Hkv;
   int64_t n = 0;
   for (int64_t c = 0; c < C; ++c) {
-    const int64_t L = num_computed[c] + q_lens[c];
-    int64_t nt = ST_FLOATS / (g * L);
-    nt = nt < 1 ? 1 : nt > q_lens[c] ? q_lens[c] : nt;
+    const int64_t nt = tile_tokens(num_computed[c] + q_lens[c], q_lens[c], g);
     n += Hkv * ((q_lens[c] + nt - 1) / nt);
   }
   Task *tasks = (Task *)malloc(sizeof(Task) * (n ? n : 1));
   n = 0;
   /* Longest tasks first (the later tiles of a chunk see the most keys) for dynamic scheduling. */
   for (int64_t c = 0; c < C; ++c) {
-    const int64_t L = num_computed[c] + q_lens[c];
-    int64_t nt = ST_FLOATS / (g * L);
-    nt = nt < 1 ? 1 : nt > q_lens[c] ? q_lens[c] : nt;
+    const int64_t nt = tile_tokens(num_computed[c] + q_lens[c], q_lens[c], g);
     for (int64_t t0 = (q_lens[c] - 1) / nt * nt; t0 >= 0; t0 -= nt)
       for (int64_t h = 0; h < Hkv; ++h) {
         tasks[n].c = c * Hkv + h; /* chunk and head packed */
