@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 
-from workload import add_shape_args
+from workload import add_shape_args, attention_step, interleaved_best, print_step_times
 
 
 def main() -> None:
@@ -60,30 +59,16 @@ def main() -> None:
         meta = torch_paged.build_metadata(lens, tables, [], bs, torch.device("cpu"), decode_kernel=kernel)
         meta.slot_mapping = slots
         qo, ko, vo = (x[meta.decode_order] for x in (q, k, v))
-
-        def step() -> None:
-            for layer in range(n_layers):
-                torch_paged.forward(qo, ko, vo, kv[layer, 0], kv[layer, 1], meta, d ** -0.5)
-        return step
+        return attention_step(qo, ko, vo, kv, meta, d ** -0.5)
 
     steps = {"pure PyTorch (gather + SDPA)": step_fn(False), "decode kernel": step_fn(True)}
-    best = dict.fromkeys(steps, float("inf"))
     with torch.inference_mode():
-        for fn in steps.values():
-            fn()
-        for _ in range(args.repeats):
-            for name, fn in steps.items():
-                t = time.perf_counter()
-                fn()
-                best[name] = min(best[name], time.perf_counter() - t)
+        best = interleaved_best(steps, args.repeats)
     read = sum(lens) * row_bytes * 2 * n_layers  # as if every decode read its own copy of the prefix
     print(f"{args.batch} decodes, contexts {args.context[0]}-{args.context[1]}, {shared * bs} tokens shared "
           f"(K/V {read / 2**20:.0f} MiB per step), "
           f"{num_blocks} blocks of {bs} over {args.cache_gib:g} GiB, {torch.get_num_threads()} threads")
-    base = best["pure PyTorch (gather + SDPA)"]
-    for name, secs in best.items():
-        print(f"  {name:30s} {secs * 1e3:8.1f} ms per {n_layers}-layer step  {read / secs / 1e9:6.1f} GB/s  "
-              f"{base / secs:5.2f}x")
+    print_step_times(best, "pure PyTorch (gather + SDPA)", n_layers, read, "GB/s")
 
 
 if __name__ == "__main__":

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 
-from workload import add_shape_args
+from workload import add_shape_args, attention_step, interleaved_best, print_step_times
 
 
 def main() -> None:
@@ -53,31 +52,17 @@ def main() -> None:
     def step_fn(kernel: bool):
         meta = torch_paged.build_metadata([], [], chunks, bs, torch.device("cpu"), prefill_kernel=kernel)
         meta.slot_mapping = slots
-
-        def step() -> None:
-            for layer in range(n_layers):
-                torch_paged.forward(q, k, v, kv[layer, 0], kv[layer, 1], meta, d ** -0.5)
-        return step
+        return attention_step(q, k, v, kv, meta, d ** -0.5)
 
     steps = {"pure PyTorch (SDPA)": step_fn(False), "prefill kernel": step_fn(True)}
-    best = dict.fromkeys(steps, float("inf"))
     with torch.inference_mode():
-        for fn in steps.values():  # warm-up: kernel build, buffers
-            fn()
-        for _ in range(args.repeats):
-            for name, fn in steps.items():
-                t0 = time.perf_counter()
-                fn()
-                best[name] = min(best[name], time.perf_counter() - t0)
+        best = interleaved_best(steps, args.repeats)
     # q.k and p.v: 2 x 2 x D flops per (query head, visible key) pair.
     visible = args.chunks * sum(args.cached + i + 1 for i in range(args.new))
     flops = 4 * d * hq * visible * n_layers
     print(f"{args.chunks} chunks of {args.new} new tokens after {args.cached} cached, {hq}/{hkv} heads of {d}, "
           f"{n_layers} layers, {torch.get_num_threads()} threads")
-    base = best["pure PyTorch (SDPA)"]
-    for name, secs in best.items():
-        print(f"  {name:22s} {secs * 1e3:8.1f} ms per {n_layers}-layer step  {flops / secs / 1e9:6.1f} GFLOP/s  "
-              f"{base / secs:5.2f}x")
+    print_step_times(best, "pure PyTorch (SDPA)", n_layers, flops, "GFLOP/s")
 
 
 if __name__ == "__main__":

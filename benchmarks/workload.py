@@ -32,6 +32,40 @@ def add_shape_args(ap: Any) -> None:
     ap.add_argument("--repeats", type=int, default=5, help="best of this many timed runs")
 
 
+def interleaved_best(steps: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Seconds of each step's fastest of ``repeats`` runs, after one warm-up run each; the steps
+    take turns, so a noisy stretch of the machine hits them all alike."""
+    for fn in steps.values():
+        fn()
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(repeats):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def attention_step(q: Any, k: Any, v: Any, kv: Any, meta: Any, scale: float) -> Callable[[], None]:
+    """The attention microbenchmarks' unit of work: ``torch_paged.forward`` (K/V write included)
+    over every layer of ``kv [layers, 2, slots, Hkv, D]``, with one step's metadata."""
+    from pagellm.attention import torch_paged
+
+    def step() -> None:
+        for layer in range(kv.shape[0]):
+            torch_paged.forward(q, k, v, kv[layer, 0], kv[layer, 1], meta, scale)
+    return step
+
+
+def print_step_times(best: dict[str, float], baseline: str, n_layers: int, work: float, unit: str) -> None:
+    """One line per step of :func:`interleaved_best`: its time per ``n_layers``-layer step, ``work``
+    (bytes or FLOPs) per second in billions of ``unit``, and its speed-up over ``baseline``."""
+    width = max(len(name) for name in best)
+    for name, secs in best.items():
+        print(f"  {name:{width}s} {secs * 1e3:8.1f} ms per {n_layers}-layer step  {work / secs / 1e9:6.1f} {unit}  "
+              f"{best[baseline] / secs:5.2f}x")
+
+
 def load_workload(path: str, n: int | None) -> list[dict]:
     """The first ``n`` requests (all if ``n`` is None) of a workload file."""
     if not os.path.exists(path):
