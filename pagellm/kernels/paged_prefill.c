@@ -38,7 +38,7 @@ int paged_prefill_supported(int64_t D) { return avx512_head64(D); }
 #define ST_FLOATS (1 << 16) /* score buffer target per task (256 KiB, L2): sets the token tile */
 
 typedef struct {
-  int64_t c, t0, nt;
+  int64_t c, h, t0, nt; /* chunk, KV head, first query token of the tile, tokens in it */
 } Task;
 
 typedef struct {
@@ -220,7 +220,8 @@ void paged_prefill_f32(float *out, int64_t out_stride, const float *q, int64_t q
     const int64_t nt = tile_tokens(num_computed[c] + q_lens[c], q_lens[c], g);
     for (int64_t t0 = (q_lens[c] - 1) / nt * nt; t0 >= 0; t0 -= nt)
       for (int64_t h = 0; h < Hkv; ++h) {
-        tasks[n].c = c * Hkv + h; /* chunk and head packed */
+        tasks[n].c = c;
+        tasks[n].h = h;
         tasks[n].t0 = t0;
         tasks[n].nt = q_lens[c] - t0 < nt ? q_lens[c] - t0 : nt;
         ++n;
@@ -231,9 +232,9 @@ void paged_prefill_f32(float *out, int64_t out_stride, const float *q, int64_t q
     Scratch s = {0};
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t c = tasks[i].c / Hkv, h = tasks[i].c % Hkv;
+      const int64_t c = tasks[i].c;
       run_task(&s, &tasks[i], out, out_stride, q, q_stride, kc, vc, block_tables + c * max_blocks,
-               token_starts[c], num_computed[c], h, g, Hkv, block_size, scale);
+               token_starts[c], num_computed[c], tasks[i].h, g, Hkv, block_size, scale);
     }
     free(s.qt), free(s.st), free(s.o), free(s.inv), free(s.pos), free(s.koff), free(s.kb);
   }
