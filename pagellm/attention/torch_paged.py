@@ -13,6 +13,8 @@ their fallback and the tests' oracle.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 import torch.nn.functional as F
 
@@ -123,13 +125,11 @@ def build_metadata(
     if prefill_kernel and chunks:
         lens = [num_computed + q_len for num_computed, q_len, _ in chunks]
         table = _padded_block_table(lens, [ids for _, _, ids in chunks], block_size)
-        starts = [start]
-        for _, q_len, _ in chunks[:-1]:
-            starts.append(starts[-1] + q_len)
-        info = torch.tensor([starts, [c[0] for c in chunks], [c[1] for c in chunks]], dtype=torch.long)
-        end = starts[-1] + chunks[-1][1]
-        groups.append(AttentionGroup(start, end, len(chunks), 0, table, None, prefill_chunks=info))
-        start, chunks = end, []
+        # Each chunk's first flat row, then the end of the last.
+        bounds = list(accumulate((q_len for _, q_len, _ in chunks), initial=start))
+        info = torch.tensor([bounds[:-1], [c[0] for c in chunks], [c[1] for c in chunks]], dtype=torch.long)
+        groups.append(AttentionGroup(start, bounds[-1], len(chunks), 0, table, None, prefill_chunks=info))
+        start, chunks = bounds[-1], []
     for num_computed, q_len, block_ids in chunks:
         if num_computed == 0:
             groups.append(AttentionGroup(start, start + q_len, 1, q_len, None, None))

@@ -110,10 +110,10 @@ static inline void pv_tile(float *o, const float *st, int64_t rp, int64_t r0, co
     for (int c = 0; c < 4; ++c) _mm512_store_ps(o + (r0 + r) * D + c * 16, a[r][c]);
 }
 
-static inline int64_t max_pos(const int64_t *pos, int64_t r0, int64_t n) {
-  int64_t m = pos[r0];
-  for (int64_t r = r0 + 1; r < r0 + n; ++r) m = pos[r] > m ? pos[r] : m;
-  return m;
+/* Which of the 16 rows whose positions are pv (rows 0-7) and pv2 (rows 8-15) may see key j. */
+static inline __mmask16 sees(int64_t j, __m512i pv, __m512i pv2) {
+  const __m512i jv = _mm512_set1_epi64(j);
+  return (__mmask16)(_mm512_cmple_epi64_mask(jv, pv) | (_mm512_cmple_epi64_mask(jv, pv2) << 8));
 }
 
 static void run_task(Scratch *s, const Task *tk, float *out, int64_t out_stride, const float *q,
@@ -130,7 +130,8 @@ static void run_task(Scratch *s, const Task *tk, float *out, int64_t out_stride,
   }
   memset(s->kb + L * D, 0, sizeof(float) * D * (lk - L));
   /* rows r = t * g + i: token t0 + t, query head h * g + i; padding rows repeat the last row's
-   * position (computed and discarded) and have zero queries. */
+   * position (computed and discarded) and have zero queries. Positions never decrease with r, so
+   * the last row of a group sees the most keys. */
   for (int64_t r = 0; r < rp; ++r) s->pos[r] = nc + tk->t0 + (r < R ? r / g : tk->nt - 1);
   /* Qt[d][r] = q[row r][d] * scale, 16 rows per gather. */
   const float *q0 = q + (ts + tk->t0) * q_stride + h * g * D;
@@ -151,25 +152,19 @@ static void run_task(Scratch *s, const Task *tk, float *out, int64_t out_stride,
   }
   /* Scores: each 32-row group only up to the keys its last row sees. */
   for (int64_t r0 = 0; r0 < rp; r0 += 32) {
-    const int64_t nk = max_pos(s->pos, r0, 32) + 1;
+    const int64_t nk = s->pos[r0 + 31] + 1;
     for (int64_t j0 = 0; j0 < nk; j0 += KEYS) scores_tile(s->st, rp, s->qt, r0, s->kb, j0);
   }
   /* Softmax down the keys, 16 rows per vector; masked (future) keys become exact zeros. */
   for (int64_t r0 = 0; r0 < rp; r0 += 16) {
     const __m512i pv = _mm512_loadu_si512((const void *)(s->pos + r0));
     const __m512i pv2 = _mm512_loadu_si512((const void *)(s->pos + r0 + 8));
-    const int64_t nk = max_pos(s->pos, r0, 16) + 1;
+    const int64_t nk = s->pos[r0 + 15] + 1;
     __m512 m = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < nk; ++j) {
-      const __m512i jv = _mm512_set1_epi64(j);
-      const __mmask16 ok = (__mmask16)(_mm512_cmple_epi64_mask(jv, pv) | (_mm512_cmple_epi64_mask(jv, pv2) << 8));
-      m = _mm512_mask_max_ps(m, ok, m, _mm512_load_ps(s->st + j * rp + r0));
-    }
+    for (int64_t j = 0; j < nk; ++j) m = _mm512_mask_max_ps(m, sees(j, pv, pv2), m, _mm512_load_ps(s->st + j * rp + r0));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < nk; ++j) {
-      const __m512i jv = _mm512_set1_epi64(j);
-      const __mmask16 ok = (__mmask16)(_mm512_cmple_epi64_mask(jv, pv) | (_mm512_cmple_epi64_mask(jv, pv2) << 8));
-      const __m512 e = _mm512_maskz_mov_ps(ok, exp512(_mm512_sub_ps(_mm512_load_ps(s->st + j * rp + r0), m)));
+      const __m512 e = _mm512_maskz_mov_ps(sees(j, pv, pv2), exp512(_mm512_sub_ps(_mm512_load_ps(s->st + j * rp + r0), m)));
       _mm512_store_ps(s->st + j * rp + r0, e);
       sum = _mm512_add_ps(sum, e);
     }
@@ -179,7 +174,7 @@ static void run_task(Scratch *s, const Task *tk, float *out, int64_t out_stride,
   const int64_t r4 = (R + 3) / 4 * 4;
   for (int64_t j0 = 0; j0 < L; j0 += PV_KEYS) {
     for (int64_t r0 = 0; r0 < r4; r0 += 4) {
-      const int64_t nk = max_pos(s->pos, r0, 4) + 1;
+      const int64_t nk = s->pos[r0 + 3] + 1;
       if (nk <= j0) continue;
       pv_tile(s->o, s->st, rp, r0, vc, s->koff, j0, nk < j0 + PV_KEYS ? nk : j0 + PV_KEYS);
     }
