@@ -45,6 +45,26 @@ def gemm_peak(shapes: dict[str, tuple[int, int]], m: int, dtype, packed: bool = 
     return flops / best / 1e9
 
 
+def model_shapes(model) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
+    """The model's weight shapes ``{name: (out, in)}`` (fused qkv, o, gate_up, down, lm_head) and
+    the sizes the FLOP and byte counts need."""
+    cfg = model.config
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    shapes = {name: (layer.out_features, layer.in_features) for name, layer in
+              (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj))}
+    shapes["lm_head"] = (cfg.vocab_size, cfg.hidden_size)
+    dims = {
+        "layers": cfg.num_hidden_layers,
+        "layer_weights": sum(a * b for k, (a, b) in shapes.items() if k != "lm_head"),
+        "lm_head": cfg.vocab_size * cfg.hidden_size,
+        "q_heads": attn.num_heads,
+        "head_dim": attn.head_dim,
+        # K and V of every layer, float32
+        "kv_bytes_per_token": 2 * attn.num_kv_heads * attn.head_dim * 4 * cfg.num_hidden_layers,
+    }
+    return shapes, dims
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap, num_requests=32)
@@ -60,10 +80,7 @@ def main() -> None:
     engine = LLMEngine.from_engine_args(EngineArgs(model=args.model, dtype=args.dtype))
     model = engine.executor.worker.model
     cfg = model.config
-    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    shapes = {name: (layer.out_features, layer.in_features) for name, layer in
-              (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj))}
-    shapes["lm_head"] = (cfg.vocab_size, cfg.hidden_size)
+    shapes, dims = model_shapes(model)
     print("GEMM peak at the model's shapes (GFLOP/s, one pass over qkv, o, gate_up, down, lm_head):")
     peaks: dict = {}
     kernel = gemm.usable(torch.zeros(1, 1))
@@ -76,8 +93,8 @@ def main() -> None:
             name = f"{str(dtype).removeprefix('torch.')}{' packed' if packed else ''}"
             print(f"  {name:16s} M={m:5d}: {rate:7.1f}")
 
-    layer_weights = sum(a * b for k, (a, b) in shapes.items() if k != "lm_head")
-    n_layers, hd, nh = cfg.num_hidden_layers, attn.head_dim, attn.num_heads
+    layer_weights = dims["layer_weights"]
+    n_layers, hd, nh = dims["layers"], dims["head_dim"], dims["q_heads"]
     stats = {"prefill-heavy": [0.0, 0.0, 0], "decode-heavy": [0.0, 0.0, 0]}  # seconds, flops, steps
     # Timed at the worker: the engine starts steps with ``submit_model``, and the in-process
     # executor calls the worker's ``execute_model`` for each.
