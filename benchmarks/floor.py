@@ -4,9 +4,10 @@ Measured in the same run: this machine's GEMM peak at the model's shapes (the be
 and pagellm's packed kernel, ``roofline.gemm_peak``, at 64 and at 2048 rows) and its streaming
 read bandwidth with every thread. Counted from the workload:
 
-- layer GEMM FLOPs of every prompt token computed and every decode token, and the LM head's
-  FLOPs for every sampled token, all at the GEMM peak (though most decode steps run far fewer
-  rows than the peak needs);
+- layer GEMM FLOPs of every prompt token computed, at the GEMM peak;
+- decode steps: as many as the longest request's output, every request decoding from the first
+  step on; a step takes its GEMM FLOPs (layers and LM head) at the peak or its float32 weights'
+  bytes at the measured bandwidth, whichever is longer (a small batch still streams every weight);
 - prefill attention FLOPs (query x key pairs, at the GEMM peak);
 - decode K/V bytes: each decode step reads its sequence's whole context once, at the measured
   bandwidth. With prefix caching, the tokens a request finds cached are free (shared blocks stay
@@ -67,18 +68,23 @@ def ideal_hits(prompts: list[list[int]]) -> list[int]:
 
 def floor_seconds(reqs: list[dict], hits: list[int], dims: dict, peak: float, bandwidth: float) -> dict[str, float]:
     """Seconds of each part of the floor (see the module docstring)."""
-    prefill = decode = pairs = kv_tokens = 0
+    prefill = pairs = kv_tokens = 0
     for r, c in zip(reqs, hits, strict=True):
         p, m = len(r["prompt_token_ids"]), r["max_tokens"]
         prefill += p - c
-        decode += m - 1
         pairs += sum(range(c + 1, p + 1))  # each computed prompt token attends to itself and all before it
         kv_tokens += sum(p + t - c for t in range(1, m))  # the context each decode step reads, minus cached prefix
     layer = 2 * dims["layer_weights"] * dims["layers"]
+    head = 2 * dims["lm_head"]
+    weight_bytes = 4 * (dims["layer_weights"] * dims["layers"] + dims["lm_head"])
+    lens = [r["max_tokens"] for r in reqs]
+    decode = 0.0
+    for t in range(max(lens)):  # step t samples token t of every request still running
+        rows = sum(m > t for m in lens)
+        decode += max((rows * (layer if t else 0) + rows * head) / peak, weight_bytes / bandwidth)
     return {
         "prefill GEMMs": prefill * layer / peak,
-        "decode GEMMs": decode * layer / peak,
-        "LM head": sum(r["max_tokens"] for r in reqs) * 2 * dims["lm_head"] / peak,
+        "decode GEMMs": decode,
         "prefill attention": 4 * dims["q_heads"] * dims["head_dim"] * dims["layers"] * pairs / peak,
         "decode K/V reads": kv_tokens * dims["kv_bytes_per_token"] / bandwidth,
     }
