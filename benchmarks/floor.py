@@ -15,9 +15,9 @@ read bandwidth with every thread. Counted from the workload:
   any earlier request already holds.
 
 Nothing else costs anything (norms, rotary, SiLU, sampling, scheduling, first-touch page faults),
-and every part is assumed to reach its peak at once, so a real run cannot beat the floor; the
-ratio of a measured wall to it is how much is left. With ``--run`` the workload also runs through
-pagellm (prefix caching on, the default) in the same process.
+and every part is assumed to reach its peak at once, so a run at this machine's measured rates
+cannot beat the floor; the ratio of a measured wall to it is how much is left. With ``--run``
+the workload also runs through pagellm (prefix caching on, the default) in the same process.
 
     python benchmarks/floor.py                      # W64
     python benchmarks/floor.py --run
