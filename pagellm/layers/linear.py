@@ -5,8 +5,11 @@ batch sizes that is a large share of the work. :meth:`Linear.pack_for_cpu` packs
 (``kernels/gemm.py``); batches of up to ``KERNEL_MAX_ROWS`` rows then take the kernel (1.2-2.5x
 MKL on this machine), larger ones (prefill) stay on MKL, which is ~15 % faster there in whole
 runs. The price is the packed copy: one more float32 copy of the projections (0.42 GB for
-SmolLM2-135M). Without the kernel (no AVX-512 or compiler, ``PAGELLM_CPU_KERNELS=0``, a GPU,
-bfloat16) nothing is packed and ``F.linear`` runs as before.
+SmolLM2-135M). A weight whose values are exactly 4-bit blocks (a GGUF Q4_1 model, dequantized:
+every projection of the bundled SmolLM2) is also packed in 4 bits (``gemm.pack_q4``, checked
+value by value): batches of up to ``Q4_MAX_ROWS`` rows read that copy, with results identical
+bit for bit, as the weight stream is what such small batches wait for. Without the kernel (no
+AVX-512 or compiler, ``PAGELLM_CPU_KERNELS=0``, a GPU, bfloat16) nothing is packed and ``F.linear`` runs as before.
 """
 
 from __future__ import annotations
@@ -20,16 +23,21 @@ from pagellm.kernels import gemm
 # Measured with benchmarks/gemm.py (crossover 128-512 rows) and, in whole runs, with
 # benchmarks/time_breakdown.py under PAGELLM_CPU_GEMM=0 (prefill GEMMs 9.8 s on MKL vs 11.2 s).
 KERNEL_MAX_ROWS = 128
+# benchmarks/gemm.py --q4 (all projections of SmolLM2's 30 layers): the 4-bit copy is 2.8x the
+# float32 kernel at 1 row, 1.9x at 8, 1.1-1.2x at 16, 0.98x at 20.
+Q4_MAX_ROWS = 16
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` with an optional packed weight (inference only)."""
 
     packed: torch.Tensor | None
+    packed_q4: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.register_buffer("packed", None, persistent=False)
+        self.register_buffer("packed_q4", None, persistent=False)
 
     def pack_for_cpu(self) -> bool:
         """Pack the loaded weight for the GEMM kernel if it can run here; ``True`` if packed."""
@@ -38,10 +46,14 @@ class Linear(nn.Linear):
         if not gemm.usable(self.weight):
             return False
         self.packed = gemm.pack(self.weight)
+        self.packed_q4 = gemm.pack_q4(self.weight)
         return True
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x W^T (+ bias)``: small batches through the kernel once packed, the rest through MKL."""
+        """``x W^T (+ bias)``: small batches through the kernel once packed (the smallest over the
+        4-bit copy if there is one), the rest through MKL."""
+        if self.packed_q4 is not None and x.numel() <= Q4_MAX_ROWS * self.in_features:
+            return gemm.linear(x, self.packed_q4, self.out_features, bias, bits=4)
         if self.packed is not None and x.numel() <= KERNEL_MAX_ROWS * self.in_features:
             return gemm.linear(x, self.packed, self.out_features, bias)
         return F.linear(x, self.weight, bias)
