@@ -9,7 +9,7 @@ kernel's, measured in the same run.
     python benchmarks/gemm.py --rows 1 8 64 2048
     git show REV:pagellm/kernels/gemm.c > /tmp/gemm_old.c
     python benchmarks/gemm.py --baseline-source /tmp/gemm_old.c   # an older kernel, interleaved too
-    python benchmarks/gemm.py --q4 --rows 1 8 16 20   # Q4_1 weights: their 4-bit copy too
+    python benchmarks/gemm.py --quantized --rows 1 8 16 20   # GGUF weights: their quantized copies too
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ import time
 from workload import add_shape_args
 
 
-def _q4_1(w):
-    """``w`` as a Q4_1 GGUF file holds it: quantized and dequantized by the gguf package."""
+def _gguf_roundtrip(w, bits: int):
+    """``w`` as a GGUF file holds it in Q4_1 (``bits`` 4) or Q8_0 (8): quantized and dequantized by
+    the gguf package."""
     import gguf
     import torch
 
-    t = gguf.GGMLQuantizationType.Q4_1
+    t = gguf.GGMLQuantizationType.Q4_1 if bits == 4 else gguf.GGMLQuantizationType.Q8_0
     return torch.from_numpy(gguf.dequantize(gguf.quantize(w.numpy() * 0.05, t), t).reshape(w.shape).copy())
 
 
@@ -37,9 +38,10 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--baseline-source", default=None, metavar="FILE.c",
                     help="also time this version of gemm.c (same packed layout), interleaved with the others")
-    ap.add_argument("--q4", action="store_true",
-                    help="layer weights as a Q4_1 GGUF holds them (quantized and dequantized by the gguf package), "
-                         "and also time their 4-bit copy (gemm.pack_q4; the LM head stays float32 in both)")
+    ap.add_argument("--quantized", action="store_true",
+                    help="weights as the bundled GGUF holds them (the layers' in Q4_1, the LM head in Q8_0, quantized "
+                         "and dequantized by the gguf package), and also time their quantized copies "
+                         "(gemm.pack_quantized)")
     add_shape_args(ap)
     args = ap.parse_args()
 
@@ -56,16 +58,17 @@ def main() -> None:
     weights = [torch.randn(n, k) for _ in range(args.layers) for n, k in shapes] + [torch.randn(args.vocab, h)]
     if not gemm.usable(weights[0]):
         raise SystemExit("the GEMM kernel cannot run here (no AVX-512 or compiler, or PAGELLM_CPU_GEMM=0)")
-    if args.q4:
-        weights[:-1] = [_q4_1(w) for w in weights[:-1]]
+    bits = [4] * (len(weights) - 1) + [8]
+    if args.quantized:
+        weights = [_gguf_roundtrip(w, b) for w, b in zip(weights, bits, strict=True)]
     packed = [gemm.pack(w) for w in weights]
-    packed4 = [gemm.pack_q4(w) for w in weights[:-1]] if args.q4 else []
+    packed_q = [gemm.pack_quantized(w, b) for w, b in zip(weights, bits, strict=True)] if args.quantized else []
     print(f"{len(weights)} weights, {sum(w.numel() for w in weights) * 4 / 2**20:.0f} MiB, "
           f"{torch.get_num_threads()} threads")
     base_lib = kernels.build_source(args.baseline_source, gemm.SIGNATURES) if args.baseline_source else None
     print(f"{'rows':>6} {'F.linear ms':>12} {'GFLOP/s':>8} {'kernel ms':>10} {'GFLOP/s':>8} {'F.linear / kernel':>18}"
           + (f" {'baseline ms':>12} {'baseline / kernel':>18}" if base_lib else "")
-          + (f" {'4-bit ms':>9} {'kernel / 4-bit':>15}" if args.q4 else ""))
+          + (f" {'quantized ms':>13} {'kernel / quantized':>19}" if args.quantized else ""))
     for m in args.rows:
         xs = {k: torch.randn(m, k) for k in {w.shape[1] for w in weights}}
         flops = sum(2 * m * w.numel() for w in weights)
@@ -86,13 +89,12 @@ def main() -> None:
                 n, k = w.shape
                 base_lib.gemm_packed_f32(ys[n].data_ptr(), n, xs[k].data_ptr(), k, p.data_ptr(), None, m, n, k)
 
-        def four_bit(xs: dict = xs) -> None:
-            for w, p in zip(weights[:-1], packed4, strict=True):
-                gemm.linear(xs[w.shape[1]], p, w.shape[0], bits=4)
-            gemm.linear(xs[weights[-1].shape[1]], packed[-1], weights[-1].shape[0])
+        def quantized(xs: dict = xs) -> None:
+            for w, p, b in zip(weights, packed_q, bits, strict=True):
+                gemm.linear(xs[w.shape[1]], p, w.shape[0], bits=b)
 
         best = ({mkl: float("inf"), kernel: float("inf")} | ({baseline: float("inf")} if base_lib else {})
-                | ({four_bit: float("inf")} if args.q4 else {}))
+                | ({quantized: float("inf")} if args.quantized else {}))
         with torch.inference_mode():
             for _ in range(args.repeats):
                 for fn in best:
@@ -103,8 +105,8 @@ def main() -> None:
         line = f"{m:6d} {a * 1e3:12.2f} {flops / a / 1e9:8.1f} {b * 1e3:10.2f} {flops / b / 1e9:8.1f} {a / b:17.2f}x"
         if base_lib:
             line += f" {best[baseline] * 1e3:12.2f} {best[baseline] / b:17.2f}x"
-        if args.q4:
-            line += f" {best[four_bit] * 1e3:9.2f} {b / best[four_bit]:14.2f}x"
+        if args.quantized:
+            line += f" {best[quantized] * 1e3:13.2f} {b / best[quantized]:18.2f}x"
         print(line)
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from pagellm.distributed import TensorParallelGroup
 from pagellm.kernels import gemm
-from pagellm.layers.linear import KERNEL_MAX_ROWS, Q4_MAX_ROWS, Linear
+from pagellm.layers.linear import KERNEL_MAX_ROWS, QUANTIZED_MAX_ROWS, Linear
 from pagellm.layers.parallel import RowParallelLinear
 
 from conftest import require_cpu_kernel
@@ -100,55 +100,66 @@ def test_linear_layer_takes_the_kernel_for_small_batches_only() -> None:
         assert torch.equal(layer(large), F.linear(large, layer.weight, layer.bias))
 
 
-def _gguf_q4_1(n: int, k: int, seed: int) -> torch.Tensor:
-    """A [n, k] weight as a GGUF Q4_1 model holds it: quantized and dequantized by the gguf package."""
+_GGUF_TYPES = {4: gguf.GGMLQuantizationType.Q4_1, 8: gguf.GGMLQuantizationType.Q8_0}
+
+
+def _gguf_weight(n: int, k: int, seed: int, bits: int) -> torch.Tensor:
+    """A [n, k] weight as a GGUF Q4_1 (``bits`` 4) or Q8_0 (8) model holds it: quantized and
+    dequantized by the gguf package."""
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
-    t = gguf.GGMLQuantizationType.Q4_1
+    t = _GGUF_TYPES[bits]
     return torch.from_numpy(gguf.dequantize(gguf.quantize(w, t), t).reshape(n, k).astype(np.float32))
 
 
 # N past one panel and not a multiple of 32; K of one block and model-sized; M across tile sizes.
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(("n", "k"), [(33, 32), (960, 576), (70, 1536)])
-def test_q4_copy_gives_the_float32_kernels_results_bit_for_bit(n: int, k: int) -> None:
-    w = _gguf_q4_1(n, k, n + k)
-    p32, p4 = gemm.pack(w), gemm.pack_q4(w)
-    assert p4 is not None, "a dequantized Q4_1 weight must pack in 4 bits"
-    assert p4.numel() * 4 < p32.numel()  # 0.75 bytes per weight against 4
+def test_quantized_copy_gives_the_float32_kernels_results_bit_for_bit(n: int, k: int, bits: int) -> None:
+    w = _gguf_weight(n, k, n + k, bits)
+    p32, pq = gemm.pack(w), gemm.pack_quantized(w, bits)
+    assert pq is not None, f"a dequantized {_GGUF_TYPES[bits].name} weight must pack in {bits} bits"
+    assert pq.numel() * 3 < p32.numel()  # 0.75 or 1.125 bytes per weight against 4
     g = torch.Generator().manual_seed(n * k)
     b = torch.randn(n, generator=g)
     for m in (1, 2, 7, 14, 15, 16, 29):
         x = torch.randn(m, k, generator=g)
-        assert torch.equal(gemm.linear(x, p4, n, bits=4), gemm.linear(x, p32, n))
-        assert torch.equal(gemm.linear(x, p4, n, b, bits=4), gemm.linear(x, p32, n, b))
+        assert torch.equal(gemm.linear(x, pq, n, bits=bits), gemm.linear(x, p32, n))
+        assert torch.equal(gemm.linear(x, pq, n, b, bits=bits), gemm.linear(x, p32, n, b))
     xs = torch.randn(5, 2 * k, generator=g)[:, :k]  # strided rows
-    assert torch.equal(gemm.linear(xs, p4, n, bits=4), gemm.linear(xs, p32, n))
-    _close(gemm.linear(xs, p4, n, bits=4), F.linear(xs, w), k)
+    assert torch.equal(gemm.linear(xs, pq, n, bits=bits), gemm.linear(xs, p32, n))
+    _close(gemm.linear(xs, pq, n, bits=bits), F.linear(xs, w), k)
 
 
-def test_q4_copy_refused_unless_every_value_is_exact() -> None:
-    w = _gguf_q4_1(40, 64, 1)
-    assert gemm.pack_q4(w) is not None
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_copy_refused_unless_every_value_is_exact(bits: int) -> None:
+    w = _gguf_weight(40, 64, 1, bits)
+    assert gemm.pack_quantized(w, bits) is not None
     nudged = w.clone()
     nudged[37, 50] = torch.nextafter(nudged[37, 50], torch.tensor(1.0))  # one value one ulp off
-    assert gemm.pack_q4(nudged) is None
-    assert gemm.pack_q4(torch.randn(40, 64)) is None  # a float32 model
-    assert gemm.pack_q4(w[:, :48].contiguous()) is None  # K not a multiple of 32
-    with pytest.raises(ValueError, match="bits"):
-        gemm.linear(torch.randn(2, 64), gemm.pack(w), 40, bits=8)
+    assert gemm.pack_quantized(nudged, bits) is None
+    assert gemm.pack_quantized(torch.randn(40, 64), bits) is None  # a float32 model
+    assert gemm.pack_quantized(w[:, :48].contiguous(), bits) is None  # K not a multiple of 32
+    assert gemm.pack_quantized(_gguf_weight(40, 64, 1, 12 - bits), bits) is None  # the other format
     with pytest.raises(ValueError, match="does not fit"):
-        gemm.linear(torch.randn(2, 64), gemm.pack(w), 40, bits=4)  # a float32 copy is not a 4-bit one
+        gemm.linear(torch.randn(2, 64), gemm.pack(w), 40, bits=bits)  # a float32 copy is not a quantized one
+    with pytest.raises(ValueError, match="bits"):
+        gemm.linear(torch.randn(2, 64), gemm.pack(w), 40, bits=16)
+    with pytest.raises(ValueError, match="bits"):
+        gemm.pack_quantized(w, 2)
 
 
-def test_linear_layer_takes_the_q4_copy_for_the_smallest_batches() -> None:
+@pytest.mark.parametrize("bits", [4, 8])
+def test_linear_layer_takes_the_quantized_copy_for_the_smallest_batches(bits: int) -> None:
     layer = Linear(64, 40, bias=True).eval()
+    rows = QUANTIZED_MAX_ROWS[bits]
     with torch.no_grad():
-        layer.weight.copy_(_gguf_q4_1(40, 64, 2))
-        assert layer.pack_for_cpu() and layer.packed_q4 is not None
-        small, mid = torch.randn(Q4_MAX_ROWS, 64), torch.randn(Q4_MAX_ROWS + 1, 64)
-        assert torch.equal(layer(small), gemm.linear(small, layer.packed_q4, 40, layer.bias, bits=4))
+        layer.weight.copy_(_gguf_weight(40, 64, 2, bits))
+        assert layer.pack_for_cpu() and layer.packed_q is not None and layer.q_bits == bits
+        small, mid = torch.randn(rows, 64), torch.randn(rows + 1, 64)
+        assert torch.equal(layer(small), gemm.linear(small, layer.packed_q, 40, layer.bias, bits=bits))
         assert torch.equal(layer(mid), gemm.linear(mid, layer.packed, 40, layer.bias))
         plain = Linear(64, 40, bias=False)
-        assert plain.pack_for_cpu() and plain.packed_q4 is None  # random float32: no 4-bit copy
+        assert plain.pack_for_cpu() and plain.packed_q is None  # random float32: no quantized copy
 
 
 def test_row_parallel_adds_the_bias_once() -> None:

@@ -100,38 +100,44 @@ static inline __attribute__((always_inline)) void tile(float *y, int64_t ldy, co
 
 #endif
 
-/* ---- 4-bit weights -------------------------------------------------------------------------------
- * A weight whose every run of 32 values along K is exactly fl(fl(d * q) + m) for one d and m and
- * integers q in 0..15 (GGUF's Q4_1 blocks, dequantized, are) is packed a second time in 4 bits:
- * per panel of 32 outputs and block of 32 k, a record of d[32] and m[32] as floats and 32 x 16
- * bytes of q (byte j of row k: output j in the low nibble, output j + 16 in the high). The kernel
- * rebuilds each weight with the same unfused multiply and add, so it runs the very same FMAs on the
- * very same values as the float32 kernel, bit for bit, reading 0.75 bytes per weight instead of 4:
- * at decode batch sizes the weight stream, not the arithmetic, is what a step waits for. */
-#define QB 32                       /* k per block */
-#define Q4_REC (2 * NR + QB * 16 / 4) /* floats per (panel, block) record: d, m, then the nibbles */
+/* ---- 4- and 8-bit weights --------------------------------------------------------------------------
+ * A weight whose every run of 32 values along K is exactly one of GGUF's quantized blocks, as its
+ * reader dequantizes them, is packed a second time in that form:
+ *   bits = 4 (Q4_1): fl(fl(d * q) + m), q in 0..15;   bits = 8 (Q8_0): fl(d * q), q in -128..127.
+ * Per panel of 32 outputs and block of 32 k, a record holds d[32] (and for 4 bits m[32]) as floats,
+ * then the q of the 32 k x 32 outputs: for 4 bits 16 bytes per k (output j in the low nibble of
+ * byte j, output j + 16 in the high), for 8 bits 32 signed bytes per k. The kernel rebuilds each
+ * weight with the same unfused multiply (and add), so it runs the very same FMAs on the very same
+ * values as the float32 kernel, bit for bit, reading 0.75 (4 bits) or 1.125 (8 bits) bytes per
+ * weight instead of 4: at decode batch sizes the weight stream, not the arithmetic, is what a step
+ * waits for. */
+#define QB 32 /* k per block */
+#define QREC(bits) ((bits) == 4 ? 2 * NR + QB * 16 / 4 : NR + QB * 32 / 4) /* floats per record */
 #define RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
-int64_t packed_size_q4(int64_t N, int64_t K) { return (N + NR - 1) / NR * (K / QB) * Q4_REC; }
+int64_t packed_size_q(int64_t N, int64_t K, int64_t bits) { return (N + NR - 1) / NR * (K / QB) * QREC(bits); }
 
 #ifdef __AVX512F__
-/* fl(fl(d * q) + m): explicit rounding ops, which the compiler never fuses into one FMA. */
-static inline float q4_value(float d, float q, float m) {
+/* fl(d * q) (+ m, rounded again): explicit rounding ops, which the compiler never fuses into an FMA. */
+static inline float q_value(float d, float q, float m, const int bits) {
   const __m128 p = _mm_mul_round_ss(_mm_set_ss(d), _mm_set_ss(q), RN);
-  return _mm_cvtss_f32(_mm_add_round_ss(p, _mm_set_ss(m), RN));
+  return bits == 4 ? _mm_cvtss_f32(_mm_add_round_ss(p, _mm_set_ss(m), RN)) : _mm_cvtss_f32(p);
 }
 
-/* d, m and q of one run of 32 values if it is exactly fl(fl(d * q) + m); 0 otherwise. As GGUF's
- * quantizer makes them, m is the run's minimum (q = 0 there) and its maximum has q = 15: d is tried
- * as the half-precision rounding of (max - min) / 15 (GGUF stores d in half precision), its two
- * neighbours and the unrounded quotient, and kept if every value comes back bit for bit. */
-static int fit_q4(const float *w, float *d_out, float *m_out, uint8_t *q) {
-  float lo = w[0], hi = w[0];
-  for (int i = 1; i < QB; ++i) {
+/* d (and m) and q of one run of 32 values if it is exactly a block of `bits`; 0 otherwise. As
+ * GGUF's quantizers make them: for 4 bits m is the run's minimum (q = 0 there) and its maximum has
+ * q = 15; for 8 bits the largest magnitude has |q| = 127. d is tried as the half-precision rounding
+ * of that quotient (GGUF stores d in half precision), its two neighbours and the unrounded
+ * quotient, and kept if every value comes back bit for bit. */
+static int fit_q(const float *w, float *d_out, float *m_out, int *q, const int bits) {
+  float lo = w[0], hi = w[0], amax = 0.f;
+  for (int i = 0; i < QB; ++i) {
     lo = w[i] < lo ? w[i] : lo;
     hi = w[i] > hi ? w[i] : hi;
+    amax = fabsf(w[i]) > amax ? fabsf(w[i]) : amax;
   }
-  const float est = (hi - lo) / 15.f;
+  const float m = bits == 4 ? lo : 0.f, qmin = bits == 4 ? 0.f : -128.f, qmax = bits == 4 ? 15.f : 127.f;
+  const float est = bits == 4 ? (hi - lo) / 15.f : amax / 127.f;
   const unsigned short h = _cvtss_sh(est, RN);
   const float cands[4] = {_cvtsh_ss(h), _cvtsh_ss((unsigned short)(h + 1)), _cvtsh_ss((unsigned short)(h - 1)), est};
   for (int c = 0; c < 4; ++c) {
@@ -139,15 +145,15 @@ static int fit_q4(const float *w, float *d_out, float *m_out, uint8_t *q) {
     if (!(d >= 0.f) || d > 1e30f) continue; /* also rejects NaN */
     int ok = 1;
     for (int i = 0; i < QB && ok; ++i) {
-      float r = d > 0.f ? nearbyintf((w[i] - lo) / d) : 0.f;
-      r = r < 0.f ? 0.f : r > 15.f ? 15.f : r;
-      const float v = q4_value(d, r, lo);
+      float r = d > 0.f ? nearbyintf((w[i] - m) / d) : 0.f;
+      r = r < qmin ? qmin : r > qmax ? qmax : r;
+      const float v = q_value(d, r, m, bits);
       ok = memcmp(&v, &w[i], sizeof v) == 0;
-      q[i] = (uint8_t)r;
+      q[i] = (int)r;
     }
     if (ok) {
       *d_out = d;
-      *m_out = lo;
+      *m_out = m;
       return 1;
     }
   }
@@ -155,54 +161,71 @@ static int fit_q4(const float *w, float *d_out, float *m_out, uint8_t *q) {
 }
 #endif
 
-/* Pack w [N, K] in 4 bits into dst (packed_size_q4 floats) if every run is exact; returns 1 if it
- * packed, 0 if some run is not (dst is then garbage) or K is not a multiple of 32. */
-int pack_weight_q4(float *dst, const float *w, int64_t N, int64_t K) {
+/* Pack w [N, K] in `bits` (4 or 8) into dst (packed_size_q floats) if every run is exactly such a
+ * block; returns 1 if it packed, 0 if some run is not (dst is then garbage) or K is not a multiple
+ * of 32. */
+int pack_weight_q(float *dst, const float *w, int64_t N, int64_t K, int64_t bits) {
 #ifdef __AVX512F__
-  if (K % QB != 0) return 0;
-  const int64_t P = (N + NR - 1) / NR, B = K / QB;
+  if (K % QB != 0 || (bits != 4 && bits != 8)) return 0;
+  const int64_t P = (N + NR - 1) / NR, B = K / QB, rec_size = QREC(bits);
+  const int qbytes = bits == 4 ? 16 : 32; /* per k */
   int failed = 0; /* set once by any thread; the others then skip the rest (a float32 model fails at once) */
 #pragma omp parallel for schedule(static)
   for (int64_t pb = 0; pb < P * B; ++pb) {
     if (__atomic_load_n(&failed, __ATOMIC_RELAXED)) continue;
     const int64_t p = pb / B, b = pb % B;
-    float *rec = dst + pb * Q4_REC;
-    uint8_t *qs = (uint8_t *)(rec + 2 * NR);
-    memset(qs, 0, QB * 16);
+    float *rec = dst + pb * rec_size;
+    float *mrec = bits == 4 ? rec + NR : NULL;
+    uint8_t *qs = (uint8_t *)(rec + (bits == 4 ? 2 * NR : NR));
+    memset(qs, 0, QB * qbytes);
     for (int j = 0; j < NR; ++j) {
       const int64_t n = p * NR + j;
-      uint8_t q[QB] = {0};
-      rec[j] = rec[NR + j] = 0.f; /* padding outputs: d = m = q = 0 */
-      if (n < N && !fit_q4(w + n * K + b * QB, &rec[j], &rec[NR + j], q)) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
-      for (int k = 0; k < QB; ++k) qs[k * 16 + (j & 15)] |= (uint8_t)(q[k] << (j < 16 ? 0 : 4));
+      int q[QB] = {0};
+      float d = 0.f, m = 0.f; /* padding outputs: d = m = q = 0 */
+      if (n < N && !fit_q(w + n * K + b * QB, &d, &m, q, (int)bits)) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+      rec[j] = d;
+      if (mrec) mrec[j] = m;
+      for (int k = 0; k < QB; ++k) {
+        if (bits == 4) qs[k * 16 + (j & 15)] |= (uint8_t)(q[k] << (j < 16 ? 0 : 4));
+        else qs[k * 32 + j] = (uint8_t)(int8_t)q[k];
+      }
     }
   }
   return !failed;
 #else
-  (void)dst; (void)w; (void)N; (void)K;
+  (void)dst; (void)w; (void)N; (void)K; (void)bits;
   return 0;
 #endif
 }
 
 #ifdef __AVX512F__
-/* tile() over a 4-bit panel. Tile t of T also prefetches the next panel's records t, t + T, ... */
-static inline __attribute__((always_inline)) void tile_q4(float *y, int64_t ldy, const float *x, int64_t ldx,
-                                                          const float *rec, const float *bias, int64_t K,
-                                                          __mmask16 m0, __mmask16 m1, const int R,
-                                                          const float *next, int64_t T, int64_t t) {
+/* tile() over a panel of `bits` records. Tile t of T also prefetches the next panel's records t, t + T, ... */
+static inline __attribute__((always_inline)) void tile_q(float *y, int64_t ldy, const float *x, int64_t ldx,
+                                                         const float *rec, const float *bias, int64_t K,
+                                                         __mmask16 m0, __mmask16 m1, const int R,
+                                                         const float *next, int64_t T, int64_t t, const int bits) {
   __m512 acc[MR][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi32(15);
-  for (int64_t b = 0; b < K / QB; ++b, rec += Q4_REC) {
+  const int64_t rec_size = QREC(bits);
+  for (int64_t b = 0; b < K / QB; ++b, rec += rec_size) {
     if (b % T == t)
-      for (int c = 0; c < Q4_REC; c += 16) _mm_prefetch((const char *)(next + b * Q4_REC + c), _MM_HINT_T1);
+      for (int c = 0; c < rec_size; c += 16) _mm_prefetch((const char *)(next + b * rec_size + c), _MM_HINT_T1);
     const __m512 d0 = _mm512_loadu_ps(rec), d1 = _mm512_loadu_ps(rec + 16);
-    const __m512 z0 = _mm512_loadu_ps(rec + NR), z1 = _mm512_loadu_ps(rec + NR + 16);
-    const uint8_t *qs = (const uint8_t *)(rec + 2 * NR);
+    __m512 z0 = _mm512_setzero_ps(), z1 = z0;
+    if (bits == 4) z0 = _mm512_loadu_ps(rec + NR), z1 = _mm512_loadu_ps(rec + NR + 16);
+    const uint8_t *qs = (const uint8_t *)(rec + (bits == 4 ? 2 * NR : NR));
     for (int k = 0; k < QB; ++k) {
-      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + k * 16)));
-      const __m512 w0 = _mm512_add_round_ps(_mm512_mul_round_ps(d0, _mm512_cvtepi32_ps(_mm512_and_si512(v, low)), RN), z0, RN);
-      const __m512 w1 = _mm512_add_round_ps(_mm512_mul_round_ps(d1, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), RN), z1, RN);
+      __m512 w0, w1;
+      if (bits == 4) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + k * 16)));
+        w0 = _mm512_add_round_ps(_mm512_mul_round_ps(d0, _mm512_cvtepi32_ps(_mm512_and_si512(v, low)), RN), z0, RN);
+        w1 = _mm512_add_round_ps(_mm512_mul_round_ps(d1, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), RN), z1, RN);
+      } else {
+        const __m128i *qk = (const __m128i *)(qs + k * 32);
+        w0 = _mm512_mul_round_ps(d0, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qk))), RN);
+        w1 = _mm512_mul_round_ps(d1, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qk + 1))), RN);
+      }
       const float *xk = x + b * QB + k;
       for (int r = 0; r < R; ++r) {
         const __m512 xb = _mm512_set1_ps(xk[r * ldx]);
@@ -216,19 +239,20 @@ static inline __attribute__((always_inline)) void tile_q4(float *y, int64_t ldy,
 
 #define CASE(R) case R: TILE(R); break;
 #define TILE(R)                                                                       \
-  if (q4) tile_q4(yy, ldy, xx, ldx, w, bb, K, m0, m1, R, wn, tiles, t);              \
+  if (bits == 4) tile_q(yy, ldy, xx, ldx, w, bb, K, m0, m1, R, wn, tiles, t, 4);     \
+  else if (bits == 8) tile_q(yy, ldy, xx, ldx, w, bb, K, m0, m1, R, wn, tiles, t, 8); \
   else tile(yy, ldy, xx, ldx, w, bb, K, m0, m1, R, wn + t * K / tiles * NR, tiles)
 #endif
 
 /* Rows [0, M) against every panel; the panels are split between the threads in contiguous ranges
- * (static schedule), so the panel after p is the one this thread takes next. q4: the panels are
- * 4-bit records (pack_weight_q4), else float32 (pack_weight_f32). */
+ * (static schedule), so the panel after p is the one this thread takes next. bits: 32 for float32
+ * panels (pack_weight_f32), 4 or 8 for quantized records (pack_weight_q). */
 static inline __attribute__((always_inline)) void row_block(float *y, int64_t ldy, const float *x, int64_t ldx,
                                                             const float *wp, const float *bias, int64_t M,
-                                                            int64_t N, int64_t K, const int q4) {
+                                                            int64_t N, int64_t K, const int bits) {
 #ifdef __AVX512F__
   const int64_t P = (N + NR - 1) / NR;
-  const int64_t panel = q4 ? K / QB * Q4_REC : K * NR; /* floats */
+  const int64_t panel = bits == 32 ? K * NR : K / QB * QREC(bits); /* floats */
   /* Rows split into tiles of near-equal height (64 -> 5 tiles of 12-13, not 4 of 14 and one of 8). */
   const int64_t tiles = (M + MR - 1) / MR;
 #pragma omp parallel for schedule(static)
@@ -253,15 +277,18 @@ static inline __attribute__((always_inline)) void row_block(float *y, int64_t ld
     }
   }
 #else
-  (void)y; (void)ldy; (void)x; (void)ldx; (void)wp; (void)bias; (void)M; (void)N; (void)K; (void)q4;
+  (void)y; (void)ldy; (void)x; (void)ldx; (void)wp; (void)bias; (void)M; (void)N; (void)K; (void)bits;
 #endif
 }
 
-/* y = x W^T (+ bias) for W packed by pack_weight_q4 (K a multiple of 32): the same results as
- * gemm_packed_f32 over the float32 W, bit for bit. For decode-sized M (no row blocks). */
-void gemm_packed_q4(float *y, int64_t ldy, const float *x, int64_t ldx, const float *wp, const float *bias,
-                    int64_t M, int64_t N, int64_t K) {
-  row_block(y, ldy, x, ldx, wp, bias, M, N, K, 1);
+/* y = x W^T (+ bias) for W packed by pack_weight_q in `bits` (K a multiple of 32): the same results
+ * as gemm_packed_f32 over the float32 W, bit for bit. For decode-sized M (no row blocks). */
+void gemm_packed_q(float *y, int64_t ldy, const float *x, int64_t ldx, const float *wp, const float *bias,
+                   int64_t M, int64_t N, int64_t K, int64_t bits) {
+  if (bits == 4)
+    row_block(y, ldy, x, ldx, wp, bias, M, N, K, 4);
+  else
+    row_block(y, ldy, x, ldx, wp, bias, M, N, K, 8);
 }
 
 void gemm_packed_f32(float *y, int64_t ldy, const float *x, int64_t ldx, const float *wp, const float *bias,
@@ -273,5 +300,5 @@ void gemm_packed_f32(float *y, int64_t ldy, const float *x, int64_t ldx, const f
   int64_t rows = XBLOCK / (4 * K) / MR * MR;
   if (rows < 4 * MR) rows = 4 * MR;
   for (int64_t m = 0; m < M; m += rows)
-    row_block(y + m * ldy, ldy, x + m * ldx, ldx, wp, bias, M - m < rows ? M - m : rows, N, K, 0);
+    row_block(y + m * ldy, ldy, x + m * ldx, ldx, wp, bias, M - m < rows ? M - m : rows, N, K, 32);
 }

@@ -5,10 +5,11 @@ batch sizes that is a large share of the work. :meth:`Linear.pack_for_cpu` packs
 (``kernels/gemm.py``); batches of up to ``KERNEL_MAX_ROWS`` rows then take the kernel (1.2-2.5x
 MKL on this machine), larger ones (prefill) stay on MKL, which is ~15 % faster there in whole
 runs. The price is the packed copy: one more float32 copy of the projections (0.42 GB for
-SmolLM2-135M). A weight whose values are exactly 4-bit blocks (a GGUF Q4_1 model, dequantized:
-every projection of the bundled SmolLM2) is also packed in 4 bits (``gemm.pack_q4``, checked
-value by value): batches of up to ``Q4_MAX_ROWS`` rows read that copy, with results identical
-bit for bit, as the weight stream is what such small batches wait for. Without the kernel (no
+SmolLM2-135M). A weight whose values are exactly GGUF blocks (a Q4_1 or Q8_0 model, dequantized:
+every projection of the bundled SmolLM2 is Q4_1, its tied LM head Q8_0) is also packed in 4 or 8
+bits (``gemm.pack_quantized``, checked value by value): batches of up to ``QUANTIZED_MAX_ROWS``
+rows read that copy, with results identical bit for bit, as the weight stream is what such small
+batches wait for. Without the kernel (no
 AVX-512 or compiler, ``PAGELLM_CPU_KERNELS=0``, a GPU, bfloat16) nothing is packed and ``F.linear`` runs as before.
 """
 
@@ -23,21 +24,24 @@ from pagellm.kernels import gemm
 # Measured with benchmarks/gemm.py (crossover 128-512 rows) and, in whole runs, with
 # benchmarks/time_breakdown.py under PAGELLM_CPU_GEMM=0 (prefill GEMMs 9.8 s on MKL vs 11.2 s).
 KERNEL_MAX_ROWS = 128
-# benchmarks/gemm.py --q4 (SmolLM2's 120 projections and its float32 LM head): the 4-bit copies
-# made them 2.1x faster than the float32 kernel at 1 row, 1.8x at 8, 1.2x at 16, 0.98x at 20.
-Q4_MAX_ROWS = 16
+# Rows up to which a quantized copy beats the float32 kernel. benchmarks/gemm.py --quantized, all
+# 120 projections of SmolLM2 in 4 bits: 2.8x at 1 row, 1.9x at 8, 1.1-1.2x at 16, 0.98x at 20;
+# its 49,152 x 576 LM head alone in 8 bits: 2.2x at 1 row, 1.2x at 8, 0.88x at 16.
+QUANTIZED_MAX_ROWS = {4: 16, 8: 8}
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` with an optional packed weight (inference only)."""
 
     packed: torch.Tensor | None
-    packed_q4: torch.Tensor | None
+    packed_q: torch.Tensor | None  # the 4- or 8-bit copy, if the weight is exactly such blocks
+    q_bits: int
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.register_buffer("packed", None, persistent=False)
-        self.register_buffer("packed_q4", None, persistent=False)
+        self.register_buffer("packed_q", None, persistent=False)
+        self.q_bits = 0
 
     def pack_for_cpu(self) -> bool:
         """Pack the loaded weight for the GEMM kernel if it can run here; ``True`` if packed."""
@@ -46,14 +50,18 @@ class Linear(nn.Linear):
         if not gemm.usable(self.weight):
             return False
         self.packed = gemm.pack(self.weight)
-        self.packed_q4 = gemm.pack_q4(self.weight)
+        for bits in (4, 8):  # a float32 weight fails each check on its first block
+            self.packed_q = gemm.pack_quantized(self.weight, bits)
+            if self.packed_q is not None:
+                self.q_bits = bits
+                break
         return True
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T (+ bias)``: small batches through the kernel once packed (the smallest over the
-        4-bit copy if there is one), the rest through MKL."""
-        if self.packed_q4 is not None and x.numel() <= Q4_MAX_ROWS * self.in_features:
-            return gemm.linear(x, self.packed_q4, self.out_features, bias, bits=4)
+        quantized copy if there is one), the rest through MKL."""
+        if self.packed_q is not None and x.numel() <= QUANTIZED_MAX_ROWS[self.q_bits] * self.in_features:
+            return gemm.linear(x, self.packed_q, self.out_features, bias, bits=self.q_bits)
         if self.packed is not None and x.numel() <= KERNEL_MAX_ROWS * self.in_features:
             return gemm.linear(x, self.packed, self.out_features, bias)
         return F.linear(x, self.weight, bias)
