@@ -3,10 +3,11 @@
 Callers (``layers/linear.py``) pack a weight with :func:`pack` after loading and then call
 :func:`linear`. A weight whose values are exactly GGUF blocks (Q4_1 or Q8_0, dequantized) can
 also be packed in 4 or 8 bits with :func:`pack_quantized`; ``linear(..., bits=4 or 8)`` over that
-copy gives the same results bit for bit while reading a fifth (a quarter) of the bytes. Where the kernel cannot run
-(no AVX-512, no compiler, ``PAGELLM_CPU_KERNELS=0``, a non-float32 or non-CPU weight, or
-``PAGELLM_CPU_GEMM=0`` to compare against MKL) :func:`usable` says so and the caller keeps
-``F.linear``, which is also the oracle in ``tests/test_gemm.py``.
+copy gives the same results bit for bit while reading a fifth (a quarter) of the bytes.
+
+Where the kernel cannot run (no AVX-512, no compiler, ``PAGELLM_CPU_KERNELS=0``, a non-float32
+or non-CPU weight, or ``PAGELLM_CPU_GEMM=0`` to compare against MKL) :func:`usable` says so and
+the caller keeps ``F.linear``, which is also the oracle in ``tests/test_gemm.py``.
 """
 
 from __future__ import annotations
