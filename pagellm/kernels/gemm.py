@@ -42,12 +42,18 @@ def usable(weight: torch.Tensor) -> bool:
             and os.environ.get("PAGELLM_CPU_GEMM", "1") != "0" and _lib() is not None)
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The kernel's layout of ``weight [N, K]``: 1-D, ``[ceil(N / 32)][K][32]``, zero-padded."""
+def _packing_lib(weight: torch.Tensor) -> ctypes.CDLL:
+    """The kernel library, or a ``ValueError`` naming why ``weight`` cannot be packed here."""
     lib = _lib()
     if lib is None or not usable(weight):
         raise ValueError(f"cannot pack a {weight.dtype} {tuple(weight.shape)} weight on {weight.device} "
                          "for the CPU GEMM kernel")
+    return lib
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout of ``weight [N, K]``: 1-D, ``[ceil(N / 32)][K][32]``, zero-padded."""
+    lib = _packing_lib(weight)
     n, k = weight.shape
     w = weight.detach().contiguous()
     out = torch.empty(lib.packed_size_f32(n, k), dtype=torch.float32)
@@ -62,10 +68,7 @@ def pack_quantized(weight: torch.Tensor, bits: int) -> torch.Tensor | None:
     value, so the copy can never change a result."""
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits!r}")
-    lib = _lib()
-    if lib is None or not usable(weight):
-        raise ValueError(f"cannot pack a {weight.dtype} {tuple(weight.shape)} weight on {weight.device} "
-                         "for the CPU GEMM kernel")
+    lib = _packing_lib(weight)
     n, k = weight.shape
     if k % 32:
         return None
