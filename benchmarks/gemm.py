@@ -2,8 +2,8 @@
 
 One "pass" is every projection of every layer (fused qkv, o, gate_up, down) plus the LM head,
 each with its own weight as in a real forward, so weights stream from memory as they do in a
-step. Both paths run interleaved, best of ``--repeats``; the ratio is F.linear's time over the
-kernel's, measured in the same run.
+step. All paths run interleaved (after a warm-up run each), best of ``--repeats``; the ratio is
+F.linear's time over the kernel's, measured in the same run.
 
     python benchmarks/gemm.py
     python benchmarks/gemm.py --rows 1 8 64 2048
@@ -15,9 +15,8 @@ kernel's, measured in the same run.
 from __future__ import annotations
 
 import argparse
-import time
 
-from workload import add_shape_args
+from workload import add_shape_args, interleaved_best
 
 
 def _gguf_roundtrip(w, bits: int):
@@ -93,20 +92,16 @@ def main() -> None:
             for w, p, b in zip(weights, packed_q, bits, strict=True):
                 gemm.linear(xs[w.shape[1]], p, w.shape[0], bits=b)
 
-        best = ({mkl: float("inf"), kernel: float("inf")} | ({baseline: float("inf")} if base_lib else {})
-                | ({quantized: float("inf")} if args.quantized else {}))
+        steps = ({"mkl": mkl, "kernel": kernel} | ({"baseline": baseline} if base_lib else {})
+                 | ({"quantized": quantized} if args.quantized else {}))
         with torch.inference_mode():
-            for _ in range(args.repeats):
-                for fn in best:
-                    t = time.perf_counter()
-                    fn()
-                    best[fn] = min(best[fn], time.perf_counter() - t)
-        a, b = best[mkl], best[kernel]
+            best = interleaved_best(steps, args.repeats)
+        a, b = best["mkl"], best["kernel"]
         line = f"{m:6d} {a * 1e3:12.2f} {flops / a / 1e9:8.1f} {b * 1e3:10.2f} {flops / b / 1e9:8.1f} {a / b:17.2f}x"
         if base_lib:
-            line += f" {best[baseline] * 1e3:12.2f} {best[baseline] / b:17.2f}x"
+            line += f" {best['baseline'] * 1e3:12.2f} {best['baseline'] / b:17.2f}x"
         if args.quantized:
-            line += f" {best[quantized] * 1e3:13.2f} {b / best[quantized]:18.2f}x"
+            line += f" {best['quantized'] * 1e3:13.2f} {b / best['quantized']:18.2f}x"
         print(line)
 
 
