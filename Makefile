@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROMPTS := "The capital of France is" "Write a haiku about autumn leaves." "Explain what a paged KV cache is in one sentence."
 
-.PHONY: setup run test bench lint clean
+.PHONY: setup run test test-fast test-optimized test-wheel typecheck bench lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,15 +21,44 @@ setup: $(VENV)/.installed
 run: setup
 	$(BIN)/pagellm generate --chat-format --max-tokens 96 --temperature 0.7 --top-p 0.9 --seed 0 --repetition-penalty 1.1 $(PROMPTS)
 
+# Everything CI checks: lint, types, the whole suite, the -O subset, and the wheel as users install it.
 test: setup
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest
+	$(MAKE) test-optimized test-wheel
+
+# For development: lint and every test that does not load the bundled SmolLM2 (about a third of the time).
+test-fast: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -m "not slow"
+
+# python -O strips asserts: the scheduling-invariance and HF-parity tests (tiny models) run once under it.
+test-optimized: setup
+	$(BIN)/python -O -m pytest -p no:cacheprovider -m "not slow" tests/test_scheduling_invariance.py tests/test_hf_parity.py
+
+# Build the wheel, install it in a fresh venv outside the checkout, and build every kernel from what it ships
+# (a file missing from the package data would otherwise only show as a warning and a slow fallback).
+WHEEL_DIR ?= $(or $(TMPDIR),/tmp)/pagellm-wheel-check
+test-wheel: setup
+	rm -rf $(WHEEL_DIR)
+	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w $(WHEEL_DIR)/dist .
+	$(PYTHON) -m venv $(WHEEL_DIR)/venv
+	$(WHEEL_DIR)/venv/bin/pip install -q torch==2.13.0
+	$(WHEEL_DIR)/venv/bin/pip install -q $(WHEEL_DIR)/dist/pagellm-*.whl
+	cd $(WHEEL_DIR) && PAGELLM_CACHE=$(WHEEL_DIR)/cache venv/bin/python -c \
+	  "import pagellm, sys; print(pagellm.__file__); sys.exit(0 if '$(CURDIR)' not in pagellm.__file__ else 'imported the checkout')"
+	cd $(WHEEL_DIR) && PAGELLM_CACHE=$(WHEEL_DIR)/cache venv/bin/python -m pagellm.kernels
+
+typecheck: setup
+	$(BIN)/mypy
 
 bench: setup
 	$(BIN)/python benchmarks/throughput.py
 
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build .pytest_cache .ruff_cache .mypy_cache .hypothesis

@@ -48,11 +48,11 @@ def step_message() -> tuple[int, int, float]:
     seqs = [ScheduledSequence(f"r{i}", i, [7], 435, list(range(i * 30, i * 30 + 28)), True, params,
                               list(range(150)), list(range(285))) for i in range(64)]
     enc = StepEncoder()
-    enc.encode(SchedulerOutput(seqs, 64))  # the first step sends everything
+    enc.encode(SchedulerOutput(seqs))  # the first step sends everything
     for s in seqs:
         s.output_token_ids.append(1)
         s.num_computed_tokens += 1
-    so = SchedulerOutput(seqs, 64)
+    so = SchedulerOutput(seqs)
     t0 = time.perf_counter()
     for _ in range(100):
         enc.encode(so)

@@ -50,3 +50,8 @@ def cache_dir(kind: str) -> str:
     root = os.environ.get("PAGELLM_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagellm")
     return os.path.join(root, kind)
+
+
+class InvariantError(AssertionError):
+    """A ``check_invariants()`` failure: the bookkeeping is corrupt. Raised explicitly (not by
+    ``assert``) so the checks also run under ``python -O``; an ``AssertionError`` for callers."""

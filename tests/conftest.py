@@ -92,3 +92,43 @@ def run_to_completion(engine, check_invariants: bool = True, max_steps: int = 20
     engine.scheduler.check_invariants()
     assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
     return finished
+
+
+# ---- `slow`: every test that loads the bundled SmolLM2's weights, and nothing else ---------------
+# A test asking for ``smollm2_path`` is marked here; any other test that loads the bundled weights
+# (``LLM(None)``, ``model=None``) must carry ``@pytest.mark.slow`` itself, or it fails below, so
+# ``make test-fast`` (``-m "not slow"``) stays fast by construction rather than by care.
+_current_item: list[pytest.Item] = []
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        if "smollm2_path" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _current_item[:] = [item]
+    try:
+        return (yield)
+    finally:
+        _current_item.clear()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _bundled_weights_only_in_slow_tests():
+    import pagellm.weights.gguf_file as gguf_file
+
+    original = gguf_file.iter_gguf_weights
+    bundled = os.path.realpath(bundled_model_path())
+
+    def guarded(path, *args, **kwargs):
+        item = _current_item[0] if _current_item else None
+        if item is not None and os.path.realpath(path) == bundled and item.get_closest_marker("slow") is None:
+            raise RuntimeError(f"{item.nodeid} loads the bundled SmolLM2 weights: mark it @pytest.mark.slow")
+        yield from original(path, *args, **kwargs)
+
+    gguf_file.iter_gguf_weights = guarded
+    yield
+    gguf_file.iter_gguf_weights = original

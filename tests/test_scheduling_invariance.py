@@ -79,6 +79,7 @@ def test_tiny_model_outputs_do_not_depend_on_scheduling(baseline, arch, config):
     assert kv.num_free_blocks == kv.num_blocks and kv.cpu_pool.num_free_blocks == kv.cpu_pool.num_blocks
 
 
+@pytest.mark.slow
 def test_smollm2_outputs_do_not_depend_on_scheduling():
     prompts = random_prompts(8, seed=11, lo=5, hi=120)
     ref, _ = engine_greedy(None, prompts, MAX_TOKENS)

@@ -51,7 +51,7 @@ def test_decoded_steps_equal_the_encoded_ones(steps):
                 s.block_ids[-1] = next_block
             next_block += len(s.block_ids)
             scheduled.append(s)
-        so = SchedulerOutput(copy.deepcopy(scheduled), len(scheduled), finished_seq_ids=finished)
+        so = SchedulerOutput(copy.deepcopy(scheduled), finished_seq_ids=finished)
         finished = []
         decoded = dec.decode(pickle.loads(pickle.dumps(enc.encode(so))))  # as it crosses a process
         assert [[getattr(s, f) for f in FIELDS] for s in decoded.scheduled] == \

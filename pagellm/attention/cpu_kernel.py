@@ -19,11 +19,16 @@ from pagellm import kernels
 
 _ARGS = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
 _SIGNATURES: kernels.Signatures = {
-    "paged_decode_f32": (None, _ARGS),
-    "paged_decode_f16": (None, _ARGS),
+    "paged_decode_f32": (ctypes.c_int, _ARGS),
+    "paged_decode_f16": (ctypes.c_int, _ARGS),
     "paged_decode_f16_supported": (ctypes.c_int, [ctypes.c_int64]),
 }
 _DECODE = {torch.float32: "paged_decode_f32", torch.float16: "paged_decode_f16"}
+
+
+def _check_status(status: int, kernel: str) -> None:
+    if status != 0:
+        raise MemoryError(f"the {kernel} attention kernel could not allocate its scratch memory")
 
 
 def available() -> bool:
@@ -66,8 +71,10 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: to
         if t.dtype != torch.int64 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous int64")
     decode = getattr(lib, _DECODE[key_cache.dtype])
-    decode(out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
-           seq_lens.data_ptr(), b, hq, hkv, d, block_size, block_tables.shape[1], scale)
+    status = decode(out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                    block_tables.data_ptr(), seq_lens.data_ptr(), b, hq, hkv, d, block_size, block_tables.shape[1],
+                    scale)
+    _check_status(status, "decode")
 
 
 # ---- prefill (``pagellm/kernels/paged_prefill.c``) ------------------------------------------------
@@ -77,7 +84,7 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: to
 # query tile), and shares each K/V row among the KV head's query heads: 2.1-2.4x SDPA's rate on
 # SmolLM2's shapes (docs/performance.md).
 _PREFILL_SIGNATURES: kernels.Signatures = {
-    "paged_prefill_f32": (None, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    "paged_prefill_f32": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
                           + [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 3
                           + [ctypes.c_int64] * 4 + [ctypes.c_float]),
     "paged_prefill_supported": (ctypes.c_int, [ctypes.c_int64]),
@@ -121,7 +128,8 @@ def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: t
                     (query_lens, "query_lens")):
         if x.dtype != torch.int64 or not x.is_contiguous():
             raise ValueError(f"{name} must be contiguous int64")
-    lib.paged_prefill_f32(out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0), key_cache.data_ptr(),
-                          value_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-                          token_starts.data_ptr(), num_computed.data_ptr(), query_lens.data_ptr(),
-                          len(token_starts), hq, hkv, block_size, scale)
+    status = lib.paged_prefill_f32(out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0),
+                                   key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+                                   block_tables.shape[1], token_starts.data_ptr(), num_computed.data_ptr(),
+                                   query_lens.data_ptr(), len(token_starts), hq, hkv, block_size, scale)
+    _check_status(status, "prefill")

@@ -21,6 +21,8 @@ from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from pagellm.utils import InvariantError
+
 BlockHash = bytes
 
 
@@ -190,21 +192,28 @@ class BlockPool:
         """Free list holds exactly the blocks with ref_cnt 0, each once, and its count is right."""
         seen: set[int] = set()
         for b in self.free_block_queue:
-            assert b.block_id not in seen, f"{b} twice in the free list"
-            assert b.ref_cnt == 0, f"{b} is in the free list with ref_cnt {b.ref_cnt}"
+            if b.block_id in seen:
+                raise InvariantError(f"{b} twice in the free list")
+            if b.ref_cnt != 0:
+                raise InvariantError(f"{b} is in the free list with ref_cnt {b.ref_cnt}")
             seen.add(b.block_id)
-        assert len(seen) == self.free_block_queue.num_free_blocks, "free count out of sync"
+        if len(seen) != self.free_block_queue.num_free_blocks:
+            raise InvariantError("free count out of sync")
         for b in self.blocks:
-            assert b.ref_cnt >= 0, f"{b} has a negative ref_cnt"
-            assert (b.ref_cnt == 0) == (b.block_id in seen), f"{b} free-list membership wrong"
-            if b.block_hash is not None:
-                assert self.cached_block_hash_to_block.get(b.block_hash) is b, f"{b} hashed but not in the map"
+            if b.ref_cnt < 0:
+                raise InvariantError(f"{b} has a negative ref_cnt")
+            if (b.ref_cnt == 0) != (b.block_id in seen):
+                raise InvariantError(f"{b} free-list membership wrong")
+            if b.block_hash is not None and self.cached_block_hash_to_block.get(b.block_hash) is not b:
+                raise InvariantError(f"{b} hashed but not in the map")
         for h, b in self.cached_block_hash_to_block.items():
-            assert b.block_hash == h, f"hash map points at {b} whose hash differs"
+            if b.block_hash != h:
+                raise InvariantError(f"hash map points at {b} whose hash differs")
         # Unhashed free blocks all precede hashed ones (reused before anything findable is evicted).
         hashed_seen = False
         for b in self.free_block_queue:
             if b.block_hash is not None:
                 hashed_seen = True
             else:
-                assert not hashed_seen, f"unhashed {b} sits behind cached blocks in the free list"
+                if hashed_seen:
+                    raise InvariantError(f"unhashed {b} sits behind cached blocks in the free list")

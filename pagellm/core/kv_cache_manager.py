@@ -16,10 +16,12 @@ by several sequences of the group is copied once and stays shared on the other s
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from pagellm.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 from pagellm.sequence import Sequence
-from pagellm.utils import cdiv
+from pagellm.utils import InvariantError, cdiv
 
 
 class AllocStatus(enum.Enum):
@@ -28,6 +30,18 @@ class AllocStatus(enum.Enum):
     OK = enum.auto()
     LATER = enum.auto()
     NEVER = enum.auto()
+
+
+@dataclass(slots=True)
+class SlotRequest:
+    """Room asked for one sequence: ``num_new_tokens`` after ``num_computed_tokens`` (which counts
+    ``computed_blocks``, a new sequence's prefix-cache hit). A plan the scheduler can weigh
+    (``KVCacheManager.num_new_blocks``) before anything is allocated or changed."""
+
+    seq: Sequence
+    num_computed_tokens: int
+    num_new_tokens: int
+    computed_blocks: list[KVCacheBlock] = field(default_factory=list)
 
 
 def _unique(tables: list[list[KVCacheBlock]]) -> list[KVCacheBlock]:
@@ -123,14 +137,35 @@ class KVCacheManager:
         return self.block_pool.reset_prefix_cache()
 
     # ------------------------------------------------------------------ allocation
+    def num_new_blocks(self, requests: Iterable[SlotRequest],
+                       tables: dict[int, list[KVCacheBlock]] | None = None) -> int:
+        """Free device blocks that giving every request its slots would take: the one place that
+        counts blocks. ``tables``: where each sequence's blocks are now (the device block tables
+        by default; the CPU ones for a swap-in, whose blocks must then come back too)::
+
+            per request:  cdiv(num_computed_tokens + num_new_tokens, block_size) - len(table) - len(hits)
+                        + 1 if the block the next token goes into is shared (copy-on-write)
+            once:         + cached hits nobody holds (touching them takes them off the free list)
+
+        A cached block several requests hit (sibling forks) is reclaimed once.
+        """
+        tables = self.block_tables if tables is None else tables
+        need = 0
+        reclaimed: set[int] = set()
+        for r in requests:
+            table = tables.get(r.seq.seq_id, [])
+            have = len(table) + len(r.computed_blocks)
+            need += max(0, self.num_blocks_for(r.num_computed_tokens + r.num_new_tokens) - have)
+            need += self._needs_cow(r.num_computed_tokens, table)
+            reclaimed.update(b.block_id for b in r.computed_blocks if b.ref_cnt == 0)
+        return need + len(reclaimed)
+
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
-                       computed_blocks: list[KVCacheBlock] | None = None,
-                       reserve: int = 0) -> list[KVCacheBlock] | None:
+                       computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
         """Grow ``seq``'s block table to hold ``num_computed_tokens + num_new_tokens`` tokens.
 
         ``computed_blocks`` (a new sequence's prefix-cache hit, from ``get_computed_blocks``) start
         the table: they are touched, and ``seq.num_computed_tokens`` must already count them.
-        ``reserve``: blocks that must stay free afterwards (the watermark, for admissions).
         A shared, partly filled block about to be written is first replaced by a private copy
         (copy-on-write; the copy is queued for ``take_copies``).
         Returns the newly allocated blocks, or ``None`` (and changes nothing) when the pool
@@ -140,15 +175,17 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
         computed_blocks = computed_blocks or []
         table = self.block_tables.get(seq.seq_id, [])
-        assert not (computed_blocks and table), "prefix hits only start a new block table"
-        if self.num_new_blocks(seq, num_new_tokens, computed_blocks) + reserve > self.block_pool.num_free_blocks:
+        if computed_blocks and table:
+            raise ValueError(f"prefix hits only start a new block table; sequence {seq.seq_id} has one")
+        request = SlotRequest(seq, seq.num_computed_tokens, num_new_tokens, computed_blocks)
+        if self.num_new_blocks([request]) > self.block_pool.num_free_blocks:
             return None
         if computed_blocks:
             self.block_pool.touch(computed_blocks)
             table = list(computed_blocks)
         self.block_tables[seq.seq_id] = table
         new: list[KVCacheBlock] = []
-        if self._needs_cow(seq, table):
+        if self._needs_cow(seq.num_computed_tokens, table):
             i = seq.num_computed_tokens // self.block_size
             old = table[i]
             table[i] = self.block_pool.get_new_blocks(1)[0]
@@ -162,31 +199,10 @@ class KVCacheManager:
             new.extend(added)
         return new
 
-    def _needs_cow(self, seq: Sequence, table: list[KVCacheBlock]) -> bool:
+    def _needs_cow(self, num_computed_tokens: int, table: list[KVCacheBlock]) -> bool:
         """The block the next token goes into exists and is shared: it must be copied first."""
-        i = seq.num_computed_tokens // self.block_size
+        i = num_computed_tokens // self.block_size
         return i < len(table) and table[i].ref_cnt > 1
-
-    def num_new_blocks(self, seq: Sequence, num_new_tokens: int,
-                       computed_blocks: list[KVCacheBlock] | None = None) -> int:
-        """Free blocks ``allocate_slots(seq, num_new_tokens, computed_blocks)`` would take."""
-        computed_blocks = computed_blocks or []
-        table = self.block_tables.get(seq.seq_id, [])
-        have = len(table) + len(computed_blocks)
-        need = max(0, self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - have)
-        # Touching a free cached block takes it out of the free list too.
-        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        return need + reclaimed + (1 if table and self._needs_cow(seq, table) else 0)
-
-    def num_new_blocks_for_admission(self, plan: list[tuple[Sequence, int, list[KVCacheBlock]]]) -> int:
-        """Free blocks admitting these ``(seq, new tokens, prefix hits)`` together would take; a
-        cached block several of them hit (sibling forks) is reclaimed from the free list once."""
-        need = 0
-        reclaimed: set[int] = set()
-        for seq, n, hits in plan:
-            need += max(0, self.num_blocks_for(seq.num_computed_tokens + n) - len(hits))
-            reclaimed.update(b.block_id for b in hits if b.ref_cnt == 0)
-        return need + len(reclaimed)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares every block of ``parent`` (one more reference each)."""
@@ -224,7 +240,8 @@ class KVCacheManager:
 
         The device blocks are freed (cached ones keep their hash, so a later hit may reuse them).
         """
-        assert self.can_swap_out(seqs) == AllocStatus.OK, "swap_out without room: check can_swap_out"
+        if self.can_swap_out(seqs) != AllocStatus.OK:
+            raise RuntimeError("swap_out without room in the CPU pool: check can_swap_out first")
         pairs = self._move(seqs, self.block_tables, self.cpu_block_tables, self.block_pool, self.cpu_pool)
         for s in seqs:
             self._num_cached_blocks.pop(s.seq_id, None)
@@ -233,12 +250,10 @@ class KVCacheManager:
     def can_swap_in(self, seqs: list[Sequence], num_new_tokens: int, running: bool = True) -> AllocStatus:
         """Whether the device pool can take back these sequences' blocks plus room for
         ``num_new_tokens`` more each. ``running``: others are running, so keep the watermark free."""
+        # Every CPU block comes back (shared ones once), plus the growth and copy-on-write.
         need = len(_unique([self.cpu_block_tables.get(s.seq_id, []) for s in seqs]))
-        for s in seqs:
-            table = self.cpu_block_tables.get(s.seq_id, [])
-            need += max(0, self.num_blocks_for(s.num_computed_tokens + num_new_tokens) - len(table))
-            i = s.num_computed_tokens // self.block_size
-            need += i < len(table) and table[i].ref_cnt > 1  # a shared block it writes: copy-on-write
+        need += self.num_new_blocks((SlotRequest(s, s.num_computed_tokens, num_new_tokens) for s in seqs),
+                                    tables=self.cpu_block_tables)
         if need > self.num_blocks:
             return AllocStatus.NEVER
         reserve = self.watermark_blocks if running else 0
@@ -298,16 +313,21 @@ class KVCacheManager:
             pool.check_invariants()
             owners: dict[int, int] = {}
             for table in tables.values():
-                assert len({b.block_id for b in table}) == len(table), "a block appears twice in one table"
+                if len({b.block_id for b in table}) != len(table):
+                    raise InvariantError("a block appears twice in one table")
                 for b in table:
                     owners[b.block_id] = owners.get(b.block_id, 0) + 1
             for b in pool.blocks:
-                assert b.ref_cnt == owners.get(b.block_id, 0), f"{b} ref_cnt != {owners.get(b.block_id, 0)} owners"
+                if b.ref_cnt != owners.get(b.block_id, 0):
+                    raise InvariantError(f"{b} ref_cnt != {owners.get(b.block_id, 0)} owners")
         for b in self.cpu_pool.blocks:
-            assert b.block_hash is None, f"CPU {b} carries a prefix-cache hash"
-        assert not set(self.block_tables) & set(self.cpu_block_tables), "a sequence has device and CPU blocks"
+            if b.block_hash is not None:
+                raise InvariantError(f"CPU {b} carries a prefix-cache hash")
+        if set(self.block_tables) & set(self.cpu_block_tables):
+            raise InvariantError("a sequence has device and CPU blocks")
         if live_seq_ids is not None:
             stray = set(self.block_tables) - live_seq_ids
-            assert not stray, f"block tables kept for sequences no longer scheduled: {sorted(stray)}"
-        if swapped_seq_ids is not None:
-            assert set(self.cpu_block_tables) == swapped_seq_ids, "CPU block tables differ from swapped sequences"
+            if stray:
+                raise InvariantError(f"block tables kept for sequences no longer scheduled: {sorted(stray)}")
+        if swapped_seq_ids is not None and not (set(self.cpu_block_tables) == swapped_seq_ids):
+            raise InvariantError("CPU block tables differ from swapped sequences")

@@ -39,13 +39,16 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 
 from pagellm.config import SchedulerConfig
-from pagellm.core.kv_cache_manager import AllocStatus, KVCacheManager
+from pagellm.core.beam_search import advance_beams
+from pagellm.core.kv_cache_manager import AllocStatus, KVCacheManager, SlotRequest
 from pagellm.core.request_queue import FCFSRequestQueue, PriorityRequestQueue
 from pagellm.core.scheduler_output import CacheOps, ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from pagellm.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagellm.utils import InvariantError
 
 
 @dataclass(slots=True)
@@ -58,6 +61,21 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass(slots=True)
+class _Step:
+    """What one ``schedule()`` call has decided so far; its phases add to it in turn."""
+
+    token_budget: int
+    ops: CacheOps = field(default_factory=CacheOps)
+    scheduled: list[tuple[SequenceGroup, list[SlotRequest]]] = field(default_factory=list)
+    preempted: list[SequenceGroup] = field(default_factory=list)  # out of blocks (phase 1)
+    forced: list[SequenceGroup] = field(default_factory=list)  # pushed out by a better request (phase 0)
+
+    def add(self, group: SequenceGroup, plan: list[SlotRequest]) -> None:
+        self.scheduled.append((group, plan))
+        self.token_budget -= sum(r.num_new_tokens for r in plan)
 
 
 class Scheduler:
@@ -161,10 +179,6 @@ class Scheduler:
         del self.requests[group.request_id]
 
     # ------------------------------------------------------------------ preemption
-    def _num_new_tokens(self, seq: Sequence, token_budget: int) -> int:
-        n = seq.num_tokens - seq.num_computed_tokens
-        return min(n, self.config.prefill_chunk_cap, token_budget)
-
     def _preempt(self, group: SequenceGroup, ops: CacheOps) -> None:
         """Swap ``group`` out or drop its K/V for recompute, per the preemption mode (see module doc)."""
         kv = self.kv_cache_manager
@@ -201,14 +215,8 @@ class Scheduler:
     def _num_running_seqs(self) -> int:
         return sum(g.num_seqs_reserved for g in self.running)
 
-    def _fits_now(self, group: SequenceGroup) -> bool:
-        """Whether the best waiting request could be admitted this step as things stand."""
-        if self._num_running_seqs() + group.num_seqs_reserved > self.config.max_num_seqs:
-            return False
-        plan = self._plan_admission(group, self.config.max_num_batched_tokens)
-        need = self.kv_cache_manager.num_new_blocks_for_admission(plan)
-        self._unplan(group)
-        return need + self.kv_cache_manager.watermark_blocks <= self.kv_cache_manager.num_free_blocks
+    def _has_seq_room(self, group: SequenceGroup) -> bool:
+        return self._num_running_seqs() + group.num_seqs_reserved <= self.config.max_num_seqs
 
     def _outranks(self, group: SequenceGroup, victim: SequenceGroup) -> bool:
         """May ``group`` push ``victim`` out? Only with a strictly better base priority *and* a
@@ -216,45 +224,37 @@ class Scheduler:
         a preemption itself (two equal requests aging past each other would evict each other forever)."""
         return group.priority < victim.priority and self._key(group) < self._key(victim)
 
-    def _preempt_for_priority(self, ops: CacheOps) -> list[SequenceGroup]:
-        """Push out running requests the best waiting one outranks, worst first, until it fits."""
-        forced: list[SequenceGroup] = []
-        if not self.waiting:
-            return forced
-        best = self.waiting.peek()
-        while self.running and self._outranks(best, self.running[-1]) and not self._fits_now(best):
-            victim = self.running.pop()
-            self._preempt(victim, ops)
-            forced.append(victim)
-        return forced
-
-    # ------------------------------------------------------------------ one step
-    def _plan(self, group: SequenceGroup, token_budget: int) -> list[tuple[Sequence, int]]:
-        """``(seq, new tokens)`` for the group's live sequences, in order, within the budget."""
+    # ------------------------------------------------------------------ plans (values; nothing changes)
+    def _plan(self, group: SequenceGroup, token_budget: int) -> list[SlotRequest]:
+        """The group's live sequences' next tokens, in order, within the budget."""
         plan = []
         for seq in group.live_seqs():
             if token_budget <= 0:
                 break
-            n = self._num_new_tokens(seq, token_budget)
+            n = self._num_new_tokens(seq.num_tokens, seq.num_computed_tokens, token_budget)
             if n > 0:  # 0: a beam that sampled and waits for its siblings
-                plan.append((seq, n))
+                plan.append(SlotRequest(seq, seq.num_computed_tokens, n))
                 token_budget -= n
         return plan
 
-    def _plan_admission(self, group: SequenceGroup, token_budget: int) -> list[tuple[Sequence, int, list]]:
-        """Like ``_plan`` for a waiting group, with each sequence's prefix-cache hit counted as computed.
-        Sets ``num_computed_tokens`` from the hits; ``_unplan`` undoes that."""
+    def _plan_admission(self, group: SequenceGroup, token_budget: int) -> list[SlotRequest]:
+        """Like ``_plan`` for a waiting group, each sequence's prefix-cache hit counted as computed.
+        A value: the sequences are not touched until ``_admit`` applies it."""
         kv = self.kv_cache_manager
         plan = []
         for seq in group.live_seqs():
             if token_budget <= 0:
                 break
             hits = kv.get_computed_blocks(seq, group.cache_salt)
-            seq.num_computed_tokens = len(hits) * kv.block_size
-            n = self._num_new_tokens(seq, token_budget)
-            plan.append((seq, n, hits))
+            computed = len(hits) * kv.block_size
+            n = self._num_new_tokens(seq.num_tokens, computed, token_budget)
+            plan.append(SlotRequest(seq, computed, n, hits))
             token_budget -= n
         return plan
+
+    def _num_new_tokens(self, num_tokens: int, num_computed_tokens: int, token_budget: int) -> int:
+        """The unified rule: every token not yet computed, capped by the chunk size and the budget."""
+        return min(num_tokens - num_computed_tokens, self.config.prefill_chunk_cap, token_budget)
 
     def _pending_block_hashes(self, groups: Iterable[SequenceGroup]) -> set[bytes]:
         """Hashes of the full blocks that these (running) groups have yet to compute and cache."""
@@ -262,141 +262,168 @@ class Scheduler:
         return {h for group in groups for seq in group.live_seqs()
                 for h in seq.block_hashes[seq.num_computed_tokens // bs:]}
 
-    @staticmethod
-    def _unplan(group: SequenceGroup) -> None:
-        for seq in group.live_seqs():
-            seq.num_computed_tokens = 0
-
-    def _allocate(self, plan: list[tuple[Sequence, int]]) -> bool:
-        """All of the plan's blocks, or nothing."""
+    def _allocate(self, plan: list[SlotRequest]) -> bool:
+        """All of the plan's blocks, or nothing (and nothing changes)."""
         kv = self.kv_cache_manager
-        if sum(kv.num_new_blocks(seq, n) for seq, n in plan) > kv.num_free_blocks:
+        if kv.num_new_blocks(plan) > kv.num_free_blocks:
             return False
-        for seq, n in plan:
-            assert kv.allocate_slots(seq, n) is not None
+        for r in plan:
+            if kv.allocate_slots(r.seq, r.num_new_tokens) is None:
+                raise RuntimeError(f"allocate_slots failed for sequence {r.seq.seq_id} after num_new_blocks "
+                                   "said the pool had room")
         return True
 
+    # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
+        """One step: priority preemption, running, swapped, waiting (see the module docstring)."""
         self._step += 1
-        kv = self.kv_cache_manager
-        token_budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[SequenceGroup, list[tuple[Sequence, int]]]] = []
-        ops = CacheOps()
+        step = _Step(token_budget=self.config.max_num_batched_tokens)
         if self.priority_policy:
             self.running.sort(key=self._key)  # the worst is last: the next victim
-            forced = self._preempt_for_priority(ops)
-        else:
-            forced = []
-        preempted: list[SequenceGroup] = []
+            self._preempt_for_priority(step)
+        self._schedule_running(step)
+        if not step.preempted:  # a step that had to preempt has no room to take anyone back
+            self._schedule_swapped(step)
+            self._schedule_waiting(step)
+        return self._make_output(step)
 
-        # 1. Running requests first, best first; preempt the worst when blocks run out. A
-        #    request's sequences are scheduled (and preempted) together.
+    def _preempt_for_priority(self, step: _Step) -> None:
+        """Phase 0: push out running requests the best waiting one outranks, worst first, until it fits."""
+        if not self.waiting:
+            return
+        best = self.waiting.peek()
+        while self.running and self._outranks(best, self.running[-1]) and not self._fits_now(best):
+            victim = self.running.pop()
+            self._preempt(victim, step.ops)
+            step.forced.append(victim)
+
+    def _fits_now(self, group: SequenceGroup) -> bool:
+        """Whether the best waiting request could be admitted this step as things stand."""
+        if not self._has_seq_room(group):
+            return False
+        kv = self.kv_cache_manager
+        plan = self._plan_admission(group, self.config.max_num_batched_tokens)
+        return kv.num_new_blocks(plan) + kv.watermark_blocks <= kv.num_free_blocks
+
+    def _schedule_running(self, step: _Step) -> None:
+        """Phase 1: running requests, best first, all of a request's sequences together; when the
+        pool runs out of blocks the worst running request is preempted (possibly the one at hand)."""
         i = 0
-        while i < len(self.running) and token_budget > 0:
+        while i < len(self.running) and step.token_budget > 0:
             group = self.running[i]
-            plan = self._plan(group, token_budget)
+            plan = self._plan(group, step.token_budget)
             while not self._allocate(plan):
                 victim = self.running.pop()
                 if victim is group and not self.running:
                     # Alone with the whole pool and still out of blocks (forks outgrew it): it
                     # can never go on. End it with what it has instead of recomputing forever.
                     self._ignore(group)
-                    break
-                self._preempt(victim, ops)
-                preempted.append(victim)
+                    return
+                self._preempt(victim, step.ops)
+                step.preempted.append(victim)
                 if victim is group:
-                    break
-            else:
-                scheduled.append((group, plan))
-                token_budget -= sum(n for _, n in plan)
-                i += 1
+                    return  # ``group`` preempted itself: nobody after it is left
+            step.add(group, plan)
+            i += 1
+
+    def _schedule_swapped(self, step: _Step) -> None:
+        """Phase 2: swapped requests come back, best first, while blocks above the watermark allow."""
+        kv = self.kv_cache_manager
+        self.swapped.sort(key=self._key)
+        while self.swapped and step.token_budget > 0:
+            group = self.swapped[0]
+            if self.waiting and self._key(self.waiting.peek()) < self._key(group):
+                break  # a better request waits (e.g. the one this step's priority preemption was for)
+            if not self._has_seq_room(group):
+                break
+            seqs = group.live_seqs()
+            n = self._num_new_tokens(seqs[0].num_tokens, seqs[0].num_computed_tokens,
+                                     max(1, step.token_budget // len(seqs)))
+            status = kv.can_swap_in(seqs, n, running=bool(self.running))
+            if status == AllocStatus.NEVER:
+                self._ignore(group)
                 continue
-            break  # ``group`` preempted itself: nobody after it is left
+            if status == AllocStatus.LATER:
+                break
+            self.swapped.pop(0)
+            step.ops.swap_in.extend(kv.swap_in(seqs))
+            self.num_swap_ins += 1
+            for seq in seqs:
+                seq.status = SequenceStatus.RUNNING
+            self._dequeue_time(group)
+            self.running.append(group)
+            plan = self._plan(group, min(step.token_budget, n * len(seqs)))
+            if not self._allocate(plan):
+                raise RuntimeError(f"can_swap_in promised room for request {group.request_id!r}'s next tokens")
+            step.add(group, plan)
 
-        # 2. Swapped requests come back, best first, unless this step had to preempt.
-        if not preempted and self.swapped:
-            self.swapped.sort(key=self._key)
-            while self.swapped and token_budget > 0:
-                group = self.swapped[0]
-                if self.waiting and self._key(self.waiting.peek()) < self._key(group):
-                    break  # a better request waits (e.g. the one this step's priority preemption was for)
-                if self._num_running_seqs() + group.num_seqs_reserved > self.config.max_num_seqs:
-                    break
-                seqs = group.live_seqs()
-                n = self._num_new_tokens(seqs[0], max(1, token_budget // len(seqs)))
-                status = kv.can_swap_in(seqs, n, running=bool(self.running))
-                if status == AllocStatus.NEVER:
-                    self._ignore(group)
-                    continue
-                if status == AllocStatus.LATER:
-                    break
-                self.swapped.pop(0)
-                ops.swap_in.extend(kv.swap_in(seqs))
-                self.num_swap_ins += 1
-                for seq in seqs:
-                    seq.status = SequenceStatus.RUNNING
-                self._dequeue_time(group)
-                self.running.append(group)
-                plan = self._plan(group, min(token_budget, n * len(seqs)))
-                assert self._allocate(plan), "can_swap_in promised room for the next tokens"
-                scheduled.append((group, plan))
-                token_budget -= sum(n for _, n in plan)
-
-        # 3. Waiting requests, best first, unless this step preempted or better work is swapped
-        #    out. A cached prefix counts as computed: only the rest is scheduled.
+    def _schedule_waiting(self, step: _Step) -> None:
+        """Phase 3: waiting requests, best first, with their cached prefix counted as computed;
+        nobody is admitted past an older (better) swapped request or a request pushed out this step."""
+        kv = self.kv_cache_manager
         pending = self._pending_block_hashes(self.running) if kv.enable_caching and self.waiting else set()
-        while not preempted and self.waiting and token_budget > 0:
+        while self.waiting and step.token_budget > 0:
             group = self.waiting.peek()
             if self.swapped and not self._key(group) < self._key(self.swapped[0]):
                 break
-            if group in forced:
+            if group in step.forced:
                 break  # pushed out this very step for a better request: not back before the next
-            if self._num_running_seqs() + group.num_seqs_reserved > self.config.max_num_seqs:
+            if not self._has_seq_room(group):
                 break
             if any(kv.num_blocks_for(s.num_tokens) > kv.num_blocks for s in group.live_seqs()):
                 self._ignore(group)  # could never be held, however empty the pool
                 continue
-            adm = self._plan_admission(group, token_budget)
-            first, _, hits = adm[0]
-            if len(hits) < len(first.block_hashes) and first.block_hashes[len(hits)] in pending:
-                self._unplan(group)  # its next block is being computed: a hit in a step or two
+            plan = self._plan_admission(group, step.token_budget)
+            first = plan[0]
+            n_hit = len(first.computed_blocks)
+            if n_hit < len(first.seq.block_hashes) and first.seq.block_hashes[n_hit] in pending:
+                break  # its next block is being computed by a running prefill: a hit in a step or two
+            if not self._admissible(plan):
                 break
-            unchunked_ok = self.config.enable_chunked_prefill or all(
-                n == seq.num_tokens - seq.num_computed_tokens for seq, n, _ in adm)
-            # The watermark only matters when someone is running: an empty engine admits anything that fits.
-            reserve = kv.watermark_blocks if self.running else 0
-            if not self.running:
-                # An empty pool must admit something: the sequences that fit now (a recomputing
-                # group may get the rest of its sequences' tokens in later steps).
-                while len(adm) > 1 and kv.num_new_blocks_for_admission(adm) > kv.num_free_blocks:
-                    adm.pop()[0].num_computed_tokens = 0
-            if not unchunked_ok or kv.num_new_blocks_for_admission(adm) + reserve > kv.num_free_blocks:
-                self._unplan(group)
-                break
-            for seq, n, hits in adm:
-                assert kv.allocate_slots(seq, n, hits) is not None
-                self.prefix_cache_stats.queries += seq.num_tokens
-                self.prefix_cache_stats.hits += seq.num_computed_tokens
-            for seq in group.live_seqs():
-                seq.status = SequenceStatus.RUNNING
-            if group.metrics.first_scheduled_time is None:  # first admission, not a resume
-                group.metrics.first_scheduled_time = time.monotonic()
-                group.num_cached_tokens = adm[0][0].num_computed_tokens
-            self.waiting.pop()
-            self._dequeue_time(group)
-            self.running.append(group)
-            plan = [(seq, n) for seq, n, _ in adm]
+            self._admit(group, plan)
             pending |= self._pending_block_hashes([group])  # empty with caching off: nothing is hashed
-            scheduled.append((group, plan))
-            token_budget -= sum(n for _, n in plan)
+            step.add(group, plan)
 
-        ops.copy.extend(kv.take_copies())
+    def _admissible(self, plan: list[SlotRequest]) -> bool:
+        """Whether ``plan`` fits now; trims it to the sequences that fit when nobody is running."""
+        kv = self.kv_cache_manager
+        if not self.config.enable_chunked_prefill and any(
+                r.num_computed_tokens + r.num_new_tokens < r.seq.num_tokens for r in plan):
+            return False  # a whole prompt or nothing
+        if not self.running:
+            # An empty pool must admit something: the sequences that fit now (a recomputing group
+            # may get the rest of its sequences' tokens in later steps). No watermark either.
+            while len(plan) > 1 and kv.num_new_blocks(plan) > kv.num_free_blocks:
+                plan.pop()
+            return kv.num_new_blocks(plan) <= kv.num_free_blocks
+        return kv.num_new_blocks(plan) + kv.watermark_blocks <= kv.num_free_blocks
+
+    def _admit(self, group: SequenceGroup, plan: list[SlotRequest]) -> None:
+        """Apply an admission plan: hits become computed tokens, blocks are allocated, the group runs."""
+        kv = self.kv_cache_manager
+        for r in plan:
+            r.seq.num_computed_tokens = r.num_computed_tokens
+            if kv.allocate_slots(r.seq, r.num_new_tokens, r.computed_blocks) is None:
+                raise RuntimeError(f"allocate_slots failed admitting request {group.request_id!r} after "
+                                   "num_new_blocks said the pool had room")
+            self.prefix_cache_stats.queries += r.seq.num_tokens
+            self.prefix_cache_stats.hits += r.num_computed_tokens
+        for seq in group.live_seqs():
+            seq.status = SequenceStatus.RUNNING
+        if group.metrics.first_scheduled_time is None:  # first admission, not a resume
+            group.metrics.first_scheduled_time = time.monotonic()
+            group.num_cached_tokens = plan[0].num_computed_tokens
+        self.waiting.pop()
+        self._dequeue_time(group)
+        self.running.append(group)
+
+    def _make_output(self, step: _Step) -> SchedulerOutput:
+        step.ops.copy.extend(self.kv_cache_manager.take_copies())
         out = SchedulerOutput(
-            scheduled=[self._make_scheduled(g, seq, n) for g, plan in scheduled for seq, n in plan],
-            num_batched_tokens=self.config.max_num_batched_tokens - token_budget,
-            cache_ops=ops,
+            scheduled=[self._make_scheduled(g, r.seq, r.num_new_tokens) for g, plan in step.scheduled for r in plan],
+            cache_ops=step.ops,
             finished_seq_ids=self._finished_seq_ids,
-            preempted_request_ids=[g.request_id for g in forced + preempted],
+            preempted_request_ids=[g.request_id for g in step.forced + step.preempted],
         )
         self._finished_seq_ids = []
         return out
@@ -448,7 +475,8 @@ class Scheduler:
             if not sched.do_sample:
                 continue
             if group.beam_state is not None:
-                self._beam_sampled(group, seq, runner_output.sampled[seq.seq_id].top_logprobs or {})
+                advance_beams(group, seq, runner_output.sampled[seq.seq_id].top_logprobs or {},
+                              fork=partial(self._fork, group), free=self._free_seq)
                 updated[group.request_id] = group
                 if group.is_finished():
                     self._release(group)
@@ -456,11 +484,7 @@ class Scheduler:
                 continue
             targets = [seq]
             if sched.sample_seq_ids is not None and not group.forked:
-                for child_id in sched.sample_seq_ids[1:]:
-                    child = seq.fork(child_id)
-                    kv.fork(seq, child)
-                    group.seqs.append(child)
-                    targets.append(child)
+                targets += [self._fork(group, seq, child_id) for child_id in sched.sample_seq_ids[1:]]
                 group.forked = True
             for target in targets:
                 sampled = runner_output.sampled[target.seq_id]
@@ -474,42 +498,12 @@ class Scheduler:
                 finished.append(group)
         return list(updated.values()), finished
 
-    def _beam_sampled(self, group: SequenceGroup, seq: Sequence, top: dict[int, tuple[float, int]]) -> None:
-        """Record a beam's candidates; once every running beam has reported, take the beam step:
-        surviving parents extend in place, extra children fork (sharing blocks), the rest are freed."""
-        state = group.beam_state
-        state.pending[seq.seq_id] = {tok: lp for tok, (lp, _) in top.items()}
-        beams = group.live_seqs()
-        if any(b.seq_id not in state.pending for b in beams):
-            return
-        step = state.step([b.output_token_ids for b in beams], [state.pending[b.seq_id] for b in beams])
-        state.pending.clear()
-        kv = self.kv_cache_manager
-        new_beams: list[Sequence] = []
-        used: set[int] = set()
-        if not step.done:
-            # A parent's first continuation extends it in place; each further one is a fork taken
-            # before any token is appended (so it starts from the parent's state of this step).
-            for parent_idx, _, _ in step.running:
-                parent = beams[parent_idx]
-                if parent.seq_id in used:
-                    child = parent.fork(self.new_seq_id())
-                    kv.fork(parent, child)
-                    group.seqs.append(child)
-                    new_beams.append(child)
-                else:
-                    used.add(parent.seq_id)
-                    new_beams.append(parent)
-            for beam, (_, token, cum) in zip(new_beams, step.running, strict=True):
-                beam.output_token_ids.append(token)
-                beam.cumulative_logprob = cum
-        for b in beams:  # beams no continuation chose, or all of them when the search is over
-            if b.seq_id not in used:
-                b.status = SequenceStatus.FINISHED_STOPPED
-                self._free_seq(b)
-        # Running order follows the search's ranking (HF breaks ties by beam index).
-        rank = {b.seq_id: i for i, b in enumerate(new_beams)}
-        group.seqs.sort(key=lambda s: rank.get(s.seq_id, len(rank)))
+    def _fork(self, group: SequenceGroup, parent: Sequence, child_id: int | None = None) -> Sequence:
+        """A new sequence of ``group`` sharing every block of ``parent`` (a sample or a beam)."""
+        child = parent.fork(self.new_seq_id() if child_id is None else child_id)
+        self.kv_cache_manager.fork(parent, child)
+        group.seqs.append(child)
+        return child
 
     def _free_seq(self, seq: Sequence) -> None:
         """A sequence finished while its siblings go on: its blocks go back now."""
@@ -534,7 +528,7 @@ class Scheduler:
             if not params.ignore_eos and token == params.eos_token_id:
                 seq.status = SequenceStatus.FINISHED_STOPPED
                 return
-            if token in params.stop_token_ids:
+            if token in (params.stop_token_ids or ()):
                 seq.status = SequenceStatus.FINISHED_STOPPED
                 seq.stop_reason = token
                 return
@@ -548,39 +542,56 @@ class Scheduler:
         queues = {"running": [g.request_id for g in self.running], "waiting": [g.request_id for g in self.waiting],
                   "swapped": [g.request_id for g in self.swapped]}
         for name, ids in queues.items():
-            assert len(set(ids)) == len(ids), f"a request is twice in {name}"
+            if len(set(ids)) != len(ids):
+                raise InvariantError(f"a request is twice in {name}")
         all_ids = [rid for ids in queues.values() for rid in ids]
-        assert len(set(all_ids)) == len(all_ids), "a request is in two queues"
-        assert set(all_ids) == set(self.requests), "request map out of sync with queues"
-        assert self._num_running_seqs() <= self.config.max_num_seqs, "more running sequences than max_num_seqs"
+        if len(set(all_ids)) != len(all_ids):
+            raise InvariantError("a request is in two queues")
+        if set(all_ids) != set(self.requests):
+            raise InvariantError("request map out of sync with queues")
+        if self._num_running_seqs() > self.config.max_num_seqs:
+            raise InvariantError("more running sequences than max_num_seqs")
         kv = self.kv_cache_manager
         bs = kv.block_size
         live: set[int] = set()
         for g in self.running:
-            assert g.queued_since is None, "a running request is still counted as queued"
+            if g.queued_since is not None:
+                raise InvariantError("a running request is still counted as queued")
             for s in g.seqs:
                 if s.status.is_finished:
-                    assert s.seq_id not in kv.block_tables, f"finished {s.seq_id} still holds blocks"
+                    if s.seq_id in kv.block_tables:
+                        raise InvariantError(f"finished {s.seq_id} still holds blocks")
                     continue
-                assert s.status == SequenceStatus.RUNNING, f"{s.seq_id} in running with status {s.status!r}"
+                if s.status != SequenceStatus.RUNNING:
+                    raise InvariantError(f"{s.seq_id} in running with status {s.status!r}")
                 waits = g.beam_state is not None and s.seq_id in g.beam_state.pending  # sampled, waits for siblings
-                assert 0 <= s.num_computed_tokens < s.num_tokens or waits, "running sequence has nothing to compute"
+                if not (0 <= s.num_computed_tokens < s.num_tokens or waits):
+                    raise InvariantError("running sequence has nothing to compute")
                 held = len(kv.block_tables.get(s.seq_id, ())) * bs
-                assert held >= s.num_computed_tokens, "computed tokens without blocks"
+                if held < s.num_computed_tokens:
+                    raise InvariantError("computed tokens without blocks")
                 live.add(s.seq_id)
         swapped: set[int] = set()
         for g in self.swapped:
-            assert g.queued_since is not None, "a swapped request is not counted as queued"
+            if g.queued_since is None:
+                raise InvariantError("a swapped request is not counted as queued")
             for s in g.live_seqs():
-                assert s.status == SequenceStatus.SWAPPED, f"{s.seq_id} in swapped with status {s.status!r}"
-                assert len(kv.cpu_block_tables.get(s.seq_id, ())) * bs >= s.num_computed_tokens, "swapped K/V lost"
+                if s.status != SequenceStatus.SWAPPED:
+                    raise InvariantError(f"{s.seq_id} in swapped with status {s.status!r}")
+                if len(kv.cpu_block_tables.get(s.seq_id, ())) * bs < s.num_computed_tokens:
+                    raise InvariantError("swapped K/V lost")
                 swapped.add(s.seq_id)
         for g in self.waiting:
-            assert g.queued_since is not None, "a waiting request is not counted as queued"
+            if g.queued_since is None:
+                raise InvariantError("a waiting request is not counted as queued")
             for s in g.live_seqs():
-                assert s.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED), f"waiting {s.status!r}"
-                assert s.num_computed_tokens == 0, "a waiting sequence claims computed tokens"
+                if s.status not in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
+                    raise InvariantError(f"waiting {s.status!r}")
+                if s.num_computed_tokens != 0:
+                    raise InvariantError("a waiting sequence claims computed tokens")
         kv.check_invariants(live_seq_ids=live, swapped_seq_ids=swapped)
         if not self.requests:
-            assert kv.num_free_blocks == kv.num_blocks, "idle but device blocks in use"
-            assert kv.cpu_pool.num_free_blocks == kv.cpu_pool.num_blocks, "idle but CPU blocks in use"
+            if kv.num_free_blocks != kv.num_blocks:
+                raise InvariantError("idle but device blocks in use")
+            if kv.cpu_pool.num_free_blocks != kv.cpu_pool.num_blocks:
+                raise InvariantError("idle but CPU blocks in use")

@@ -60,7 +60,6 @@ class SchedulerOutput:
     """Everything the worker needs for one step; ``finished_seq_ids`` lets it drop per-sequence state."""
 
     scheduled: list[ScheduledSequence]
-    num_batched_tokens: int
     cache_ops: CacheOps = field(default_factory=CacheOps)
     finished_seq_ids: list[int] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from pagellm.config import EngineArgs, EngineConfig, resolve_model_source
 from pagellm.core.beam_search import BeamSearchState
@@ -295,7 +295,8 @@ class LLMEngine:
         delta = detok.step(new)
         params = group.sampling_params
         if delta and params.stop and seq.status != SequenceStatus.FINISHED_STOPPED:
-            hit = find_stop_string(detok.text, len(delta), params.stop, params.include_stop_str_in_output)
+            stops = cast(list[str], params.stop)  # SamplingParams.__post_init__ made it a list
+            hit = find_stop_string(detok.text, len(delta), stops, params.include_stop_str_in_output)
             if hit is not None:
                 detok.text = detok.text[:hit[1]]
                 seq.stop_reason = hit[0]

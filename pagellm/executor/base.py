@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, NoReturn
 
 from pagellm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.worker.worker import ModelInfo
+
+logger = logging.getLogger(__name__)
 
 
 class WorkerError(RuntimeError):
@@ -15,12 +18,14 @@ class WorkerError(RuntimeError):
 class Executor:
     """``collective_rpc`` to every worker plus the calls the engine makes each step.
 
-    ``execute_model`` is split into ``submit_model`` and ``PendingOutput.result`` so an engine that
-    drives several executors (data-parallel replicas) can start them all before waiting for any.
+    A step is ``submit_model`` then ``PendingOutput.result``, so an engine that drives several
+    executors (data-parallel replicas) can start them all before waiting for any.
     """
 
     #: Set once a worker failed; every later call raises it again instead of touching the workers.
     failure: WorkerError | None = None
+    #: Names the backend in failure logs.
+    backend_name = "uni"
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         """Call ``method(*args)`` on every worker; one result per rank, in rank order."""
@@ -41,9 +46,6 @@ class Executor:
         """Start one step; the default runs it to completion at once."""
         return PendingOutput(self.collective_rpc("execute_model", (scheduler_output,))[0])
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.submit_model(scheduler_output).result()
-
     def check_health(self) -> None:
         """Raise ``WorkerError`` if any worker has failed."""
         if self.failure is not None:
@@ -51,6 +53,12 @@ class Executor:
 
     def shutdown(self) -> None:
         """Stop the workers; idempotent."""
+
+    def _fail(self, message: str) -> NoReturn:
+        """Record the failure (every later call raises it too), log it, raise it."""
+        self.failure = WorkerError(message)
+        logger.error("%s executor failed: %s", self.backend_name, message)
+        raise self.failure
 
 
 class PendingOutput:

@@ -11,7 +11,6 @@ connection, so it never blocks on a rank stuck in a collective with a dead peer)
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import pickle
 import secrets
@@ -30,8 +29,6 @@ from pagellm.config import EngineConfig, default_num_threads
 from pagellm.core.scheduler_output import SchedulerOutput
 from pagellm.executor.base import Executor, PendingOutput, WorkerError
 from pagellm.executor.step_delta import StepEncoder
-
-logger = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT_S = 300.0
 
@@ -53,6 +50,8 @@ def worker_config(config: EngineConfig, workers_per_machine: int) -> EngineConfi
 
 class MultiprocExecutor(Executor):
     """``tensor_parallel_size`` worker processes on this machine, driven over local sockets."""
+
+    backend_name = "mp"
 
     def __init__(self, config: EngineConfig, workers_per_machine: int | None = None) -> None:
         self.world_size = config.parallel.tensor_parallel_size
@@ -140,16 +139,9 @@ class MultiprocExecutor(Executor):
         while True:
             # A rank that exits cleanly after reporting its own error is not a death.
             dead = [(rank, p) for rank, p in enumerate(self.procs) if p.poll() not in (None, 0)]
-            if dead:
+            if dead or time.monotonic() >= deadline:
                 return "".join(f"worker rank {r} (pid {p.pid}) died with exit code {p.returncode}; " for r, p in dead)
-            if time.monotonic() >= deadline:
-                return ""
             time.sleep(0.05)
-
-    def _fail(self, message: str) -> None:
-        self.failure = WorkerError(message)
-        logger.error("mp executor failed: %s", message)
-        raise self.failure
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         self._send_all(method, args)

@@ -12,7 +12,6 @@ once.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import socket
 from typing import Any
@@ -22,8 +21,6 @@ from pagellm.core.scheduler_output import SchedulerOutput
 from pagellm.executor.base import Executor, PendingOutput, WorkerError
 from pagellm.executor.multiproc import worker_config
 from pagellm.executor.step_delta import StepEncoder
-
-logger = logging.getLogger(__name__)
 
 _PLACEMENT_TIMEOUT_S = float(os.environ.get("PAGELLM_RAY_PLACEMENT_TIMEOUT_S", "120"))
 
@@ -68,6 +65,8 @@ class RayWorker:
 
 class RayExecutor(Executor):
     """``tensor_parallel_size`` Ray actors in one placement group."""
+
+    backend_name = "ray"
 
     def __init__(self, config: EngineConfig, workers_per_machine: int | None = None) -> None:
         ray = self._ray = import_ray()
@@ -141,11 +140,6 @@ class RayExecutor(Executor):
             except ray.exceptions.RayError:
                 pass
         return "".join(f"Ray worker rank {r} died; " for r in dead)
-
-    def _fail(self, message: str) -> None:
-        self.failure = WorkerError(message)
-        logger.error("ray executor failed: %s", message)
-        raise self.failure
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         self.check_health()

@@ -18,6 +18,8 @@
 #include <immintrin.h>
 #endif
 
+#include "simd_common.h" /* exp_f32 */
+
 #define PAR_MIN_ROWS 16
 
 /* x [T, n] (row stride x_stride); if residual: residual += x, out = norm(residual); else out =
@@ -61,28 +63,6 @@ void rotary_f32(float *x, int64_t x_stride, const float *cos, const float *sin, 
       }
     }
   }
-}
-
-/* exp(x) in float32 to ~2 ulp, written so the compiler vectorises it (glibc's expf is a scalar
- * call without -ffast-math). Cephes' expf: x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial
- * for exp(r), times 2^n built in the exponent bits. n is rounded with the 1.5 * 2^23 trick. */
-static inline float exp_f32(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float big = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-  const float n = (x * 1.44269504088896341f + big) - big;
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = ((int32_t)n + 127) << 23;
-  float scale;
-  memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
 }
 
 /* out [T, I] = silu(gate) * up with gate_up [T, 2I] = [gate | up]. silu(g) = g / (1 + exp(-g)). */

@@ -52,7 +52,7 @@ static inline __attribute__((always_inline)) void task_impl(
     float sum = 0.f;
     const float mj = m[j];
     for (int64_t t = 0; t < L; ++t) {
-      sj[t] = expf(sj[t] - mj);
+      sj[t] = exp_f32(sj[t] - mj);
       sum += sj[t];
     }
     inv[j] = 1.f / sum;
@@ -187,7 +187,7 @@ int paged_decode_f16_supported(int64_t D) { return avx512_head64(D); }
 /* Every (sequence, KV head) task of one call. f16: the caches hold float16, which only the AVX-512
  * path for head size 64 reads (callers check paged_decode_f16_supported); inlined into each entry
  * point with a constant f16, so the element type costs no branch in the inner loops. */
-static inline __attribute__((always_inline)) void decode_all(
+static inline __attribute__((always_inline)) int decode_all(
     float *out, const float *q, const void *kc, const void *vc, const int64_t *block_tables,
     const int64_t *seq_lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
     int64_t max_blocks, float scale, const int f16) {
@@ -199,19 +199,34 @@ static inline __attribute__((always_inline)) void decode_all(
    * a 2 GiB cache: 19.6 -> 21.1 GB/s). Few sequences are still split by head, so one request uses
    * every core. */
   const int chunk = B >= 4 * omp_get_max_threads() ? (int)Hkv : 1;
+  int failed = 0;
 #pragma omp parallel
   {
     float *scores = NULL;
     int64_t cap = 0;
     float *acc = (float *)malloc(sizeof(float) * (g * D + 2 * g)); /* + task_impl's max and 1/sum */
+    if (acc == NULL) {
+#pragma omp atomic write
+      failed = 1;
+    }
 #pragma omp for schedule(dynamic, chunk)
     for (int64_t task = 0; task < B * Hkv; ++task) {
+      int stop;
+#pragma omp atomic read
+      stop = failed;
+      if (stop) continue; /* out of memory somewhere: the caller raises, the output is garbage */
       const int64_t b = task / Hkv, h = task % Hkv;
       const int64_t L = seq_lens[b];
       if (g * L + 16 > cap) { /* + 16: the vector softmax may touch a partial vector past L */
         cap = (g * L + 16) * 2;
         free(scores);
         scores = (float *)malloc(sizeof(float) * cap);
+        if (scores == NULL) {
+          cap = 0;
+#pragma omp atomic write
+          failed = 1;
+          continue;
+        }
       }
       float *o = out + (b * Hq + h * g) * D;
       const float *qh = q + (b * Hq + h * g) * D;
@@ -234,18 +249,20 @@ static inline __attribute__((always_inline)) void decode_all(
     free(scores);
     free(acc);
   }
+  return failed ? -1 : 0;
 }
 
-void paged_decode_f32(float *out, const float *q, const float *kc, const float *vc,
+/* Both return 0, or -1 when scratch memory could not be allocated (out is then not valid). */
+int paged_decode_f32(float *out, const float *q, const float *kc, const float *vc,
                       const int64_t *block_tables, const int64_t *seq_lens, int64_t B, int64_t Hq,
                       int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, float scale) {
-  decode_all(out, q, kc, vc, block_tables, seq_lens, B, Hq, Hkv, D, block_size, max_blocks, scale, 0);
+  return decode_all(out, q, kc, vc, block_tables, seq_lens, B, Hq, Hkv, D, block_size, max_blocks, scale, 0);
 }
 
 /* Decode attention over a float16 cache (kv_cache_dtype="float16"). Always exported, so the
  * library's symbols do not depend on the build machine's ISA. */
-void paged_decode_f16(float *out, const float *q, const uint16_t *kc, const uint16_t *vc,
+int paged_decode_f16(float *out, const float *q, const uint16_t *kc, const uint16_t *vc,
                       const int64_t *block_tables, const int64_t *seq_lens, int64_t B, int64_t Hq,
                       int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, float scale) {
-  decode_all(out, q, kc, vc, block_tables, seq_lens, B, Hq, Hkv, D, block_size, max_blocks, scale, 1);
+  return decode_all(out, q, kc, vc, block_tables, seq_lens, B, Hq, Hkv, D, block_size, max_blocks, scale, 1);
 }

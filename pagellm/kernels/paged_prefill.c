@@ -47,7 +47,8 @@ typedef struct {
   int64_t cap_rows, cap_keys;
 } Scratch;
 
-static void scratch_reserve(Scratch *s, int64_t rows, int64_t keys) {
+/* 1 on success; 0 when memory ran out (the scratch is then empty and the task must not run). */
+static int scratch_reserve(Scratch *s, int64_t rows, int64_t keys) {
   if (rows > s->cap_rows) {
     free(s->qt), free(s->o), free(s->inv), free(s->pos);
     s->cap_rows = rows;
@@ -56,14 +57,17 @@ static void scratch_reserve(Scratch *s, int64_t rows, int64_t keys) {
     s->inv = (float *)malloc(sizeof(float) * rows);
     s->pos = (int64_t *)malloc(sizeof(int64_t) * rows);
     s->cap_keys = 0; /* st depends on rows too */
+    if (!s->qt || !s->o || !s->inv || !s->pos) s->cap_rows = 0;
   }
-  if (keys > s->cap_keys) {
+  if (keys > s->cap_keys && s->cap_rows) {
     free(s->st), free(s->koff), free(s->kb);
     s->cap_keys = keys;
     s->st = (float *)aligned_alloc(64, sizeof(float) * keys * s->cap_rows);
     s->koff = (int64_t *)malloc(sizeof(int64_t) * keys);
     s->kb = (float *)aligned_alloc(64, sizeof(float) * D * keys);
+    if (!s->st || !s->koff || !s->kb) s->cap_keys = 0;
   }
+  return s->cap_rows >= rows && s->cap_keys >= keys;
 }
 
 /* St[j][r0 .. r0 + 32) for keys j0 .. j0 + KEYS of kb (the task's keys, contiguous; rows past the
@@ -116,13 +120,13 @@ static inline __mmask16 sees(int64_t j, __m512i pv, __m512i pv2) {
   return (__mmask16)(_mm512_cmple_epi64_mask(jv, pv) | (_mm512_cmple_epi64_mask(jv, pv2) << 8));
 }
 
-static void run_task(Scratch *s, const Task *tk, float *out, int64_t out_stride, const float *q,
+static int run_task(Scratch *s, const Task *tk, float *out, int64_t out_stride, const float *q,
                      int64_t q_stride, const float *kc, const float *vc, const int64_t *bt,
                      int64_t ts, int64_t nc, int64_t h, int64_t g, int64_t Hkv, int64_t bs, float scale) {
   const int64_t R = tk->nt * g, rp = (R + 31) / 32 * 32;
   const int64_t L = nc + tk->t0 + tk->nt; /* keys the last token attends to */
   const int64_t lk = (L + KEYS - 1) / KEYS * KEYS;
-  scratch_reserve(s, rp, lk);
+  if (!scratch_reserve(s, rp, lk)) return 0;
   const int64_t row = Hkv * D;
   for (int64_t j = 0; j < L; ++j) {
     s->koff[j] = (bt[j / bs] * bs + j % bs) * row + h * D;
@@ -184,6 +188,7 @@ static void run_task(Scratch *s, const Task *tk, float *out, int64_t out_stride,
     const __m512 iv = _mm512_set1_ps(s->inv[r]);
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(dst + c * 16, _mm512_mul_ps(_mm512_load_ps(s->o + r * D + c * 16), iv));
   }
+  return 1;
 }
 /* Query tokens per task for a chunk seeing up to L keys: rows (tokens x g) a multiple of 32 that
  * keeps the score buffer near ST_FLOATS, but never under 32 rows (long contexts would otherwise
@@ -197,7 +202,8 @@ static int64_t tile_tokens(int64_t L, int64_t q_len, int64_t g) {
 }
 #endif
 
-void paged_prefill_f32(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *kc,
+/* 0, or -1 when scratch memory could not be allocated (out is then not valid). */
+int paged_prefill_f32(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *kc,
                        const float *vc, const int64_t *block_tables, int64_t max_blocks,
                        const int64_t *token_starts, const int64_t *num_computed, const int64_t *q_lens,
                        int64_t C, int64_t Hq, int64_t Hkv, int64_t block_size, float scale) {
@@ -209,6 +215,7 @@ void paged_prefill_f32(float *out, int64_t out_stride, const float *q, int64_t q
     n += Hkv * ((q_lens[c] + nt - 1) / nt);
   }
   Task *tasks = (Task *)malloc(sizeof(Task) * (n ? n : 1));
+  if (tasks == NULL) return -1;
   n = 0;
   /* Longest tasks first (the later tiles of a chunk see the most keys) for dynamic scheduling. */
   for (int64_t c = 0; c < C; ++c) {
@@ -222,21 +229,27 @@ void paged_prefill_f32(float *out, int64_t out_stride, const float *q, int64_t q
         ++n;
       }
   }
+  int failed = 0;
 #pragma omp parallel
   {
     Scratch s = {0};
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
       const int64_t c = tasks[i].c;
-      run_task(&s, &tasks[i], out, out_stride, q, q_stride, kc, vc, block_tables + c * max_blocks,
-               token_starts[c], num_computed[c], tasks[i].h, g, Hkv, block_size, scale);
+      if (!run_task(&s, &tasks[i], out, out_stride, q, q_stride, kc, vc, block_tables + c * max_blocks,
+                    token_starts[c], num_computed[c], tasks[i].h, g, Hkv, block_size, scale)) {
+#pragma omp atomic write
+        failed = 1;
+      }
     }
     free(s.qt), free(s.st), free(s.o), free(s.inv), free(s.pos), free(s.koff), free(s.kb);
   }
   free(tasks);
+  return failed ? -1 : 0;
 #else
   (void)out, (void)out_stride, (void)q, (void)q_stride, (void)kc, (void)vc, (void)block_tables;
   (void)max_blocks, (void)token_starts, (void)num_computed, (void)q_lens, (void)C, (void)Hq, (void)Hkv;
   (void)block_size, (void)scale;
+  return -1; /* never called: paged_prefill_supported() is 0 without AVX-512 */
 #endif
 }

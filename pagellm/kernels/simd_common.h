@@ -1,8 +1,43 @@
-/* What the attention kernels share (included by paged_decode.c and paged_prefill.c;
+/* What the kernels share (included by cpu_ops.c, paged_decode.c and paged_prefill.c;
  * pagellm/kernels/__init__.py hashes this header into every kernel's build key). */
 #ifndef PAGELLM_SIMD_COMMON_H
 #define PAGELLM_SIMD_COMMON_H
 #include <stdint.h>
+#include <string.h>
+
+/* exp(x) in float32 to ~2 ulp: Cephes' expf. x = n ln2 + r with |r| <= ln2/2, a degree-6
+ * polynomial for exp(r), times 2^n. One set of constants for the scalar version (written so the
+ * compiler vectorises it; glibc's expf is a scalar call without -ffast-math) and exp512 below. */
+#define EXP_HI 88.0f
+#define EXP_LO -87.0f
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO -2.12194440e-4f
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+
+static inline float exp_f32(float x) {
+  x = x < EXP_LO ? EXP_LO : (x > EXP_HI ? EXP_HI : x);
+  const float big = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+  const float n = (x * EXP_LOG2E + big) - big;
+  float r = x - n * EXP_LN2_HI;
+  r = r - n * EXP_LN2_LO;
+  float p = EXP_P0;
+  p = p * r + EXP_P1;
+  p = p * r + EXP_P2;
+  p = p * r + EXP_P3;
+  p = p * r + EXP_P4;
+  p = p * r + EXP_P5;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = ((int32_t)n + 127) << 23; /* 2^n in the exponent bits */
+  float scale;
+  memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
 
 /* The AVX-512 paths are written for head size 64 only. */
 static inline int avx512_head64(int64_t D) {
@@ -17,18 +52,18 @@ static inline int avx512_head64(int64_t D) {
 #ifdef __AVX512F__
 #include <immintrin.h>
 
-/* exp(x) for 16 floats: Cephes' range reduction and degree-6 polynomial (~2 ulp), 2^n by scalef. */
+/* exp_f32 for 16 floats (the same constants), 2^n by scalef. */
 static inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(EXP_HI)), _mm512_set1_ps(EXP_LO));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
+  __m512 p = _mm512_set1_ps(EXP_P0);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P1));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);
 }

@@ -18,6 +18,3 @@ def get_model_class(architecture: str):
     module, name = _MODELS[architecture]
     return getattr(importlib.import_module(module), name)
 
-
-def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
