@@ -32,7 +32,9 @@ def main() -> None:
 
     import torch
 
-    from pagellm.attention import cpu_kernel, torch_paged
+    from pagellm.attention import cpu_kernel
+    from pagellm.attention.cpu_paged import CpuPagedAttention
+    from pagellm.attention.torch_paged import TorchPagedAttention
 
     if not cpu_kernel.available():
         raise SystemExit("the decode kernel cannot run here (no compiler, or PAGELLM_CPU_KERNELS=0)")
@@ -56,7 +58,9 @@ def main() -> None:
     slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens, strict=True)])
 
     def step_fn(kernel: bool):
-        meta = torch_paged.build_metadata(lens, tables, [], bs, torch.device("cpu"), decode_kernel=kernel)
+        backend = CpuPagedAttention(decode_kernel=True, prefill_kernel=False, write_kv_kernel=False) if kernel \
+            else TorchPagedAttention()
+        meta = backend.build_metadata(lens, tables, [], bs, torch.device("cpu"))
         meta.slot_mapping = slots
         qo, ko, vo = (x[meta.decode_order] for x in (q, k, v))
         return attention_step(qo, ko, vo, kv, meta, d ** -0.5)

@@ -30,9 +30,10 @@ def main() -> None:
 
     import torch
 
-    from pagellm.attention import torch_paged
+    from pagellm.attention.cpu_paged import CpuPagedAttention
+    from pagellm.attention.torch_paged import TorchPagedAttention
 
-    if not torch_paged.prefill_kernel_usable(torch.empty(1, args.heads[1], args.head_dim), torch.float32):
+    if not CpuPagedAttention.for_cache(torch.empty(1, args.heads[1], args.head_dim), torch.float32).prefill_kernel:
         raise SystemExit("the prefill kernel cannot run here (no compiler, no AVX-512, head size != 64, "
                          "or PAGELLM_CPU_KERNELS=0)")
     random.seed(0)
@@ -50,7 +51,9 @@ def main() -> None:
     slots = torch.tensor([ids[p // bs] * bs + p % bs for c, n, ids in chunks for p in range(c, c + n)])
 
     def step_fn(kernel: bool):
-        meta = torch_paged.build_metadata([], [], chunks, bs, torch.device("cpu"), prefill_kernel=kernel)
+        backend = CpuPagedAttention(decode_kernel=False, prefill_kernel=True, write_kv_kernel=False) if kernel \
+            else TorchPagedAttention()
+        meta = backend.build_metadata([], [], chunks, bs, torch.device("cpu"))
         meta.slot_mapping = slots
         return attention_step(q, k, v, kv, meta, d ** -0.5)
 

@@ -60,20 +60,19 @@ class ExclusiveTimers:
 def instrument(engine, timers: ExclusiveTimers) -> None:
     import torch
 
-    import pagellm.worker.model_runner as model_runner_mod
-    from pagellm.attention import torch_paged
 
     sched = engine.scheduler
     sched.schedule = timers.wrap(sched.schedule, "scheduling")
     sched.update_from_output = timers.wrap(sched.update_from_output, "scheduling")
     runner = engine.executor.worker.model_runner
     runner.execute_model = timers.wrap(runner.execute_model, "input preparation")
-    torch_paged.build_metadata = timers.wrap(torch_paged.build_metadata, "input preparation")
-    torch_paged.forward = timers.wrap(torch_paged.forward, "attention")
+    backend = runner.attn_backend  # its methods, wrapped on this instance
+    backend.build_metadata = timers.wrap(backend.build_metadata, "input preparation")
+    backend.forward = timers.wrap(backend.forward, "attention")
     model = runner.model
     model.forward = timers.wrap(model.forward, "other model ops")
     model.compute_logits = timers.wrap(model.compute_logits, "lm head")
-    model_runner_mod.sample = timers.wrap(model_runner_mod.sample, "sampling")
+    runner.sampler.forward = timers.wrap(runner.sampler.forward, "sampling")
     for m in model.model.layers.modules():  # not the LM head's, which counts as "lm head"
         if isinstance(m, torch.nn.Linear):
             m.forward = timers.wrap(m.forward, "linear (GEMM)")

@@ -47,13 +47,12 @@ def interleaved_best(steps: dict[str, Callable[[], Any]], repeats: int) -> dict[
 
 
 def attention_step(q: Any, k: Any, v: Any, kv: Any, meta: Any, scale: float) -> Callable[[], None]:
-    """The attention microbenchmarks' unit of work: ``torch_paged.forward`` (K/V write included)
+    """The attention microbenchmarks' unit of work: the backend's ``forward`` (K/V write included)
     over every layer of ``kv [layers, 2, slots, Hkv, D]``, with one step's metadata."""
-    from pagellm.attention import torch_paged
 
     def step() -> None:
         for layer in range(kv.shape[0]):
-            torch_paged.forward(q, k, v, kv[layer, 0], kv[layer, 1], meta, scale)
+            meta.backend.forward(q, k, v, kv[layer, 0], kv[layer, 1], meta, scale)
     return step
 
 

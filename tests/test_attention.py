@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention import cpu_kernel, torch_paged
-from pagellm.attention.torch_paged import build_metadata, forward
+from pagellm.attention import AttentionKind, cpu_kernel, get_attention_backend, select_attention_backend, torch_paged
+from pagellm.attention.cpu_paged import CpuPagedAttention
+from pagellm.attention.torch_paged import TorchPagedAttention
 
 from conftest import require_cpu_kernel
 
@@ -79,15 +80,18 @@ def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, cache_d
     decodes = [s for s in seqs if s[1] == 1 and s[0] > 0]
     chunks = [s for s in seqs if not (s[1] == 1 and s[0] > 0)]
     prefill_kernel = decode_kernel and d == 64 and cache_dtype == torch.float32
-    if prefill_kernel:
-        assert torch_paged.prefill_kernel_usable(key_cache, torch.float32), "no prefill kernel (AVX-512?)"
-    meta = build_metadata([c + 1 for c, *_ in decodes], [b for _, _, b, *_ in decodes],
-                          [(c, n, b) for c, n, b, *_ in chunks], block_size, torch.device("cpu"),
-                          decode_kernel=decode_kernel, prefill_kernel=prefill_kernel)
-    assert any(g.prefill_chunks is not None for g in meta.groups) == prefill_kernel
+    # The backend the engine would choose for this cache: the reference, or the kernels that apply.
+    backend = CpuPagedAttention.for_cache(key_cache, torch.float32) if decode_kernel else TorchPagedAttention()
+    assert getattr(backend, "decode_kernel", False) == decode_kernel
+    assert getattr(backend, "prefill_kernel", False) == prefill_kernel, "no prefill kernel (AVX-512?)"
+    meta = backend.build_metadata([c + 1 for c, *_ in decodes], [b for _, _, b, *_ in decodes],
+                                  [(c, n, b) for c, n, b, *_ in chunks], block_size, torch.device("cpu"))
+    assert meta.backend is backend
+    assert any(g.kind == AttentionKind.PREFILL_KERNEL for g in meta.groups) == prefill_kernel
+    assert any(g.kind == AttentionKind.DECODE_KERNEL for g in meta.groups) == (decode_kernel and bool(decodes))
     assert sorted(meta.decode_order) == list(range(len(decodes)))
     if not decode_kernel and sum(s[2][:1] == shared_blocks[:1] for s in decodes) > 1 and shared_len >= 4:
-        assert any(g.shared_blocks is not None for g in meta.groups), "sharing decodes must form a cascade group"
+        assert any(g.kind == AttentionKind.CASCADE_DECODE for g in meta.groups), "sharing decodes must cascade"
     order = [decodes[i] for i in meta.decode_order] + chunks
     slots = [b[p // block_size] * block_size + p % block_size for c, n, b, *_ in order for p in range(c, c + n)]
     meta.slot_mapping = torch.tensor(slots)
@@ -95,7 +99,7 @@ def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, cache_d
     q = torch.cat([q.flatten(1), torch.randn(q.shape[0], 8)], dim=1)[:, :hq * d].view(q.shape)  # rows strided
     k = torch.cat([s[3][s[0]:] for s in order])
     v = torch.cat([s[4][s[0]:] for s in order])
-    out = forward(q, k, v, key_cache, value_cache, meta, d ** -0.5)
+    out = backend.forward(q, k, v, key_cache, value_cache, meta, d ** -0.5)
     start = 0
     for c, n, _, k_all, v_all, qs in order:
         ref = _dense_reference(qs, k_all, v_all, c, d ** -0.5)
@@ -108,7 +112,8 @@ def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, cache_d
 def test_prefill_kernel_over_long_contexts(hq, hkv):
     """Chunks after thousands of cached tokens and a long fresh prompt: the prefill kernel's tiling
     changes with the context length (fewer query tokens per task), the result must not."""
-    require_cpu_kernel(lambda: torch_paged.prefill_kernel_usable(torch.empty(1, hkv, 64), torch.float32))
+    backend = CpuPagedAttention.for_cache(torch.empty(1, hkv, 64), torch.float32)
+    require_cpu_kernel(lambda: backend.prefill_kernel)
     torch.manual_seed(0)
     bs, d = 16, 64
     shapes = [(3000, 40), (0, 1100), (1999, 1)]
@@ -125,7 +130,24 @@ def test_prefill_kernel_over_long_contexts(hq, hkv):
         chunks.append((c, n, blocks))
         qs.append(q), ks.append(k_all[c:]), vs.append(v_all[c:])
         refs.append(_dense_reference(q, k_all, v_all, c, d ** -0.5))
-    meta = build_metadata([], [], chunks, bs, torch.device("cpu"), prefill_kernel=True)
+    meta = backend.build_metadata([], [], chunks, bs, torch.device("cpu"))
     meta.slot_mapping = torch.tensor([b[p // bs] * bs + p % bs for c, n, b in chunks for p in range(c, c + n)])
-    out = forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), key_cache, value_cache, meta, d ** -0.5)
+    out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), key_cache, value_cache, meta, d ** -0.5)
     torch.testing.assert_close(out, torch.cat(refs), atol=1e-5, rtol=1e-5)
+
+
+def test_backend_is_chosen_once_per_cache(monkeypatch):
+    """The registry picks "cpu" where a kernel applies and the kernel-free reference otherwise;
+    the reference never touches a kernel (it is the oracle)."""
+    assert get_attention_backend("torch") is TorchPagedAttention
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_attention_backend("flash")
+    bf16 = select_attention_backend(torch.empty(4, 2, 64, dtype=torch.bfloat16), torch.bfloat16)
+    assert type(bf16) is TorchPagedAttention
+    monkeypatch.setenv("PAGELLM_CPU_KERNELS", "0")
+    assert type(select_attention_backend(torch.empty(4, 2, 64), torch.float32)) is TorchPagedAttention
+    monkeypatch.delenv("PAGELLM_CPU_KERNELS")
+    require_cpu_kernel(cpu_kernel.available)
+    cpu = select_attention_backend(torch.empty(4, 2, 64), torch.float32)
+    assert isinstance(cpu, CpuPagedAttention) and cpu.decode_kernel and cpu.write_kv_kernel
+    assert "cpu_kernel" not in vars(torch_paged) and "cpu_ops" not in vars(torch_paged)

@@ -1,19 +1,47 @@
-"""Attention backends, looked up by name (lazy imports keep optional kernels optional)."""
+"""Attention backends, chosen once at start-up (lazy imports keep optional kernels optional).
+
+``"torch"``: kernel-free paged attention in PyTorch, the reference and the tests' oracle (and the
+CUDA path). ``"cpu"``: the same plus the compiled CPU kernels where they apply.
+:func:`select_attention_backend` picks for a cache; ``PAGELLM_CPU_KERNELS=0`` forces ``"torch"``.
+"""
 
 from __future__ import annotations
 
-from pagellm.attention.metadata import AttentionGroup, AttentionMetadata
+import importlib
+from typing import TYPE_CHECKING
 
-_BACKENDS = {"torch": "pagellm.attention.torch_paged"}
+from pagellm.attention.metadata import AttentionGroup, AttentionKind, AttentionMetadata
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagellm.attention.torch_paged import TorchPagedAttention
+
+_BACKENDS = {
+    "torch": ("pagellm.attention.torch_paged", "TorchPagedAttention"),
+    "cpu": ("pagellm.attention.cpu_paged", "CpuPagedAttention"),
+}
 
 
-def get_attention_backend(name: str = "torch"):
-    """Return the backend module: ``build_metadata(...)`` and ``forward(...)``."""
-    import importlib
-
+def get_attention_backend(name: str = "torch") -> type[TorchPagedAttention]:
+    """The backend class registered as ``name``."""
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
-    return importlib.import_module(_BACKENDS[name])
+    module, cls = _BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)
 
 
-__all__ = ["AttentionGroup", "AttentionMetadata", "get_attention_backend"]
+def select_attention_backend(key_cache: torch.Tensor, query_dtype: torch.dtype) -> TorchPagedAttention:
+    """The backend for this cache (one layer's ``[num_slots, Hkv, D]``) and model dtype: ``"cpu"``
+    when a compiled kernel applies to it, else the ``"torch"`` reference."""
+    from pagellm import kernels
+
+    if key_cache.device.type == "cpu" and kernels.enabled():
+        cpu = get_attention_backend("cpu").for_cache(key_cache, query_dtype)  # type: ignore[attr-defined]
+        if cpu.uses_kernels:
+            return cpu
+    return get_attention_backend("torch")()
+
+
+__all__ = ["AttentionGroup", "AttentionKind", "AttentionMetadata", "get_attention_backend",
+           "select_attention_backend"]

@@ -10,37 +10,52 @@ its own (no query padding anywhere)::
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from pagellm.attention.torch_paged import TorchPagedAttention
+
+
+class AttentionKind(enum.Enum):
+    """How a group is attended; each backend maps the kinds it builds to one method."""
+
+    FRESH_PREFILL = enum.auto()  # a chunk with no earlier context: causal SDPA over its own K/V
+    PAGED = enum.auto()  # decodes or one chunk: gather their blocks, SDPA with a mask
+    CASCADE_DECODE = enum.auto()  # decodes sharing prefix blocks: the prefix once, merged by LSE
+    DECODE_KERNEL = enum.auto()  # every decode of the step, compiled kernel over the blocks in place
+    PREFILL_KERNEL = enum.auto()  # every chunk of the step, compiled kernel over the blocks in place
 
 
 @dataclass(slots=True)
 class AttentionGroup:
-    """Sequences attended in one SDPA call.
+    """Sequences attended together, the way ``kind`` says.
 
     ``kv_blocks[b]`` lists the cache blocks of sequence ``b`` in order (padded with block 0), so a
     whole block is gathered per index (block_size times fewer, contiguous copies than per slot);
-    ``mask`` hides key positions past each sequence's length. ``kv_blocks is None`` means a chunk
-    with no earlier context: it attends causally to its own fresh K/V and never reads the cache.
+    ``mask`` hides key positions past each sequence's length. A ``FRESH_PREFILL`` chunk (no
+    earlier context) has neither: it attends causally to its own fresh K/V and never reads the cache.
     """
 
+    kind: AttentionKind
     token_start: int
     token_end: int
     batch_size: int
     query_len: int
     kv_blocks: torch.Tensor | None
     mask: torch.Tensor | None
-    # Cascade decode group: ``shared_blocks`` (1-D) prefix every member, ``kv_blocks``/``mask``
-    # then cover only each member's suffix (the mask is then additive, float). The shared K/V
-    # are read once for the whole group.
+    # CASCADE_DECODE: ``shared_blocks`` (1-D) prefix every member, ``kv_blocks``/``mask`` then
+    # cover only each member's suffix (the mask is then additive, float). The shared K/V are read
+    # once for the whole group.
     shared_blocks: torch.Tensor | None = None
-    # Set for a decode group run by the compiled CPU kernel (``cpu_kernel``): each member's
-    # context length. The kernel reads ``kv_blocks`` in place, so no gather and no mask.
+    # DECODE_KERNEL: each member's context length. The kernel reads ``kv_blocks`` in place, so no
+    # gather and no mask.
     seq_lens: torch.Tensor | None = None
-    # Set for the group of every prefill chunk of a step run by the compiled prefill kernel:
-    # int64 ``[3, C]`` rows = each chunk's first flat token, num_computed_tokens, query length
-    # (``kv_blocks`` then holds the chunks' block tables; ``token_start/end`` span all chunks).
+    # PREFILL_KERNEL: int64 ``[3, C]`` rows = each chunk's first flat token, num_computed_tokens,
+    # query length (``kv_blocks`` holds the chunks' block tables; ``token_start/end`` span them all).
     prefill_chunks: torch.Tensor | None = None
     # Gather buffers, allocated by the first layer and reused by the others: a fresh multi-MB
     # tensor per layer costs more in page faults on CPU than the copy itself.
@@ -50,8 +65,10 @@ class AttentionGroup:
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """Per-step attention inputs, built once by the model runner and shared by every layer."""
+    """Per-step attention inputs, built once by the model runner's backend and shared by every
+    layer; ``backend`` (which built them) runs each layer's attention over them."""
 
+    backend: TorchPagedAttention
     slot_mapping: torch.Tensor
     groups: list[AttentionGroup]
     num_tokens: int

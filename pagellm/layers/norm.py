@@ -6,10 +6,14 @@ import torch
 from torch import nn
 
 from pagellm.kernels import cpu_ops
+from pagellm.layers.custom_op import CustomOp
 
 
-class RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x^2) + eps)`` computed in float32, as Hugging Face Llama does."""
+class RMSNorm(CustomOp):
+    """``weight * x / sqrt(mean(x^2) + eps)`` computed in float32, as Hugging Face Llama does.
+
+    Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``.
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -22,17 +26,17 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``.
-
-        On CPU float32 2-D inputs the fused kernel does it in one pass and updates ``residual``
-        in place (the decoder owns it), instead of seven PyTorch passes.
-        """
-        if x.dim() == 2 and cpu_ops.usable(x):
-            if residual is None:
-                return cpu_ops.rms_norm(x, self.weight, self.eps)
-            return cpu_ops.rms_norm(x, self.weight, self.eps, residual), residual
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """One pass instead of seven, ``residual`` updated in place (the decoder owns it). Rows only:
+        a per-head norm (Qwen3's q/k norm, 3-D) stays on the reference."""
+        if x.dim() != 2:
+            return self.forward_native(x, residual)
+        if residual is None:
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
+        return cpu_ops.rms_norm(x, self.weight, self.eps, residual), residual

@@ -8,6 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagellm.kernels import cpu_ops
+from pagellm.layers.custom_op import CustomOp
+
 
 def _inv_freq(rotary_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
@@ -74,3 +77,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by per-token ``cos``/``sin`` (HF's rotate-half)."""
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+class ApplyRotary(CustomOp):
+    """``apply_rotary`` as an op. The CPU kernel rotates ``q`` and ``k`` in place (views into the
+    fused qkv output: no copies) and returns them."""
+
+    def forward_native(self, q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        return apply_rotary(q, k, *rope)
+
+    def forward_cpu(self, q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        if q.stride(1) != q.shape[2] or k.stride(1) != k.shape[2]:  # the kernel needs contiguous heads
+            return self.forward_native(q, k, rope)
+        cpu_ops.rotary_(q, *rope)
+        cpu_ops.rotary_(k, *rope)
+        return q, k

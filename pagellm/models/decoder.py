@@ -17,15 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.attention import AttentionMetadata, get_attention_backend
+from pagellm.attention import AttentionMetadata
 from pagellm.distributed import TensorParallelGroup
-from pagellm.kernels import cpu_ops
+from pagellm.layers.activation import SiluAndMul
 from pagellm.layers.linear import Linear
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_shard
-from pagellm.layers.rotary import RotaryEmbedding, apply_rotary
-
-_paged = get_attention_backend("torch")
+from pagellm.layers.rotary import ApplyRotary, RotaryEmbedding
 
 
 def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -59,24 +57,20 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(q_part, config.hidden_size, getattr(config, "attention_bias", False), tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary = ApplyRotary()
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        rotated = self.q_norm is None and cpu_ops.usable(qkv)
-        if rotated:
-            # q and k are adjacent in each row: one in-place pass rotates both, no copies.
-            cpu_ops.rotary_(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), *rope)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if not rotated:
-            q, k = apply_rotary(q, k, *rope)
-        o = _paged.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        q, k = self.rotary(q, k, rope)
+        o = meta.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o)
 
 
@@ -87,16 +81,12 @@ class MLP(nn.Module):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         part = tp.shard(config.intermediate_size)
-        self.intermediate_size = part[1]
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [part, part], bias=bias)
+        self.act_fn = SiluAndMul()
         self.down_proj = RowParallelLinear(part, config.hidden_size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if cpu_ops.usable(gate_up):
-            return self.down_proj(cpu_ops.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

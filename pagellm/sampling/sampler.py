@@ -8,11 +8,13 @@ distribution (vLLM's default), whatever the sampling transforms did.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from pagellm.kernels import cpu_ops
+from pagellm.layers.custom_op import CustomOp
 from pagellm.sampling_params import SamplingParams
 
 
@@ -93,7 +95,35 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+# ``(greedy tokens of logits, logsumexp of raw)``: one row each. ``logits`` is ``raw`` itself unless
+# penalties changed it (then the token comes from them, the logprobs still from ``raw``).
+GreedyAndLSE = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def greedy_and_lse_native(raw: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return logits.argmax(dim=-1), torch.logsumexp(raw, dim=-1)
+
+
+def greedy_and_lse_cpu(raw: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fused pass over each row gives the argmax and the logsumexp (float32 ``[S, V]``)."""
+    tokens, lse = cpu_ops.argmax_logsumexp(raw)
+    if logits is not raw:
+        tokens = cpu_ops.argmax(logits)
+    return tokens, lse
+
+
+class Sampler(CustomOp):
+    """:func:`sample` with the greedy/logsumexp pass chosen once (``select_kernels``)."""
+
+    def forward_native(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        return sample(logits, rows, greedy_and_lse_native)
+
+    def forward_cpu(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        return sample(logits, rows, greedy_and_lse_cpu)
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow],
+           greedy_and_lse: GreedyAndLSE = greedy_and_lse_native) -> SamplerOutput:
     """``logits [S, V]`` (float32, one row per sampling sequence) -> one token per row."""
     raw = logits
     if any(r.params.has_penalties for r in rows) or any(len(r.output_token_ids) < r.params.min_tokens for r in rows):
@@ -101,13 +131,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         apply_penalties(logits, rows)
         apply_min_tokens(logits, rows)
     # Logprobs are of the raw distribution: ``raw - logsumexp(raw)``, never materialised whole
-    # unless top logprobs are asked for. On a CPU one fused pass gives the greedy token too.
-    if cpu_ops.usable(raw) and raw.dim() == 2:
-        tokens, lse = cpu_ops.argmax_logsumexp(raw)
-        if logits is not raw:  # penalised: the token from them, the logprobs still from ``raw``
-            tokens = cpu_ops.argmax(logits)
-    else:
-        tokens, lse = logits.argmax(dim=-1), torch.logsumexp(raw, dim=-1)
+    # unless top logprobs are asked for.
+    tokens, lse = greedy_and_lse(raw, logits)
     random_idx = [i for i, r in enumerate(rows) if r.params.temperature > 0.0]
     if random_idx:
         filtered = _filter(logits[random_idx], [rows[i].params for i in random_idx])

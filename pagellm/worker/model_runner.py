@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from pagellm.attention import get_attention_backend
+from pagellm.attention.torch_paged import TorchPagedAttention
 from pagellm.core.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
-from pagellm.sampling.sampler import SamplingRow, sample
-
-_paged = get_attention_backend("torch")
+from pagellm.layers.custom_op import select_kernels
+from pagellm.sampling.sampler import Sampler, SamplingRow
 
 
 class ModelRunner:
@@ -26,13 +25,17 @@ class ModelRunner:
     Only the driver (tensor-parallel rank 0, or the only worker) samples; other ranks return ``None``.
     """
 
-    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device, is_driver: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device,
+                 attn_backend: TorchPagedAttention, is_driver: bool = True) -> None:
         self.model = model
+        self.attn_backend = attn_backend
         self.is_driver = is_driver
         self.block_size = block_size
         self.device = device
         self.generators: dict[int, torch.Generator] = {}
         self.dtype = next(model.parameters()).dtype
+        self.sampler = Sampler()
+        select_kernels(self.sampler, device, self.dtype)
 
     def _generator(self, seq_id: int, seed: int | None, index: int = 0) -> torch.Generator | None:
         """The RNG of sequence ``seq_id``, created on its first sample. Sample ``index`` of a request
@@ -56,14 +59,12 @@ class ModelRunner:
         bs = self.block_size
         decodes = [s for s in so.scheduled if s.is_decode]
         chunks = [s for s in so.scheduled if not s.is_decode]
-        meta = _paged.build_metadata(
+        meta = self.attn_backend.build_metadata(
             decode_lens=[s.num_computed_tokens + 1 for s in decodes],
             decode_block_tables=[s.block_ids for s in decodes],
             chunks=[(s.num_computed_tokens, s.num_scheduled_tokens, s.block_ids) for s in chunks],
             block_size=bs,
             device=self.device,
-            decode_kernel=bool(decodes) and _paged.decode_kernel_usable(kv_caches[0][0], self.dtype),
-            prefill_kernel=bool(chunks) and _paged.prefill_kernel_usable(kv_caches[0][0], self.dtype),
         )
         input_ids: list[int] = []
         positions: list[int] = []
@@ -101,7 +102,7 @@ class ModelRunner:
                                         self._generator(seq_id, s.sampling_params.seed, j)))
         if len(row_idx) != len(sample_idx):
             logits = logits[row_idx]
-        out = sample(logits, rows)
+        out = self.sampler(logits, rows)
         return ModelRunnerOutput(sampled={
             seq_id: SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
             for i, seq_id in enumerate(row_seq_ids)

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
+from pagellm.attention import select_attention_backend
 from pagellm.config import EngineConfig, default_num_threads, resolve_model_source
 from pagellm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed import init_tensor_parallel
+from pagellm.layers.custom_op import select_kernels
 from pagellm.models import get_model_class
 from pagellm.weights import freq_factors, iter_weights, load_model_config
 from pagellm.worker.cache_engine import CacheEngine, KVCacheSpec
@@ -78,6 +80,9 @@ class Worker:
         model = model.to(self.dtype).eval()
         if self.device.type == "cpu" and hasattr(model, "pack_for_cpu"):
             model.pack_for_cpu()
+        # Every CustomOp (norms, rotary, activation) gets its kernel or its reference, once.
+        kernels_on = select_kernels(model, self.device, self.dtype)
+        logger.info("compiled CPU ops: %s", "on" if kernels_on else "off (PyTorch reference ops)")
         self.model = model
         self.spec = KVCacheSpec(
             num_layers=hf_config.num_hidden_layers,
@@ -124,7 +129,11 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         self.cache_engine = CacheEngine(self.spec, num_blocks, self.device, num_cpu_blocks)
-        self.model_runner = ModelRunner(self.model, self.spec.block_size, self.device, self.tp.is_driver)
+        # Chosen once for this cache and model dtype: which attention kernels apply here.
+        self.attn_backend = select_attention_backend(self.cache_engine.kv_caches[0][0], self.dtype)
+        logger.info("attention backend: %r", self.attn_backend)
+        self.model_runner = ModelRunner(self.model, self.spec.block_size, self.device, self.attn_backend,
+                                        self.tp.is_driver)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's sampled tokens (``None`` on ranks other than 0, which only compute)."""

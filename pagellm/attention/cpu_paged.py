@@ -1,0 +1,112 @@
+"""The ``"cpu"`` attention backend: the reference backend plus the compiled CPU kernels.
+
+Decided once, at start-up, from the cache and the model dtype (:meth:`CpuPagedAttention.for_cache`):
+which kernels apply here (``cpu_kernel.py``: decode over a float32 or float16 cache, prefill over a
+float32 one with head size 64 on AVX-512; ``cpu_ops.write_kv``: the K/V write). Each step's
+metadata then names the kernel groups (``DECODE_KERNEL``, ``PREFILL_KERNEL``) and
+``TorchPagedAttention.forward`` runs them through the methods registered for those kinds. Nothing
+is re-checked per layer except the layout the kernels need.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+
+from pagellm.attention import cpu_kernel
+from pagellm.attention.metadata import AttentionGroup, AttentionKind
+from pagellm.attention.torch_paged import TorchPagedAttention, _padded_block_table
+from pagellm.kernels import cpu_ops
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    """Decodes through the decode kernel, prefill chunks through the prefill kernel, K/V written by
+    the ``write_kv`` kernel, each only where it applies; SDPA (the reference) for the rest."""
+
+    name = "cpu"
+
+    def __init__(self, decode_kernel: bool, prefill_kernel: bool, write_kv_kernel: bool) -> None:
+        super().__init__()
+        self.decode_kernel = decode_kernel
+        self.prefill_kernel = prefill_kernel
+        self.write_kv_kernel = write_kv_kernel
+        self.impls[AttentionKind.DECODE_KERNEL] = self._decode_kernel
+        self.impls[AttentionKind.PREFILL_KERNEL] = self._prefill_kernel
+
+    def __repr__(self) -> str:
+        return (f"CpuPagedAttention(decode_kernel={self.decode_kernel}, prefill_kernel={self.prefill_kernel}, "
+                f"write_kv_kernel={self.write_kv_kernel})")
+
+    @classmethod
+    def for_cache(cls, key_cache: torch.Tensor, query_dtype: torch.dtype) -> CpuPagedAttention:
+        """The kernels that apply to this cache (``[num_slots, Hkv, D]``) under ``query_dtype``
+        queries: they compute in float32 and build on first use (``None`` of them if they cannot)."""
+        f32 = query_dtype == torch.float32
+        return cls(decode_kernel=f32 and cpu_kernel.usable_for(key_cache),
+                   prefill_kernel=f32 and cpu_kernel.prefill_usable_for(key_cache),
+                   write_kv_kernel=f32 and cpu_ops.writes_kv_into(key_cache))
+
+    @property
+    def uses_kernels(self) -> bool:
+        return self.decode_kernel or self.prefill_kernel or self.write_kv_kernel
+
+    # ------------------------------------------------------------------ metadata
+    def _decode_groups(self, decode_lens: list[int], decode_block_tables: list[list[int]], block_size: int,
+                       device: torch.device) -> tuple[list[AttentionGroup], list[int]]:
+        """All decodes as one ``DECODE_KERNEL`` group: the kernel reads blocks in place, so grouping
+        by length or shared prefix gains nothing."""
+        if not (self.decode_kernel and decode_lens):
+            return super()._decode_groups(decode_lens, decode_block_tables, block_size, device)
+        table = _padded_block_table(decode_lens, decode_block_tables, block_size)
+        n = len(decode_lens)
+        group = AttentionGroup(AttentionKind.DECODE_KERNEL, 0, n, n, 1, table, None,
+                               seq_lens=torch.tensor(decode_lens, dtype=torch.long))
+        return [group], list(range(n))
+
+    def _chunk_groups(self, groups: list[AttentionGroup], start: int, chunks: list[tuple[int, int, list[int]]],
+                      block_size: int, device: torch.device) -> int:
+        """All prefill chunks as one ``PREFILL_KERNEL`` group (one task per chunk, KV head and tile)."""
+        if not (self.prefill_kernel and chunks):
+            return super()._chunk_groups(groups, start, chunks, block_size, device)
+        lens = [num_computed + q_len for num_computed, q_len, _ in chunks]
+        table = _padded_block_table(lens, [ids for _, _, ids in chunks], block_size)
+        # Each chunk's first flat row, then the end of the last.
+        bounds = list(accumulate((q_len for _, q_len, _ in chunks), initial=start))
+        info = torch.tensor([bounds[:-1], [c[0] for c in chunks], [c[1] for c in chunks]], dtype=torch.long)
+        groups.append(AttentionGroup(AttentionKind.PREFILL_KERNEL, start, bounds[-1], len(chunks), 0, table, None,
+                                     prefill_chunks=info))
+        return bounds[-1]
+
+    # ------------------------------------------------------------------ forward
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """The kernel is a parallel row copy straight from the (strided) qkv output; ``index_copy_``
+        runs on one thread and costs ~8 % of a prefill step. Heads must be contiguous in each row."""
+        if self.write_kv_kernel and key.stride(1) == key.shape[2] and value.stride(1) == value.shape[2]:
+            cpu_ops.write_kv(key, value, key_cache, value_cache, slot_mapping)
+        else:
+            super().write_kv(key, value, key_cache, value_cache, slot_mapping)
+
+    @staticmethod
+    def _decode_kernel(out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_size: int,
+                       scale: float) -> None:
+        hq, d = query.shape[1], query.shape[2]
+        b = grp.batch_size
+        if grp.kv_blocks is None or grp.seq_lens is None:
+            raise ValueError("a DECODE_KERNEL group needs kv_blocks and seq_lens")
+        q = query[grp.token_start:grp.token_end].contiguous()
+        cpu_kernel.paged_decode_attention(out[grp.token_start:grp.token_end].view(b, hq, d), q, key_cache,
+                                          value_cache, grp.kv_blocks, grp.seq_lens, block_size, scale)
+
+    @staticmethod
+    def _prefill_kernel(out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor, key: torch.Tensor,
+                        value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_size: int,
+                        scale: float) -> None:
+        # Reads every chunk's K/V (just written by forward) in place; queries stay strided.
+        info = grp.prefill_chunks
+        if grp.kv_blocks is None or info is None:
+            raise ValueError("a PREFILL_KERNEL group needs kv_blocks and prefill_chunks")
+        cpu_kernel.paged_prefill_attention(out, query, key_cache, value_cache, grp.kv_blocks, info[0], info[1],
+                                           info[2], block_size, scale)
