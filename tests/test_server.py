@@ -64,7 +64,7 @@ def client(served):
 def _idle(engine: AsyncLLM, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        s = engine._stats()
+        s = engine.get_stats_now()
         kv = engine.engine.kv_cache_manager
         if s["num_running"] + s["num_waiting"] + s["num_swapped"] == 0 and kv.num_free_blocks == kv.num_blocks:
             return
@@ -147,7 +147,7 @@ def test_client_disconnect_aborts_and_frees_blocks(served, monkeypatch):
         return step()
     monkeypatch.setattr(engine.engine, "step", slow_step)
     body = {"model": NAME, "prompt": "Tell me a long story", "max_tokens": 200, "stream": True, "ignore_eos": True}
-    before = engine._stats()["generation_tokens"]
+    before = engine.get_stats_now()["generation_tokens"]
     others: list[str] = []
 
     def other_stream() -> None:  # runs alongside, must finish normally
@@ -165,14 +165,14 @@ def test_client_disconnect_aborts_and_frees_blocks(served, monkeypatch):
     t.join(timeout=120)
     assert others and others[-1] == "length", "the other stream did not finish"
     _idle(engine, timeout=60)
-    assert engine._stats()["generation_tokens"] - before < 200 + 20, "the request ran to the end: no abort"
+    assert engine.get_stats_now()["generation_tokens"] - before < 200 + 20, "the request ran to the end: no abort"
     # Non-streaming too: the client gives up after a moment.
-    before = engine._stats()["generation_tokens"]
+    before = engine.get_stats_now()["generation_tokens"]
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(srv.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                    json={**body, "stream": False, "max_tokens": 240}, timeout=0.3)
     _idle(engine, timeout=60)
-    assert engine._stats()["generation_tokens"] - before < 240, "the request ran to the end: no abort"
+    assert engine.get_stats_now()["generation_tokens"] - before < 240, "the request ran to the end: no abort"
 
 
 def test_tokenize_detokenize_and_metrics(served, client):

@@ -47,20 +47,9 @@ from pagellm.core.beam_search import advance_beams
 from pagellm.core.kv_cache_manager import AllocStatus, KVCacheManager, SlotRequest
 from pagellm.core.request_queue import FCFSRequestQueue, PriorityRequestQueue
 from pagellm.core.scheduler_output import CacheOps, ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from pagellm.metrics import PrefixCacheStats, SchedulerStats
 from pagellm.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagellm.utils import InvariantError
-
-
-@dataclass(slots=True)
-class PrefixCacheStats:
-    """Token-weighted prefix-cache counters: ``queries`` tokens looked up, ``hits`` found cached."""
-
-    queries: int = 0
-    hits: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
 
 
 @dataclass(slots=True)
@@ -143,6 +132,16 @@ class Scheduler:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
+
+    def make_stats(self) -> SchedulerStats:
+        """The queues, the pools' use and the counters, now."""
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=len(self.swapped),
+            kv_cache_usage=kv.usage(), cpu_cache_usage=kv.cpu_pool.usage(),
+            num_preemptions=self.num_preemptions, num_swap_outs=self.num_swap_outs, num_swap_ins=self.num_swap_ins,
+            num_swap_fallbacks=self.num_swap_fallbacks, prefix_cache_queries=self.prefix_cache_stats.queries,
+            prefix_cache_hits=self.prefix_cache_stats.hits)
 
     def take_ignored(self) -> list[SequenceGroup]:
         """Requests finished as ``FINISHED_IGNORED`` by the last ``schedule()`` (they never fit)."""

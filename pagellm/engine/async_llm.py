@@ -22,8 +22,10 @@ from typing import Any
 from pagellm.config import EngineArgs
 from pagellm.engine.data_parallel import DataParallelEngine, create_engine
 from pagellm.engine.llm_engine import EngineDeadError, LLMEngine, PromptType
+from pagellm.metrics import EngineStats
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
+from pagellm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +61,22 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self.dead_error is None and not self._stopped
 
+    # ------------------------------------------------------------------ what front ends may read
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.get_tokenizer()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_info.vocab_size
+
     # ------------------------------------------------------------------ the loop thread
     def _loop(self) -> None:
         last_log = time.monotonic()
-        last_stats = dict(self.engine.get_stats())
+        last_stats = self.engine.get_stats()
         while not self._stopped:
             with self._lock:
                 busy = self.engine.has_unfinished_requests()
@@ -83,20 +97,21 @@ class AsyncLLM:
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
 
-    def _log_stats(self, since: float, prev: dict[str, float]) -> tuple[float, dict[str, float]]:
+    def _log_stats(self, since: float, prev: EngineStats) -> tuple[float, EngineStats]:
         """vLLM-style periodic line: throughputs, queues, KV usage, prefix-cache hit rate."""
         now = time.monotonic()
         with self._lock:
-            s = dict(self.engine.get_stats())
+            s = self.engine.get_stats()
         dt = max(now - since, 1e-9)
-        if s["steps"] != prev.get("steps"):
+        it, prev_it, sch = s.iteration, prev.iteration, s.scheduler
+        if it.steps != prev_it.steps:
             logger.info(
                 "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
                 "Swapped: %d reqs, Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-                (s["prompt_tokens"] - prev.get("prompt_tokens", 0)) / dt,
-                (s["generation_tokens"] - prev.get("generation_tokens", 0)) / dt,
-                s["num_running"], s["num_swapped"], s["num_waiting"], 100 * s["kv_cache_usage"],
-                100 * s["prefix_cache_hit_rate"])
+                (it.prompt_tokens - prev_it.prompt_tokens) / dt,
+                (it.generation_tokens - prev_it.generation_tokens) / dt,
+                sch.num_running, sch.num_swapped, sch.num_waiting, 100 * sch.kv_cache_usage,
+                100 * sch.prefix_cache_hit_rate)
         return now, s
 
     def _push(self, request_id: str, item: RequestOutput | BaseException | None) -> None:
@@ -170,12 +185,13 @@ class AsyncLLM:
                 self._die(e)
                 raise
 
-    async def get_stats(self) -> dict[str, float]:
-        return await asyncio.to_thread(self._stats)
+    async def get_stats(self) -> EngineStats:
+        return await asyncio.to_thread(self.get_stats_now)
 
-    def _stats(self) -> dict[str, float]:
+    def get_stats_now(self) -> EngineStats:
+        """The engine's stats, from any thread (waits for the current step; a Prometheus scrape)."""
         with self._lock:
-            return dict(self.engine.get_stats())
+            return self.engine.get_stats()
 
     def shutdown(self) -> None:
         """Stop the loop; in-flight streams end with ``EngineDeadError``."""

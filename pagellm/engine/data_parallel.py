@@ -19,17 +19,13 @@ from dataclasses import replace
 
 from pagellm.config import EngineArgs, EngineConfig, resolve_model_source
 from pagellm.engine.llm_engine import EngineDeadError, LLMEngine, PromptType, StartedStep
+from pagellm.metrics import EngineStats
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.sequence import Sequence
 from pagellm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-# Counters summed over replicas by ``get_stats``; the others are recomputed or averaged.
-_SUMMED = ("prompt_tokens", "generation_tokens", "steps", "num_preemptions", "num_swap_outs", "num_swap_ins",
-           "num_swap_fallbacks", "prefix_cache_queries", "prefix_cache_hits", "num_running", "num_waiting",
-           "num_swapped")
 
 
 class DataParallelEngine:
@@ -113,17 +109,12 @@ class DataParallelEngine:
     def reset_prefix_cache(self) -> bool:
         return all([r.reset_prefix_cache() for r in self.replicas])
 
-    def get_stats(self) -> dict[str, float]:
-        per = [r.get_stats() for r in self.replicas]
-        out: dict[str, float] = {k: sum(s[k] for s in per) for k in _SUMMED}
-        out["prefix_cache_hit_rate"] = sum(s["prefix_cache_hit_rate"] * s["prefix_cache_queries"] for s in per) / max(
-            1, out["prefix_cache_queries"])
-        for k in ("kv_cache_usage", "cpu_cache_usage"):
-            out[k] = sum(s[k] for s in per) / len(per)
-        return out
+    def get_stats(self) -> EngineStats:
+        """The replicas' stats as one engine's (``EngineStats.merge``)."""
+        return EngineStats.merge([r.get_stats() for r in self.replicas])
 
     @property
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> EngineStats:
         return self.get_stats()
 
     # ------------------------------------------------------------------ steps

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 from pagellm.config import EngineArgs, EngineConfig, resolve_model_source
@@ -20,6 +20,7 @@ from pagellm.core.scheduler import Scheduler
 from pagellm.core.scheduler_output import SchedulerOutput
 from pagellm.detokenizer import IncrementalDetokenizer, find_stop_string
 from pagellm.executor import PendingOutput, WorkerError, create_executor
+from pagellm.metrics import EngineStats, IterationStats
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
 from pagellm.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -69,7 +70,7 @@ class LLMEngine:
                                                self.num_cpu_blocks, config.scheduler.watermark)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
         self._detok: dict[int, IncrementalDetokenizer] = {}
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self.iteration_stats = IterationStats()
         logger.info("pagellm engine: %s on %s (%s), %d KV blocks x %d tokens (+%d CPU swap blocks), "
                     "max_model_len %d", self.model_info.architecture, self.model_info.device, self.model_info.dtype,
                     self.num_blocks, self.block_size, self.num_cpu_blocks, self.max_model_len)
@@ -180,24 +181,14 @@ class LLMEngine:
         """Forget all cached prefixes; only possible while no request holds blocks (returns success)."""
         return self.scheduler.reset_prefix_cache()
 
-    def get_stats(self) -> dict[str, float]:
-        """Counters for metrics: tokens, steps, preemptions, prefix-cache queries/hits/hit rate, KV usage."""
-        pc = self.scheduler.prefix_cache_stats
-        return {
-            **self.stats,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_swap_outs": self.scheduler.num_swap_outs,
-            "num_swap_ins": self.scheduler.num_swap_ins,
-            "num_swap_fallbacks": self.scheduler.num_swap_fallbacks,
-            "prefix_cache_queries": pc.queries,
-            "prefix_cache_hits": pc.hits,
-            "prefix_cache_hit_rate": pc.hit_rate,
-            "kv_cache_usage": self.kv_cache_manager.usage(),
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_swapped": len(self.scheduler.swapped),
-            "cpu_cache_usage": self.kv_cache_manager.cpu_pool.usage(),
-        }
+    def get_stats(self) -> EngineStats:
+        """Queues, KV usage, preemptions, prefix-cache counters, tokens and steps (``pagellm.metrics``;
+        also readable as a mapping, ``stats["num_running"]``)."""
+        return EngineStats(self.scheduler.make_stats(), replace(self.iteration_stats))
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.get_stats()
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
@@ -260,11 +251,10 @@ class LLMEngine:
         if sched_out.is_empty():
             return outputs
         updated, finished = self.scheduler.update_from_output(sched_out, runner_out)
-        self.stats["steps"] += 1
-        self.stats["prompt_tokens"] += sum(
-            max(0, min(s.num_computed_tokens + s.num_scheduled_tokens, len(s.prompt_token_ids)) - s.num_computed_tokens)
-            for s in sched_out.scheduled)
-        self.stats["generation_tokens"] += len(runner_out.sampled)
+        self.iteration_stats.record_step(
+            prompt_tokens=sum(max(0, min(s.num_computed_tokens + s.num_scheduled_tokens, len(s.prompt_token_ids))
+                                  - s.num_computed_tokens) for s in sched_out.scheduled),
+            generation_tokens=len(runner_out.sampled))
         now = time.monotonic()
         for group in updated:
             m = group.metrics

@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -21,75 +22,33 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, Field
 
 import pagellm
 from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagellm.entrypoints.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingBody,
+    TokenizeRequest,
+)
+from pagellm.metrics import GAUGE, STAT_FIELDS
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------------- request bodies
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """What one completion of a streamed request has new since its last chunk."""
 
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    n: int = 1
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    priority: int = 0
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-
-
-class CompletionRequest(_Body):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-
-
-class ChatCompletionRequest(_Body):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-
-
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    tokens: list[int] = Field(default_factory=list)
+    output: RequestOutput
+    completion: CompletionOutput
+    text: str  # the new text
+    logprobs: CompletionOutput | None  # only the new tokens, with their logprobs (if asked for)
+    first: bool  # this completion's first chunk
+    text_offset: int  # where ``text`` starts in the completion's whole text
 
 
 class APIError(Exception):
@@ -110,26 +69,14 @@ class _EngineCollector:
     def __init__(self, server: OpenAIServer) -> None:
         self.server = server
 
-    # (family, metric name, engine stats key, help)
-    _METRICS = (
-        (GaugeMetricFamily, "num_requests_running", "num_running", "Requests running"),
-        (GaugeMetricFamily, "num_requests_waiting", "num_waiting", "Requests waiting"),
-        (GaugeMetricFamily, "num_requests_swapped", "num_swapped", "Requests swapped out to CPU"),
-        (GaugeMetricFamily, "kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV blocks in use"),
-        (GaugeMetricFamily, "cpu_cache_usage_perc", "cpu_cache_usage", "Fraction of CPU swap blocks in use"),
-        (CounterMetricFamily, "prompt_tokens", "prompt_tokens", "Prompt tokens computed"),
-        (CounterMetricFamily, "generation_tokens", "generation_tokens", "Tokens generated"),
-        (CounterMetricFamily, "num_preemptions", "num_preemptions", "Preemptions (recompute or swap)"),
-        (CounterMetricFamily, "num_swap_outs", "num_swap_outs", "Preemptions by swap"),
-        (CounterMetricFamily, "prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up"),
-        (CounterMetricFamily, "prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found cached"),
-    )
-
     def collect(self):
-        s = self.server.engine._stats()
-        for family, metric, key, doc in self._METRICS:
-            m = family(f"pagellm:{metric}", doc, labels=["model_name"])
-            m.add_metric([self.server.model_name], s[key])
+        s = self.server.engine.get_stats_now()
+        for f in STAT_FIELDS:  # every field pagellm.metrics exports, with its kind and help
+            if f.prom is None:
+                continue
+            family = GaugeMetricFamily if f.kind == GAUGE else CounterMetricFamily
+            m = family(f"pagellm:{f.prom}", f.doc, labels=["model_name"])
+            m.add_metric([self.server.model_name], getattr(getattr(s, f.group), f.name))
             yield m
 
 
@@ -144,8 +91,8 @@ class OpenAIServer:
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
-        self.tokenizer = engine.engine.get_tokenizer()
-        self.max_model_len = engine.engine.max_model_len
+        self.tokenizer = engine.get_tokenizer()
+        self.max_model_len = engine.max_model_len
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(self))
         hist = {"time_to_first_token_seconds": "Time to first token",
@@ -161,7 +108,7 @@ class OpenAIServer:
         if model is not None and model != self.model_name:
             raise APIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model", "model_not_found")
 
-    def _params(self, body: _Body, prompt_len: int, max_tokens: int | None, logprobs: int | None,
+    def _params(self, body: SamplingBody, prompt_len: int, max_tokens: int | None, logprobs: int | None,
                 best_of: int | None = None) -> SamplingParams:
         room = self.max_model_len - prompt_len
         if max_tokens is not None and max_tokens > room:
@@ -260,9 +207,8 @@ class OpenAIServer:
             raise APIError(str(e)) from e
 
     async def _deltas(self, outputs: AsyncIterator[RequestOutput], rid: str, request: Request, logprobs: bool,
-                      always_first: bool = False) -> AsyncIterator[tuple[RequestOutput, Any, str, Any, bool, int]]:
-        """Per completion, what is new since the last chunk: ``(output, completion, new text, completion
-        holding only the new tokens' logprobs or None, first chunk of this completion, text offset)``."""
+                      always_first: bool = False) -> AsyncIterator[Delta]:
+        """Per completion, what is new since the last chunk (see ``Delta``)."""
         sent_text: dict[int, int] = {}
         sent_tok: dict[int, int] = {}
         async for out in self._stream(outputs, rid, request):
@@ -278,7 +224,7 @@ class OpenAIServer:
                     part = CompletionOutput(c.index, text, c.token_ids[t0:], None, c.logprobs[t0:])
                     sent_tok[c.index] = len(c.token_ids)
                 sent_text[c.index] = len(c.text)
-                yield out, c, text, part, first, start
+                yield Delta(out, c, text, part, first, start)
 
     def _logprobs_completion(self, c: Any, offset0: int) -> dict[str, Any] | None:
         if c.logprobs is None:
@@ -381,7 +327,7 @@ class OpenAIServer:
         @app.post("/detokenize")
         async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
             server._check_model(body.model)
-            vocab = server.engine.engine.model_info.vocab_size
+            vocab = server.engine.vocab_size
             bad = [t for t in body.tokens if t < 0 or t >= vocab]
             if bad:
                 raise APIError(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}", param="tokens")
@@ -433,7 +379,7 @@ class OpenAIServer:
                                    lambda outputs: self._completion_chunks(outputs, params, rid, created, body,
                                                                            echo, request))
 
-    async def _respond(self, prompt: Any, params: SamplingParams, rid: str, body: _Body, request: Request,
+    async def _respond(self, prompt: Any, params: SamplingParams, rid: str, body: SamplingBody, request: Request,
                        whole: Any, chunks: Any) -> Any:
         """Stream ``chunks(outputs)`` as SSE, or wait for the final output and return ``whole(output)``."""
         if body.stream:
@@ -447,12 +393,11 @@ class OpenAIServer:
                                  created: int, body: CompletionRequest, echo: str,
                                  request: Request) -> AsyncIterator[dict]:
         last = None
-        async for out, c, text, part, first, start in self._deltas(outputs, rid, request, body.logprobs is not None,
-                                                                   always_first=body.echo):
-            last = out
-            lp = self._logprobs_completion(part, start) if part is not None else None
+        async for d in self._deltas(outputs, rid, request, body.logprobs is not None, always_first=body.echo):
+            last, c = d.output, d.completion
+            lp = self._logprobs_completion(d.logprobs, d.text_offset) if d.logprobs is not None else None
             yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                   "choices": [{"index": c.index, "text": (echo if (first and body.echo) else "") + text,
+                   "choices": [{"index": c.index, "text": (echo if (d.first and body.echo) else "") + d.text,
                                 "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
                    "usage": None}
         if last is not None and (body.stream_options or {}).get("include_usage"):
@@ -501,10 +446,10 @@ class OpenAIServer:
         for i in range(params.n):
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
-        async for out, c, text, part, _, _ in self._deltas(outputs, rid, request, body.logprobs):
-            last = out
-            lp = self._logprobs_chat(part, top) if part is not None else None
-            yield chunk([{"index": c.index, "delta": {"content": text} if text else {}, "logprobs": lp,
+        async for d in self._deltas(outputs, rid, request, body.logprobs):
+            last, c = d.output, d.completion
+            lp = self._logprobs_chat(d.logprobs, top) if d.logprobs is not None else None
+            yield chunk([{"index": c.index, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
                           "finish_reason": c.finish_reason}])
         if last is not None and (body.stream_options or {}).get("include_usage"):
             yield chunk([], self._usage(last))

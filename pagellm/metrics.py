@@ -1,0 +1,125 @@
+"""Typed engine statistics, defined once for the engine, data-parallel summing, the periodic log
+line and Prometheus (vLLM V1's ``SchedulerStats`` / ``IterationStats``).
+
+Each field carries how it is exported and merged across data-parallel replicas::
+
+    field               kind     merge   Prometheus name (pagellm: prefix, model_name label)
+    num_running         gauge    sum     num_requests_running
+    kv_cache_usage      gauge    mean    kv_cache_usage_perc
+    prompt_tokens       counter  sum     prompt_tokens(_total)
+    ...
+
+``EngineStats`` is also a read-only mapping of the flat names (``stats["num_running"]``), the
+shape ``LLMEngine.get_stats()`` has always returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+GAUGE, COUNTER = "gauge", "counter"
+
+
+def _stat(kind: str, doc: str, prom: str | None = None, merge: str = "sum", default: Any = 0) -> Any:
+    return field(default=default, metadata={"kind": kind, "doc": doc, "prom": prom, "merge": merge})
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Token-weighted prefix-cache counters: ``queries`` tokens looked up, ``hits`` found cached."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """The scheduler's queues and KV pools now, and its counters since start."""
+
+    num_running: int = _stat(GAUGE, "Requests running", "num_requests_running")
+    num_waiting: int = _stat(GAUGE, "Requests waiting", "num_requests_waiting")
+    num_swapped: int = _stat(GAUGE, "Requests swapped out to CPU", "num_requests_swapped")
+    kv_cache_usage: float = _stat(GAUGE, "Fraction of KV blocks in use", "kv_cache_usage_perc", "mean", 0.0)
+    cpu_cache_usage: float = _stat(GAUGE, "Fraction of CPU swap blocks in use", "cpu_cache_usage_perc", "mean", 0.0)
+    num_preemptions: int = _stat(COUNTER, "Preemptions (recompute or swap)", "num_preemptions")
+    num_swap_outs: int = _stat(COUNTER, "Preemptions by swap", "num_swap_outs")
+    num_swap_ins: int = _stat(COUNTER, "Swapped requests brought back")
+    num_swap_fallbacks: int = _stat(COUNTER, "Swaps that found the CPU pool full and recomputed instead")
+    prefix_cache_queries: int = _stat(COUNTER, "Prompt tokens looked up", "prefix_cache_queries")
+    prefix_cache_hits: int = _stat(COUNTER, "Prompt tokens found cached", "prefix_cache_hits")
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass(slots=True)
+class IterationStats:
+    """What the engine's steps computed since start (vLLM keeps one per step; these are the sums)."""
+
+    steps: int = _stat(COUNTER, "Engine steps")
+    prompt_tokens: int = _stat(COUNTER, "Prompt tokens computed", "prompt_tokens")
+    generation_tokens: int = _stat(COUNTER, "Tokens generated", "generation_tokens")
+
+    def record_step(self, prompt_tokens: int, generation_tokens: int) -> None:
+        self.steps += 1
+        self.prompt_tokens += prompt_tokens
+        self.generation_tokens += generation_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class StatField:
+    """One flat statistic: where it lives and how it is exported and merged."""
+
+    name: str
+    group: str  # "scheduler" or "iteration"
+    kind: str
+    doc: str
+    prom: str | None  # exported to Prometheus under this name, or not at all
+    merge: str  # "sum" or "mean" over data-parallel replicas
+
+
+STAT_FIELDS: tuple[StatField, ...] = tuple(
+    StatField(f.name, group, f.metadata["kind"], f.metadata["doc"], f.metadata["prom"], f.metadata["merge"])
+    for group, cls in (("scheduler", SchedulerStats), ("iteration", IterationStats)) for f in fields(cls))
+_DERIVED = ("prefix_cache_hit_rate",)
+
+
+@dataclass(slots=True)
+class EngineStats(Mapping):
+    """``SchedulerStats`` and ``IterationStats`` of one engine (or the sum over replicas)."""
+
+    scheduler: SchedulerStats = field(default_factory=SchedulerStats)
+    iteration: IterationStats = field(default_factory=IterationStats)
+
+    def __getitem__(self, key: str) -> float:
+        if key in _DERIVED:
+            return getattr(self.scheduler, key)
+        for f in STAT_FIELDS:
+            if f.name == key:
+                return getattr(getattr(self, f.group), key)
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        yield from (f.name for f in STAT_FIELDS)
+        yield from _DERIVED
+
+    def __len__(self) -> int:
+        return len(STAT_FIELDS) + len(_DERIVED)
+
+    @classmethod
+    def merge(cls, parts: list[EngineStats]) -> EngineStats:
+        """Data-parallel replicas as one engine: counts and queues summed, pool usage averaged
+        (the prefix-cache hit rate follows from the summed tokens)."""
+        out = cls()
+        for f in STAT_FIELDS:
+            values = [getattr(getattr(p, f.group), f.name) for p in parts]
+            total = sum(values) / len(values) if f.merge == "mean" and values else sum(values)
+            setattr(getattr(out, f.group), f.name, total)
+        return out
