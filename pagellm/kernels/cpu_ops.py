@@ -1,7 +1,8 @@
 """Fused decoder ops on CPU float32 tensors (``cpu_ops.c``), each with its PyTorch equivalent.
 
-The callers (``layers/``, ``attention/``) ask :func:`usable` first and otherwise run their plain
-PyTorch code, which is also what ``tests/test_cpu_ops.py`` compares every op against.
+The callers are ``CustomOp.forward_cpu`` methods (``layers/``, ``sampling/``) and the ``"cpu"``
+attention backend, given these ops once at start-up (``layers/custom_op.select_kernels``); their
+``forward_native`` is the plain PyTorch code ``tests/test_cpu_ops.py`` compares every op against.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ _WRITE_KV = {torch.float32: "write_kv_f32", torch.float16: "write_kv_f16"}
 
 def _lib() -> ctypes.CDLL:
     lib = kernels.load("cpu_ops", _SIGNATURES)
-    assert lib is not None, "check available() / usable() first"
+    assert lib is not None, "check available() first"
     return lib
 
 
@@ -38,11 +39,6 @@ def available() -> bool:
 def writes_kv_into(key_cache: torch.Tensor) -> bool:
     """Whether :func:`write_kv` handles a cache of this dtype and device."""
     return key_cache.device.type == "cpu" and key_cache.dtype in _WRITE_KV and available()
-
-
-def usable(x: torch.Tensor) -> bool:
-    """Whether the fused ops can take tensors like ``x`` (float32 on the CPU, no autograd)."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad and available()
 
 
 def _rows(x: torch.Tensor, name: str) -> int:
