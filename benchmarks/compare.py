@@ -185,7 +185,7 @@ def _chart(results: list[dict], path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap)
-    ap.add_argument("--dtype", default="auto", help="pagellm dtype (auto = float32 on CPU)")
+    ap.add_argument("--dtype", default="auto", help="pagellm dtype (auto: float32 or bfloat16 GEMMs, per machine)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="pagellm K/V cache dtype (auto = the model's)")
     ap.add_argument("--mode", choices=("throughput", "latency", "both"), default="both")
     ap.add_argument("--latency-requests", type=int, default=4)
@@ -206,6 +206,10 @@ def main() -> None:
 
     n_in = sum(r["prompt_len"] for r in reqs)
     n_out = sum(r["max_tokens"] for r in reqs)
+    from pagellm.kernels.machine import cpu_info
+
+    machine = cpu_info().summary()  # figures from different machines must never be mixed up
+    print(f"machine: {machine}")
     print(f"workload {os.path.basename(args.workload)}: {len(reqs)} requests, {n_in} prompt + {n_out} output tokens")
     modes = ("throughput", "latency") if args.mode == "both" else (args.mode,)
     common = ["--workload", args.workload] + (["--num-requests", str(args.num_requests)] if args.num_requests else [])
@@ -252,7 +256,8 @@ def main() -> None:
                       f"{r['pagellm_ratio']:11.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"workload": os.path.basename(args.workload), "requests": len(reqs), "prompt_tokens": n_in,
+            json.dump({"machine": machine, "workload": os.path.basename(args.workload), "requests": len(reqs),
+                       "prompt_tokens": n_in,
                        "output_tokens": n_out, "results": results}, f, indent=1)
         print(f"results: {args.json}")
     if args.png:

@@ -24,6 +24,15 @@ def require_cpu_kernel(available) -> None:
     assert available(), "the CPU kernel failed to build (see the warning log)"
 
 
+def require_bf16_kernel() -> None:
+    """Skip on machines without the bfloat16 GEMM kernel (AVX512-BF16); say which."""
+    from pagellm.kernels import gemm
+    from pagellm.kernels.machine import cpu_info
+
+    if not gemm.bf16_supported():
+        pytest.skip(f"no bfloat16 GEMM kernel on this machine ({cpu_info().summary()})")
+
+
 def _tokenizer_dir(tmp_root: str) -> str:
     """The SmolLM2 tokenizer (from the bundled GGUF) saved as a plain HF tokenizer directory."""
     from pagellm.config import resolve_model_source

@@ -53,7 +53,7 @@ def test_tiny_models_match_hf_beam_search(ckpt_root, arch, k, length_penalty, ea
     prompts = random_prompts(4, seed=21, lo=3, hi=60)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ref = [hf_beams(hf, p, k, 12, length_penalty, early_stopping, None) for p in prompts]
-    llm = LLM(path, kv_cache_memory="16MiB", block_size=4)
+    llm = LLM(path, kv_cache_memory="16MiB", block_size=4, dtype="float32")  # the HF-exact oracle
     assert engine_beams(llm, prompts, k, 12, length_penalty, early_stopping, ignore_eos=True) == ref
     assert all(len(beams) == k for beams in ref)
 
@@ -65,7 +65,7 @@ def test_smollm2_matches_hf_beam_search_with_eos(smollm2_path):
     chat = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
             for q in ("What is 2+2? Answer with one number.", "Say hi.")]
     prompts = [tok.encode(p) for p in SMOL_PROMPTS[:3]] + [tok.encode(c, add_special_tokens=False) for c in chat]
-    llm = LLM(None, kv_cache_memory="256MiB")
+    llm = LLM(None, kv_cache_memory="256MiB", dtype="float32")  # the HF-exact oracle
     eos = llm.llm_engine.tokenizer.eos_token_id
     saw_eos = False
     for k in (2, 4):

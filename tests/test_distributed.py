@@ -28,6 +28,9 @@ NEW_TOKENS = 24
 def greedy(path: str, prompts: list[list[int]], **kwargs) -> list[tuple[list[int], float]]:
     """Token ids and cumulative logprob per prompt; invariants checked every step; workers stopped."""
     kwargs.setdefault("kv_cache_memory", "64MiB")
+    # float32: the exact numerics these comparisons need (``auto`` may choose bfloat16 GEMMs per
+    # machine and per thread count, and bfloat16 rounding magnifies a split reduction's order).
+    kwargs.setdefault("dtype", "float32")
     engine = LLMEngine.from_engine_args(EngineArgs(model=path, **kwargs))
     try:
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
@@ -96,10 +99,11 @@ def test_dp2_matches_dp1(tiny_llama, backend, request):
         request.getfixturevalue("ray_cluster")
     prompts = random_prompts(10, seed=8, hi=80)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    with LLM(tiny_llama, kv_cache_memory="64MiB") as llm:
+    with LLM(tiny_llama, kv_cache_memory="64MiB", dtype="float32") as llm:
         want = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                             use_tqdm=False)]
-    with LLM(tiny_llama, kv_cache_memory="64MiB", data_parallel_size=2, distributed_executor_backend=backend) as llm:
+    with LLM(tiny_llama, kv_cache_memory="64MiB", data_parallel_size=2, distributed_executor_backend=backend,
+             dtype="float32") as llm:
         engine = llm.llm_engine
         got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                            use_tqdm=False)]

@@ -35,9 +35,11 @@ def hf_greedy(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> 
 def engine_greedy(model_path: str, prompts: list[list[int]], new_tokens: int = NEW_TOKENS, **engine_kwargs):
     """All prompts submitted together; invariants checked after every step; returns token ids.
 
-    A small KV budget by default: the per-step invariant check walks every block.
+    A small KV budget by default: the per-step invariant check walks every block. float32 unless
+    asked otherwise: the token-exact oracle (``auto`` may choose bfloat16 GEMMs on this machine).
     """
     engine_kwargs.setdefault("kv_cache_memory", "64MiB")
+    engine_kwargs.setdefault("dtype", "float32")
     engine = LLMEngine.from_engine_args(EngineArgs(model=model_path, **engine_kwargs))
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):

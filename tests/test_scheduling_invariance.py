@@ -11,7 +11,7 @@ import torch
 
 from pagellm.utils import cdiv
 
-from conftest import build_tiny_checkpoint
+from conftest import build_tiny_checkpoint, require_bf16_kernel
 from test_hf_parity import engine_greedy, random_prompts
 
 MAX_TOKENS = 24
@@ -77,6 +77,25 @@ def test_tiny_model_outputs_do_not_depend_on_scheduling(baseline, arch, config):
         assert engine.scheduler.num_swap_outs > 0 and engine.scheduler.num_swap_ins > 0, "no swapping happened"
     kv = engine.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks and kv.cpu_pool.num_free_blocks == kv.cpu_pool.num_blocks
+
+
+BF16_CONFIGS = ["chunk_every_prompt", "max_num_seqs_1", "block_size_1", "tight_cache_and_chunks", "tight_swap",
+                "tight_swap_chunks_no_prefix_cache"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bfloat16_outputs_do_not_depend_on_scheduling(baseline, arch):
+    """bfloat16 GEMMs (pagellm's own kernel, AMX or AVX512-BF16): a row's result never depends
+    on its neighbours, so chunking, batch size, block size, preemption and swap change nothing."""
+    require_bf16_kernel()
+    path, prompts, _ = baseline[arch]
+    ref, engine = engine_greedy(path, prompts, MAX_TOKENS, dtype="bfloat16")
+    assert engine.model_info.dtype == "bfloat16"
+    for name in BF16_CONFIGS:
+        got, engine = engine_greedy(path, prompts, MAX_TOKENS, dtype="bfloat16", **_kwargs(name, prompts))
+        assert got == ref, name
+        if name.startswith("tight"):
+            assert engine.scheduler.num_preemptions > 0
 
 
 @pytest.mark.slow

@@ -71,7 +71,7 @@ def test_shm_all_reduce_and_all_gather_match_gloo_on_every_rank(world):
 def test_tp_workers_on_one_machine_use_shared_memory(tiny_llama):
     from pagellm import LLM
 
-    with LLM(tiny_llama, tensor_parallel_size=2, kv_cache_memory="16MiB") as llm:
+    with LLM(tiny_llama, tensor_parallel_size=2, kv_cache_memory="16MiB", dtype="float32") as llm:
         info = llm.llm_engine.executor.collective_rpc("parallel_info")
     assert [i["rank"] for i in info] == [0, 1]
     assert all(i["shm_all_reduce"] for i in info)
@@ -83,9 +83,9 @@ def test_gloo_fallback_when_disabled(tiny_llama, monkeypatch):
 
     prompts = [[5, 6, 7, 8], list(range(20, 90))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    with LLM(tiny_llama, kv_cache_memory="16MiB") as llm:
+    with LLM(tiny_llama, kv_cache_memory="16MiB", dtype="float32") as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     monkeypatch.setenv("PAGELLM_SHM_ALLREDUCE", "0")  # inherited by the worker processes
-    with LLM(tiny_llama, tensor_parallel_size=2, kv_cache_memory="16MiB") as llm:
+    with LLM(tiny_llama, tensor_parallel_size=2, kv_cache_memory="16MiB", dtype="float32") as llm:
         assert not any(i["shm_all_reduce"] for i in llm.llm_engine.executor.collective_rpc("parallel_info"))
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want

@@ -23,6 +23,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -237,22 +238,57 @@ static inline __attribute__((always_inline)) void tile_q(float *y, int64_t ldy, 
   store_tile(y, ldy, acc, bias, m0, m1, R);
 }
 
+#ifdef __AVX512BF16__
+/* tile() in bfloat16: x and the panel hold bf16 pairs (k = 2i, 2i + 1) in each 32-bit slot, and
+ * one vdpbf16ps per 16 outputs adds both products of a pair into the float32 accumulators. K here
+ * counts pairs. The same instructions in the same order for every row whatever M is. */
+static inline __attribute__((always_inline)) void tile_bf16(float *y, int64_t ldy, const float *x, int64_t ldx,
+                                                            const float *wp, const float *bias, int64_t K,
+                                                            __mmask16 m0, __mmask16 m1, const int R,
+                                                            const float *next, int64_t T) {
+  __m512 acc[MR][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int32_t *xp = (const int32_t *)x;
+  int64_t c = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    if (++c == T) {
+      c = 0;
+      _mm_prefetch((const char *)next, _MM_HINT_T1);
+      _mm_prefetch((const char *)(next + 16), _MM_HINT_T1);
+      next += NR;
+    }
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + k * NR), w1 = (__m512bh)_mm512_loadu_si512(wp + k * NR + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp[r * ldx + k]);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
+    }
+  }
+  store_tile(y, ldy, acc, bias, m0, m1, R);
+}
+#define TILE_BF16(R) tile_bf16(yy, ldy, xx, ldx, w, bb, K, m0, m1, R, wn + t * K / tiles * NR, tiles)
+#else
+#define TILE_BF16(R) (void)0
+#endif
+
 #define CASE(R) case R: TILE(R); break;
 #define TILE(R)                                                                       \
   if (bits == 4) tile_q(yy, ldy, xx, ldx, w, bb, K, m0, m1, R, wn, tiles, t, 4);     \
   else if (bits == 8) tile_q(yy, ldy, xx, ldx, w, bb, K, m0, m1, R, wn, tiles, t, 8); \
+  else if (bits == 16) TILE_BF16(R);                                                  \
   else tile(yy, ldy, xx, ldx, w, bb, K, m0, m1, R, wn + t * K / tiles * NR, tiles)
 #endif
 
 /* Rows [0, M) against every panel; the panels are split between the threads in contiguous ranges
  * (static schedule), so the panel after p is the one this thread takes next. bits: 32 for float32
- * panels (pack_weight_f32), 4 or 8 for quantized records (pack_weight_q). */
+ * panels (pack_weight_f32), 4 or 8 for quantized records (pack_weight_q), 16 for bfloat16 pair
+ * panels (pack_weight_bf16; x and K in pairs then). */
 static inline __attribute__((always_inline)) void row_block(float *y, int64_t ldy, const float *x, int64_t ldx,
                                                             const float *wp, const float *bias, int64_t M,
                                                             int64_t N, int64_t K, const int bits) {
 #ifdef __AVX512F__
   const int64_t P = (N + NR - 1) / NR;
-  const int64_t panel = bits == 32 ? K * NR : K / QB * QREC(bits); /* floats */
+  const int64_t panel = bits == 32 || bits == 16 ? K * NR : K / QB * QREC(bits); /* floats (or bf16 pairs) */
   /* Rows split into tiles of near-equal height (64 -> 5 tiles of 12-13, not 4 of 14 and one of 8). */
   const int64_t tiles = (M + MR - 1) / MR;
 #pragma omp parallel for schedule(static)
@@ -301,4 +337,194 @@ void gemm_packed_f32(float *y, int64_t ldy, const float *x, int64_t ldx, const f
   if (rows < 4 * MR) rows = 4 * MR;
   for (int64_t m = 0; m < M; m += rows)
     row_block(y + m * ldy, ldy, x + m * ldx, ldx, wp, bias, M - m < rows ? M - m : rows, N, K, 32);
+}
+
+/* ---- bfloat16 ---------------------------------------------------------------------------------------
+ * Weights rounded once to bfloat16 (nearest even) and packed as pairs: panel p, pair i holds, for
+ * each of its 32 outputs j, (w[p * 32 + j][2i], w[..][2i + 1]) in one 32-bit slot (even k in the
+ * low half), zero past N and past K. x is rounded to bfloat16 the same way, row by row, then every
+ * output is the float32 sum of its pairs' products in k order (vdpbf16ps): half the weight bytes of
+ * float32 and two multiply-adds per lane per instruction, and still the same result for a row
+ * whatever else is in the batch (unlike oneDNN's bf16 GEMM behind F.linear, whose result for a row
+ * changes with M). Only built with AVX512-BF16 (gemm_bf16_supported() says so). */
+int gemm_bf16_supported(void) {
+#ifdef __AVX512BF16__
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+/* Pairs of k per row, padded with zeros to whole AMX tiles (16 pairs = 32 bf16 = 64 bytes). */
+#define KPAIRS(K) (((K) + 31) / 32 * 16)
+
+/* In 32-bit slots: one per pair of k per output. */
+int64_t packed_size_bf16(int64_t N, int64_t K) { return (N + NR - 1) / NR * NR * KPAIRS(K); }
+
+static inline uint16_t bf16_round(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays a (quiet) NaN */
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+void pack_weight_bf16(uint32_t *dst, const float *w, int64_t N, int64_t K) {
+  const int64_t P = (N + NR - 1) / NR, KP = KPAIRS(K);
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t i = 0; i < KP; ++i)
+      for (int64_t j = 0; j < NR; ++j) {
+        const int64_t n = p * NR + j;
+        const uint16_t lo = n < N && 2 * i < K ? bf16_round(w[n * K + 2 * i]) : 0;
+        const uint16_t hi = n < N && 2 * i + 1 < K ? bf16_round(w[n * K + 2 * i + 1]) : 0;
+        dst[(p * KP + i) * NR + j] = (uint32_t)lo | ((uint32_t)hi << 16);
+      }
+}
+
+#ifdef __AMX_BF16__
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* Linux hands out the AMX tile state only on request, once per process. */
+static int amx_ready(void) {
+  static int state = 0; /* 0 unknown, 1 granted, -1 refused */
+  if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+  return state == 1;
+}
+
+typedef struct {
+  uint8_t palette_id, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} TileConfig;
+
+/* Tiles 0-3: C (2 row tiles x 2 column halves of the panel, 16 x 16 floats each); 4-5: A (16 rows x
+ * 16 pairs of x); 6-7: B (16 pairs x 16 outputs of the panel). */
+static void amx_configure(void) {
+  TileConfig cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+/* One panel against rows [0, M16) of the padded bf16 x (M16 a multiple of 16), into y rows < M.
+ * Every output is the tile dot products' sum over k in order, whatever the tiling of rows: the
+ * result of a row depends on nothing but that row. */
+static void amx_panel(float *y, int64_t ldy, const uint16_t *xb, int64_t KP, const uint32_t *wp, const float *bias,
+                      int64_t M, int64_t M16, int64_t left, float *scratch) {
+  const int64_t lda = KP * 4, ldb = NR * 4; /* bytes */
+  for (int64_t m0 = 0; m0 < M16; m0 += 32) {
+    const int two = m0 + 16 < M16;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k0 = 0; k0 < KP; k0 += 16) {
+      const char *a = (const char *)(xb + m0 * 2 * KP + k0 * 2);
+      const char *b = (const char *)(wp + k0 * NR);
+      _tile_loadd(4, a, lda);
+      _tile_loadd(6, b, ldb);
+      _tile_loadd(7, b + 64, ldb);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (two) {
+        _tile_loadd(5, a + 16 * lda, lda);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, scratch, NR * 4);
+    _tile_stored(1, scratch + 16, NR * 4);
+    if (two) {
+      _tile_stored(2, scratch + 16 * NR, NR * 4);
+      _tile_stored(3, scratch + 16 * NR + 16, NR * 4);
+    }
+    const int64_t rows = (two ? 32 : 16) < M - m0 ? (two ? 32 : 16) : M - m0;
+    const int64_t cols = left < NR ? left : NR;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < cols; ++j)
+        y[(m0 + r) * ldy + j] = scratch[r * NR + j] + (bias != NULL ? bias[j] : 0.f);
+  }
+}
+#endif
+
+int gemm_amx_supported(void) {
+#ifdef __AMX_BF16__
+  return amx_ready();
+#else
+  return 0;
+#endif
+}
+
+/* gemm_packed_bf16 on AMX tiles: the same bfloat16 inputs; 0, or -1 (scratch or AMX unavailable). */
+int gemm_packed_bf16_amx(float *y, int64_t ldy, const float *x, int64_t ldx, const float *wp, const float *bias,
+                         int64_t M, int64_t N, int64_t K) {
+#ifdef __AMX_BF16__
+  if (!amx_ready()) return -1;
+  const int64_t KP = KPAIRS(K), M16 = (M + 15) / 16 * 16, P = (N + NR - 1) / NR;
+  uint16_t *xb = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 2 * KP * (M16 ? M16 : 16));
+  if (xb == NULL) return -1;
+  memset(xb + M * 2 * KP, 0, sizeof(uint16_t) * 2 * KP * (M16 - M)); /* padding rows: zeros */
+#pragma omp parallel for schedule(static) if (M * K >= 65536)
+  for (int64_t m = 0; m < M; ++m) {
+    uint16_t *row = xb + m * 2 * KP;
+    for (int64_t k = 0; k < K; ++k) row[k] = bf16_round(x[m * ldx + k]);
+    for (int64_t k = K; k < 2 * KP; ++k) row[k] = 0;
+  }
+  int failed = 0;
+#pragma omp parallel
+  {
+    float *scratch = (float *)aligned_alloc(64, sizeof(float) * 32 * NR);
+    if (scratch == NULL) {
+#pragma omp atomic write
+      failed = 1;
+    } else {
+      amx_configure();
+#pragma omp for schedule(static)
+      for (int64_t p = 0; p < P; ++p)
+        amx_panel(y + p * NR, ldy, xb, KP, (const uint32_t *)wp + p * KP * NR, bias == NULL ? NULL : bias + p * NR,
+                  M, M16, N - p * NR, scratch);
+      _tile_release();
+      free(scratch);
+    }
+  }
+  free(xb);
+  return failed ? -1 : 0;
+#else
+  (void)y; (void)ldy; (void)x; (void)ldx; (void)wp; (void)bias; (void)M; (void)N; (void)K;
+  return -1;
+#endif
+}
+
+/* y = x W^T (+ bias) for W packed by pack_weight_bf16; 0, or -1 if the scratch for x failed. */
+int gemm_packed_bf16(float *y, int64_t ldy, const float *x, int64_t ldx, const float *wp, const float *bias,
+                     int64_t M, int64_t N, int64_t K) {
+#ifdef __AVX512BF16__
+  const int64_t KP = KPAIRS(K);
+  uint16_t *xb = (uint16_t *)malloc(sizeof(uint16_t) * 2 * KP * (M ? M : 1));
+  if (xb == NULL) return -1;
+#pragma omp parallel for schedule(static) if (M * K >= 65536)
+  for (int64_t m = 0; m < M; ++m) {
+    uint16_t *row = xb + m * 2 * KP;
+    for (int64_t k = 0; k < K; ++k) row[k] = bf16_round(x[m * ldx + k]);
+    for (int64_t k = K; k < 2 * KP; ++k) row[k] = 0;
+  }
+  /* Row blocks whose bf16 x fits in L2, as in gemm_packed_f32. */
+  int64_t rows = XBLOCK / (4 * KP) / MR * MR;
+  if (rows < 4 * MR) rows = 4 * MR;
+  for (int64_t m = 0; m < M; m += rows)
+    row_block(y + m * ldy, ldy, (const float *)(xb + m * 2 * KP), KP, wp, bias, M - m < rows ? M - m : rows, N, KP,
+              16);
+  free(xb);
+  return 0;
+#else
+  (void)y; (void)ldy; (void)x; (void)ldx; (void)wp; (void)bias; (void)M; (void)N; (void)K;
+  return -1;
+#endif
 }

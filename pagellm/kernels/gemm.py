@@ -28,6 +28,12 @@ SIGNATURES: kernels.Signatures = {
     "packed_size_q": (_I, [_I, _I, _I]),
     "pack_weight_q": (ctypes.c_int, [_P, _P, _I, _I, _I]),
     "gemm_packed_q": (None, [_P, _I, _P, _I, _P, _P, _I, _I, _I, _I]),
+    "gemm_bf16_supported": (ctypes.c_int, []),
+    "packed_size_bf16": (_I, [_I, _I]),
+    "pack_weight_bf16": (None, [_P, _P, _I, _I]),
+    "gemm_packed_bf16": (ctypes.c_int, [_P, _I, _P, _I, _P, _P, _I, _I, _I]),
+    "gemm_amx_supported": (ctypes.c_int, []),
+    "gemm_packed_bf16_amx": (ctypes.c_int, [_P, _I, _P, _I, _P, _P, _I, _I, _I]),
 }
 
 
@@ -61,6 +67,33 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def bf16_supported() -> bool:
+    """Whether this machine runs the bfloat16 kernel (AVX512-BF16 dot products)."""
+    lib = _lib()
+    return lib is not None and bool(lib.gemm_bf16_supported()) and os.environ.get("PAGELLM_CPU_BF16", "1") != "0"
+
+
+def amx_supported() -> bool:
+    """Whether this machine (and its kernel: Linux grants the tile state per process) runs AMX bf16
+    tiles; ``PAGELLM_CPU_AMX=0`` says no."""
+    lib = _lib()
+    return (bf16_supported() and lib is not None and os.environ.get("PAGELLM_CPU_AMX", "1") != "0"
+            and bool(lib.gemm_amx_supported()))
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` rounded to bfloat16 (nearest even) and packed in pairs of k for
+    ``linear(..., bits=16)`` (held in an int32 tensor: one pair per element)."""
+    lib = _packing_lib(weight)
+    if not bf16_supported():
+        raise ValueError("no bfloat16 GEMM kernel on this machine (AVX512-BF16)")
+    n, k = weight.shape
+    w = weight.detach().contiguous()
+    out = torch.empty(lib.packed_size_bf16(n, k), dtype=torch.int32)
+    lib.pack_weight_bf16(out.data_ptr(), w.data_ptr(), n, k)
+    return out
+
+
 def pack_quantized(weight: torch.Tensor, bits: int) -> torch.Tensor | None:
     """``weight [N, K]`` in ``bits`` (4 or 8), or ``None`` unless every run of 32 values along K is
     exactly one GGUF block: ``d * q + m`` (rounded after each step) with integers ``q`` in 0..15
@@ -78,18 +111,22 @@ def pack_quantized(weight: torch.Tensor, bits: int) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
-           bits: int = 32) -> torch.Tensor:
-    """``x [..., K] @ W^T (+ bias)`` -> ``[..., out_features]`` for ``packed = pack(W)``, or
-    ``packed = pack_quantized(W, bits)`` with the same ``bits``."""
+           bits: int = 32, amx: bool = False) -> torch.Tensor:
+    """``x [..., K] @ W^T (+ bias)`` -> ``[..., out_features]`` for ``packed = pack(W)``,
+    ``packed = pack_quantized(W, bits)`` with the same ``bits``, or ``pack_bf16(W)`` with ``bits=16``
+    (then x is rounded to bfloat16 too; sums and the output stay float32), on AMX tiles if ``amx``.
+    Each variant gives a row the same result whatever else is in ``x``; the two bf16 variants
+    differ from each other in the order of their sums, so a model uses one of them throughout."""
     lib = _lib()
     assert lib is not None, "check usable() before pack()"
     k = x.shape[-1]
     if x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"x must be float32 on the CPU, got {x.dtype} on {x.device}")
-    if bits not in (4, 8, 32):
-        raise ValueError(f"bits must be 4, 8 or 32, got {bits!r}")
-    size = lib.packed_size_f32(out_features, k) if bits == 32 else lib.packed_size_q(out_features, k, bits)
-    if packed.numel() != size or (bits != 32 and k % 32):
+    if bits not in (4, 8, 16, 32):
+        raise ValueError(f"bits must be 4, 8, 16 or 32, got {bits!r}")
+    sizes = {32: lambda: lib.packed_size_f32(out_features, k), 16: lambda: lib.packed_size_bf16(out_features, k)}
+    size = sizes[bits]() if bits in sizes else lib.packed_size_q(out_features, k, bits)
+    if packed.numel() != size or (bits in (4, 8) and k % 32):
         raise ValueError(f"packed {bits}-bit weight of {packed.numel()} floats does not fit [{out_features}, {k}]")
     if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.float32 or not bias.is_contiguous()):
         raise ValueError(f"bias must be contiguous float32 of shape ({out_features},), got {tuple(bias.shape)}")
@@ -103,6 +140,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
                 packed.data_ptr(), None if bias is None else bias.data_ptr(), m, out_features, k)
         if bits == 32:
             lib.gemm_packed_f32(*args)
+        elif bits == 16:
+            if (lib.gemm_packed_bf16_amx if amx else lib.gemm_packed_bf16)(*args) != 0:
+                raise MemoryError("the bfloat16 GEMM could not allocate its scratch for x")
         else:
             lib.gemm_packed_q(*args, bits)
     return y.view(*x.shape[:-1], out_features)

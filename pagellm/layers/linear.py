@@ -31,24 +31,40 @@ QUANTIZED_MAX_ROWS = {4: 16, 8: 8}
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` with an optional packed weight (inference only)."""
+    """``nn.Linear`` with an optional packed weight (inference only).
+
+    Packed for ``float32`` compute (the default; exact): a float32 copy, plus a 4- or 8-bit copy for
+    small batches when the weight is exactly GGUF blocks. Packed for ``bfloat16`` compute: one
+    bfloat16 copy that every batch size reads (AMX tiles where the machine has them), so a row's
+    result never depends on its neighbours; activations, sums and outputs stay float32.
+    """
 
     packed: torch.Tensor | None
     packed_q: torch.Tensor | None  # the 4- or 8-bit copy, if the weight is exactly such blocks
+    packed_bf16: torch.Tensor | None
     q_bits: int
+    amx: bool
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.register_buffer("packed", None, persistent=False)
         self.register_buffer("packed_q", None, persistent=False)
+        self.register_buffer("packed_bf16", None, persistent=False)
         self.q_bits = 0
+        self.amx = False
 
-    def pack_for_cpu(self) -> bool:
+    def pack_for_cpu(self, compute_dtype: torch.dtype = torch.float32) -> bool:
         """Pack the loaded weight for the GEMM kernel if it can run here; ``True`` if packed."""
-        if self.packed is not None:
+        if self.packed is not None or self.packed_bf16 is not None:
             return True
         if not gemm.usable(self.weight):
             return False
+        if compute_dtype == torch.bfloat16:
+            if not gemm.bf16_supported():
+                return False
+            self.packed_bf16 = gemm.pack_bf16(self.weight)
+            self.amx = gemm.amx_supported()
+            return True
         self.packed = gemm.pack(self.weight)
         for bits in (4, 8):  # a float32 weight fails each check on its first block
             self.packed_q = gemm.pack_quantized(self.weight, bits)
@@ -59,7 +75,9 @@ class Linear(nn.Linear):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T (+ bias)``: small batches through the kernel once packed (the smallest over the
-        quantized copy if there is one), the rest through MKL."""
+        quantized copy if there is one), the rest through MKL; with a bfloat16 copy, every batch through it."""
+        if self.packed_bf16 is not None:
+            return gemm.linear(x, self.packed_bf16, self.out_features, bias, bits=16, amx=self.amx)
         if self.packed_q is not None and x.numel() <= QUANTIZED_MAX_ROWS[self.q_bits] * self.in_features:
             return gemm.linear(x, self.packed_q, self.out_features, bias, bits=self.q_bits)
         if self.packed is not None and x.numel() <= KERNEL_MAX_ROWS * self.in_features:

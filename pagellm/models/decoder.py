@@ -166,18 +166,19 @@ class DecoderForCausalLM(nn.Module):
         logits = F.linear(hidden, embed.weight) if head is None else head(hidden)
         return self.tp.all_gather_last_dim(logits, embed.vocab_sizes)
 
-    def pack_for_cpu(self) -> None:
+    def pack_for_cpu(self, compute_dtype: torch.dtype = torch.float32) -> None:
         """After ``load_weights``: pack every projection and the LM head for the CPU GEMM kernel
-        (``layers/linear.py``) where it can run; a tied head's packed copy is held here."""
+        (``layers/linear.py``) where it can run, for ``compute_dtype`` GEMMs (float32 or
+        bfloat16); a tied head's packed copy is held here."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack_for_cpu()
+                module.pack_for_cpu(compute_dtype)
         if self.lm_head is None and self.tied_head is None:
             embed = self.model.embed_tokens
             with torch.device("meta"):
                 head = Linear(embed.embedding_dim, embed.num_embeddings, bias=False)
             head.weight = embed.weight  # shared: batches past the kernel's read the embedding itself
-            if head.pack_for_cpu():
+            if head.pack_for_cpu(compute_dtype):
                 self.tied_head = head
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -11,7 +11,10 @@ from pagellm.attention import select_attention_backend
 from pagellm.config import EngineConfig, default_num_threads, resolve_model_source
 from pagellm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed import init_tensor_parallel
+from pagellm.kernels import gemm
+from pagellm.kernels.machine import Numerics, choose_numerics, cpu_info
 from pagellm.layers.custom_op import select_kernels
+from pagellm.layers.linear import Linear
 from pagellm.models import get_model_class
 from pagellm.weights import freq_factors, iter_weights, load_model_config
 from pagellm.worker.cache_engine import CacheEngine, KVCacheSpec
@@ -60,9 +63,14 @@ class Worker:
             logger.info("tensor-parallel rank %d of %d on %s, all-reduce over %s", rank, self.tp.world_size,
                         self.device, "shared memory" if self.tp.shm is not None else "torch.distributed")
         dtype_name = config.model.dtype
-        if dtype_name == "auto":
+        # On a CPU the model's tensors stay float32 (the fused kernels' dtype) unless a 16-bit model
+        # is asked for and no bf16 GEMM kernel runs here; load_model then picks the GEMM numerics.
+        self.cpu_numerics = self.device.type == "cpu" and (
+            dtype_name in ("auto", "float32") or (dtype_name == "bfloat16" and gemm.bf16_supported()))
+        if self.cpu_numerics or dtype_name == "auto":
             dtype_name = "float32" if self.device.type == "cpu" else "bfloat16"
         self.dtype = _DTYPES[dtype_name]
+        self.numerics = Numerics(self.dtype, f"{dtype_name} model")
         self.cache_engine: CacheEngine | None = None
         self.model_runner: ModelRunner | None = None
 
@@ -78,8 +86,13 @@ class Worker:
         # Sharded, a rank reads only its slice of each safetensors weight.
         model.load_weights(iter_weights(source, hf_config, lazy=self.tp.world_size > 1))
         model = model.to(self.dtype).eval()
+        if self.cpu_numerics:
+            layer0 = [m.weight for m in model.model.layers[0].modules() if isinstance(m, Linear)]
+            self.numerics = choose_numerics(self.config.model.dtype, layer0, probe=self.tp.world_size == 1)
+            logger.info("numerics: %s GEMMs, float32 activations: %s [%s]", self.numerics.name, self.numerics.reason,
+                        cpu_info().summary())
         if self.device.type == "cpu" and hasattr(model, "pack_for_cpu"):
-            model.pack_for_cpu()
+            model.pack_for_cpu(self.numerics.compute_dtype)
         # Every CustomOp (norms, rotary, activation) gets its kernel or its reference, once.
         kernels_on = select_kernels(model, self.device, self.dtype)
         logger.info("compiled CPU ops: %s", "on" if kernels_on else "off (PyTorch reference ops)")
@@ -97,7 +110,7 @@ class Worker:
             max_position_embeddings=hf_config.max_position_embeddings,
             sliding_window=getattr(hf_config, "sliding_window", None)
             if getattr(hf_config, "use_sliding_window", True) else None,
-            dtype=str(self.dtype).removeprefix("torch."),
+            dtype=self.numerics.name,
             device=str(self.device),
             block_bytes=self.spec.block_bytes,
         )

@@ -1,0 +1,144 @@
+"""Numerics chosen per machine: the bfloat16 GEMM kernels and the quality gate of bfloat16 mode.
+
+Quality gate (vLLM's ``check_logprobs_close``): run greedy in both modes with top-5 logprobs;
+wherever the tokens first diverge, each side's token must be among the other's top 5.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import transformers
+
+from pagellm import LLMEngine, SamplingParams
+from pagellm.config import EngineArgs
+from pagellm.kernels import gemm
+from pagellm.kernels.machine import choose_numerics, cpu_info
+
+from conftest import build_tiny_checkpoint, require_bf16_kernel, run_to_completion
+from test_hf_parity import SMOL_PROMPTS, random_prompts
+
+TOP = 5
+BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
+NEW_TOKENS = 24
+
+
+def hf_greedy_top(model, prompt: list[int], new_tokens: int) -> tuple[list[int], list[set[int]]]:
+    """HF float32 greedy tokens and each step's top-5 token ids."""
+    ids = torch.tensor([prompt])
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None,
+                                           pad_token_id=0, bos_token_id=None, output_scores=True,
+                                           return_dict_in_generate=True)
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    return tokens, [set(s[0].topk(TOP).indices.tolist()) for s in out.scores]
+
+
+def engine_greedy_top(path: str | None, prompts: list[list[int]], new_tokens: int, **kw):
+    engine = LLMEngine.from_engine_args(EngineArgs(model=path, kv_cache_memory="64MiB", **kw))
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=TOP)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    done = run_to_completion(engine)
+    outs = [done[str(i)].outputs[0] for i in range(len(prompts))]
+    return [(o.token_ids, [set(sorted(lp, key=lambda t: lp[t].rank)[:TOP]) for lp in o.logprobs]) for o in outs], engine
+
+
+def check_logprobs_close(a, b) -> int:
+    """Per prompt: tokens equal until the first divergence, where each side's token is in the
+    other's top 5 (then the sequences are no longer comparable). Returns the number of prompts
+    that diverged."""
+    diverged = 0
+    for i, ((ta, topa), (tb, topb)) in enumerate(zip(a, b, strict=True)):
+        for pos, (x, y) in enumerate(zip(ta, tb, strict=True)):
+            if x != y:
+                assert x in topb[pos] and y in topa[pos], \
+                    f"prompt {i} position {pos}: {x} vs {y} not in each other's top-{TOP}"
+                diverged += 1
+                break
+    return diverged
+
+
+# ---------------------------------------------------------------------- the kernels
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_gemm_equals_the_rounded_product_and_is_batch_invariant(amx):
+    require_bf16_kernel()
+    if amx and not gemm.amx_supported():
+        pytest.skip(f"no AMX here ({cpu_info().summary()})")
+    torch.manual_seed(0)
+    for n, k in ((960, 576), (576, 1536), (33, 577), (5, 40)):
+        w, x, b = torch.randn(n, k), torch.randn(150, k), torch.randn(n)
+        packed = gemm.pack_bf16(w)
+        y = gemm.linear(x, packed, n, b, bits=16, amx=amx)
+        # The exact product of the bf16-rounded inputs, plus the bias: only the float32 sums' order differs.
+        ref = x.bfloat16().double() @ w.bfloat16().double().T + b.double()
+        torch.testing.assert_close(y.double(), ref, atol=2e-3, rtol=1e-5)
+        for m in (1, 2, 13, 15, 16, 17, 31, 33, 64, 149):
+            for start in (0, 1):
+                part = gemm.linear(x[start:start + m], packed, n, b, bits=16, amx=amx)
+                assert torch.equal(part, y[start:start + m]), f"row results changed with the batch (m={m}, {start=})"
+
+
+def test_numerics_choice(monkeypatch):
+    w = [torch.randn(64, 64)]
+    assert choose_numerics("float32", w).compute_dtype == torch.float32
+    monkeypatch.setenv("PAGELLM_CPU_BF16", "0")  # the ISA path disabled: auto must fall back, bfloat16 cannot run
+    assert choose_numerics("auto", w).compute_dtype == torch.float32
+    with pytest.raises(ValueError, match="no bfloat16 GEMM kernel"):
+        choose_numerics("bfloat16", w)
+    monkeypatch.delenv("PAGELLM_CPU_BF16")
+    require_bf16_kernel()
+    assert choose_numerics("bfloat16", w).compute_dtype == torch.bfloat16
+    n = choose_numerics("auto", w, probe=True)
+    assert n.compute_dtype in (torch.float32, torch.bfloat16) and "measured" in n.reason
+
+
+# ---------------------------------------------------------------------- the quality gate
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_bfloat16_is_logprob_close_to_hf_float32(ckpt_root, arch):
+    require_bf16_kernel()
+    path = build_tiny_checkpoint(ckpt_root, arch)
+    prompts = random_prompts(8, seed=5, hi=120)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ref = [hf_greedy_top(hf, p, NEW_TOKENS) for p in prompts]
+    got, engine = engine_greedy_top(path, prompts, NEW_TOKENS, dtype="bfloat16")
+    assert engine.model_info.dtype == "bfloat16"
+    check_logprobs_close(got, ref)
+
+
+@pytest.mark.slow
+def test_smollm2_bfloat16_is_logprob_close_to_hf_float32(smollm2_path):
+    require_bf16_kernel()
+    directory, name = os.path.split(smollm2_path)
+    tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    prompts = [tok.encode(p) for p in SMOL_PROMPTS]
+    ref = [hf_greedy_top(hf, p, 32) for p in prompts]
+    got, engine = engine_greedy_top(None, prompts, 32, dtype="bfloat16")
+    assert engine.model_info.dtype == "bfloat16"
+    diverged = check_logprobs_close(got, ref)
+    assert diverged <= len(prompts) // 2, f"{diverged} of {len(prompts)} prompts diverged from HF float32"
+
+
+@pytest.mark.slow
+def test_smollm2_bfloat16_perplexity_within_1_percent_of_float32():
+    """The shipped text (benchmarks/data/quality_text.txt), teacher-forced through each mode's engine."""
+    require_bf16_kernel()
+    sys.path.insert(0, BENCHMARKS)
+    from quality import TEXT, perplexity
+
+    ppl = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = LLMEngine.from_engine_args(EngineArgs(model=None, dtype=dtype, kv_cache_memory="256MiB"))
+        with open(TEXT) as f:
+            ids = engine.get_tokenizer().encode(f.read())
+        assert len(ids) > 400
+        ppl[dtype] = perplexity(engine, ids)
+        engine.shutdown()
+    assert 1.0 < ppl["float32"] < 100.0, ppl  # the model reads the text as text
+    assert abs(ppl["bfloat16"] / ppl["float32"] - 1.0) < 0.01, ppl
