@@ -41,6 +41,9 @@ def main() -> None:
                     help="weights as the bundled GGUF holds them (the layers' in Q4_1, the LM head in Q8_0, quantized "
                          "and dequantized by the gguf package), and also time their quantized copies "
                          "(gemm.pack_quantized)")
+    ap.add_argument("--bf16", action="store_true",
+                    help="also time the bfloat16 kernels (gemm.pack_bf16): AMX tiles where the machine has them, "
+                         "and the AVX512-BF16 dot-product version")
     add_shape_args(ap)
     args = ap.parse_args()
 
@@ -62,12 +65,18 @@ def main() -> None:
         weights = [_gguf_roundtrip(w, b) for w, b in zip(weights, bits, strict=True)]
     packed = [gemm.pack(w) for w in weights]
     packed_q = [gemm.pack_quantized(w, b) for w, b in zip(weights, bits, strict=True)] if args.quantized else []
+    if args.bf16 and not gemm.bf16_supported():
+        raise SystemExit("no bfloat16 GEMM kernel here (needs AVX512-BF16)")
+    packed_bf16 = [gemm.pack_bf16(w) for w in weights] if args.bf16 else []
+    amx = gemm.amx_supported()
     print(f"{len(weights)} weights, {sum(w.numel() for w in weights) * 4 / 2**20:.0f} MiB, "
           f"{torch.get_num_threads()} threads")
     base_lib = kernels.build_source(args.baseline_source, gemm.SIGNATURES) if args.baseline_source else None
     print(f"{'rows':>6} {'F.linear ms':>12} {'GFLOP/s':>8} {'kernel ms':>10} {'GFLOP/s':>8} {'F.linear / kernel':>18}"
           + (f" {'baseline ms':>12} {'baseline / kernel':>18}" if base_lib else "")
-          + (f" {'quantized ms':>13} {'kernel / quantized':>19}" if args.quantized else ""))
+          + (f" {'quantized ms':>13} {'kernel / quantized':>19}" if args.quantized else "")
+          + (f" {'bf16 AMX ms':>12} {'kernel / AMX':>13}" if args.bf16 and amx else "")
+          + (f" {'bf16 dp ms':>11} {'kernel / dp':>12}" if args.bf16 else ""))
     for m in args.rows:
         xs = {k: torch.randn(m, k) for k in {w.shape[1] for w in weights}}
         flops = sum(2 * m * w.numel() for w in weights)
@@ -92,8 +101,14 @@ def main() -> None:
             for w, p, b in zip(weights, packed_q, bits, strict=True):
                 gemm.linear(xs[w.shape[1]], p, w.shape[0], bits=b)
 
+        def bf16(xs: dict = xs, use_amx: bool = False) -> None:
+            for w, p in zip(weights, packed_bf16, strict=True):
+                gemm.linear(xs[w.shape[1]], p, w.shape[0], bits=16, amx=use_amx)
+
         steps = ({"mkl": mkl, "kernel": kernel} | ({"baseline": baseline} if base_lib else {})
-                 | ({"quantized": quantized} if args.quantized else {}))
+                 | ({"quantized": quantized} if args.quantized else {})
+                 | ({"bf16_amx": lambda: bf16(use_amx=True)} if args.bf16 and amx else {})
+                 | ({"bf16_dp": bf16} if args.bf16 else {}))
         with torch.inference_mode():
             best = interleaved_best(steps, args.repeats)
         a, b = best["mkl"], best["kernel"]
@@ -102,6 +117,10 @@ def main() -> None:
             line += f" {best['baseline'] * 1e3:12.2f} {best['baseline'] / b:17.2f}x"
         if args.quantized:
             line += f" {best['quantized'] * 1e3:13.2f} {b / best['quantized']:18.2f}x"
+        if args.bf16 and amx:
+            line += f" {best['bf16_amx'] * 1e3:12.2f} {b / best['bf16_amx']:12.2f}x"
+        if args.bf16:
+            line += f" {best['bf16_dp'] * 1e3:11.2f} {b / best['bf16_dp']:11.2f}x"
         print(line)
 
 
