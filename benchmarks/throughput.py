@@ -51,9 +51,10 @@ def run_pagellm(reqs: list[dict], args: argparse.Namespace, parallel: str = "uni
 
 
 def pagellm_name(llm) -> str:
-    """``pagellm (float32)``, with the K/V cache dtype when it is not the model's."""
-    kv = llm.llm_engine.config.cache.kv_cache_dtype
-    return f"pagellm ({llm.llm_engine.model_info.dtype}{'' if kv == 'auto' else f', {kv} KV'})"
+    """``pagellm (float32)``: the GEMM numerics, with the K/V cache dtype when it differs."""
+    info = llm.llm_engine.model_info
+    kv = info.kv_cache_dtype
+    return f"pagellm ({info.dtype}{'' if kv in ('auto', info.dtype) else f', {kv} KV'})"
 
 
 def load_hf_model(model_path: str | None, dtype_name: str):

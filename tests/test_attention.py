@@ -31,7 +31,7 @@ def _dense_reference(q, k_all, v_all, num_computed, scale):
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (8, 2), (9, 3), (14, 2), (18, 1)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 # The compiled decode kernel against the same dense oracle; d = 64 takes its specialised branch,
-# and with a float32 cache the prefill kernel takes every chunk (queries strided, as in the model).
+# and the prefill kernel takes every chunk (queries strided, as in the model), over either cache.
 # A float16 cache (kv_cache_dtype="float16") under float32 queries, pure path and kernel; its K/V
 # values are drawn float16-representable so the float32 oracle stays exact.
 @pytest.mark.parametrize("decode_kernel,d,cache_dtype", [
@@ -79,7 +79,7 @@ def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, cache_d
         seqs.append((num_computed, n, blocks, k_all, v_all, torch.randn(n, hq, d)))
     decodes = [s for s in seqs if s[1] == 1 and s[0] > 0]
     chunks = [s for s in seqs if not (s[1] == 1 and s[0] > 0)]
-    prefill_kernel = decode_kernel and d == 64 and cache_dtype == torch.float32
+    prefill_kernel = decode_kernel and d == 64
     # The backend the engine would choose for this cache: the reference, or the kernels that apply.
     backend = CpuPagedAttention.for_cache(key_cache, torch.float32) if decode_kernel else TorchPagedAttention()
     assert getattr(backend, "decode_kernel", False) == decode_kernel

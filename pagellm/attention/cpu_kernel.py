@@ -83,18 +83,20 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: to
 # mask. The kernel reads the blocks in place for every chunk, one task per (chunk, KV head,
 # query tile), and shares each K/V row among the KV head's query heads: 2.1-2.4x SDPA's rate on
 # SmolLM2's shapes (docs/performance.md).
+_PREFILL_ARGS = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
+                 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_float])
 _PREFILL_SIGNATURES: kernels.Signatures = {
-    "paged_prefill_f32": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-                          + [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 3
-                          + [ctypes.c_int64] * 4 + [ctypes.c_float]),
+    "paged_prefill_f32": (ctypes.c_int, _PREFILL_ARGS),
+    "paged_prefill_f16": (ctypes.c_int, _PREFILL_ARGS),
     "paged_prefill_supported": (ctypes.c_int, [ctypes.c_int64]),
 }
+_PREFILL = {torch.float32: "paged_prefill_f32", torch.float16: "paged_prefill_f16"}
 
 
 def prefill_usable_for(key_cache: torch.Tensor) -> bool:
     """Whether prefill chunks over this cache (``[num_slots, Hkv, D]``) can take the prefill kernel:
-    a float32 CPU cache with head size 64 on an AVX-512 machine."""
-    if key_cache.device.type != "cpu" or key_cache.dtype != torch.float32:
+    a float32 or float16 CPU cache with head size 64 on an AVX-512 machine."""
+    if key_cache.device.type != "cpu" or key_cache.dtype not in _PREFILL:
         return False
     lib = kernels.load("paged_prefill", _PREFILL_SIGNATURES)
     return lib is not None and bool(lib.paged_prefill_supported(key_cache.shape[-1]))
@@ -120,15 +122,15 @@ def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: t
     if out.dtype != torch.float32 or out.shape != (t, hq * d) or out.stride(1) != 1:
         raise ValueError("out must be float32 [T, Hq * D] with contiguous rows")
     for x, name in ((key_cache, "key_cache"), (value_cache, "value_cache")):
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            raise ValueError(f"{name} must be contiguous float32")
+        if x.dtype != key_cache.dtype or x.dtype not in _PREFILL or not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32 or float16 (both caches the same)")
     if not prefill_usable_for(key_cache):
         raise ValueError(f"no prefill kernel for head size {d} on this machine")
     for x, name in ((block_tables, "block_tables"), (token_starts, "token_starts"), (num_computed, "num_computed"),
                     (query_lens, "query_lens")):
         if x.dtype != torch.int64 or not x.is_contiguous():
             raise ValueError(f"{name} must be contiguous int64")
-    status = lib.paged_prefill_f32(out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0),
+    status = getattr(lib, _PREFILL[key_cache.dtype])(out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0),
                                    key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
                                    block_tables.shape[1], token_starts.data_ptr(), num_computed.data_ptr(),
                                    query_lens.data_ptr(), len(token_starts), hq, hkv, block_size, scale)

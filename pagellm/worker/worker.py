@@ -36,6 +36,7 @@ class ModelInfo:
     dtype: str
     device: str
     block_bytes: int
+    kv_cache_dtype: str = "auto"
 
 
 class Worker:
@@ -102,7 +103,7 @@ class Worker:
             num_kv_heads=model.model.layers[0].self_attn.num_kv_heads,
             head_dim=model.model.layers[0].self_attn.head_dim,
             block_size=self.config.cache.block_size,
-            dtype=self.dtype if (kv := self.config.cache.kv_cache_dtype) == "auto" else _DTYPES[kv],
+            dtype=self._kv_cache_dtype(),
         )
         return ModelInfo(
             architecture=arch,
@@ -111,9 +112,18 @@ class Worker:
             sliding_window=getattr(hf_config, "sliding_window", None)
             if getattr(hf_config, "use_sliding_window", True) else None,
             dtype=self.numerics.name,
+            kv_cache_dtype=str(self.spec.dtype).removeprefix("torch."),
             device=str(self.device),
             block_bytes=self.spec.block_bytes,
         )
+
+    def _kv_cache_dtype(self) -> torch.dtype:
+        """``auto``: the model's dtype; with bfloat16 GEMMs on a CPU, float16 (16-bit like the
+        weights, read directly by the attention kernels, more exact than bfloat16's 8-bit mantissa)."""
+        kv = self.config.cache.kv_cache_dtype
+        if kv != "auto":
+            return _DTYPES[kv]
+        return torch.float16 if self.cpu_numerics and self.numerics.compute_dtype == torch.bfloat16 else self.dtype
 
     def parallel_info(self) -> dict[str, object]:
         """This worker's place in the tensor-parallel group (for logs and tests)."""
