@@ -92,6 +92,9 @@ def test_numerics_choice(monkeypatch):
     with pytest.raises(ValueError, match="no bfloat16 GEMM kernel"):
         choose_numerics("bfloat16", w)
     monkeypatch.delenv("PAGELLM_CPU_BF16")
+    monkeypatch.setenv("PAGELLM_CPU_GEMM", "0")  # the GEMM kernels off: no bf16 either, auto is float32
+    assert not gemm.bf16_supported() and choose_numerics("auto", w).compute_dtype == torch.float32
+    monkeypatch.delenv("PAGELLM_CPU_GEMM")
     require_bf16_kernel()
     assert choose_numerics("bfloat16", w).compute_dtype == torch.bfloat16
     n = choose_numerics("auto", w, probe=True)

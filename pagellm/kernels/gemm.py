@@ -68,9 +68,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def bf16_supported() -> bool:
-    """Whether this machine runs the bfloat16 kernel (AVX512-BF16 dot products)."""
+    """Whether this machine runs the bfloat16 kernel (AVX512-BF16 dot products); ``PAGELLM_CPU_BF16=0``
+    or ``PAGELLM_CPU_GEMM=0`` say no."""
     lib = _lib()
-    return lib is not None and bool(lib.gemm_bf16_supported()) and os.environ.get("PAGELLM_CPU_BF16", "1") != "0"
+    return (lib is not None and bool(lib.gemm_bf16_supported()) and os.environ.get("PAGELLM_CPU_BF16", "1") != "0"
+            and os.environ.get("PAGELLM_CPU_GEMM", "1") != "0")
 
 
 def amx_supported() -> bool:
