@@ -124,7 +124,7 @@ def run_hf(reqs: list[dict], args: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap)
-    ap.add_argument("--dtype", default="auto", help="pagellm dtype (auto = float32 on CPU)")
+    ap.add_argument("--dtype", default="auto", help="pagellm dtype (auto: float32 or bfloat16 GEMMs, per machine)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=16)

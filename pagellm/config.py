@@ -224,7 +224,8 @@ class EngineConfig:
 _HELP = {
     "model": "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct GGUF)",
     "tokenizer": "tokenizer directory (default: the model's)",
-    "dtype": "weight and activation dtype; auto = float32 on CPU, bfloat16 on CUDA",
+    "dtype": "compute dtype; auto = per machine on CPU (bfloat16 GEMMs where pagellm's kernel measures faster, "
+             "else float32, the HF-exact oracle), bfloat16 on CUDA",
     "kv_cache_memory": "KV cache byte budget, e.g. 2GiB (ignored with --num-gpu-blocks-override)",
     "num_gpu_blocks_override": "exact number of KV blocks (on any device)",
     "long_prefill_token_threshold": "most prompt tokens one request computes per step (0 = no cap)",
@@ -234,8 +235,8 @@ _HELP = {
     "data_parallel_size": "independent engine replicas behind one front end, requests sent to the least loaded",
     "distributed_executor_backend": "uni (in-process), mp (a process per rank on this machine) or ray (a Ray actor "
                                     "per rank, any node); default: uni for one worker, else mp",
-    "kv_cache_dtype": "K/V cache element type: auto (the model's dtype), float32, float16 or bfloat16; "
-                      "float16 under a float32 model halves decode attention's memory traffic",
+    "kv_cache_dtype": "K/V cache element type: auto (the model's dtype; float16 with bfloat16 GEMMs on a CPU), "
+                      "float32, float16 or bfloat16; float16 halves attention's memory traffic",
     "swap_space": "CPU swap pool for preempted requests, GiB (default: the KV cache's size, at most 4; "
                   "0 = recompute only)",
     "num_cpu_blocks_override": "exact number of CPU swap blocks",

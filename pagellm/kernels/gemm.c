@@ -1,4 +1,5 @@
-/* y = x W^T (+ bias) for float32 on CPU, with W packed once at load time. Built on first use by
+/* y = x W^T (+ bias) on CPU with W packed once at load time (float32; 4/8-bit exact copies; bfloat16 on
+ * AMX tiles or AVX512-BF16 dot products, at the end of this file). Built on first use by
  * pagellm/kernels/__init__.py.
  *
  * MKL's sgemm (behind F.linear) re-packs W on every call. At decode batch sizes (M = 1..64 rows)
