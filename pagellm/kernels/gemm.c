@@ -79,7 +79,7 @@ static inline __attribute__((always_inline)) void store_tile(float *y, int64_t l
 static inline __attribute__((always_inline)) void tile(float *y, int64_t ldy, const float *x, int64_t ldx,
                                                        const float *wp, const float *bias, int64_t K,
                                                        __mmask16 m0, __mmask16 m1, const int R,
-                                                       const float *next, int64_t T) {
+                                                       const float *next, int64_t T, const int bf16) {
   __m512 acc[MR][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   int64_t c = 0;
@@ -90,6 +90,18 @@ static inline __attribute__((always_inline)) void tile(float *y, int64_t ldy, co
       _mm_prefetch((const char *)(next + 16), _MM_HINT_T1);
       next += NR;
     }
+#ifdef __AVX512BF16__
+    if (bf16) { /* x and the panel hold bf16 pairs (k = 2i, 2i + 1; K counts pairs): one vdpbf16ps
+                 * per 16 outputs adds both products of a pair, the same order for every row */
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + k * NR), w1 = (__m512bh)_mm512_loadu_si512(wp + k * NR + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(((const int32_t *)x)[r * ldx + k]);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
+      }
+      continue;
+    }
+#endif
     const __m512 w0 = _mm512_loadu_ps(wp + k * NR), w1 = _mm512_loadu_ps(wp + k * NR + 16);
     for (int r = 0; r < R; ++r) {
       const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
@@ -97,6 +109,7 @@ static inline __attribute__((always_inline)) void tile(float *y, int64_t ldy, co
       acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
     }
   }
+  (void)bf16;
   store_tile(y, ldy, acc, bias, m0, m1, R);
 }
 
@@ -240,34 +253,7 @@ static inline __attribute__((always_inline)) void tile_q(float *y, int64_t ldy, 
 }
 
 #ifdef __AVX512BF16__
-/* tile() in bfloat16: x and the panel hold bf16 pairs (k = 2i, 2i + 1) in each 32-bit slot, and
- * one vdpbf16ps per 16 outputs adds both products of a pair into the float32 accumulators. K here
- * counts pairs. The same instructions in the same order for every row whatever M is. */
-static inline __attribute__((always_inline)) void tile_bf16(float *y, int64_t ldy, const float *x, int64_t ldx,
-                                                            const float *wp, const float *bias, int64_t K,
-                                                            __mmask16 m0, __mmask16 m1, const int R,
-                                                            const float *next, int64_t T) {
-  __m512 acc[MR][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const int32_t *xp = (const int32_t *)x;
-  int64_t c = 0;
-  for (int64_t k = 0; k < K; ++k) {
-    if (++c == T) {
-      c = 0;
-      _mm_prefetch((const char *)next, _MM_HINT_T1);
-      _mm_prefetch((const char *)(next + 16), _MM_HINT_T1);
-      next += NR;
-    }
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + k * NR), w1 = (__m512bh)_mm512_loadu_si512(wp + k * NR + 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp[r * ldx + k]);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
-    }
-  }
-  store_tile(y, ldy, acc, bias, m0, m1, R);
-}
-#define TILE_BF16(R) tile_bf16(yy, ldy, xx, ldx, w, bb, K, m0, m1, R, wn + t * K / tiles * NR, tiles)
+#define TILE_BF16(R) tile(yy, ldy, xx, ldx, w, bb, K, m0, m1, R, wn + t * K / tiles * NR, tiles, 1)
 #else
 #define TILE_BF16(R) (void)0
 #endif
@@ -277,7 +263,7 @@ static inline __attribute__((always_inline)) void tile_bf16(float *y, int64_t ld
   if (bits == 4) tile_q(yy, ldy, xx, ldx, w, bb, K, m0, m1, R, wn, tiles, t, 4);     \
   else if (bits == 8) tile_q(yy, ldy, xx, ldx, w, bb, K, m0, m1, R, wn, tiles, t, 8); \
   else if (bits == 16) TILE_BF16(R);                                                  \
-  else tile(yy, ldy, xx, ldx, w, bb, K, m0, m1, R, wn + t * K / tiles * NR, tiles)
+  else tile(yy, ldy, xx, ldx, w, bb, K, m0, m1, R, wn + t * K / tiles * NR, tiles, 0)
 #endif
 
 /* Rows [0, M) against every panel; the panels are split between the threads in contiguous ranges

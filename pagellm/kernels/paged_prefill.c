@@ -261,19 +261,14 @@ static inline __attribute__((always_inline)) int prefill_all(
 #endif
 }
 
-int paged_prefill_f32(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *kc,
-                      const float *vc, const int64_t *block_tables, int64_t max_blocks, const int64_t *token_starts,
-                      const int64_t *num_computed, const int64_t *q_lens, int64_t C, int64_t Hq, int64_t Hkv,
-                      int64_t block_size, float scale) {
-  return prefill_all(out, out_stride, q, q_stride, kc, vc, block_tables, max_blocks, token_starts, num_computed,
-                     q_lens, C, Hq, Hkv, block_size, scale, 0);
-}
-
-/* The same over a float16 cache (kv_cache_dtype="float16"): K/V widened exactly as they are read. */
-int paged_prefill_f16(float *out, int64_t out_stride, const float *q, int64_t q_stride, const uint16_t *kc,
-                      const uint16_t *vc, const int64_t *block_tables, int64_t max_blocks, const int64_t *token_starts,
-                      const int64_t *num_computed, const int64_t *q_lens, int64_t C, int64_t Hq, int64_t Hkv,
-                      int64_t block_size, float scale) {
-  return prefill_all(out, out_stride, q, q_stride, kc, vc, block_tables, max_blocks, token_starts, num_computed,
-                     q_lens, C, Hq, Hkv, block_size, scale, 1);
-}
+/* The exported entry points: over a float32 cache, and over a float16 one (kv_cache_dtype="float16";
+ * K/V widened exactly as they are read). */
+#define PREFILL_ENTRY(name, T, f16)                                                                                  \
+  int name(float *out, int64_t out_stride, const float *q, int64_t q_stride, const T *kc, const T *vc,              \
+           const int64_t *block_tables, int64_t max_blocks, const int64_t *token_starts, const int64_t *num_computed, \
+           const int64_t *q_lens, int64_t C, int64_t Hq, int64_t Hkv, int64_t block_size, float scale) {           \
+    return prefill_all(out, out_stride, q, q_stride, kc, vc, block_tables, max_blocks, token_starts, num_computed, \
+                       q_lens, C, Hq, Hkv, block_size, scale, f16);                                                 \
+  }
+PREFILL_ENTRY(paged_prefill_f32, float, 0)
+PREFILL_ENTRY(paged_prefill_f16, uint16_t, 1)
