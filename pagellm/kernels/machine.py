@@ -5,11 +5,13 @@ on AMX tiles runs 3-5x its float32 kernel at 16-2048 rows (``benchmarks/gemm.py 
 machine with AVX512-BF16 dot products but no AMX the bf16 kernel can be *slower* than float32
 (vdpbf16ps issues at the FMA rate there); without either, only float32 is offered. So ``auto``
 reads the ISA, and where that is not enough, times both kernels once on the model's own layer
-shapes (cached per machine and shape under ``~/.cache/pagellm/probe``).
+shapes (cached per machine and shape under ``~/.cache/pagellm/probe``; the first engine to need
+the answer measures it, the others wait for it, so every replica chooses alike).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -100,16 +102,30 @@ def _time(fn, repeats: int = 3) -> float:
 
 def probe_bf16_speedup(weights: list[torch.Tensor]) -> float:
     """float32 kernel time / bfloat16 kernel time, summed over ``PROBE_ROWS`` and the given layer
-    weights (the model's own shapes), on this machine now; cached per machine, shapes and threads."""
+    weights (the model's own shapes), on this machine; measured once per machine and shapes and
+    cached. A file lock makes concurrent engines (data-parallel replicas, in threads or processes)
+    wait for the first one's answer instead of timing each other, so they all choose alike."""
     info = cpu_info()
     shapes = [tuple(w.shape) for w in weights]
-    key = json.dumps([info.model, info.flags, shapes, torch.get_num_threads(), gemm.amx_supported(), PROBE_ROWS])
+    key = json.dumps([info.model, info.flags, shapes, gemm.amx_supported(), PROBE_ROWS])
     path = os.path.join(cache_dir("probe"), hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
-    try:
-        with open(path) as f:
-            return float(json.load(f)["bf16_speedup"])
-    except (OSError, ValueError, KeyError):
-        pass
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            with open(path) as f:
+                return float(json.load(f)["bf16_speedup"])
+        except (OSError, ValueError, KeyError):
+            pass
+        speedup = _measure_bf16_speedup(weights)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"bf16_speedup": speedup, "key": key}, f)
+        os.replace(tmp, path)
+    return speedup
+
+
+def _measure_bf16_speedup(weights: list[torch.Tensor]) -> float:
     amx = gemm.amx_supported()
     t32 = t16 = 0.0
     with torch.inference_mode():
@@ -119,14 +135,7 @@ def probe_bf16_speedup(weights: list[torch.Tensor]) -> float:
                 x = torch.randn(rows, w.shape[1])
                 t32 += _time(lambda x=x, p=p32, n=w.shape[0]: gemm.linear(x, p, n))
                 t16 += _time(lambda x=x, p=p16, n=w.shape[0]: gemm.linear(x, p, n, bits=16, amx=amx))
-    speedup = t32 / t16
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump({"bf16_speedup": speedup, "key": key}, f)
-    except OSError:
-        pass
-    return speedup
+    return t32 / t16
 
 
 def choose_numerics(requested: str, layer_weights: list[torch.Tensor], probe: bool = True) -> Numerics:
