@@ -389,13 +389,13 @@ class Scheduler:
         if not self.config.enable_chunked_prefill and any(
                 r.num_computed_tokens + r.num_new_tokens < r.seq.num_tokens for r in plan):
             return False  # a whole prompt or nothing
-        if not self.running:
-            # An empty pool must admit something: the sequences that fit now (a recomputing group
-            # may get the rest of its sequences' tokens in later steps). No watermark either.
-            while len(plan) > 1 and kv.num_new_blocks(plan) > kv.num_free_blocks:
-                plan.pop()
-            return kv.num_new_blocks(plan) <= kv.num_free_blocks
-        return kv.num_new_blocks(plan) + kv.watermark_blocks <= kv.num_free_blocks
+        if self.running:
+            return kv.num_new_blocks(plan) + kv.watermark_blocks <= kv.num_free_blocks
+        # An empty pool must admit something, without a watermark: the sequences that fit now (a
+        # recomputing group may get the rest of its sequences' tokens in later steps).
+        while len(plan) > 1 and kv.num_new_blocks(plan) > kv.num_free_blocks:
+            plan.pop()
+        return kv.num_new_blocks(plan) <= kv.num_free_blocks
 
     def _admit(self, group: SequenceGroup, plan: list[SlotRequest]) -> None:
         """Apply an admission plan: hits become computed tokens, blocks are allocated, the group runs."""

@@ -126,8 +126,12 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
         raise ValueError(f"x must be float32 on the CPU, got {x.dtype} on {x.device}")
     if bits not in (4, 8, 16, 32):
         raise ValueError(f"bits must be 4, 8, 16 or 32, got {bits!r}")
-    sizes = {32: lambda: lib.packed_size_f32(out_features, k), 16: lambda: lib.packed_size_bf16(out_features, k)}
-    size = sizes[bits]() if bits in sizes else lib.packed_size_q(out_features, k, bits)
+    if bits == 32:
+        size = lib.packed_size_f32(out_features, k)
+    elif bits == 16:
+        size = lib.packed_size_bf16(out_features, k)
+    else:
+        size = lib.packed_size_q(out_features, k, bits)
     if packed.numel() != size or (bits in (4, 8) and k % 32):
         raise ValueError(f"packed {bits}-bit weight of {packed.numel()} floats does not fit [{out_features}, {k}]")
     if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.float32 or not bias.is_contiguous()):

@@ -12,6 +12,7 @@ the answer measures it, the others wait for it, so every replica chooses alike).
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -48,8 +49,9 @@ class CpuInfo:
         return f"{self.model} | {self.cores} CPUs | L3 {self.l3} | {' '.join(self.flags) or 'no AVX2'}"
 
 
+@functools.cache
 def cpu_info() -> CpuInfo:
-    """Read from ``/proc/cpuinfo`` and sysfs (Linux); best effort elsewhere."""
+    """Read once from ``/proc/cpuinfo`` and sysfs (Linux); best effort elsewhere."""
     model, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo") as f:

@@ -36,7 +36,7 @@ class ModelInfo:
     dtype: str
     device: str
     block_bytes: int
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str  # what the cache holds ("auto" resolved)
 
 
 class Worker:
