@@ -43,7 +43,7 @@ def _run_pagellm(args: argparse.Namespace, reqs: list[dict]) -> dict:
 
     from throughput import pagellm_name
 
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
     llm.generate([{"prompt_token_ids": reqs[0]["prompt_token_ids"][:8]}], SamplingParams(max_tokens=2),
                  use_tqdm=False)  # first call builds the C kernels if the cache is cold
     result = {"engine": pagellm_name(llm), "startup": time.perf_counter() - T_START}
@@ -186,6 +186,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap)
     ap.add_argument("--dtype", default="auto", help="pagellm dtype (auto: float32 or bfloat16 GEMMs, per machine)")
+    ap.add_argument("--quantization", default=None, help="gguf: int8 GEMMs over the GGUF blocks")
     ap.add_argument("--kv-cache-dtype", default="auto", help="pagellm K/V cache dtype (auto = the model's)")
     ap.add_argument("--mode", choices=("throughput", "latency", "both"), default="both")
     ap.add_argument("--latency-requests", type=int, default=4)
@@ -216,7 +217,8 @@ def main() -> None:
     own = [sys.executable, os.path.abspath(__file__), *common, "--dtype", args.dtype,
            "--kv-cache-dtype", args.kv_cache_dtype,
            "--latency-requests", str(args.latency_requests), "--hf-dtype", args.hf_dtype,
-           "--hf-batch-size", str(args.hf_batch_size)] + (["--model", args.model] if args.model else [])
+           "--hf-batch-size", str(args.hf_batch_size)] + (["--model", args.model] if args.model else []) \
+        + (["--quantization", args.quantization] if args.quantization else [])
     engines: list[tuple[str, list[str]]] = [("pagellm", [*own, "--run-engine", "pagellm"])]
     if not args.skip_hf:
         engines.append(("hf", [*own, "--run-engine", "hf"]))

@@ -10,6 +10,7 @@ F.linear's time over the kernel's, measured in the same run.
     git show REV:pagellm/kernels/gemm.c > /tmp/gemm_old.c
     python benchmarks/gemm.py --baseline-source /tmp/gemm_old.c   # an older kernel, interleaved too
     python benchmarks/gemm.py --quantized --rows 1 8 16 20   # GGUF weights: their quantized copies too
+    python benchmarks/gemm.py --bf16 --int8     # GGUF weights; bf16 kernels and the int8 kernel (gemm_int8) too
 """
 
 from __future__ import annotations
@@ -44,14 +45,18 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true",
                     help="also time the bfloat16 kernels (gemm.pack_bf16): AMX tiles where the machine has them, "
                          "and the AVX512-BF16 dot-product version")
+    ap.add_argument("--int8", action="store_true",
+                    help="also time the int8 kernel over the GGUF blocks (gemm_int8, quantization='gguf'); "
+                         "implies --quantized")
     add_shape_args(ap)
     args = ap.parse_args()
+    args.quantized |= args.int8
 
     import torch
     import torch.nn.functional as F
 
     from pagellm import kernels
-    from pagellm.kernels import gemm
+    from pagellm.kernels import gemm, gemm_int8
 
     torch.manual_seed(0)
     h, hd = args.hidden, args.head_dim
@@ -68,6 +73,9 @@ def main() -> None:
     if args.bf16 and not gemm.bf16_supported():
         raise SystemExit("no bfloat16 GEMM kernel here (needs AVX512-BF16)")
     packed_bf16 = [gemm.pack_bf16(w) for w in weights] if args.bf16 else []
+    if args.int8 and not gemm_int8.supported():
+        raise SystemExit("no int8 GEMM kernel here (needs AVX512-VNNI)")
+    packed_i8 = [gemm_int8.pack(w) for w in weights] if args.int8 else []
     amx = gemm.amx_supported()
     print(f"{len(weights)} weights, {sum(w.numel() for w in weights) * 4 / 2**20:.0f} MiB, "
           f"{torch.get_num_threads()} threads")
@@ -76,7 +84,8 @@ def main() -> None:
           + (f" {'baseline ms':>12} {'baseline / kernel':>18}" if base_lib else "")
           + (f" {'quantized ms':>13} {'kernel / quantized':>19}" if args.quantized else "")
           + (f" {'bf16 AMX ms':>12} {'kernel / AMX':>13}" if args.bf16 and amx else "")
-          + (f" {'bf16 dp ms':>11} {'kernel / dp':>12}" if args.bf16 else ""))
+          + (f" {'bf16 dp ms':>11} {'kernel / dp':>12}" if args.bf16 else "")
+          + (f" {'int8 ms':>8} {'kernel / int8':>14}" if args.int8 else ""))
     for m in args.rows:
         xs = {k: torch.randn(m, k) for k in {w.shape[1] for w in weights}}
         flops = sum(2 * m * w.numel() for w in weights)
@@ -105,10 +114,15 @@ def main() -> None:
             for w, p in zip(weights, packed_bf16, strict=True):
                 gemm.linear(xs[w.shape[1]], p, w.shape[0], bits=16, amx=use_amx)
 
+        def int8(xs: dict = xs) -> None:
+            for w, packed_bits in zip(weights, packed_i8, strict=True):
+                assert packed_bits is not None
+                gemm_int8.linear(xs[w.shape[1]], packed_bits[0], packed_bits[1], w.shape[0])
+
         steps = ({"mkl": mkl, "kernel": kernel} | ({"baseline": baseline} if base_lib else {})
                  | ({"quantized": quantized} if args.quantized else {})
                  | ({"bf16_amx": lambda: bf16(use_amx=True)} if args.bf16 and amx else {})
-                 | ({"bf16_dp": bf16} if args.bf16 else {}))
+                 | ({"bf16_dp": bf16} if args.bf16 else {}) | ({"int8": int8} if args.int8 else {}))
         with torch.inference_mode():
             best = interleaved_best(steps, args.repeats)
         a, b = best["mkl"], best["kernel"]
@@ -121,6 +135,8 @@ def main() -> None:
             line += f" {best['bf16_amx'] * 1e3:12.2f} {b / best['bf16_amx']:12.2f}x"
         if args.bf16:
             line += f" {best['bf16_dp'] * 1e3:11.2f} {b / best['bf16_dp']:11.2f}x"
+        if args.int8:
+            line += f" {best['int8'] * 1e3:8.2f} {b / best['int8']:13.2f}x"
         print(line)
 
 

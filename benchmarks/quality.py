@@ -8,8 +8,8 @@ greedy continuations diverge from float32's (pagellm float32 equals HF float32 t
 whether, where they diverge, each side's token is in the other's top 5 (vLLM's
 ``check_logprobs_close``).
 
-    python benchmarks/quality.py                       # float32 vs bfloat16 (if this machine has the kernel)
-    python benchmarks/quality.py --dtype float32 auto
+    python benchmarks/quality.py                       # float32 vs bfloat16 and int8 (where this machine has them)
+    python benchmarks/quality.py --dtype float32 auto auto+gguf   # DTYPE+gguf: quantization="gguf" (int8 GEMMs)
 """
 
 from __future__ import annotations
@@ -63,22 +63,26 @@ def greedy_top(engine, prompts: list[list[int]], new_tokens: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", nargs="+", default=None, help="modes to measure (default: float32 and bfloat16)")
+    ap.add_argument("--dtype", nargs="+", default=None,
+                    help="modes to measure, DTYPE or DTYPE+gguf (default: float32, bfloat16, auto+gguf)")
     ap.add_argument("--new-tokens", type=int, default=32)
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))
     from pagellm import LLMEngine
     from pagellm.config import EngineArgs
-    from pagellm.kernels import gemm
+    from pagellm.kernels import gemm, gemm_int8
     from pagellm.kernels.machine import cpu_info
 
     from test_hf_parity import SMOL_PROMPTS
 
-    modes = args.dtype or (["float32", "bfloat16"] if gemm.bf16_supported() else ["float32"])
+    modes = args.dtype or (["float32"] + (["bfloat16"] if gemm.bf16_supported() else [])
+                           + (["auto+gguf"] if gemm_int8.supported() else []))
     print(f"machine: {cpu_info().summary()}")
     rows, ref = [], None
     for mode in modes:
-        engine = LLMEngine.from_engine_args(EngineArgs(model=args.model, dtype=mode, kv_cache_memory="256MiB"))
+        dtype, _, quantization = mode.partition("+")
+        engine = LLMEngine.from_engine_args(EngineArgs(model=args.model, dtype=dtype, quantization=quantization or None,
+                                                       kv_cache_memory="256MiB"))
         tok = engine.get_tokenizer()
         with open(TEXT) as f:
             ids = tok.encode(f.read())

@@ -39,8 +39,9 @@ def run_pagellm(reqs: list[dict], args: argparse.Namespace, parallel: str = "uni
     from pagellm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+              kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
               kv_cache_dtype=args.kv_cache_dtype, **parse_parallel(parallel))
     load = time.perf_counter() - t0
     with llm:
@@ -125,6 +126,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap)
     ap.add_argument("--dtype", default="auto", help="pagellm dtype (auto: float32 or bfloat16 GEMMs, per machine)")
+    ap.add_argument("--quantization", default=None, help="gguf: int8 GEMMs over the GGUF blocks")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=16)

@@ -82,6 +82,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None, help="gguf: int8 GEMMs over the GGUF blocks")
     ap.add_argument("--torch-profiler", type=int, default=0, metavar="N",
                     help="also print torch.profiler's op table over N steps of each kind")
     ap.add_argument("--no-prefix-caching", action="store_true", help="run with enable_prefix_caching=False")
@@ -92,7 +93,7 @@ def main() -> None:
     from pagellm import LLMEngine, SamplingParams
     from pagellm.config import EngineArgs
 
-    engine = LLMEngine.from_engine_args(EngineArgs(model=args.model, dtype=args.dtype,
+    engine = LLMEngine.from_engine_args(EngineArgs(model=args.model, dtype=args.dtype, quantization=args.quantization,
                                                            enable_prefix_caching=not args.no_prefix_caching))
     reqs = load_workload(args.workload, args.num_requests)
     for i, r in enumerate(reqs):

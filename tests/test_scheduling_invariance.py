@@ -11,7 +11,7 @@ import torch
 
 from pagellm.utils import cdiv
 
-from conftest import build_tiny_checkpoint, require_bf16_kernel
+from conftest import build_tiny_checkpoint, build_tiny_gguf_valued_checkpoint, require_bf16_kernel, require_int8_kernel
 from test_hf_parity import engine_greedy, random_prompts
 
 MAX_TOKENS = 24
@@ -93,6 +93,22 @@ def test_bfloat16_outputs_do_not_depend_on_scheduling(baseline, arch):
     assert engine.model_info.dtype == "bfloat16"
     for name in BF16_CONFIGS:
         got, engine = engine_greedy(path, prompts, MAX_TOKENS, dtype="bfloat16", **_kwargs(name, prompts))
+        assert got == ref, name
+        if name.startswith("tight"):
+            assert engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_int8_outputs_do_not_depend_on_scheduling(ckpt_root, arch):
+    """int8 GEMMs over GGUF blocks (quantization="gguf"): the same, on a tiny model whose weights are
+    Q4_1 / Q8_0 blocks."""
+    require_int8_kernel()
+    path = build_tiny_gguf_valued_checkpoint(ckpt_root, arch)
+    prompts = random_prompts(10, seed=7, hi=150)
+    ref, engine = engine_greedy(path, prompts, MAX_TOKENS, quantization="gguf")
+    assert engine.model_info.dtype == "int8"
+    for name in BF16_CONFIGS:
+        got, engine = engine_greedy(path, prompts, MAX_TOKENS, quantization="gguf", **_kwargs(name, prompts))
         assert got == ref, name
         if name.startswith("tight"):
             assert engine.scheduler.num_preemptions > 0

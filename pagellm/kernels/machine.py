@@ -3,10 +3,12 @@
 Machines differ in ways that flip the answer: on one 2-core Xeon with AMX, pagellm's bfloat16 GEMM
 on AMX tiles runs 3-5x its float32 kernel at 16-2048 rows (``benchmarks/gemm.py --bf16``); on a
 machine with AVX512-BF16 dot products but no AMX the bf16 kernel can be *slower* than float32
-(vdpbf16ps issues at the FMA rate there); without either, only float32 is offered. So ``auto``
-reads the ISA, and where that is not enough, times both kernels once on the model's own layer
-shapes (cached per machine and shape under ``~/.cache/pagellm/probe``; the first engine to need
-the answer measures it, the others wait for it, so every replica chooses alike).
+(vdpbf16ps issues at the FMA rate there); without either, only float32 is offered. A GGUF
+checkpoint (Q4_1 / Q8_0 blocks) can also run int8 GEMMs on AVX512-VNNI (``gemm_int8``): on a
+2-core EPYC 1.7x the bf16 kernel at 1 row, 1.1x at 2048, while on AMX bf16 tiles may win. So
+``auto`` reads the ISA, and where that is not enough, times the candidates once on the model's own
+layer shapes (cached per machine and shape under ``~/.cache/pagellm/probe``; the first engine to
+need the answer measures it, the others wait for it, so every replica chooses alike).
 """
 
 from __future__ import annotations
@@ -16,14 +18,16 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from pagellm.kernels import gemm
+from pagellm.kernels import gemm, gemm_int8
 from pagellm.utils import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -82,14 +86,16 @@ def cpu_info() -> CpuInfo:
 
 @dataclass(frozen=True, slots=True)
 class Numerics:
-    """The GEMM compute dtype chosen for a model, and why (one log line)."""
+    """The GEMM compute dtype chosen for a model, and why (one log line). ``int8``: projections stored
+    as GGUF blocks run the int8 kernel (``gemm_int8``); any other weight runs in ``compute_dtype``."""
 
     compute_dtype: torch.dtype
     reason: str
+    int8: bool = False
 
     @property
     def name(self) -> str:
-        return str(self.compute_dtype).removeprefix("torch.")
+        return "int8" if self.int8 else str(self.compute_dtype).removeprefix("torch.")
 
 
 def _time(fn, repeats: int = 3) -> float:
@@ -102,49 +108,107 @@ def _time(fn, repeats: int = 3) -> float:
     return best
 
 
-def probe_bf16_speedup(weights: list[torch.Tensor]) -> float:
-    """float32 kernel time / bfloat16 kernel time, summed over ``PROBE_ROWS`` and the given layer
-    weights (the model's own shapes), on this machine; measured once per machine and shapes and
-    cached. A file lock makes concurrent engines (data-parallel replicas, in threads or processes)
-    wait for the first one's answer instead of timing each other, so they all choose alike."""
+def _cached_probe(kind: str, weights: list[torch.Tensor], measure: Callable[[], float]) -> float:
+    """``measure()`` once per machine, probe ``kind`` and weight shapes, cached on disk. A file lock
+    makes concurrent engines (data-parallel replicas, in threads or processes) wait for the first
+    one's answer instead of timing each other, so they all choose alike."""
     info = cpu_info()
     shapes = [tuple(w.shape) for w in weights]
-    key = json.dumps([info.model, info.flags, shapes, gemm.amx_supported(), PROBE_ROWS])
+    key = json.dumps([kind, info.model, info.flags, shapes, gemm.amx_supported(), PROBE_ROWS])
     path = os.path.join(cache_dir("probe"), hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             with open(path) as f:
-                return float(json.load(f)["bf16_speedup"])
+                return float(json.load(f)["speedup"])
         except (OSError, ValueError, KeyError):
             pass
-        speedup = _measure_bf16_speedup(weights)
+        with torch.inference_mode():
+            speedup = measure()
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"bf16_speedup": speedup, "key": key}, f)
+            json.dump({"speedup": speedup, "key": key}, f)
         os.replace(tmp, path)
     return speedup
 
 
-def _measure_bf16_speedup(weights: list[torch.Tensor]) -> float:
-    amx = gemm.amx_supported()
-    t32 = t16 = 0.0
-    with torch.inference_mode():
+def probe_bf16_speedup(weights: list[torch.Tensor]) -> float:
+    """float32 kernel time / bfloat16 kernel time, summed over ``PROBE_ROWS`` and the given layer
+    weights (the model's own shapes), on this machine; measured once per machine and shapes."""
+
+    def measure() -> float:
+        amx = gemm.amx_supported()
+        t32 = t16 = 0.0
         for w in weights:
             p32, p16 = gemm.pack(w), gemm.pack_bf16(w)
             for rows in PROBE_ROWS:
                 x = torch.randn(rows, w.shape[1])
                 t32 += _time(lambda x=x, p=p32, n=w.shape[0]: gemm.linear(x, p, n))
                 t16 += _time(lambda x=x, p=p16, n=w.shape[0]: gemm.linear(x, p, n, bits=16, amx=amx))
-    return t32 / t16
+        return t32 / t16
+
+    return _cached_probe("bf16", weights, measure)
 
 
-def choose_numerics(requested: str, layer_weights: list[torch.Tensor], probe: bool = True) -> Numerics:
+def probe_int8_speedup(weights: list[torch.Tensor], other: torch.dtype) -> float:
+    """The ``other`` kernel's time (float32 or bfloat16) / the int8 kernel's, per row count of
+    ``PROBE_ROWS`` over the given weights (GGUF blocks), geometric mean over the row counts: a
+    single stream's decode (1 row) counts as much as a batch's; 0.0 if a weight is not GGUF blocks."""
+    packed = [gemm_int8.pack(w) for w in weights]
+    if not weights or any(p is None for p in packed):
+        return 0.0
+
+    def measure() -> float:
+        amx = gemm.amx_supported()
+        log_sum = 0.0
+        for rows in PROBE_ROWS:
+            t_other = t_int8 = 0.0
+            for w, p8 in zip(weights, packed, strict=True):
+                assert p8 is not None
+                n, x = w.shape[0], torch.randn(rows, w.shape[1])
+                if other == torch.bfloat16:
+                    p16 = gemm.pack_bf16(w)
+                    t_other += _time(lambda x=x, p=p16, n=n: gemm.linear(x, p, n, bits=16, amx=amx))
+                else:
+                    p32 = gemm.pack(w)
+                    t_other += _time(lambda x=x, p=p32, n=n: gemm.linear(x, p, n))
+                t_int8 += _time(lambda x=x, p=p8, n=n: gemm_int8.linear(x, p[0], p[1], n))
+            log_sum += math.log(t_other / t_int8)
+        return math.exp(log_sum / len(PROBE_ROWS))
+
+    return _cached_probe(f"int8-vs-{other}", weights, measure)
+
+
+def choose_numerics(requested: str, layer_weights: list[torch.Tensor], probe: bool = True,
+                    quantization: str | None = None) -> Numerics:
     """GEMM numerics for a float32 model on this CPU. ``requested`` is the engine's ``dtype``:
     ``float32`` (the exact oracle), ``bfloat16`` (the bf16 kernel if this machine has one), or
     ``auto``: bfloat16 where the kernel exists and measures at least ``MIN_SPEEDUP`` faster on
-    ``layer_weights`` (``probe=False``: only where AMX runs it), else float32."""
+    ``layer_weights`` (``probe=False``: only where AMX runs it), else float32; and then, if the
+    weights are GGUF blocks (a Q4_1 / Q8_0 checkpoint), int8 GEMMs where that kernel measures
+    ``MIN_SPEEDUP`` faster still (``probe=False``: never). With ``quantization="gguf"`` int8 is
+    asked for: a ``ValueError`` if this machine has no int8 kernel; weights that are not GGUF
+    blocks take the dtype chosen as above."""
+    if quantization == "gguf":
+        if not gemm_int8.supported():
+            raise ValueError("quantization='gguf' needs the int8 GEMM kernel (AVX512-VNNI and a C compiler); "
+                             f"this machine: {cpu_info().summary()}")
+        rest = choose_numerics(requested, layer_weights, probe)
+        return Numerics(rest.compute_dtype, f"quantization='gguf' asked for (other weights: {rest.reason})", int8=True)
+    chosen = _choose_dtype(requested, layer_weights, probe)
+    if requested != "auto" or not probe or not gemm_int8.supported():
+        return chosen
+    speedup = probe_int8_speedup(layer_weights, chosen.compute_dtype)
+    if speedup >= MIN_SPEEDUP:
+        return Numerics(chosen.compute_dtype, f"GGUF blocks: int8 GEMMs (AVX512-VNNI) measured {speedup:.2f}x "
+                        f"{chosen.name} on this model's shapes (geometric mean over {PROBE_ROWS} rows)", int8=True)
+    if speedup > 0.0:
+        return Numerics(chosen.compute_dtype, f"{chosen.reason}; int8 GEMMs measured only {speedup:.2f}x")
+    return chosen
+
+
+def _choose_dtype(requested: str, layer_weights: list[torch.Tensor], probe: bool) -> Numerics:
     f32, bf16 = torch.float32, torch.bfloat16
     if requested == "float32":
         return Numerics(f32, "float32 asked for (token-exact with Hugging Face)")

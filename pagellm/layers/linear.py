@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.kernels import gemm
+from pagellm.kernels import gemm, gemm_int8
 
 # Measured with benchmarks/gemm.py (crossover 128-512 rows) and, in whole runs, with
 # benchmarks/time_breakdown.py under PAGELLM_CPU_GEMM=0 (prefill GEMMs 9.8 s on MKL vs 11.2 s).
@@ -42,7 +42,9 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None
     packed_q: torch.Tensor | None  # the 4- or 8-bit copy, if the weight is exactly such blocks
     packed_bf16: torch.Tensor | None
+    packed_i8: torch.Tensor | None  # GGUF blocks for the int8 kernel (quantization="gguf")
     q_bits: int
+    i8_bits: int
     amx: bool
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
@@ -50,15 +52,23 @@ class Linear(nn.Linear):
         self.register_buffer("packed", None, persistent=False)
         self.register_buffer("packed_q", None, persistent=False)
         self.register_buffer("packed_bf16", None, persistent=False)
-        self.q_bits = 0
+        self.register_buffer("packed_i8", None, persistent=False)
+        self.q_bits = self.i8_bits = 0
         self.amx = False
 
-    def pack_for_cpu(self, compute_dtype: torch.dtype = torch.float32) -> bool:
-        """Pack the loaded weight for the GEMM kernel if it can run here; ``True`` if packed."""
-        if self.packed is not None or self.packed_bf16 is not None:
+    def pack_for_cpu(self, compute_dtype: torch.dtype = torch.float32, int8: bool = False) -> bool:
+        """Pack the loaded weight for the GEMM kernel if it can run here; ``True`` if packed. With
+        ``int8``, a weight that is exactly GGUF blocks goes to the int8 kernel, any other to
+        ``compute_dtype``'s."""
+        if self.packed is not None or self.packed_bf16 is not None or self.packed_i8 is not None:
             return True
         if not gemm.usable(self.weight):
             return False
+        if int8 and gemm_int8.supported():
+            packed = gemm_int8.pack(self.weight)
+            if packed is not None:
+                self.packed_i8, self.i8_bits = packed
+                return True
         if compute_dtype == torch.bfloat16:
             if not gemm.bf16_supported():
                 return False
@@ -76,6 +86,8 @@ class Linear(nn.Linear):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T (+ bias)``: small batches through the kernel once packed (the smallest over the
         quantized copy if there is one), the rest through MKL; with a bfloat16 copy, every batch through it."""
+        if self.packed_i8 is not None:
+            return gemm_int8.linear(x, self.packed_i8, self.i8_bits, self.out_features, bias)
         if self.packed_bf16 is not None:
             return gemm.linear(x, self.packed_bf16, self.out_features, bias, bits=16, amx=self.amx)
         if self.packed_q is not None and x.numel() <= QUANTIZED_MAX_ROWS[self.q_bits] * self.in_features:

@@ -166,20 +166,22 @@ class DecoderForCausalLM(nn.Module):
         logits = F.linear(hidden, embed.weight) if head is None else head(hidden)
         return self.tp.all_gather_last_dim(logits, embed.vocab_sizes)
 
-    def pack_for_cpu(self, compute_dtype: torch.dtype = torch.float32) -> None:
+    def pack_for_cpu(self, compute_dtype: torch.dtype = torch.float32, int8: bool = False) -> int:
         """After ``load_weights``: pack every projection and the LM head for the CPU GEMM kernel
         (``layers/linear.py``) where it can run, for ``compute_dtype`` GEMMs (float32 or
-        bfloat16); a tied head's packed copy is held here."""
+        bfloat16; with ``int8``, the int8 kernel for weights stored as GGUF blocks); a tied head's
+        packed copy is held here. Returns how many weights the int8 kernel took."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack_for_cpu(compute_dtype)
+                module.pack_for_cpu(compute_dtype, int8)
         if self.lm_head is None and self.tied_head is None:
             embed = self.model.embed_tokens
             with torch.device("meta"):
                 head = Linear(embed.embedding_dim, embed.num_embeddings, bias=False)
             head.weight = embed.weight  # shared: batches past the kernel's read the embedding itself
-            if head.pack_for_cpu(compute_dtype):
+            if head.pack_for_cpu(compute_dtype, int8):
                 self.tied_head = head
+        return sum(m.packed_i8 is not None for m in self.modules() if isinstance(m, Linear))  # tied_head included
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused, sharded) parameters; missing or unexpected names raise.

@@ -89,11 +89,18 @@ class Worker:
         model = model.to(self.dtype).eval()
         if self.cpu_numerics:
             layer0 = [m.weight for m in model.model.layers[0].modules() if isinstance(m, Linear)]
-            self.numerics = choose_numerics(self.config.model.dtype, layer0, probe=self.tp.world_size == 1)
-            logger.info("numerics: %s GEMMs, float32 activations: %s [%s]", self.numerics.name, self.numerics.reason,
+            self.numerics = choose_numerics(self.config.model.dtype, layer0, probe=self.tp.world_size == 1,
+                                            quantization=self.config.model.quantization)
+            logger.info("numerics: %s GEMMs (float32 between them): %s [%s]", self.numerics.name, self.numerics.reason,
                         cpu_info().summary())
+        packed_int8 = 0
         if self.device.type == "cpu" and hasattr(model, "pack_for_cpu"):
-            model.pack_for_cpu(self.numerics.compute_dtype)
+            packed_int8 = model.pack_for_cpu(self.numerics.compute_dtype, self.numerics.int8)
+        if self.numerics.int8 and packed_int8 == 0:
+            raise ValueError(f"quantization='gguf' found no Q4_1 / Q8_0 weights in {source.path}")
+        if self.config.model.quantization is not None and not self.numerics.int8:
+            raise ValueError(f"quantization={self.config.model.quantization!r} runs on the CPU with dtype auto, "
+                             f"float32 or bfloat16 only (here: {self.device}, dtype {self.config.model.dtype})")
         # Every CustomOp (norms, rotary, activation) gets its kernel or its reference, once.
         kernels_on = select_kernels(model, self.device, self.dtype)
         logger.info("compiled CPU ops: %s", "on" if kernels_on else "off (PyTorch reference ops)")
@@ -118,12 +125,13 @@ class Worker:
         )
 
     def _kv_cache_dtype(self) -> torch.dtype:
-        """``auto``: the model's dtype; with bfloat16 GEMMs on a CPU, float16 (16-bit like the
+        """``auto``: the model's dtype; with bfloat16 (or int8) GEMMs on a CPU, float16 (16-bit like the
         weights, read directly by the attention kernels, more exact than bfloat16's 8-bit mantissa)."""
         kv = self.config.cache.kv_cache_dtype
         if kv != "auto":
             return _DTYPES[kv]
-        return torch.float16 if self.cpu_numerics and self.numerics.compute_dtype == torch.bfloat16 else self.dtype
+        sixteen = self.numerics.int8 or self.numerics.compute_dtype == torch.bfloat16
+        return torch.float16 if self.cpu_numerics and sixteen else self.dtype
 
     def parallel_info(self) -> dict[str, object]:
         """This worker's place in the tensor-parallel group (for logs and tests)."""
