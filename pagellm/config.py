@@ -230,7 +230,8 @@ _HELP = {
     "model": "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct GGUF)",
     "tokenizer": "tokenizer directory (default: the model's)",
     "dtype": "compute dtype; auto = per machine on CPU (bfloat16 GEMMs where pagellm's kernel measures faster, "
-             "else float32, the HF-exact oracle), bfloat16 on CUDA",
+             "else float32, the HF-exact oracle; then int8 GEMMs for a GGUF checkpoint where faster still), "
+             "bfloat16 on CUDA",
     "quantization": "gguf: keep a GGUF checkpoint's Q4_1 / Q8_0 weights at their width and run int8 GEMMs "
                     "(activations rounded to int8 per 32 values, AVX512-VNNI); default: none",
     "kv_cache_memory": "KV cache byte budget, e.g. 2GiB (ignored with --num-gpu-blocks-override)",

@@ -122,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--chat-template", default=None, help="Jinja chat template file (default: the model's)")
     EngineArgs.add_cli_args(srv, skip=("served_model_name",))
     srv.add_argument("--served-model-name", default=None, help="model id clients use (default: the model path)")
+    bench = sub.add_parser("bench", help="benchmarks against a running server")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from pagellm.entrypoints import bench_serve
+
+    bench_serve.add_args(bench_sub.add_parser(
+        "serve", help="load an OpenAI-compatible server with streaming requests; TTFT / TPOT / ITL / E2E, tok/s",
+        description=bench_serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     return parser
 
 
@@ -152,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "bench":
+            from pagellm.entrypoints import bench_serve
+
+            return bench_serve.main(args)
         return cmd_chat(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"pagellm: error: {e}", file=sys.stderr)
