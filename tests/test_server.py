@@ -316,3 +316,40 @@ def test_concurrent_streams_with_random_disconnects(served):
     survivors = [r for r in results if r[0] not in drop]
     assert len(survivors) == 21 and all(f == "length" for _, f, _ in survivors)
     _idle(engine, timeout=60)
+
+
+def test_bench_serve_times_every_token_and_counts_failures(served, tmp_path):
+    """``pagellm bench serve`` against a live server: every token of every request is seen (token
+    counts are the server's usage), percentiles are ordered, and a refused request is a failure in
+    the report, not a crash."""
+    from pagellm.entrypoints import bench_serve
+    from pagellm.entrypoints.cli import build_parser
+
+    srv, engine = served
+    workload = tmp_path / "w.json"
+    reqs = [{"prompt_token_ids": list(range(100 + i, 130 + 3 * i)), "max_tokens": 3 + i} for i in range(4)]
+    workload.write_text(json.dumps({"requests": reqs}))
+    out = tmp_path / "r.json"
+    common = ["bench", "serve", "--base-url", srv.url, "--quiet", "--json", str(out), "--save-requests"]
+    args = build_parser().parse_args([*common, "--api-key", KEY, "--dataset-path", str(workload),
+                                      "--request-rate", "40"])
+    assert bench_serve.main(args) == 0
+    s = json.loads(out.read_text())
+    assert (s["completed"], s["failed"]) == (4, 0)
+    assert s["total_input_tokens"] == sum(len(r["prompt_token_ids"]) for r in reqs)
+    assert s["total_output_tokens"] == sum(r["max_tokens"] for r in reqs)
+    for r, sent in zip(s["requests"], reqs, strict=True):
+        assert r["output_tokens"] == sent["max_tokens"] and len(r["itl"]) == sent["max_tokens"] - 1
+        assert 0 < r["ttft"] <= r["e2el"]
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        assert 0 < s[key]["p50"] <= s[key]["p90"] <= s[key]["p99"]
+    _idle(engine)
+
+    wrong_key = [*common, "--api-key", "wrong", "--num-prompts", "2", "--random-input-len", "8"]
+    with pytest.raises(ValueError, match="pass --model"):  # /v1/models refused too
+        bench_serve.main(build_parser().parse_args(wrong_key))
+    assert bench_serve.main(build_parser().parse_args([*wrong_key, "--model", NAME])) == 1  # nothing completed
+    s = json.loads(out.read_text())
+    assert (s["completed"], s["failed"]) == (0, 2) and "HTTP 401" in s["errors"][0]
+    with pytest.raises(ValueError, match="--num-prompts must be >= 1"):
+        bench_serve.main(build_parser().parse_args([*common, "--num-prompts", "0"]))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import random
 import statistics
 import time
@@ -98,9 +99,10 @@ async def _send(client: Any, url: str, payload: dict[str, Any], headers: dict[st
                 if msg.get("usage"):
                     result.prompt_tokens = msg["usage"].get("prompt_tokens", 0)
                     result.output_tokens = msg["usage"].get("completion_tokens", 0)
-                choices = msg.get("choices") or []
-                if not choices or not (choices[0].get("text") or (choices[0].get("delta") or {}).get("content")):
+                if not msg.get("choices"):  # the usage chunk
                     continue
+                # Every chunk with a choice is a token event, empty text included (a token the
+                # detokenizer holds back, the chat role chunk): as vllm bench serve counts them.
                 now = time.perf_counter()
                 if chunks == 0:
                     result.ttft = now - start
@@ -170,9 +172,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
         model = args.model
         if model is None:
-            resp = await client.get(f"{base}/v1/models", headers=headers)
-            resp.raise_for_status()
-            model = resp.json()["data"][0]["id"]
+            try:
+                resp = await client.get(f"{base}/v1/models", headers=headers)
+                resp.raise_for_status()
+                model = resp.json()["data"][0]["id"]
+            except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+                raise ValueError(f"cannot read the model id from {base}/v1/models ({e}); pass --model") from e
         rng = random.Random(args.seed)
         sem = asyncio.Semaphore(args.max_concurrency or len(requests))
         in_flight = peak = 0
@@ -257,6 +262,7 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     summary = asyncio.run(run(args))
     print(format_report(summary))
     if args.json:
