@@ -66,11 +66,23 @@ class IterationStats:
     steps: int = _stat(COUNTER, "Engine steps")
     prompt_tokens: int = _stat(COUNTER, "Prompt tokens computed", "prompt_tokens")
     generation_tokens: int = _stat(COUNTER, "Tokens generated", "generation_tokens")
+    # Where each step's wall time goes, summed: the engine loop's own Python (scheduling; applying
+    # outputs, detokenizing, stop checks, building RequestOutputs) against the workers' model time
+    # (input preparation, forward, sampling; for several workers, until the last one answers).
+    schedule_seconds: float = _stat(COUNTER, "Seconds in Scheduler.schedule", "step_schedule_seconds", "sum", 0.0)
+    model_seconds: float = _stat(COUNTER, "Seconds waiting for the workers' model step", "step_model_seconds",
+                                 "sum", 0.0)
+    output_seconds: float = _stat(COUNTER, "Seconds applying a step's outputs (update, detokenize, stop checks)",
+                                  "step_output_seconds", "sum", 0.0)
 
-    def record_step(self, prompt_tokens: int, generation_tokens: int) -> None:
+    def record_step(self, prompt_tokens: int, generation_tokens: int, schedule_seconds: float = 0.0,
+                    model_seconds: float = 0.0, output_seconds: float = 0.0) -> None:
         self.steps += 1
         self.prompt_tokens += prompt_tokens
         self.generation_tokens += generation_tokens
+        self.schedule_seconds += schedule_seconds
+        self.model_seconds += model_seconds
+        self.output_seconds += output_seconds
 
 
 @dataclass(frozen=True, slots=True)

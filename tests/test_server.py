@@ -353,3 +353,24 @@ def test_bench_serve_times_every_token_and_counts_failures(served, tmp_path):
     assert (s["completed"], s["failed"]) == (0, 2) and "HTTP 401" in s["errors"][0]
     with pytest.raises(ValueError, match="--num-prompts must be >= 1"):
         bench_serve.main(build_parser().parse_args([*common, "--num-prompts", "0"]))
+
+
+def test_async_llm_builds_on_its_loop_thread_raises_build_errors_and_times_steps(tiny_llama):
+    with pytest.raises(ValueError, match="block_size"):  # raised on the loop thread, re-raised here
+        AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, block_size=0))
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, kv_cache_memory="16MiB"))
+    try:
+        import asyncio
+
+        async def one() -> int:
+            last = None
+            async for out in engine.generate({"prompt_token_ids": [5, 6, 7]},
+                                             SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), "t0"):
+                last = out
+            return len(last.outputs[0].token_ids)
+
+        assert asyncio.run(one()) == 4
+        it = engine.get_stats_now().iteration
+        assert it.steps >= 4 and it.model_seconds > 0 and it.schedule_seconds > 0 and it.output_seconds > 0
+    finally:
+        engine.shutdown()

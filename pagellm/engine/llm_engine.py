@@ -43,6 +43,8 @@ class StartedStep:
     scheduler_output: SchedulerOutput
     outputs: list[RequestOutput]
     pending: PendingOutput | None
+    schedule_seconds: float = 0.0
+    submitted_at: float = 0.0  # perf_counter when the workers got the step
 
 
 class LLMEngine:
@@ -227,6 +229,7 @@ class LLMEngine:
         several engines (data-parallel replicas) can so compute at the same time."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead_error}")
+        t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
         ignored = self.scheduler.take_ignored()
         outputs = [self._finish_ignored(g) for g in ignored]
@@ -234,8 +237,9 @@ class LLMEngine:
         # or do swap-outs.
         if sched_out.is_empty() and not sched_out.finished_seq_ids and sched_out.cache_ops.is_empty():
             return StartedStep(sched_out, outputs, None)
+        t1 = time.perf_counter()
         try:
-            return StartedStep(sched_out, outputs, self.executor.submit_model(sched_out))
+            return StartedStep(sched_out, outputs, self.executor.submit_model(sched_out), t1 - t0, t1)
         except WorkerError as e:
             raise self._die(e) from e
 
@@ -248,13 +252,12 @@ class LLMEngine:
             runner_out = started.pending.result()
         except WorkerError as e:
             raise self._die(e) from e
+        t_model = time.perf_counter()
         if sched_out.is_empty():
             return outputs
+        prompt_tokens = sum(max(0, min(s.num_computed_tokens + s.num_scheduled_tokens, len(s.prompt_token_ids))
+                                - s.num_computed_tokens) for s in sched_out.scheduled)
         updated, finished = self.scheduler.update_from_output(sched_out, runner_out)
-        self.iteration_stats.record_step(
-            prompt_tokens=sum(max(0, min(s.num_computed_tokens + s.num_scheduled_tokens, len(s.prompt_token_ids))
-                                  - s.num_computed_tokens) for s in sched_out.scheduled),
-            generation_tokens=len(runner_out.sampled))
         now = time.monotonic()
         for group in updated:
             m = group.metrics
@@ -269,6 +272,8 @@ class LLMEngine:
             outputs.append(self._make_output(group))
             if group.is_finished():
                 self._forget(group)
+        self.iteration_stats.record_step(prompt_tokens, len(runner_out.sampled), started.schedule_seconds,
+                                         t_model - started.submitted_at, time.perf_counter() - t_model)
         return outputs
 
     def _detokenize(self, group: SequenceGroup, seq: Sequence) -> None:
