@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require this bearer token (default: $PAGELLM_API_KEY)")
     srv.add_argument("--chat-template", default=None, help="Jinja chat template file (default: the model's)")
+    srv.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=True,
+                     help="run the engine in a process of its own, the HTTP server in this one (default); "
+                          "--no-engine-core-process: a thread of this process")
     EngineArgs.add_cli_args(srv, skip=("served_model_name",))
     srv.add_argument("--served-model-name", default=None, help="model id clients use (default: the model path)")
     bench = sub.add_parser("bench", help="benchmarks against a running server")
@@ -136,7 +139,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
     from pagellm.engine.async_llm import AsyncLLM
-    from pagellm.entrypoints.openai_server import serve
+    from pagellm.engine.core_proc import AsyncEngineClient
+    from pagellm.entrypoints.openai_server import EngineClient, serve
 
     if args.model_tag is not None:
         args.model = args.model_tag
@@ -145,7 +149,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         with open(args.chat_template) as f:
             chat_template = f.read()
     engine_args = EngineArgs.from_cli_args(args)
-    engine = AsyncLLM.from_engine_args(engine_args, chat_template)
+    engine: EngineClient = (AsyncEngineClient.start(engine_args, chat_template) if args.engine_core_process
+                            else AsyncLLM.from_engine_args(engine_args, chat_template))
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
     serve(engine, name, args.host, args.port, args.api_key or os.environ.get("PAGELLM_API_KEY"))
     return 0

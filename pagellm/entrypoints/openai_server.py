@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 import pagellm
 from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagellm.engine.core_proc import AsyncEngineClient
 from pagellm.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,6 +38,9 @@ from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# The engine in this process (a loop thread) or in an engine-core process: the same interface.
+EngineClient = AsyncLLM | AsyncEngineClient
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +89,9 @@ _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 
 
 # ---------------------------------------------------------------------- the server
 class OpenAIServer:
-    """Builds the FastAPI app for one ``AsyncLLM``."""
+    """Builds the FastAPI app for one ``AsyncLLM`` or ``AsyncEngineClient``."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str, api_key: str | None = None) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, api_key: str | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
@@ -467,11 +471,11 @@ class OpenAIServer:
         return StreamingResponse(body(), media_type="text/event-stream")
 
 
-def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(engine: EngineClient, model_name: str, api_key: str | None = None) -> FastAPI:
     return OpenAIServer(engine, model_name, api_key).app
 
 
-def serve(engine: AsyncLLM, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+def serve(engine: EngineClient, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None) -> None:
     import uvicorn
 

@@ -1,0 +1,107 @@
+"""The engine core in its own process (``pagellm serve``'s default): the HTTP server on an
+``AsyncEngineClient`` answers as the in-process engine does, loses nothing when clients leave, and
+reports a dead core (503, streams ended with an error)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from test_server import NAME, _Server
+
+from pagellm import LLM, SamplingParams
+from pagellm.config import EngineArgs
+from pagellm.engine.core_proc import AsyncEngineClient
+from pagellm.engine.llm_engine import EngineDeadError
+
+PROMPTS = ["Once upon a time", "The capital of France is", "1, 2, 3,"]
+
+
+@pytest.fixture(scope="module")
+def core(tiny_llama):
+    client = AsyncEngineClient.start(EngineArgs(model=tiny_llama, kv_cache_memory="16MiB", max_model_len=256))
+    srv = _Server(client, None)  # type: ignore[arg-type]
+    yield srv, client
+    srv.stop()
+    client.shutdown()
+    assert client.process is not None and not client.process.is_alive()
+
+
+def _idle(client: AsyncEngineClient, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = client.get_stats_now()
+        if s["num_running"] + s["num_waiting"] + s["num_swapped"] == 0 and s["kv_cache_usage"] == 0:
+            return
+        assert time.monotonic() < deadline, f"requests or blocks left behind in the core: {dict(s)}"
+        time.sleep(0.05)
+
+
+def test_core_process_gives_the_in_process_greedy_text(core, tiny_llama):
+    srv, client = core
+    sdk = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    llm = LLM(tiny_llama, kv_cache_memory="16MiB", max_model_len=256)
+    ref = [o.outputs[0].text for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12,
+                                                                          ignore_eos=True))]
+    llm.llm_engine.shutdown()
+    got = [sdk.completions.create(model=NAME, prompt=p, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS]
+    assert got == ref
+    streamed = "".join(c.choices[0].text for c in sdk.completions.create(
+        model=NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert streamed == ref[0]
+    r = httpx.post(srv.url + "/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 10_000})
+    assert r.status_code == 400, r.text  # rejected, the core keeps serving
+    assert client.vocab_size > 0 and client.max_model_len == 256
+    _idle(client)
+
+
+def test_streaming_clients_that_disconnect_leave_nothing_in_the_core(core):
+    srv, client = core
+
+    async def one(i: int) -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            body = {"model": NAME, "prompt": PROMPTS[i % 3], "max_tokens": 40, "stream": True, "ignore_eos": True}
+            async with http.stream("POST", srv.url + "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                n = 0
+                async for line in resp.aiter_lines():
+                    n += line.startswith("data:")
+                    if i % 2 and n >= 2:  # every other client leaves early
+                        return
+
+    async def run_all() -> None:
+        await asyncio.gather(*[one(i) for i in range(16)])
+
+    asyncio.run(run_all())
+    _idle(client)
+
+
+def test_killed_core_ends_streams_with_an_error_and_health_503(tiny_llama):
+    client = AsyncEngineClient.start(EngineArgs(model=tiny_llama, kv_cache_memory="16MiB", max_model_len=256))
+    srv = _Server(client, None)  # type: ignore[arg-type]
+    try:
+        assert httpx.get(srv.url + "/health").status_code == 200
+        body = {"model": NAME, "prompt": "x", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        lines: list[str] = []
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as resp:
+            for line in resp.iter_lines():
+                lines.append(line)
+                if len(lines) == 4:
+                    assert client.process is not None
+                    os.kill(client.process.pid, signal.SIGKILL)
+        data = [x for x in lines if x.startswith("data:")]
+        assert any("error" in x for x in data), data[-3:]
+        assert httpx.get(srv.url + "/health").status_code == 503
+        r = httpx.post(srv.url + "/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 3})
+        assert r.status_code == 503
+        with pytest.raises(EngineDeadError):
+            client.get_stats_now()
+    finally:
+        srv.stop()
+        client.shutdown()
