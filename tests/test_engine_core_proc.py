@@ -105,3 +105,43 @@ def test_killed_core_ends_streams_with_an_error_and_health_503(tiny_llama):
     finally:
         srv.stop()
         client.shutdown()
+
+
+def test_two_api_servers_give_the_same_greedy_text_as_one(tiny_llama):
+    """``pagellm serve --api-server-count 2``: two HTTP processes on one port, one engine core;
+    every answer equals the in-process engine's, and SIGTERM stops all three processes."""
+    import subprocess
+    import sys
+
+    from test_server import _free_port
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", tiny_llama, "--port", str(port),
+           "--api-server-count", "2", "--kv-cache-memory", "16MiB", "--max-model-len", "256"]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert launcher.poll() is None, launcher.stderr.read()[-2000:] if launcher.stderr else ""
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the servers did not start"
+            time.sleep(0.5)
+        llm = LLM(tiny_llama, kv_cache_memory="16MiB", max_model_len=256)
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        ref = [o.outputs[0].text for o in llm.generate(PROMPTS * 2, params)]
+        llm.llm_engine.shutdown()
+        got = []
+        for p in PROMPTS * 2:  # a new connection each: the kernel spreads them over both processes
+            r = httpx.post(url + "/v1/completions", json={"model": tiny_llama, "prompt": p, "max_tokens": 10,
+                                                          "temperature": 0, "ignore_eos": True}, timeout=60)
+            assert r.status_code == 200, r.text
+            got.append(r.json()["choices"][0]["text"])
+        assert got == ref
+    finally:
+        launcher.terminate()
+        assert launcher.wait(60) == 0

@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import logging
 import multiprocessing
+import os
 import pickle
 import shutil
 import tempfile
@@ -146,17 +147,45 @@ def run_engine_core(engine_args: EngineArgs, chat_template: str | None, input_ad
     engine.shutdown()
 
 
+def core_addresses(num_clients: int) -> tuple[str, str, list[str]]:
+    """A private temporary directory and the IPC addresses in it: the core's input, one output per client."""
+    tmp = tempfile.mkdtemp(prefix="pagellm-core-")
+    return tmp, f"ipc://{tmp}/input", [f"ipc://{tmp}/output{i}" for i in range(num_clients)]
+
+
+def start_engine_core(engine_args: EngineArgs, chat_template: str | None, input_addr: str,
+                      output_addrs: list[str]) -> multiprocessing.process.BaseProcess:
+    """Spawn the engine core process (a fresh interpreter: no torch or OpenMP state copied)."""
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=run_engine_core, args=(engine_args, chat_template, input_addr, output_addrs),
+                       name="pagellm-engine-core", daemon=True)
+    proc.start()
+    return proc
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class AsyncEngineClient:
     """``AsyncLLM``'s interface (``generate``, ``abort``, ``check_health``, stats, tokenizer) for an
     engine core running in another process. ``start`` launches a core with one client (this one);
     several front-end processes would each hold a client with its own index."""
 
-    def __init__(self, input_addr: str, output_addr: str, client_index: int = 0) -> None:
+    def __init__(self, input_addr: str, output_addr: str, client_index: int = 0, core_pid: int | None = None) -> None:
         """Bind this client's output socket and start its receiver; ``wait_ready`` then waits for
-        the core's ``CoreInfo``."""
+        the core's ``CoreInfo``. ``core_pid``: the core process, watched for liveness when another
+        process started it."""
         import zmq
 
         self.client_index = client_index
+        self.core_pid = core_pid
         self.process: multiprocessing.process.BaseProcess | None = None  # when this client started the core
         self._tmpdir: str | None = None
         self.dead_error: BaseException | None = None
@@ -185,17 +214,11 @@ class AsyncEngineClient:
 
     @classmethod
     def start(cls, engine_args: EngineArgs, chat_template: str | None = None) -> AsyncEngineClient:
-        """Spawn an engine core process for ``engine_args`` and connect to it (IPC sockets in a
-        private temporary directory)."""
-        tmp = tempfile.mkdtemp(prefix="pagellm-core-")
-        input_addr, output_addr = f"ipc://{tmp}/input", f"ipc://{tmp}/output0"
-        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch or OpenMP state copied
-        proc = ctx.Process(target=run_engine_core, args=(engine_args, chat_template, input_addr, [output_addr]),
-                           name="pagellm-engine-core", daemon=True)
-        client = cls(input_addr, output_addr, 0)  # binds its output socket before the core connects
+        """Spawn an engine core process for ``engine_args`` with this one client and connect to it."""
+        tmp, input_addr, output_addrs = core_addresses(1)
+        client = cls(input_addr, output_addrs[0], 0)  # binds its output socket before the core connects
         client._tmpdir = tmp
-        proc.start()
-        client.process = proc
+        client.process = start_engine_core(engine_args, chat_template, input_addr, output_addrs)
         client.wait_ready()
         return client
 
@@ -207,8 +230,8 @@ class AsyncEngineClient:
         poller.register(self._in, zmq.POLLIN)
         while not self._stopped:
             if not poller.poll(POLL_MS):
-                if self.process is not None and not self.process.is_alive():
-                    self._die(EngineDeadError(f"the engine core process exited (code {self.process.exitcode})"))
+                if not self._core_alive():
+                    self._die(EngineDeadError("the engine core process exited"))
                     return
                 continue
             msg = pickle.loads(self._in.recv())
@@ -233,6 +256,11 @@ class AsyncEngineClient:
             elif kind == "dead":
                 self._die(EngineDeadError(f"the engine died: {msg[1]}"))
                 return
+
+    def _core_alive(self) -> bool:
+        if self.process is not None:
+            return self.process.is_alive()
+        return self.core_pid is None or _pid_alive(self.core_pid)
 
     def _push(self, request_id: str, item: RequestOutput | BaseException | None) -> None:
         stream = self._streams.get(request_id)
@@ -325,8 +353,8 @@ class AsyncEngineClient:
     async def check_health(self) -> None:
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
-        if self.process is not None and not self.process.is_alive():
-            self._die(EngineDeadError(f"the engine core process exited (code {self.process.exitcode})"))
+        if not self._core_alive():
+            self._die(EngineDeadError("the engine core process exited"))
             raise self.dead_error  # type: ignore[misc]
         await asyncio.to_thread(self._call, "health")
 

@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=True,
                      help="run the engine in a process of its own, the HTTP server in this one (default); "
                           "--no-engine-core-process: a thread of this process")
+    srv.add_argument("--api-server-count", type=int, default=1,
+                     help="HTTP server processes sharing the port, each a client of the one engine core")
     EngineArgs.add_cli_args(srv, skip=("served_model_name",))
     srv.add_argument("--served-model-name", default=None, help="model id clients use (default: the model path)")
     bench = sub.add_parser("bench", help="benchmarks against a running server")
@@ -149,11 +151,61 @@ def cmd_serve(args: argparse.Namespace) -> int:
         with open(args.chat_template) as f:
             chat_template = f.read()
     engine_args = EngineArgs.from_cli_args(args)
+    name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
+    api_key = args.api_key or os.environ.get("PAGELLM_API_KEY")
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    if args.api_server_count > 1:
+        if not args.engine_core_process:
+            raise ValueError("--api-server-count > 1 needs the engine core process (drop --no-engine-core-process)")
+        return _serve_many(args, engine_args, chat_template, name, api_key)
     engine: EngineClient = (AsyncEngineClient.start(engine_args, chat_template) if args.engine_core_process
                             else AsyncLLM.from_engine_args(engine_args, chat_template))
-    name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
-    serve(engine, name, args.host, args.port, args.api_key or os.environ.get("PAGELLM_API_KEY"))
+    serve(engine, name, args.host, args.port, api_key)
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _serve_many(args: argparse.Namespace, engine_args: EngineArgs, chat_template: str | None, name: str,
+                api_key: str | None) -> int:
+    """One engine core process and ``--api-server-count`` HTTP server processes on one port; runs
+    until interrupted or until any of them exits, then stops the rest."""
+    import multiprocessing
+    import shutil
+    import signal
+    import time
+
+    from pagellm.engine.core_proc import core_addresses, start_engine_core
+    from pagellm.entrypoints.openai_server import run_api_server
+
+    tmp, input_addr, output_addrs = core_addresses(args.api_server_count)
+    core = start_engine_core(engine_args, chat_template, input_addr, output_addrs)
+    ctx = multiprocessing.get_context("spawn")
+    servers = [ctx.Process(target=run_api_server, name=f"pagellm-api-server-{i}",
+                           args=(i, input_addr, addr, core.pid, name, args.host, args.port, api_key))
+               for i, addr in enumerate(output_addrs)]
+    for p in servers:
+        p.start()
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops everything as Ctrl-C does
+    try:
+        while core.is_alive() and all(p.is_alive() for p in servers):
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for p in servers:
+            if p.is_alive():
+                p.terminate()  # uvicorn's graceful shutdown
+        for p in servers:
+            p.join(timeout=30)
+        if core.is_alive():
+            core.terminate()
+            core.join(timeout=30)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0 if core.exitcode in (0, -signal.SIGTERM) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

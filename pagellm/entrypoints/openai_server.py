@@ -476,12 +476,32 @@ def build_app(engine: EngineClient, model_name: str, api_key: str | None = None)
 
 
 def serve(engine: EngineClient, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None) -> None:
+          api_key: str | None = None, reuse_port: bool = False) -> None:
+    """Run the server until interrupted, then shut the engine (client) down. ``reuse_port``: bind
+    with SO_REUSEPORT, so several server processes share one port (the kernel spreads connections)."""
+    import socket
+
     import uvicorn
 
     app = build_app(engine, model_name, api_key)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="info")
+        if not reuse_port:
+            uvicorn.run(app, host=host, port=port, log_level="info")
+        else:
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, port))
+            uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
     finally:
         engine.shutdown()
 
+
+def run_api_server(client_index: int, input_addr: str, output_addr: str, core_pid: int, model_name: str,
+                   host: str, port: int, api_key: str | None) -> None:
+    """One of ``--api-server-count`` front-end processes: an engine-core client with its own index,
+    serving HTTP on the shared port."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    client = AsyncEngineClient(input_addr, output_addr, client_index, core_pid)
+    client.wait_ready()
+    serve(client, model_name, host, port, api_key, reuse_port=True)
