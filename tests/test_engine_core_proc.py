@@ -145,3 +145,39 @@ def test_two_api_servers_give_the_same_greedy_text_as_one(tiny_llama):
     finally:
         launcher.terminate()
         assert launcher.wait(60) == 0
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "zombie" not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def test_core_stops_when_the_process_that_started_it_is_killed(tiny_llama, tmp_path):
+    """A front end killed with SIGKILL (no shutdown message) leaves no engine core behind."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "front.py"
+    script.write_text(
+        "import sys, time\n"
+        "from pagellm.config import EngineArgs\n"
+        "from pagellm.engine.core_proc import AsyncEngineClient\n"
+        "if __name__ == '__main__':\n"
+        f"    c = AsyncEngineClient.start(EngineArgs(model={tiny_llama!r}, kv_cache_memory='16MiB'))\n"
+        "    print(c.process.pid, flush=True)\n"
+        "    time.sleep(600)\n")
+    front = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        core_pid = int(front.stdout.readline())
+        os.kill(front.pid, signal.SIGKILL)
+        front.wait(30)
+        deadline = time.monotonic() + 30
+        while _running(core_pid):
+            assert time.monotonic() < deadline, "the engine core outlived its front end"
+            time.sleep(0.1)
+    finally:
+        if front.poll() is None:
+            front.kill()

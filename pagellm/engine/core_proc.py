@@ -96,8 +96,12 @@ def run_engine_core(engine_args: EngineArgs, chat_template: str | None, input_ad
     owner: dict[str, int] = {}  # request id -> client index
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
+    parent = os.getppid()
     running = True
     while running:
+        if os.getppid() != parent:  # the process that started this core is gone: nobody can reach it
+            logger.warning("the engine core's parent process exited; stopping")
+            break
         busy = engine.has_unfinished_requests()
         # Idle: wait for a message. Busy: take what is there and step.
         timeout = 0 if busy else POLL_MS
