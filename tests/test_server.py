@@ -46,11 +46,15 @@ class _Server:
         self.thread.join(timeout=10)
 
 
-@pytest.fixture(scope="module")
-def served(tiny_llama):
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, kv_cache_memory="16MiB", max_model_len=256,
-                                                  scheduling_policy="priority"))
-    srv = _Server(engine, KEY)
+@pytest.fixture(scope="module", params=["thread", "core-process"])
+def served(tiny_llama, request):
+    """The server over the engine on a thread of this process (AsyncLLM) and over an engine core
+    process (AsyncEngineClient, ``pagellm serve``'s default): every test below runs against both."""
+    from pagellm.engine.core_proc import AsyncEngineClient
+
+    args = EngineArgs(model=tiny_llama, kv_cache_memory="16MiB", max_model_len=256, scheduling_policy="priority")
+    engine = AsyncLLM.from_engine_args(args) if request.param == "thread" else AsyncEngineClient.start(args)
+    srv = _Server(engine, KEY)  # type: ignore[arg-type]
     yield srv, engine
     srv.stop()
     engine.shutdown()
@@ -61,12 +65,18 @@ def client(served):
     return openai.OpenAI(base_url=served[0].url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
-def _idle(engine: AsyncLLM, timeout: float = 10.0) -> None:
+def _idle(engine, timeout: float = 10.0) -> None:
+    """No request left anywhere and every KV block free (read from the block pool in this process,
+    or from the stats of a core process)."""
     deadline = time.monotonic() + timeout
     while True:
         s = engine.get_stats_now()
-        kv = engine.engine.kv_cache_manager
-        if s["num_running"] + s["num_waiting"] + s["num_swapped"] == 0 and kv.num_free_blocks == kv.num_blocks:
+        if isinstance(engine, AsyncLLM):
+            kv = engine.engine.kv_cache_manager
+            free = kv.num_free_blocks == kv.num_blocks
+        else:
+            free = s["kv_cache_usage"] == 0
+        if s["num_running"] + s["num_waiting"] + s["num_swapped"] == 0 and free:
             return
         assert time.monotonic() < deadline, f"requests or blocks left behind: {s}"
         time.sleep(0.05)
@@ -140,6 +150,8 @@ def test_openai_style_errors(client, served):
 
 def test_client_disconnect_aborts_and_frees_blocks(served, monkeypatch):
     srv, engine = served
+    if not isinstance(engine, AsyncLLM):
+        pytest.skip("slows the engine's step in this process (tests/test_engine_core_proc.py covers the core)")
     step = engine.engine.step
 
     def slow_step():  # the tiny model would otherwise finish before the hang-up is seen
