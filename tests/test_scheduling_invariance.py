@@ -84,31 +84,24 @@ BF16_CONFIGS = ["chunk_every_prompt", "max_num_seqs_1", "block_size_1", "tight_c
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_bfloat16_outputs_do_not_depend_on_scheduling(baseline, arch):
-    """bfloat16 GEMMs (pagellm's own kernel, AMX or AVX512-BF16): a row's result never depends
-    on its neighbours, so chunking, batch size, block size, preemption and swap change nothing."""
-    require_bf16_kernel()
-    path, prompts, _ = baseline[arch]
-    ref, engine = engine_greedy(path, prompts, MAX_TOKENS, dtype="bfloat16")
-    assert engine.model_info.dtype == "bfloat16"
+@pytest.mark.parametrize("mode", ["bfloat16", "int8"])
+def test_fast_numerics_outputs_do_not_depend_on_scheduling(baseline, ckpt_root, arch, mode):
+    """bfloat16 GEMMs (pagellm's own kernel, AMX or AVX512-BF16) and int8 GEMMs over GGUF blocks
+    (quantization="gguf", on a tiny model whose weights are Q4_1 / Q8_0 blocks): a row's result
+    never depends on its neighbours, so chunking, batch size, block size, preemption and swap
+    change nothing."""
+    if mode == "bfloat16":
+        require_bf16_kernel()
+        path, prompts, _ = baseline[arch]
+        kwargs = {"dtype": "bfloat16"}
+    else:
+        require_int8_kernel()
+        path, prompts = build_tiny_gguf_valued_checkpoint(ckpt_root, arch), random_prompts(10, seed=7, hi=150)
+        kwargs = {"quantization": "gguf"}
+    ref, engine = engine_greedy(path, prompts, MAX_TOKENS, **kwargs)
+    assert engine.model_info.dtype == mode
     for name in BF16_CONFIGS:
-        got, engine = engine_greedy(path, prompts, MAX_TOKENS, dtype="bfloat16", **_kwargs(name, prompts))
-        assert got == ref, name
-        if name.startswith("tight"):
-            assert engine.scheduler.num_preemptions > 0
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_int8_outputs_do_not_depend_on_scheduling(ckpt_root, arch):
-    """int8 GEMMs over GGUF blocks (quantization="gguf"): the same, on a tiny model whose weights are
-    Q4_1 / Q8_0 blocks."""
-    require_int8_kernel()
-    path = build_tiny_gguf_valued_checkpoint(ckpt_root, arch)
-    prompts = random_prompts(10, seed=7, hi=150)
-    ref, engine = engine_greedy(path, prompts, MAX_TOKENS, quantization="gguf")
-    assert engine.model_info.dtype == "int8"
-    for name in BF16_CONFIGS:
-        got, engine = engine_greedy(path, prompts, MAX_TOKENS, quantization="gguf", **_kwargs(name, prompts))
+        got, engine = engine_greedy(path, prompts, MAX_TOKENS, **kwargs, **_kwargs(name, prompts))
         assert got == ref, name
         if name.startswith("tight"):
             assert engine.scheduler.num_preemptions > 0

@@ -36,7 +36,24 @@ class _Stream:
     queue: asyncio.Queue
 
 
-__all__ = ["AsyncLLM", "EngineDeadError"]
+__all__ = ["AsyncLLM", "EngineDeadError", "drain_stream"]
+
+
+async def drain_stream(queue: asyncio.Queue, done: list[bool]) -> AsyncIterator[RequestOutput]:
+    """A request's outputs from its queue until it finishes. ``None`` in the queue ends it (aborted
+    through ``abort``), an exception is raised (rejected, or the engine died). ``done[0]`` turns true
+    once nothing is left to abort: the caller aborts in the engine when it stops reading early."""
+    while True:
+        item = await queue.get()
+        if item is None or isinstance(item, BaseException):
+            done[0] = True
+            if item is None:
+                return
+            raise item
+        done[0] = item.finished
+        yield item
+        if item.finished:
+            return
 
 
 class AsyncLLM:
@@ -167,23 +184,14 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
         self._streams[request_id] = stream
-        finished = False
+        done = [False]
         try:
             await asyncio.to_thread(self._add, request_id, prompt, sampling_params, priority)
-            while True:
-                item = await stream.queue.get()
-                if item is None:  # aborted through ``abort``
-                    finished = True
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
+            async for item in drain_stream(stream.queue, done):
                 yield item
-                if finished:
-                    return
         finally:
             self._streams.pop(request_id, None)
-            if not finished and self.is_running:
+            if not done[0] and self.is_running:
                 await asyncio.shield(asyncio.to_thread(self._abort, request_id))
 
     def _add(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int) -> None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagellm.config import EngineArgs
+from pagellm.engine.async_llm import drain_stream
 from pagellm.engine.llm_engine import EngineDeadError, PromptType
 from pagellm.metrics import EngineStats
 from pagellm.outputs import RequestOutput
@@ -330,24 +331,14 @@ class AsyncEngineClient:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, queue)
-        finished = False
+        done = [False]
         try:
             self._send(("add", self.client_index, request_id, prompt, sampling_params, priority))
-            while True:
-                item = await queue.get()
-                if item is None:
-                    finished = True
-                    return
-                if isinstance(item, BaseException):
-                    finished = True  # rejected or dead: nothing to abort
-                    raise item
-                finished = item.finished
+            async for item in drain_stream(queue, done):
                 yield item
-                if finished:
-                    return
         finally:
             self._streams.pop(request_id, None)
-            if not finished and self.is_running:
+            if not done[0] and self.is_running:
                 self._send(("abort", request_id))
 
     async def abort(self, request_id: str) -> None:

@@ -30,8 +30,8 @@
 #include <immintrin.h>
 #endif
 #include "gguf_blocks.h" /* QB, RN, fit_q */
+#include "gemm_tile.h"   /* NR, store_tile, panel_masks */
 
-#define NR 32 /* outputs per panel: two 16-float registers */
 #define MR 14 /* rows per tile: 28 accumulators + 2 weights + 1 broadcast of 32 registers */
 #define XBLOCK (1024 * 1024) /* bytes of x per row block: it stays in L2 (2 MiB) across all panels */
 
@@ -58,22 +58,6 @@ void pack_weight_f32(float *dst, const float *w, int64_t N, int64_t K) {
 }
 
 #ifdef __AVX512F__
-/* A finished tile: y[r][0:32] = acc[r] (+ bias), columns masked to m0 | m1. */
-static inline __attribute__((always_inline)) void store_tile(float *y, int64_t ldy, __m512 acc[][2], const float *bias,
-                                                             __mmask16 m0, __mmask16 m1, const int R) {
-  if (bias != NULL) {
-    const __m512 b0 = _mm512_maskz_loadu_ps(m0, bias), b1 = _mm512_maskz_loadu_ps(m1, bias + 16);
-    for (int r = 0; r < R; ++r) {
-      acc[r][0] = _mm512_add_ps(acc[r][0], b0);
-      acc[r][1] = _mm512_add_ps(acc[r][1], b1);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(y + r * ldy, m0, acc[r][0]);
-    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, acc[r][1]);
-  }
-}
-
 /* Rows [0, R) of one panel: y[r][0:32] = x[r] . panel (+ bias), columns masked to `mask`.
  * Meanwhile, one row of `next` (2 cache lines) is prefetched into L2 every T steps of k: the T
  * tiles of a panel together bring in the whole next panel while this one computes from L2. */
@@ -238,8 +222,8 @@ static inline __attribute__((always_inline)) void row_block(float *y, int64_t ld
     const float *w = wp + p * panel;
     const float *wn = p + 1 < P ? w + panel : w; /* the next panel, prefetched a share per tile */
     const int64_t left = N - p * NR;
-    const __mmask16 m0 = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
-    const __mmask16 m1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+    __mmask16 m0, m1;
+    panel_masks(left, &m0, &m1);
     const float *bb = bias == NULL ? NULL : bias + p * NR;
     int64_t m = 0;
     for (int64_t t = 0; t < tiles; ++t) {

@@ -112,6 +112,19 @@ def pack_quantized(weight: torch.Tensor, bits: int) -> torch.Tensor | None:
     return out if lib.pack_weight_q(out.data_ptr(), w.data_ptr(), n, k, bits) else None
 
 
+def rows_and_output(x: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checks every packed-weight kernel needs on ``x [..., K]`` and ``bias``; ``x`` as rows with
+    contiguous last dimension, and the uninitialised float32 output ``[rows, out_features]``."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x must be float32 on the CPU, got {x.dtype} on {x.device}")
+    if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.float32 or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous float32 of shape ({out_features},), got {tuple(bias.shape)}")
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2, torch.empty(x2.shape[0], out_features, dtype=torch.float32)
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
            bits: int = 32, amx: bool = False) -> torch.Tensor:
     """``x [..., K] @ W^T (+ bias)`` -> ``[..., out_features]`` for ``packed = pack(W)``,
@@ -122,8 +135,6 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     lib = _lib()
     assert lib is not None, "check usable() before pack()"
     k = x.shape[-1]
-    if x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"x must be float32 on the CPU, got {x.dtype} on {x.device}")
     if bits not in (4, 8, 16, 32):
         raise ValueError(f"bits must be 4, 8, 16 or 32, got {bits!r}")
     if bits == 32:
@@ -134,13 +145,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
         size = lib.packed_size_q(out_features, k, bits)
     if packed.numel() != size or (bits in (4, 8) and k % 32):
         raise ValueError(f"packed {bits}-bit weight of {packed.numel()} floats does not fit [{out_features}, {k}]")
-    if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.float32 or not bias.is_contiguous()):
-        raise ValueError(f"bias must be contiguous float32 of shape ({out_features},), got {tuple(bias.shape)}")
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2, y = rows_and_output(x, bias, out_features)
     m = x2.shape[0]
-    y = torch.empty(m, out_features, dtype=torch.float32)
     if m:
         args = (y.data_ptr(), out_features, x2.data_ptr(), x2.stride(0) if m > 1 else k,
                 packed.data_ptr(), None if bias is None else bias.data_ptr(), m, out_features, k)

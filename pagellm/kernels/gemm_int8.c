@@ -26,8 +26,8 @@
 #include <immintrin.h>
 #endif
 #include "gguf_blocks.h" /* QB, fit_q */
+#include "gemm_tile.h"   /* NR, store_tile, panel_masks */
 
-#define NR 32 /* outputs per panel */
 #define MRQ 6 /* rows per tile: 2 x (int + float) accumulators per row, 24 of 32 registers */
 #define RECB(bits) (2 * NR * 4 + ((bits) == 4 ? NR * QB / 2 : NR * QB)) /* bytes per record */
 
@@ -163,17 +163,7 @@ static inline __attribute__((always_inline)) void tile_i8(float *y, int64_t ldy,
       }
     }
   }
-  if (bias != NULL) {
-    const __m512 b0 = _mm512_maskz_loadu_ps(m0, bias), b1 = _mm512_maskz_loadu_ps(m1, bias + 16);
-    for (int r = 0; r < R; ++r) {
-      acc[r][0] = _mm512_add_ps(acc[r][0], b0);
-      acc[r][1] = _mm512_add_ps(acc[r][1], b1);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm512_mask_storeu_ps(y + r * ldy, m0, acc[r][0]);
-    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, acc[r][1]);
-  }
+  store_tile(y, ldy, acc, bias, m0, m1, R);
 }
 
 #define CASE_I8(R) case R: TILE_I8(R); break;
@@ -191,8 +181,8 @@ static void row_block_i8(float *y, int64_t ldy, const int8_t *xq, const float *d
     const uint8_t *w = wp + p * panel;
     const uint8_t *wn = p + 1 < P ? w + panel : w;
     const int64_t left = N - p * NR;
-    const __mmask16 m0 = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
-    const __mmask16 m1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+    __mmask16 m0, m1;
+    panel_masks(left, &m0, &m1);
     const float *bb = bias == NULL ? NULL : bias + p * NR;
     int64_t m = 0;
     for (int64_t t = 0; t < tiles; ++t) {

@@ -60,17 +60,10 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bits: int, out_features: int,
     lib = _lib()
     assert lib is not None, "check supported() before pack()"
     k = x.shape[-1]
-    if x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"x must be float32 on the CPU, got {x.dtype} on {x.device}")
     if bits not in (4, 8) or k % 32 or packed.numel() != lib.packed_size_i8(out_features, k, bits):
         raise ValueError(f"packed {bits}-bit weight of {packed.numel()} bytes does not fit [{out_features}, {k}]")
-    if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.float32 or not bias.is_contiguous()):
-        raise ValueError(f"bias must be contiguous float32 of shape ({out_features},), got {tuple(bias.shape)}")
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2, y = gemm.rows_and_output(x, bias, out_features)
     m = x2.shape[0]
-    y = torch.empty(m, out_features, dtype=torch.float32)
     if m and lib.gemm_packed_i8(y.data_ptr(), out_features, x2.data_ptr(), x2.stride(0) if m > 1 else k,
                                 packed.data_ptr(), None if bias is None else bias.data_ptr(),
                                 m, out_features, k, bits) != 0:
