@@ -8,6 +8,9 @@ from typing import Any
 from pagellm.utils import reject_unknown
 
 _GREEDY_EPS = 1e-5
+# Top log-probabilities a request may ask for per token (vLLM's default max_logprobs): each one is
+# a top-k over the whole vocabulary in the sampler.
+MAX_LOGPROBS = 20
 
 
 @dataclass(slots=True)
@@ -80,8 +83,8 @@ class SamplingParams:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise bad("logprobs", "must be an integer >= 0")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported yet")
         if self.seed is not None and not isinstance(self.seed, int):

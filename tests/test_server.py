@@ -265,6 +265,13 @@ BAD_REQUESTS = [
     ("unknown model", {"model": "gpt-5", "prompt": "x", "max_tokens": 3}, 404, "gpt-5"),
     ("oversized prompt", {"model": NAME, "prompt": "hello " * 400, "max_tokens": 3}, 400, "context length"),
     ("token ids outside the vocabulary", {"model": NAME, "prompt": [5, 10**8], "max_tokens": 3}, 400, "vocabulary"),
+    ("negative and huge token ids, nested", {"model": NAME, "prompt": [[-5, 10**12]], "max_tokens": 3}, 400,
+     "vocabulary"),
+    ("logprobs beyond the limit", {"model": NAME, "prompt": "x", "max_tokens": 3, "logprobs": 1_000_000}, 400,
+     "logprobs"),
+    ("too many stop strings", {"model": NAME, "prompt": "x", "max_tokens": 3, "stop": [str(i) for i in range(65)]},
+     400, "stop"),
+    ("n beyond the limit", {"model": NAME, "prompt": "x", "max_tokens": 3, "n": 100_000}, 400, "n"),
 ]
 
 
@@ -275,6 +282,7 @@ def test_bad_requests_get_clear_errors(served, name, body, status, needle):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["type"]
+    assert 'File "' not in err["message"] and ".py" not in err["message"]  # no traceback, no server path
     ok = httpx.post(srv.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                     json={"model": NAME, "prompt": "still serving", "max_tokens": 2}, timeout=30)
     assert ok.status_code == 200
@@ -386,3 +394,35 @@ def test_async_llm_builds_on_its_loop_thread_raises_build_errors_and_times_steps
         assert it.steps >= 4 and it.model_seconds > 0 and it.schedule_seconds > 0 and it.output_seconds > 0
     finally:
         engine.shutdown()
+
+
+def test_chat_content_parts_roles_and_tokenize_errors(served, client):
+    """OpenAI content parts (what the SDK, agent frameworks and vllm bench serve's openai-chat send)
+    give what the same text as a string gives; developer is system's newer name; other roles, non-text
+    parts and empty conversations are 400s naming the field."""
+    srv, engine = served
+    kw = dict(model=NAME, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    text = "Count to three."
+    plain = client.chat.completions.create(messages=[{"role": "user", "content": text}], **kw)
+    parts = client.chat.completions.create(messages=[{"role": "user", "content": [{"type": "text", "text": text}]}],
+                                           **kw)
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+    dev = client.chat.completions.create(messages=[{"role": "developer", "content": "Be brief."},
+                                                   {"role": "user", "content": text}], **kw)
+    sysm = client.chat.completions.create(messages=[{"role": "system", "content": "Be brief."},
+                                                    {"role": "user", "content": text}], **kw)
+    assert dev.choices[0].message.content == sysm.choices[0].message.content
+    h = {"Authorization": f"Bearer {KEY}"}
+    for messages, needle in (([{"role": "wizard", "content": "hi"}], "messages[0].role"),
+                             ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                              "messages[0].content[0]"),
+                             ([], "messages must not be empty")):
+        r = httpx.post(srv.url + "/v1/chat/completions", headers=h, json={"model": NAME, "messages": messages},
+                       timeout=30)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    r = httpx.post(srv.url + "/tokenize", json={"model": None, "prompt": None, "messages": []}, timeout=30)
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"], r.text
+    text_parts = [{"type": "text", "text": text}]
+    r = httpx.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": text_parts}]}, timeout=30)
+    assert r.status_code == 200 and r.json()["count"] > 0
+    _idle(engine)

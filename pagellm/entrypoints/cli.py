@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=True,
                      help="run the engine in a process of its own, the HTTP server in this one (default); "
                           "--no-engine-core-process: a thread of this process")
+    srv.add_argument("--chat-template-content-format", choices=("auto", "string", "openai"), default="auto",
+                     help="how OpenAI content parts reach the chat template: string (text parts joined; auto) "
+                          "or openai (the list of parts)")
     srv.add_argument("--api-server-count", type=int, default=1,
                      help="HTTP server processes sharing the port, each a client of the one engine core")
     EngineArgs.add_cli_args(srv, skip=("served_model_name",))
@@ -161,7 +164,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return _serve_many(args, engine_args, chat_template, name, api_key)
     engine: EngineClient = (AsyncEngineClient.start(engine_args, chat_template) if args.engine_core_process
                             else AsyncLLM.from_engine_args(engine_args, chat_template))
-    serve(engine, name, args.host, args.port, api_key)
+    serve(engine, name, args.host, args.port, api_key,
+          chat_template_content_format=args.chat_template_content_format)
     return 0
 
 
@@ -185,7 +189,8 @@ def _serve_many(args: argparse.Namespace, engine_args: EngineArgs, chat_template
     core = start_engine_core(engine_args, chat_template, input_addr, output_addrs)
     ctx = multiprocessing.get_context("spawn")
     servers = [ctx.Process(target=run_api_server, name=f"pagellm-api-server-{i}",
-                           args=(i, input_addr, addr, core.pid, name, args.host, args.port, api_key))
+                           args=(i, input_addr, addr, core.pid, name, args.host, args.port, api_key,
+                                 args.chat_template_content_format))
                for i, addr in enumerate(output_addrs)]
     for p in servers:
         p.start()

@@ -8,6 +8,15 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 
+class APIError(Exception):
+    """An OpenAI-shaped error: HTTP ``status``, ``type``, the ``param`` it is about, a message."""
+
+    def __init__(self, message: str, status: int = 400, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type_, param, code
+
+
 class SamplingBody(BaseModel):
     """The sampling fields completions and chat share (OpenAI's and vLLM's extras)."""
 
@@ -42,10 +51,48 @@ class CompletionRequest(SamplingBody):
     best_of: int | None = None
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# How message content reaches the chat template (vLLM's --chat-template-content-format): "string"
+# joins the text parts with newlines (what most templates, SmolLM2's among them, expect), "openai"
+# passes the list of parts as sent; "auto" is "string" (text parts are all pagellm accepts).
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+class TextPart(BaseModel):
+    """An OpenAI content part; only text is accepted (``{"type": "text", "text": "..."}``)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id: handed to the template
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
+
+
+def normalize_message(m: ChatMessage, index: int, content_format: str = "auto") -> dict[str, Any]:
+    """A message as the chat template gets it: role checked, ``developer`` (OpenAI's newer name for
+    ``system``) renamed, content parts checked and, unless ``content_format`` is ``openai``, joined.
+    An ``APIError`` (400) naming ``messages[i]...`` for anything else."""
+    if m.role not in ROLES:
+        raise APIError(f"messages[{index}].role must be one of {ROLES}, got {m.role!r}",
+                       param=f"messages[{index}].role")
+    out = m.model_dump(exclude_none=True)
+    if m.role == "developer":
+        out["role"] = "system"
+    if isinstance(m.content, list):
+        for j, part in enumerate(m.content):
+            if part.type != "text" or part.text is None:
+                raise APIError(f"messages[{index}].content[{j}]: only text parts are supported "
+                               f"(type 'text' with a 'text' field), got type {part.type!r}",
+                               param=f"messages[{index}].content")
+        if content_format == "openai":
+            out["content"] = [{"type": "text", "text": p.text} for p in m.content]
+        else:
+            out["content"] = "\n".join(p.text or "" for p in m.content)
+    return out
 
 
 class ChatCompletionRequest(SamplingBody):

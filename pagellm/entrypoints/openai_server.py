@@ -27,17 +27,26 @@ import pagellm
 from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagellm.engine.core_proc import AsyncEngineClient
 from pagellm.entrypoints.openai_protocol import (
+    CONTENT_FORMATS,
+    APIError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     SamplingBody,
     TokenizeRequest,
+    normalize_message,
 )
 from pagellm.metrics import GAUGE, STAT_FIELDS
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# Request limits beyond what the engine checks (each a 400 naming the field): a request could
+# otherwise make every step scan a huge stop list, or fork a huge number of sequences.
+MAX_STOP_STRINGS = 64
+MAX_N = 128
 
 # The engine in this process (a loop thread) or in an engine-core process: the same interface.
 EngineClient = AsyncLLM | AsyncEngineClient
@@ -53,13 +62,6 @@ class Delta:
     logprobs: CompletionOutput | None  # only the new tokens, with their logprobs (if asked for)
     first: bool  # this completion's first chunk
     text_offset: int  # where ``text`` starts in the completion's whole text
-
-
-class APIError(Exception):
-    def __init__(self, message: str, status: int = 400, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.status, self.type, self.param, self.code = message, status, type_, param, code
 
 
 def _error(message: str, status: int, type_: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -91,9 +93,14 @@ _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 
 class OpenAIServer:
     """Builds the FastAPI app for one ``AsyncLLM`` or ``AsyncEngineClient``."""
 
-    def __init__(self, engine: EngineClient, model_name: str, api_key: str | None = None) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, api_key: str | None = None,
+                 chat_template_content_format: str = "auto") -> None:
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of {CONTENT_FORMATS}, "
+                             f"got {chat_template_content_format!r}")
         self.engine = engine
         self.model_name = model_name
+        self.content_format = chat_template_content_format
         self.api_key = api_key
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = engine.max_model_len
@@ -112,8 +119,29 @@ class OpenAIServer:
         if model is not None and model != self.model_name:
             raise APIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model", "model_not_found")
 
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.engine.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}", param=param)
+
+    def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> dict[str, Any]:
+        """The conversation through the chat template, or a 400 naming what is wrong with it."""
+        if not messages:
+            raise APIError("messages must not be empty", param="messages")
+        msgs = [normalize_message(m, i, self.content_format) for i, m in enumerate(messages)]
+        try:
+            return self.tokenizer.chat_prompt(msgs, add_generation_prompt)
+        except Exception as e:  # a template that rejects the conversation; the message only, no traceback
+            raise APIError(f"cannot apply the chat template: {type(e).__name__}: {e}", param="messages") from e
+
     def _params(self, body: SamplingBody, prompt_len: int, max_tokens: int | None, logprobs: int | None,
                 best_of: int | None = None) -> SamplingParams:
+        stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise APIError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
+        if body.n > MAX_N or (best_of or 0) > MAX_N:
+            raise APIError(f"n and best_of must be <= {MAX_N}", param="n")
         room = self.max_model_len - prompt_len
         if max_tokens is not None and max_tokens > room:
             raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
@@ -128,7 +156,7 @@ class OpenAIServer:
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
             min_p=body.min_p or 0.0, seed=body.seed,
-            stop=[body.stop] if isinstance(body.stop, str) else (body.stop or []),
+            stop=stops,
             stop_token_ids=body.stop_token_ids or [], presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
@@ -136,8 +164,9 @@ class OpenAIServer:
             skip_special_tokens=body.skip_special_tokens, include_stop_str_in_output=body.include_stop_str_in_output)
         try:
             return SamplingParams(**kw)
-        except ValueError as e:
-            raise APIError(str(e)) from e
+        except ValueError as e:  # SamplingParams' messages start with the field's name
+            field = str(e).split(" ", 1)[0]
+            raise APIError(str(e), param=field if field in kw else None) from e
 
     def _record(self, out: RequestOutput) -> None:
         m = out.metrics
@@ -320,8 +349,7 @@ class OpenAIServer:
         async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
             server._check_model(body.model)
             if body.messages is not None:
-                ids = server.tokenizer.chat_prompt([m.model_dump(exclude_none=True) for m in body.messages])[
-                    "prompt_token_ids"]
+                ids = server._chat_prompt(body.messages)["prompt_token_ids"]
             elif body.prompt is not None:
                 ids = server.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
             else:
@@ -331,10 +359,7 @@ class OpenAIServer:
         @app.post("/detokenize")
         async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
             server._check_model(body.model)
-            vocab = server.engine.vocab_size
-            bad = [t for t in body.tokens if t < 0 or t >= vocab]
-            if bad:
-                raise APIError(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}", param="tokens")
+            server._check_token_ids(body.tokens, "tokens")
             return {"prompt": server.tokenizer.decode(body.tokens, False)}
 
         @app.post("/v1/completions", dependencies=v1)
@@ -363,6 +388,7 @@ class OpenAIServer:
         self._check_model(body.model)
         (prompt,) = self._completion_prompts(body.prompt)
         ids = prompt.get("prompt_token_ids") or self.tokenizer.encode(prompt["prompt"])
+        self._check_token_ids(ids, "prompt")
         prompt = {"prompt": prompt.get("prompt"), "prompt_token_ids": ids}
         max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default for completions
         params = self._params(body, len(ids), max_tokens, body.logprobs, body.best_of)
@@ -411,13 +437,7 @@ class OpenAIServer:
     # ------------------------------------------------------------------ /v1/chat/completions
     async def _chat(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
-        if not body.messages:
-            raise APIError("messages must not be empty", param="messages")
-        try:
-            prompt = self.tokenizer.chat_prompt([m.model_dump(exclude_none=True) for m in body.messages],
-                                                body.add_generation_prompt)
-        except Exception as e:  # a template that rejects the conversation
-            raise APIError(f"cannot apply the chat template: {e}", param="messages") from e
+        prompt = self._chat_prompt(body.messages, body.add_generation_prompt)
         ids = prompt["prompt_token_ids"]
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top = body.top_logprobs or 0
@@ -471,19 +491,20 @@ class OpenAIServer:
         return StreamingResponse(body(), media_type="text/event-stream")
 
 
-def build_app(engine: EngineClient, model_name: str, api_key: str | None = None) -> FastAPI:
-    return OpenAIServer(engine, model_name, api_key).app
+def build_app(engine: EngineClient, model_name: str, api_key: str | None = None,
+              chat_template_content_format: str = "auto") -> FastAPI:
+    return OpenAIServer(engine, model_name, api_key, chat_template_content_format).app
 
 
 def serve(engine: EngineClient, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, reuse_port: bool = False) -> None:
+          api_key: str | None = None, reuse_port: bool = False, chat_template_content_format: str = "auto") -> None:
     """Run the server until interrupted, then shut the engine (client) down. ``reuse_port``: bind
     with SO_REUSEPORT, so several server processes share one port (the kernel spreads connections)."""
     import socket
 
     import uvicorn
 
-    app = build_app(engine, model_name, api_key)
+    app = build_app(engine, model_name, api_key, chat_template_content_format)
     try:
         if not reuse_port:
             uvicorn.run(app, host=host, port=port, log_level="info")
@@ -498,10 +519,11 @@ def serve(engine: EngineClient, model_name: str, host: str = "127.0.0.1", port: 
 
 
 def run_api_server(client_index: int, input_addr: str, output_addr: str, core_pid: int, model_name: str,
-                   host: str, port: int, api_key: str | None) -> None:
+                   host: str, port: int, api_key: str | None, chat_template_content_format: str = "auto") -> None:
     """One of ``--api-server-count`` front-end processes: an engine-core client with its own index,
     serving HTTP on the shared port."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     client = AsyncEngineClient(input_addr, output_addr, client_index, core_pid)
     client.wait_ready()
-    serve(client, model_name, host, port, api_key, reuse_port=True)
+    serve(client, model_name, host, port, api_key, reuse_port=True,
+          chat_template_content_format=chat_template_content_format)
