@@ -17,6 +17,26 @@ class APIError(Exception):
         self.message, self.status, self.type, self.param, self.code = message, status, type_, param, code
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error's body, as the OpenAI API shapes it."""
+
+    error: ErrorDetail
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for a route: these statuses with the error body."""
+    what = {400: "Invalid request (the message names the field)", 401: "Missing or wrong API key",
+            404: "Unknown model", 503: "The engine is not running"}
+    return {s: {"model": ErrorResponse, "description": what[s]} for s in statuses}
+
+
 class SamplingBody(BaseModel):
     """The sampling fields completions and chat share (OpenAI's and vLLM's extras)."""
 

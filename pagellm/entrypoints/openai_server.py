@@ -35,6 +35,7 @@ from pagellm.entrypoints.openai_protocol import (
     DetokenizeRequest,
     SamplingBody,
     TokenizeRequest,
+    error_responses,
     normalize_message,
 )
 from pagellm.metrics import GAUGE, STAT_FIELDS
@@ -323,7 +324,8 @@ class OpenAIServer:
 
         v1 = [Depends(guard)]
 
-        @app.get("/health")
+        @app.get("/health", response_class=Response,
+                 responses={200: {"description": "The engine is running (empty body)"}, **error_responses(503)})
         async def health() -> Response:
             try:
                 await server.engine.check_health()
@@ -335,7 +337,7 @@ class OpenAIServer:
         async def version() -> dict[str, str]:
             return {"version": pagellm.__version__}
 
-        @app.get("/v1/models", dependencies=v1)
+        @app.get("/v1/models", dependencies=v1, responses=error_responses(401, 503))
         async def models() -> dict[str, Any]:
             return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": int(time.time()),
                                                 "owned_by": "pagellm", "root": server.model_name,
@@ -345,7 +347,7 @@ class OpenAIServer:
         async def metrics() -> Response:
             return Response(generate_latest(server.registry), media_type="text/plain; version=0.0.4")
 
-        @app.post("/tokenize")
+        @app.post("/tokenize", responses=error_responses(400, 404))
         async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
             server._check_model(body.model)
             if body.messages is not None:
@@ -356,17 +358,17 @@ class OpenAIServer:
                 raise APIError("either prompt or messages is required", param="prompt")
             return {"tokens": ids, "count": len(ids), "max_model_len": server.max_model_len}
 
-        @app.post("/detokenize")
+        @app.post("/detokenize", responses=error_responses(400, 404))
         async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
             server._check_model(body.model)
             server._check_token_ids(body.tokens, "tokens")
             return {"prompt": server.tokenizer.decode(body.tokens, False)}
 
-        @app.post("/v1/completions", dependencies=v1)
+        @app.post("/v1/completions", dependencies=v1, responses=error_responses(400, 401, 404, 503))
         async def completions(body: CompletionRequest, request: Request):
             return await server._completions(body, request)
 
-        @app.post("/v1/chat/completions", dependencies=v1)
+        @app.post("/v1/chat/completions", dependencies=v1, responses=error_responses(400, 401, 404, 503))
         async def chat(body: ChatCompletionRequest, request: Request):
             return await server._chat(body, request)
 
