@@ -183,3 +183,54 @@ def test_core_stops_when_the_process_that_started_it_is_killed(tiny_llama, tmp_p
     finally:
         if front.poll() is None:
             front.kill()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline") as f:
+        return f.read()
+
+
+def test_exit_on_engine_death_exits_non_zero(tiny_llama):
+    """``pagellm serve --exit-on-engine-death``: the engine core killed, the server exits with status 1
+    (for a supervisor to restart it) instead of answering 503 forever."""
+    import subprocess
+    import sys
+
+    from test_server import _free_port
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", tiny_llama, "--port", str(port),
+           "--exit-on-engine-death", "--kv-cache-memory", "16MiB", "--max-model-len", "256"]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, "the server exited early"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.5)
+        cores = [pid for pid in _children(server.pid) if "spawn_main" in _cmdline(pid)]  # not the resource tracker
+        assert cores, "no engine core process found"
+        for pid in cores:
+            os.kill(pid, signal.SIGKILL)
+        assert server.wait(60) == 1
+    finally:
+        if server.poll() is None:
+            server.kill()

@@ -188,12 +188,18 @@ def test_client_disconnect_aborts_and_frees_blocks(served, monkeypatch):
 
 
 def test_tokenize_detokenize_and_metrics(served, client):
+    """Behind the API key like /v1 (only /health, /version and the OpenAPI document are public)."""
     srv, _ = served
-    r = httpx.post(srv.url + "/tokenize", json={"prompt": "hello world", "add_special_tokens": False})
+    h = {"Authorization": f"Bearer {KEY}"}
+    for method, path in (("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/metrics")):
+        r = httpx.request(method, srv.url + path, json={"prompt": "x", "tokens": [1]}, headers={"Authorization": "x"})
+        assert r.status_code == 401, (path, r.text)
+    assert httpx.get(srv.url + "/version").status_code == 200
+    r = httpx.post(srv.url + "/tokenize", json={"prompt": "hello world", "add_special_tokens": False}, headers=h)
     ids = r.json()["tokens"]
-    assert httpx.post(srv.url + "/detokenize", json={"tokens": ids}).json()["prompt"] == "hello world"
+    assert httpx.post(srv.url + "/detokenize", json={"tokens": ids}, headers=h).json()["prompt"] == "hello world"
     client.completions.create(model=NAME, prompt="metrics", max_tokens=3)
-    text = httpx.get(srv.url + "/metrics").text
+    text = httpx.get(srv.url + "/metrics", headers=h).text
     for name in ("pagellm:num_requests_running", "pagellm:kv_cache_usage_perc", "pagellm:prompt_tokens_total",
                  "pagellm:prefix_cache_hits_total", "pagellm:time_to_first_token_seconds_bucket",
                  "pagellm:e2e_request_latency_seconds_count", "pagellm:num_preemptions_total"):
@@ -420,9 +426,10 @@ def test_chat_content_parts_roles_and_tokenize_errors(served, client):
         r = httpx.post(srv.url + "/v1/chat/completions", headers=h, json={"model": NAME, "messages": messages},
                        timeout=30)
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
-    r = httpx.post(srv.url + "/tokenize", json={"model": None, "prompt": None, "messages": []}, timeout=30)
+    r = httpx.post(srv.url + "/tokenize", json={"model": None, "prompt": None, "messages": []}, headers=h, timeout=30)
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"], r.text
     text_parts = [{"type": "text", "text": text}]
-    r = httpx.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": text_parts}]}, timeout=30)
+    r = httpx.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": text_parts}]}, headers=h,
+                   timeout=30)
     assert r.status_code == 200 and r.json()["count"] > 0
     _idle(engine)

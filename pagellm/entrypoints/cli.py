@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--chat-template-content-format", choices=("auto", "string", "openai"), default="auto",
                      help="how OpenAI content parts reach the chat template: string (text parts joined; auto) "
                           "or openai (the list of parts)")
+    srv.add_argument("--exit-on-engine-death", action="store_true",
+                     help="exit with status 1 once the engine has died (for systemd / Kubernetes to restart it) "
+                          "instead of answering 503")
     srv.add_argument("--api-server-count", type=int, default=1,
                      help="HTTP server processes sharing the port, each a client of the one engine core")
     EngineArgs.add_cli_args(srv, skip=("served_model_name",))
@@ -165,7 +168,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine: EngineClient = (AsyncEngineClient.start(engine_args, chat_template) if args.engine_core_process
                             else AsyncLLM.from_engine_args(engine_args, chat_template))
     serve(engine, name, args.host, args.port, api_key,
-          chat_template_content_format=args.chat_template_content_format)
+          chat_template_content_format=args.chat_template_content_format,
+          exit_on_engine_death=args.exit_on_engine_death)
     return 0
 
 
@@ -190,7 +194,7 @@ def _serve_many(args: argparse.Namespace, engine_args: EngineArgs, chat_template
     ctx = multiprocessing.get_context("spawn")
     servers = [ctx.Process(target=run_api_server, name=f"pagellm-api-server-{i}",
                            args=(i, input_addr, addr, core.pid, name, args.host, args.port, api_key,
-                                 args.chat_template_content_format))
+                                 args.chat_template_content_format, args.exit_on_engine_death))
                for i, addr in enumerate(output_addrs)]
     for p in servers:
         p.start()

@@ -9,6 +9,7 @@ A client that disconnects aborts its request (its blocks are freed before the ne
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -316,13 +317,21 @@ class OpenAIServer:
 
         # A dependency, not HTTP middleware: Starlette's BaseHTTPMiddleware hides client
         # disconnects from ``Request.is_disconnected``, which abort-on-disconnect relies on.
-        async def guard(request: Request) -> None:
-            if server.api_key and request.headers.get("authorization") != f"Bearer {server.api_key}":
+        expected = f"Bearer {server.api_key}".encode() if server.api_key else None
+
+        async def key_guard(request: Request) -> None:
+            # Constant time: the comparison's duration must not tell how much of a guess was right.
+            given = request.headers.get("authorization", "").encode()
+            if expected is not None and not hmac.compare_digest(given, expected):
                 raise APIError("Incorrect or missing API key.", 401, "AuthenticationError", code="invalid_api_key")
+
+        async def guard(request: Request) -> None:
+            await key_guard(request)
             if not server.engine.is_running:
                 raise APIError("The engine is not running.", 503, "ServiceUnavailableError")
 
-        v1 = [Depends(guard)]
+        # With --api-key: everything but /health, /version and the OpenAPI document needs the key.
+        v1, keyed = [Depends(guard)], [Depends(key_guard)]
 
         @app.get("/health", response_class=Response,
                  responses={200: {"description": "The engine is running (empty body)"}, **error_responses(503)})
@@ -343,11 +352,11 @@ class OpenAIServer:
                                                 "owned_by": "pagellm", "root": server.model_name,
                                                 "max_model_len": server.max_model_len}]}
 
-        @app.get("/metrics")
+        @app.get("/metrics", dependencies=keyed, responses=error_responses(401))
         async def metrics() -> Response:
             return Response(generate_latest(server.registry), media_type="text/plain; version=0.0.4")
 
-        @app.post("/tokenize", responses=error_responses(400, 404))
+        @app.post("/tokenize", dependencies=keyed, responses=error_responses(400, 401, 404))
         async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
             server._check_model(body.model)
             if body.messages is not None:
@@ -358,7 +367,7 @@ class OpenAIServer:
                 raise APIError("either prompt or messages is required", param="prompt")
             return {"tokens": ids, "count": len(ids), "max_model_len": server.max_model_len}
 
-        @app.post("/detokenize", responses=error_responses(400, 404))
+        @app.post("/detokenize", dependencies=keyed, responses=error_responses(400, 401, 404))
         async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
             server._check_model(body.model)
             server._check_token_ids(body.tokens, "tokens")
@@ -499,33 +508,54 @@ def build_app(engine: EngineClient, model_name: str, api_key: str | None = None,
 
 
 def serve(engine: EngineClient, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, reuse_port: bool = False, chat_template_content_format: str = "auto") -> None:
+          api_key: str | None = None, reuse_port: bool = False, chat_template_content_format: str = "auto",
+          exit_on_engine_death: bool = False) -> None:
     """Run the server until interrupted, then shut the engine (client) down. ``reuse_port``: bind
-    with SO_REUSEPORT, so several server processes share one port (the kernel spreads connections)."""
+    with SO_REUSEPORT, so several server processes share one port (the kernel spreads connections).
+    ``exit_on_engine_death``: stop serving and exit with status 1 once the engine has died, so a
+    supervisor (systemd ``Restart=on-failure``, a Kubernetes pod) starts a fresh one."""
     import socket
+    import threading
 
     import uvicorn
 
     app = build_app(engine, model_name, api_key, chat_template_content_format)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+    died = threading.Event()
+
+    def watch() -> None:
+        while not server.should_exit:
+            if engine.dead_error is not None:
+                logger.error("the engine died (%s); exiting (--exit-on-engine-death)", engine.dead_error)
+                died.set()
+                server.should_exit = True
+                return
+            time.sleep(0.5)
+
+    if exit_on_engine_death:
+        threading.Thread(target=watch, name="pagellm-engine-watch", daemon=True).start()
     try:
         if not reuse_port:
-            uvicorn.run(app, host=host, port=port, log_level="info")
+            server.run()
         else:
             sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind((host, port))
-            uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
+            server.run(sockets=[sock])
     finally:
         engine.shutdown()
+    if died.is_set():
+        raise SystemExit(1)
 
 
 def run_api_server(client_index: int, input_addr: str, output_addr: str, core_pid: int, model_name: str,
-                   host: str, port: int, api_key: str | None, chat_template_content_format: str = "auto") -> None:
+                   host: str, port: int, api_key: str | None, chat_template_content_format: str = "auto",
+                   exit_on_engine_death: bool = False) -> None:
     """One of ``--api-server-count`` front-end processes: an engine-core client with its own index,
     serving HTTP on the shared port."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     client = AsyncEngineClient(input_addr, output_addr, client_index, core_pid)
     client.wait_ready()
     serve(client, model_name, host, port, api_key, reuse_port=True,
-          chat_template_content_format=chat_template_content_format)
+          chat_template_content_format=chat_template_content_format, exit_on_engine_death=exit_on_engine_death)
