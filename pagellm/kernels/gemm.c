@@ -30,7 +30,7 @@
 #include <immintrin.h>
 #endif
 #include "gguf_blocks.h" /* QB, RN, fit_q */
-#include "gemm_tile.h"   /* NR, store_tile, panel_masks */
+#include "gemm_tile.h"   /* NR, PanelOut, tile_height, store_tile */
 
 #define MR 14 /* rows per tile: 28 accumulators + 2 weights + 1 broadcast of 32 registers */
 #define XBLOCK (1024 * 1024) /* bytes of x per row block: it stays in L2 (2 MiB) across all panels */
@@ -215,19 +215,18 @@ static inline __attribute__((always_inline)) void row_block(float *y, int64_t ld
 #ifdef __AVX512F__
   const int64_t P = (N + NR - 1) / NR;
   const int64_t panel = bits == 32 || bits == 16 ? K * NR : K / QB * QREC(bits); /* floats (or bf16 pairs) */
-  /* Rows split into tiles of near-equal height (64 -> 5 tiles of 12-13, not 4 of 14 and one of 8). */
+  /* Rows in tiles of near-equal height (tile_height in gemm_tile.h). */
   const int64_t tiles = (M + MR - 1) / MR;
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < P; ++p) {
     const float *w = wp + p * panel;
     const float *wn = p + 1 < P ? w + panel : w; /* the next panel, prefetched a share per tile */
-    const int64_t left = N - p * NR;
-    __mmask16 m0, m1;
-    panel_masks(left, &m0, &m1);
-    const float *bb = bias == NULL ? NULL : bias + p * NR;
+    const PanelOut out = panel_out(p, N, bias);
+    const __mmask16 m0 = out.m0, m1 = out.m1;
+    const float *bb = out.bias;
     int64_t m = 0;
     for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t rows = (M - m + (tiles - t) - 1) / (tiles - t);
+      const int64_t rows = tile_height(M, m, tiles, t);
       float *yy = y + m * ldy + p * NR;
       const float *xx = x + m * ldx;
       switch (rows) { /* a constant R per case, so the accumulators stay in registers */

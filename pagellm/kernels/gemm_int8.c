@@ -26,7 +26,7 @@
 #include <immintrin.h>
 #endif
 #include "gguf_blocks.h" /* QB, fit_q */
-#include "gemm_tile.h"   /* NR, store_tile, panel_masks */
+#include "gemm_tile.h"   /* NR, PanelOut, tile_height, store_tile */
 
 #define MRQ 6 /* rows per tile: 2 x (int + float) accumulators per row, 24 of 32 registers */
 #define RECB(bits) (2 * NR * 4 + ((bits) == 4 ? NR * QB / 2 : NR * QB)) /* bytes per record */
@@ -180,13 +180,12 @@ static void row_block_i8(float *y, int64_t ldy, const int8_t *xq, const float *d
   for (int64_t p = 0; p < P; ++p) {
     const uint8_t *w = wp + p * panel;
     const uint8_t *wn = p + 1 < P ? w + panel : w;
-    const int64_t left = N - p * NR;
-    __mmask16 m0, m1;
-    panel_masks(left, &m0, &m1);
-    const float *bb = bias == NULL ? NULL : bias + p * NR;
+    const PanelOut out = panel_out(p, N, bias);
+    const __mmask16 m0 = out.m0, m1 = out.m1;
+    const float *bb = out.bias;
     int64_t m = 0;
     for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t rows = (M - m + (tiles - t) - 1) / (tiles - t);
+      const int64_t rows = tile_height(M, m, tiles, t);
       float *yy = y + m * ldy + p * NR;
       const int8_t *xx = xq + m * K;
       const float *dd = dx + m * B, *ss = sx + m * B;

@@ -10,10 +10,26 @@
 #define NR 32 /* outputs per panel: two 16-float registers */
 
 #ifdef __AVX512F__
-/* The two 16-lane masks of a panel with `left` outputs still to write (the last panel may be partial). */
-static inline void panel_masks(int64_t left, __mmask16 *m0, __mmask16 *m1) {
-  *m0 = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
-  *m1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+/* Panel p of a weight with N outputs: its two 16-lane output masks (the last panel may be partial)
+ * and its share of the bias (NULL without one). */
+typedef struct {
+  __mmask16 m0, m1;
+  const float *bias;
+} PanelOut;
+
+static inline PanelOut panel_out(int64_t p, int64_t N, const float *bias) {
+  const int64_t left = N - p * NR;
+  PanelOut o;
+  o.m0 = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+  o.m1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+  o.bias = bias == NULL ? NULL : bias + p * NR;
+  return o;
+}
+
+/* Rows are split into `tiles` tiles of near-equal height (64 rows in tiles of at most 14: 5 of
+ * 12-13, not 4 of 14 and one of 8): the height of tile t, which starts at row m. */
+static inline int64_t tile_height(int64_t M, int64_t m, int64_t tiles, int64_t t) {
+  return (M - m + (tiles - t) - 1) / (tiles - t);
 }
 
 /* A finished tile: y[r][0:32] = acc[r] (+ bias), columns masked to m0 | m1. */
