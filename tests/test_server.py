@@ -295,6 +295,17 @@ def test_bad_requests_get_clear_errors(served, name, body, status, needle):
     _idle(engine)
 
 
+def test_oversized_body_is_refused_unread(served):
+    from pagellm.entrypoints.openai_server import MAX_BODY_BYTES
+
+    srv, engine = served
+    body = b'{"model": "tiny", "prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
+    r = httpx.post(srv.url + "/v1/completions", content=body, headers={"Authorization": f"Bearer {KEY}",
+                                                                       "Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]["message"]
+    _idle(engine)
+
+
 def test_invalid_json_and_wrong_key(served):
     srv, _ = served
     r = httpx.post(srv.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}",

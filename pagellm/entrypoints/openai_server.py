@@ -49,6 +49,24 @@ logger = logging.getLogger(__name__)
 # otherwise make every step scan a huge stop list, or fork a huge number of sequences.
 MAX_STOP_STRINGS = 64
 MAX_N = 128
+MAX_BODY_BYTES = 16 * 2**20  # far above any prompt max_model_len allows; a 413 before the body is read
+
+
+class _BodyLimit:
+    """Pure ASGI (Starlette's BaseHTTPMiddleware would hide client disconnects): a request whose
+    Content-Length exceeds the limit gets an OpenAI-shaped 413 without its body being read."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            length = dict(scope.get("headers") or []).get(b"content-length", b"0")
+            if length.isdigit() and int(length) > self.limit:
+                await _error(f"The request body of {int(length)} bytes exceeds the limit of {self.limit} bytes.",
+                             413, "BadRequestError")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 # The engine in this process (a loop thread) or in an engine-core process: the same interface.
 EngineClient = AsyncLLM | AsyncEngineClient
@@ -298,6 +316,7 @@ class OpenAIServer:
     # ------------------------------------------------------------------ routes
     def _build(self) -> FastAPI:
         app = FastAPI(title="pagellm", version=pagellm.__version__)
+        app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
         server = self
 
         @app.exception_handler(APIError)
