@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import re
 import time
@@ -23,34 +22,20 @@ import time
 
 async def client(http, url: str, i: int, args: argparse.Namespace, rng: random.Random) -> tuple[str, float, int]:
     """('completed' | 'aborted' | 'lost: why', TTFT seconds or -1, output tokens)."""
+    from pagellm.entrypoints.bench_serve import stream_request
+
     leave_at = rng.randint(1, args.max_tokens - 1) if rng.random() < args.disconnect else None
     body = {"prompt": f"Request {i}: tell me about paged attention.", "max_tokens": args.max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    start, ttft, chunks, finish, tokens = time.perf_counter(), -1.0, 0, None, 0
-    try:
-        async with http.stream("POST", url, json=body) as resp:
-            if resp.status_code != 200:
-                return f"lost: HTTP {resp.status_code}", ttft, 0
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                msg = json.loads(line[6:])
-                if "error" in msg:
-                    return f"lost: {msg['error'].get('message', '')[:80]}", ttft, tokens
-                if msg.get("usage"):
-                    tokens = msg["usage"]["completion_tokens"]
-                if msg.get("choices"):
-                    chunks += 1
-                    if ttft < 0:
-                        ttft = time.perf_counter() - start
-                    finish = msg["choices"][0].get("finish_reason") or finish
-                if leave_at is not None and chunks >= leave_at:
-                    return "aborted", ttft, chunks
-    except Exception as e:  # a reset connection is a lost request
-        return f"lost: {type(e).__name__}", ttft, tokens
-    if finish == "length" and tokens == args.max_tokens:
-        return "completed", ttft, tokens
-    return f"lost: finish {finish!r}, {tokens} tokens", ttft, tokens
+    r = await stream_request(http, url, body, {}, leave_after=leave_at)
+    ttft = r.ttft if r.success or r.aborted else -1.0
+    if r.aborted:
+        return "aborted", ttft, r.output_tokens
+    if r.error:
+        return f"lost: {r.error[:80]}", ttft, r.output_tokens
+    if r.finish_reason == "length" and r.output_tokens == args.max_tokens:
+        return "completed", ttft, r.output_tokens
+    return f"lost: finish {r.finish_reason!r}, {r.output_tokens} tokens", ttft, r.output_tokens
 
 
 def metric(text: str, name: str) -> float:

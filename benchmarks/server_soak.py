@@ -49,7 +49,7 @@ def pct(values: list[float], p: float) -> float:
 async def main_async(args: argparse.Namespace) -> None:
     import httpx
 
-    from pagellm.entrypoints.bench_serve import RequestResult, _send
+    from pagellm.entrypoints.bench_serve import RequestResult, stream_request
 
     rng = random.Random(args.seed)
     url = args.base_url.rstrip("/") + "/v1/completions"
@@ -62,7 +62,7 @@ async def main_async(args: argparse.Namespace) -> None:
         payload = {"prompt": [rng.randrange(1000, 20000) for _ in range(args.input_len)],
                    "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True, "stream": True,
                    "stream_options": {"include_usage": True}}
-        r = await _send(client, url, payload, {})
+        r = await stream_request(client, url, payload, {})
         results.append((time.perf_counter(), r))
 
     windows = []

@@ -13,6 +13,14 @@ from pagellm.utils import cache_dir
 logger = logging.getLogger(__name__)
 
 
+def check_token_ids(ids: list[int], vocab_size: int, what: str = "prompt") -> None:
+    """A ``ValueError`` naming ``what`` if an id is not an integer in ``[0, vocab_size)`` (the
+    tokenizer and the embedding would fail on it deep inside, or read past the table)."""
+    bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab_size]
+    if bad:
+        raise ValueError(f"{what}: token ids out of the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
 def _load_gguf_tokenizer(source: ModelSource):
     """Convert the GGUF-embedded tokenizer once (seconds) and reuse the saved result afterwards."""
     from transformers import AutoTokenizer

@@ -77,9 +77,11 @@ class AsyncLLM:
         self._log_interval = log_stats_interval
         self._built = threading.Event()
         self._build_error: BaseException | None = None
-        if not callable(engine):
+        factory: Callable[[], LLMEngine | DataParallelEngine] | None = None
+        if callable(engine):
+            factory = engine
+        else:
             self.engine = engine
-        factory = engine if callable(engine) else None
         self._thread = threading.Thread(target=self._loop, args=(factory,), name="pagellm-engine", daemon=True)
         self._thread.start()
         self._built.wait()

@@ -24,7 +24,7 @@ from pagellm.metrics import EngineStats, IterationStats
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
 from pagellm.sequence import Sequence, SequenceGroup, SequenceStatus
-from pagellm.tokenizer import Tokenizer
+from pagellm.tokenizer import Tokenizer, check_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -148,10 +148,7 @@ class LLMEngine:
             cache_salt = prompt.get("cache_salt")  # vLLM passes it inside the prompt dict
         if not ids:
             raise ValueError("prompt is empty: at least one token is needed")
-        vocab = self.model_info.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        check_token_ids(ids, self.model_info.vocab_size)
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "

@@ -43,7 +43,9 @@ class RequestResult:
     """What one request's client saw."""
 
     success: bool = False
+    aborted: bool = False  # the client hung up on purpose (``leave_after``)
     error: str = ""
+    finish_reason: str | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
     ttft: float = 0.0
@@ -76,8 +78,10 @@ def _payload(args: argparse.Namespace, model: str, req: BenchRequest) -> dict[st
     return {**common, "prompt": req.prompt_token_ids}
 
 
-async def _send(client: Any, url: str, payload: dict[str, Any], headers: dict[str, str]) -> RequestResult:
-    """Stream one request; time its first token and every token after."""
+async def stream_request(client: Any, url: str, payload: dict[str, Any], headers: dict[str, str],
+                         leave_after: int | None = None) -> RequestResult:
+    """Stream one request; time its first token and every token after. ``leave_after``: hang up
+    after that many token events (a client that goes away), marked ``aborted``."""
     result = RequestResult()
     start = last = time.perf_counter()
     try:
@@ -110,6 +114,11 @@ async def _send(client: Any, url: str, payload: dict[str, Any], headers: dict[st
                     result.itl.append(now - last)
                 last = now
                 chunks += 1
+                result.finish_reason = msg["choices"][0].get("finish_reason") or result.finish_reason
+                if leave_after is not None and chunks >= leave_after:
+                    result.aborted = True
+                    result.output_tokens = chunks
+                    return result
             result.e2el = time.perf_counter() - start
             result.output_tokens = result.output_tokens or chunks
             result.success = chunks > 0
@@ -189,7 +198,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 in_flight += 1
                 peak = max(peak, in_flight)
                 try:
-                    return await _send(client, base + args.endpoint, _payload(args, model, req), headers)
+                    return await stream_request(client, base + args.endpoint, _payload(args, model, req), headers)
                 finally:
                     in_flight -= 1
                     bar.update(1)

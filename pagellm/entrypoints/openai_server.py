@@ -42,6 +42,7 @@ from pagellm.entrypoints.openai_protocol import (
 from pagellm.metrics import GAUGE, STAT_FIELDS
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
+from pagellm.tokenizer import check_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class _BodyLimit:
                              413, "BadRequestError")(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
 
 # The engine in this process (a loop thread) or in an engine-core process: the same interface.
 EngineClient = AsyncLLM | AsyncEngineClient
@@ -140,10 +142,11 @@ class OpenAIServer:
             raise APIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model", "model_not_found")
 
     def _check_token_ids(self, ids: list[int], param: str) -> None:
-        vocab = self.engine.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise APIError(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}", param=param)
+        """The engine's own check, here too: the front end decodes ids (echo, /detokenize) first."""
+        try:
+            check_token_ids(ids, self.engine.vocab_size, param)
+        except ValueError as e:
+            raise APIError(str(e), param=param) from e
 
     def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> dict[str, Any]:
         """The conversation through the chat template, or a 400 naming what is wrong with it."""
@@ -426,11 +429,13 @@ class OpenAIServer:
             raise APIError("best_of > n cannot be streamed", param="best_of")
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        echo = prompt["prompt"] if prompt["prompt"] is not None else self.tokenizer.decode(ids, False)
+        echo = ""  # the prompt's text, put before the completion when asked; only then are ids decoded
+        if body.echo:
+            echo = prompt["prompt"] if prompt["prompt"] is not None else self.tokenizer.decode(ids, False)
 
         def whole(out: RequestOutput) -> dict[str, Any]:
-            choices = [{"index": c.index, "text": (echo if body.echo else "") + c.text,
-                        "logprobs": self._logprobs_completion(c, len(echo) if body.echo else 0),
+            choices = [{"index": c.index, "text": echo + c.text,
+                        "logprobs": self._logprobs_completion(c, len(echo)),
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
             return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                     "choices": choices, "usage": self._usage(out)}
@@ -457,7 +462,7 @@ class OpenAIServer:
             last, c = d.output, d.completion
             lp = self._logprobs_completion(d.logprobs, d.text_offset) if d.logprobs is not None else None
             yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                   "choices": [{"index": c.index, "text": (echo if (d.first and body.echo) else "") + d.text,
+                   "choices": [{"index": c.index, "text": (echo if d.first else "") + d.text,
                                 "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
                    "usage": None}
         if last is not None and (body.stream_options or {}).get("include_usage"):

@@ -133,19 +133,28 @@ def _cached_probe(kind: str, weights: list[torch.Tensor], measure: Callable[[], 
     return speedup
 
 
+def _kernel(w: torch.Tensor, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> x w^T`` through the GEMM kernel of ``dtype`` (float32 or bfloat16), ``w`` packed once."""
+    n = w.shape[0]
+    if dtype == torch.bfloat16:
+        p16, amx = gemm.pack_bf16(w), gemm.amx_supported()
+        return lambda x: gemm.linear(x, p16, n, bits=16, amx=amx)
+    p32 = gemm.pack(w)
+    return lambda x: gemm.linear(x, p32, n)
+
+
 def probe_bf16_speedup(weights: list[torch.Tensor]) -> float:
     """float32 kernel time / bfloat16 kernel time, summed over ``PROBE_ROWS`` and the given layer
     weights (the model's own shapes), on this machine; measured once per machine and shapes."""
 
     def measure() -> float:
-        amx = gemm.amx_supported()
         t32 = t16 = 0.0
         for w in weights:
-            p32, p16 = gemm.pack(w), gemm.pack_bf16(w)
+            f32, bf16 = _kernel(w, torch.float32), _kernel(w, torch.bfloat16)
             for rows in PROBE_ROWS:
                 x = torch.randn(rows, w.shape[1])
-                t32 += _time(lambda x=x, p=p32, n=w.shape[0]: gemm.linear(x, p, n))
-                t16 += _time(lambda x=x, p=p16, n=w.shape[0]: gemm.linear(x, p, n, bits=16, amx=amx))
+                t32 += _time(lambda x=x, k=f32: k(x))
+                t16 += _time(lambda x=x, k=bf16: k(x))
         return t32 / t16
 
     return _cached_probe("bf16", weights, measure)
@@ -155,25 +164,21 @@ def probe_int8_speedup(weights: list[torch.Tensor], other: torch.dtype) -> float
     """The ``other`` kernel's time (float32 or bfloat16) / the int8 kernel's, per row count of
     ``PROBE_ROWS`` over the given weights (GGUF blocks), geometric mean over the row counts: a
     single stream's decode (1 row) counts as much as a batch's; 0.0 if a weight is not GGUF blocks."""
-    packed = [gemm_int8.pack(w) for w in weights]
-    if not weights or any(p is None for p in packed):
+    packed = [p for p in (gemm_int8.pack(w) for w in weights) if p is not None]
+    if not weights or len(packed) != len(weights):
         return 0.0
 
     def measure() -> float:
-        amx = gemm.amx_supported()
+        others = [_kernel(w, other) for w in weights]
+        int8s = [lambda x, p=p, n=w.shape[0]: gemm_int8.linear(x, p[0], p[1], n)
+                 for w, p in zip(weights, packed, strict=True)]
         log_sum = 0.0
         for rows in PROBE_ROWS:
             t_other = t_int8 = 0.0
-            for w, p8 in zip(weights, packed, strict=True):
-                assert p8 is not None
-                n, x = w.shape[0], torch.randn(rows, w.shape[1])
-                if other == torch.bfloat16:
-                    p16 = gemm.pack_bf16(w)
-                    t_other += _time(lambda x=x, p=p16, n=n: gemm.linear(x, p, n, bits=16, amx=amx))
-                else:
-                    p32 = gemm.pack(w)
-                    t_other += _time(lambda x=x, p=p32, n=n: gemm.linear(x, p, n))
-                t_int8 += _time(lambda x=x, p=p8, n=n: gemm_int8.linear(x, p[0], p[1], n))
+            for w, k_other, k_int8 in zip(weights, others, int8s, strict=True):
+                x = torch.randn(rows, w.shape[1])
+                t_other += _time(lambda x=x, k=k_other: k(x))
+                t_int8 += _time(lambda x=x, k=k_int8: k(x))
             log_sum += math.log(t_other / t_int8)
         return math.exp(log_sum / len(PROBE_ROWS))
 
