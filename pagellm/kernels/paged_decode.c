@@ -89,6 +89,22 @@ static inline __attribute__((always_inline)) void prefetch_row(const void *base,
   for (int c = 0; c < 64 * (f16 ? 2 : 4); c += 64) __builtin_prefetch(p + c);
 }
 
+/* sums[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: a shuffle tree of 30 shuffles and
+ * 15 adds, where 16 _mm512_reduce_add_ps cost 64 shuffles. Lane i of the result is v[i]'s sum. */
+static inline __attribute__((always_inline)) __m512 sum16(const __m512 *v) {
+  __m512 t[8], w[4];
+  for (int i = 0; i < 8; ++i) /* per 128-bit lane: [v0 0+2, v1 0+2, v0 1+3, v1 1+3] */
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) { /* per 128-bit lane: that lane's sums of v[4i .. 4i+3] */
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  /* 128-bit lane k of the result: w[k]'s four lanes added */
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+
 /* Head size 64, G <= 4 query heads of KV head h: q and the accumulators live in registers.
  * kc/vc are float32 or (f16) float16 caches; the arithmetic is float32 either way. */
 static inline __attribute__((always_inline)) void task64(
@@ -97,7 +113,13 @@ static inline __attribute__((always_inline)) void task64(
   __m512 q[4][4];
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < 4; ++c) q[j][c] = _mm512_mul_ps(_mm512_loadu_ps(qh + j * 64 + c * 16), _mm512_set1_ps(scale));
-  float m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+  /* Scores 16 tokens at a time: each token's q.k products stay as 16-lane partial sums until 16
+   * of them are folded at once by sum16 (one horizontal reduction per token cost more than the
+   * dot products themselves on a core that splits 512-bit shuffles). */
+  __m512 part[4][16], mv[4];
+  for (int j = 0; j < G; ++j) mv[j] = _mm512_set1_ps(-INFINITY);
+  int c = 0;   /* tokens gathered in part */
+  int64_t t = 0; /* position of part[.][0] */
   const int64_t nb = (L + bs - 1) / bs;
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t kb = bt[b] * bs * row + h * 64;
@@ -112,13 +134,23 @@ static inline __attribute__((always_inline)) void task64(
         __m512 a = _mm512_mul_ps(q[j][0], k0);
         a = _mm512_fmadd_ps(q[j][1], k1, a);
         a = _mm512_fmadd_ps(q[j][2], k2, a);
-        a = _mm512_fmadd_ps(q[j][3], k3, a);
-        const float s = _mm512_reduce_add_ps(a);
-        scores[j * L + b * bs + i] = s;
-        m[j] = s > m[j] ? s : m[j];
+        part[j][c] = _mm512_fmadd_ps(q[j][3], k3, a);
+      }
+      if (++c == 16 || b * bs + i + 1 == L) {
+        const __mmask16 mk = (__mmask16)((1u << c) - 1);
+        for (int j = 0; j < G; ++j) {
+          for (int z = c; z < 16; ++z) part[j][z] = _mm512_setzero_ps();
+          const __m512 s = sum16(part[j]);
+          _mm512_mask_storeu_ps(scores + j * L + t, mk, s);
+          mv[j] = _mm512_mask_max_ps(mv[j], mk, mv[j], s);
+        }
+        t += c;
+        c = 0;
       }
     }
   }
+  float m[4];
+  for (int j = 0; j < G; ++j) m[j] = _mm512_reduce_max_ps(mv[j]);
   float inv[4];
   for (int j = 0; j < G; ++j) {
     float *sj = scores + j * L;
