@@ -18,6 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT = {"block-size": 16, "max-num-batched-tokens": 2048, "max-num-seqs": 256}
 VARIANTS = [
     {"block-size": 32},
+    {"block-size": 64},
     {"block-size": 8},
     {"max-num-batched-tokens": 1024},
     {"max-num-batched-tokens": 4096},
@@ -31,7 +32,7 @@ def run(config: dict, num_requests: int | None) -> float:
     if num_requests:
         cmd += ["--num-requests", str(num_requests)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    m = re.search(r"pagellm: ([\d.]+) total tok/s", out)
+    m = re.search(r"^pagellm[^:\n]*: ([\d.]+) total tok/s", out, re.M)
     if m is None:
         raise RuntimeError(f"no throughput line in:\n{out}")
     return float(m.group(1))
