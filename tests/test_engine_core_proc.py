@@ -144,6 +144,12 @@ def test_two_api_servers_give_the_same_greedy_text_as_one(tiny_llama):
             assert r.status_code == 200, r.text
             got.append(r.json()["choices"][0]["text"])
         assert got == ref
+        # Each process observed the requests it answered; every scrape, whichever process takes it,
+        # reports all of them (prometheus_client's multiprocess files).
+        for _ in range(4):
+            m = httpx.get(url + "/metrics", timeout=30).text
+            count = [ln for ln in m.splitlines() if ln.startswith("pagellm:e2e_request_latency_seconds_count")]
+            assert len(count) == 1 and float(count[0].split()[-1]) == len(PROMPTS) * 2, count
     finally:
         launcher.terminate()
         assert launcher.wait(60) == 0
@@ -234,3 +240,76 @@ def test_exit_on_engine_death_exits_non_zero(tiny_llama):
     finally:
         if server.poll() is None:
             server.kill()
+
+
+def _wait_healthy(url: str, proc, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, "the server exited early"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.5)
+
+
+def _stream_lines(url: str, body: dict, out: list[str]) -> None:
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+            out.extend(resp.iter_lines())
+    except httpx.TransportError as e:  # a reset connection is a failure the test reports, not a hang
+        out.append(f"transport error: {e}")
+
+
+@pytest.mark.parametrize("exit_on_death", [False, True])
+def test_killed_mp_worker_under_load_ends_every_stream_with_an_error(tiny_llama, exit_on_death):
+    """Issue 21 (3c): ``pagellm serve`` over two mp workers (tensor parallel), eight streams in
+    flight, one worker SIGKILLed. Every stream ends with an error event (none hangs, none ends as
+    if complete); ``/health`` turns 503; with ``--exit-on-engine-death`` the server exits 1."""
+    import subprocess
+    import sys
+    import threading
+
+    from test_server import _free_port
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", tiny_llama, "--port", str(port),
+           "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp",
+           "--kv-cache-memory", "16MiB", "--max-model-len", "512"]
+    server = subprocess.Popen(cmd + (["--exit-on-engine-death"] if exit_on_death else []),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_healthy(url, server)
+        cores = [pid for pid in _children(server.pid) if "spawn_main" in _cmdline(pid)]
+        workers = [w for c in cores for w in _children(c) if "pagellm.executor.multiproc" in _cmdline(w)]
+        assert workers, "no mp worker process found under the engine core"
+        body = {"model": tiny_llama, "prompt": "x", "max_tokens": 400, "stream": True, "ignore_eos": True}
+        streams: list[list[str]] = [[] for _ in range(8)]
+        threads = [threading.Thread(target=_stream_lines, args=(url, body, s)) for s in streams]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while not all(sum(x.startswith("data:") for x in s) >= 2 for s in streams):
+            assert time.monotonic() < deadline, "the streams did not start"
+            time.sleep(0.05)
+        os.kill(workers[-1], signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+            assert not t.is_alive(), "a stream still open 120 s after a worker was killed"
+        for s in streams:
+            data = [x for x in s if x.startswith("data:")]
+            assert any('"error"' in x for x in data), data[-3:]
+            ended = sum('"finish_reason":"length"' in x.replace(" ", "") for x in data)
+            assert ended == 0, "a stream ended as complete"
+        if exit_on_death:
+            assert server.wait(60) == 1
+        else:
+            assert httpx.get(url + "/health").status_code == 503
+            assert server.poll() is None
+    finally:
+        if server.poll() is None:
+            server.terminate()
+            server.wait(60)
