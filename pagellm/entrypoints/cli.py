@@ -182,6 +182,7 @@ def _serve_many(args: argparse.Namespace, engine_args: EngineArgs, chat_template
     """One engine core process and ``--api-server-count`` HTTP server processes on one port; runs
     until interrupted or until any of them exits, then stops the rest."""
     import multiprocessing
+    import os
     import shutil
     import signal
     import time
@@ -191,6 +192,9 @@ def _serve_many(args: argparse.Namespace, engine_args: EngineArgs, chat_template
 
     tmp, input_addr, output_addrs = core_addresses(args.api_server_count)
     core = start_engine_core(engine_args, chat_template, input_addr, output_addrs)
+    # The API servers' latency histograms, summed over the processes at every /metrics scrape.
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.path.join(tmp, "prometheus")
+    os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"])
     ctx = multiprocessing.get_context("spawn")
     servers = [ctx.Process(target=run_api_server, name=f"pagellm-api-server-{i}",
                            args=(i, input_addr, addr, core.pid, name, args.host, args.port, api_key,

@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 import pagellm
 from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
@@ -128,11 +130,17 @@ class OpenAIServer:
         self.max_model_len = engine.max_model_len
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(self))
+        # With several API server processes (--api-server-count), each records its requests' latency
+        # in prometheus_client's multiprocess files and any of them answers /metrics with the sum.
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        if self.multiprocess:
+            MultiProcessCollector(self.registry)
         hist = {"time_to_first_token_seconds": "Time to first token",
                 "time_per_output_token_seconds": "Time per output token after the first",
                 "e2e_request_latency_seconds": "Arrival to finish",
                 "request_queue_time_seconds": "Arrival to first scheduling"}
-        self.hist = {k: Histogram(f"pagellm:{k}", doc, ["model_name"], registry=self.registry, buckets=_BUCKETS)
+        hist_registry = None if self.multiprocess else self.registry  # (multiprocess: read back from the files)
+        self.hist = {k: Histogram(f"pagellm:{k}", doc, ["model_name"], registry=hist_registry, buckets=_BUCKETS)
                      for k, doc in hist.items()}
         self.app = self._build()
 
