@@ -444,3 +444,27 @@ def test_chat_content_parts_roles_and_tokenize_errors(served, client):
                    timeout=30)
     assert r.status_code == 200 and r.json()["count"] > 0
     _idle(engine)
+
+
+def test_langchain_chat_openai_against_the_server(served, client):
+    """A framework nobody here wrote (issue 21): LangChain's ``ChatOpenAI`` pointed at the server
+    gets the same greedy reply as the ``openai`` SDK, whole and streamed, with usage and finish
+    reason read from the response. Runs where ``langchain-openai`` is installed (not in CI's set)."""
+    lc = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, SystemMessage
+
+    srv, engine = served
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
+    ref = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    chat = lc.ChatOpenAI(base_url=srv.url + "/v1", api_key=KEY, model=NAME, temperature=0, max_tokens=8,
+                         max_retries=0, timeout=60, extra_body={"ignore_eos": True}, stream_usage=True)
+    lc_messages = [SystemMessage("You are terse."), HumanMessage("Name a color.")]
+    reply = chat.invoke(lc_messages)
+    assert reply.content == ref.choices[0].message.content
+    assert reply.response_metadata["finish_reason"] == "length"
+    assert reply.usage_metadata["output_tokens"] == 8
+    chunks = list(chat.stream(lc_messages))
+    assert "".join(c.content for c in chunks) == ref.choices[0].message.content
+    assert sum(c.usage_metadata["output_tokens"] for c in chunks if c.usage_metadata) == 8
+    _idle(engine)
