@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 from pagellm.utils import parse_size, reject_unknown
@@ -216,6 +217,39 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class StructuredOutputsConfig:
+    """vLLM's ``structured_outputs_config``: the grammar library (``auto`` = llguidance, see
+    docs/structured_output.md; ``guidance``; ``xgrammar``, an extra) and how long a constraint may
+    take to compile before its request fails."""
+
+    backend: str = "auto"
+    compile_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "guidance", "xgrammar"):
+            raise ValueError(f"structured_outputs_config backend must be 'auto', 'guidance' or 'xgrammar', "
+                             f"got {self.backend!r}")
+        if not self.compile_timeout_s > 0:
+            raise ValueError(f"structured_outputs_config compile_timeout_s must be > 0, got {self.compile_timeout_s}")
+
+    @classmethod
+    def from_any(cls, value: StructuredOutputsConfig | dict | str | None) -> StructuredOutputsConfig:
+        """From a dict (``LLM(structured_outputs_config={...})``) or its JSON text (the CLI flag)."""
+        if value is None or isinstance(value, cls):
+            return value or cls()
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError("structured_outputs_config must be JSON, e.g. "
+                                 "'{\"backend\": \"xgrammar\"}': " + str(e)) from e
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs_config must be a dict, got {type(value).__name__}")
+        reject_unknown("structured_outputs_config field(s)", value, {"backend", "compile_timeout_s"})
+        return cls(**value)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """All configs of one engine, as the layers below the entrypoints see them."""
 
@@ -224,6 +258,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     device: DeviceConfig
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
 
 _HELP = {
@@ -238,6 +273,8 @@ _HELP = {
     "num_gpu_blocks_override": "exact number of KV blocks (on any device)",
     "long_prefill_token_threshold": "most prompt tokens one request computes per step (0 = no cap)",
     "num_threads": "torch CPU threads per worker (default: the cores, shared out between local workers)",
+    "structured_outputs_config": "JSON, e.g. '{\"backend\": \"xgrammar\"}': grammar library for constrained "
+                                 "decoding (auto = llguidance) and compile_timeout_s (default 30)",
     "tensor_parallel_size": "ranks that split each layer's heads and features (torch.distributed: gloo on CPU, "
                             "nccl on CUDA)",
     "data_parallel_size": "independent engine replicas behind one front end, requests sent to the least loaded",
@@ -286,6 +323,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     device: str = "auto"
     num_threads: int | None = None
+    structured_outputs_config: dict | str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -315,6 +353,7 @@ class EngineArgs:
                                     self.distributed_executor_backend or ParallelConfig.default_backend(
                                         self.tensor_parallel_size, self.data_parallel_size)),  # type: ignore
             device=DeviceConfig(self.device, self.num_threads),  # type: ignore[arg-type]
+            structured_outputs=StructuredOutputsConfig.from_any(self.structured_outputs_config),
         )
 
     @classmethod

@@ -53,6 +53,10 @@ class SchedulerStats:
     num_swap_fallbacks: int = _stat(COUNTER, "Swaps that found the CPU pool full and recomputed instead")
     prefix_cache_queries: int = _stat(COUNTER, "Prompt tokens looked up", "prefix_cache_queries")
     prefix_cache_hits: int = _stat(COUNTER, "Prompt tokens found cached", "prefix_cache_hits")
+    num_waiting_for_fsm: int = _stat(GAUGE, "Requests waiting for their structured-output grammar to compile",
+                                     "num_requests_waiting_for_fsm")
+    num_constrained: int = _stat(GAUGE, "Requests decoding under a structured-output grammar",
+                                 "num_requests_structured")
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -74,6 +78,12 @@ class IterationStats:
                                  "sum", 0.0)
     output_seconds: float = _stat(COUNTER, "Seconds applying a step's outputs (update, detokenize, stop checks)",
                                   "step_output_seconds", "sum", 0.0)
+    grammars_compiled: int = _stat(COUNTER, "Structured-output grammars compiled (cache hits included)",
+                                   "structured_output_grammars")
+    grammar_compile_seconds: float = _stat(COUNTER, "Seconds compiling structured-output grammars (off the step loop)",
+                                           "structured_output_compile_seconds", "sum", 0.0)
+    grammar_mask_seconds: float = _stat(COUNTER, "Seconds filling structured-output token bitmasks in steps",
+                                        "structured_output_mask_seconds", "sum", 0.0)
 
     def record_step(self, prompt_tokens: int, generation_tokens: int, schedule_seconds: float = 0.0,
                     model_seconds: float = 0.0, output_seconds: float = 0.0) -> None:

@@ -55,6 +55,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: None = field(default=None)
+    # Why the request ended without being served (e.g. its structured-output constraint did not
+    # compile); ``None`` for every request that ran.
+    error: str | None = None
 
 
 @dataclass(slots=True)

@@ -13,6 +13,66 @@ _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 
 
+# Largest constraint spec accepted (a JSON schema, regex, grammar or the choices together), in
+# characters: a bigger one is refused before it reaches a grammar compiler.
+MAX_STRUCTURED_SPEC_CHARS = 256 * 1024
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """One output constraint (vLLM's ``StructuredOutputsParams``): exactly one of ``json`` (a JSON
+    schema, as a dict or its JSON text), ``regex``, ``choice`` (the output is one of these strings),
+    ``grammar`` (a Lark grammar, llguidance's dialect; or GBNF/EBNF with the xgrammar backend) or
+    ``json_object=True`` (any JSON object). ``whitespace_flexible``: allow any whitespace between
+    JSON tokens (off: compact JSON, fewer tokens)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_flexible: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs: exactly one of json, regex, choice, grammar, json_object "
+                             f"must be set, got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (dict or JSON text), "
+                             f"got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                             f"got {self.choice!r}")
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"structured_outputs.json_object must be true or false, got {self.json_object!r}")
+        size = len(self.key()[1])
+        if size > MAX_STRUCTURED_SPEC_CHARS:
+            raise ValueError(f"structured_outputs: the constraint is {size} characters, more than the limit "
+                             f"of {MAX_STRUCTURED_SPEC_CHARS}")
+
+    def key(self) -> tuple[str, str, bool]:
+        """``(kind, spec text, whitespace_flexible)``: what a compiled grammar is cached under."""
+        import json as json_module
+
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else json_module.dumps(self.json, sort_keys=True)
+            return "json", text, self.whitespace_flexible
+        if self.regex is not None:
+            return "regex", self.regex, self.whitespace_flexible
+        if self.choice is not None:
+            return "choice", json_module.dumps(self.choice), self.whitespace_flexible
+        if self.grammar is not None:
+            return "grammar", self.grammar, self.whitespace_flexible
+        return "json_object", "", self.whitespace_flexible
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to sample one request. Field names and defaults follow ``vllm.SamplingParams``.
@@ -41,6 +101,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrained decoding (pagellm.structured_output): a dict is taken as StructuredOutputsParams' fields.
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: the tokenizer's EOS id and every string form of ``stop``.
     eos_token_id: int | None = field(default=None, repr=False)
 
@@ -54,6 +116,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k is None:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            reject_unknown("structured_outputs field(s)", self.structured_outputs,
+                           {f.name for f in fields(StructuredOutputsParams)})
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:
@@ -93,6 +159,8 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be StructuredOutputsParams or a dict of its fields")
 
     @property
     def greedy(self) -> bool:
@@ -135,6 +203,8 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     include_stop_str_in_output: bool = False
+    # Every beam constrained by this (pagellm's addition; beams fork their parent's grammar state).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.beam_width, int) or self.beam_width < 1:

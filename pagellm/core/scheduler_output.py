@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagellm.sampling_params import SamplingParams
 
@@ -63,6 +64,11 @@ class SchedulerOutput:
     cache_ops: CacheOps = field(default_factory=CacheOps)
     finished_seq_ids: list[int] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Structured output: ``seq_id -> row`` of ``grammar_bitmask`` (a numpy ``int32 [rows,
+    # ceil(vocab / 32)]``, bit set = token allowed), filled by the engine for constrained sequences
+    # that sample this step; the worker masks their logits before sampling.
+    structured_output_rows: dict[int, int] = field(default_factory=dict)
+    grammar_bitmask: Any = None
 
     def is_empty(self) -> bool:
         return not self.scheduled

@@ -24,6 +24,7 @@ from pagellm.metrics import EngineStats, IterationStats
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
 from pagellm.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagellm.structured_output.manager import StructuredOutputManager
 from pagellm.tokenizer import Tokenizer, check_token_ids
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self.iteration_stats = IterationStats()
+        # Built on the first constrained request, so an engine that never sees one never imports a
+        # grammar library.
+        self._structured: StructuredOutputManager | None = None
         logger.info("pagellm engine: %s on %s (%s), %d KV blocks x %d tokens (+%d CPU swap blocks), "
                     "max_model_len %d", self.model_info.architecture, self.model_info.device, self.model_info.dtype,
                     self.num_blocks, self.block_size, self.num_cpu_blocks, self.max_model_len)
@@ -107,6 +111,16 @@ class LLMEngine:
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
 
+    @property
+    def structured_outputs(self) -> StructuredOutputManager:
+        """The structured-output manager (created on first use)."""
+        if self._structured is None:
+            cfg = self.config.structured_outputs
+            self._structured = StructuredOutputManager(self.tokenizer.hf, self.model_info.vocab_size,
+                                                       self.tokenizer.eos_token_id, cfg.backend,
+                                                       cfg.compile_timeout_s)
+        return self._structured
+
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """``(text or None, token ids)`` of any accepted prompt form."""
         if isinstance(prompt, str):
@@ -134,7 +148,8 @@ class LLMEngine:
         if beam is not None:
             # The engine samples nothing for a beam search: each beam reports its top candidates.
             params = SamplingParams(temperature=0, max_tokens=beam.max_tokens, ignore_eos=True,
-                                    n=beam.beam_width, logprobs=2 * beam.beam_width)
+                                    n=beam.beam_width, logprobs=2 * beam.beam_width,
+                                    structured_outputs=beam.structured_outputs)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
         if priority != 0 and self.config.scheduler.scheduling_policy == "fcfs":
@@ -157,7 +172,8 @@ class LLMEngine:
         capacity = self.num_blocks * self.block_size
         if len(ids) + 1 > capacity:
             raise ValueError(f"prompt of {len(ids)} tokens can never fit in the KV cache ({capacity} token slots)")
-        if request_id in self.scheduler.requests:
+        if request_id in self.scheduler.requests or (
+                self._structured is not None and self._structured.is_waiting(request_id)):
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params.clone(eos_token_id=self.tokenizer.eos_token_id)
         seq = Sequence(self.scheduler.new_seq_id(), ids)
@@ -167,14 +183,24 @@ class LLMEngine:
                 beam.beam_width, min(beam.max_tokens, self.max_model_len - len(ids)), beam.length_penalty,
                 beam.early_stopping, None if beam.ignore_eos else self.tokenizer.eos_token_id)
         self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        self.scheduler.add_request(group)
+        if params.structured_outputs is not None:
+            # Waits for its grammar (WAITING_FOR_FSM) outside the scheduler; begin_step admits it.
+            self.structured_outputs.add_request(group)
+        else:
+            self.scheduler.add_request(group)
 
     def abort_request(self, request_id: str | list[str]) -> None:
+        if self._structured is not None:
+            for rid in [request_id] if isinstance(request_id, str) else request_id:
+                waiting = self._structured.abort(rid)
+                if waiting is not None:
+                    self._forget(waiting)
         for group in self.scheduler.finish_requests(request_id, SequenceStatus.FINISHED_ABORTED):
             self._forget(group)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or (
+            self._structured is not None and self._structured.num_waiting_for_fsm > 0)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; only possible while no request holds blocks (returns success)."""
@@ -183,14 +209,23 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         """Queues, KV usage, preemptions, prefix-cache counters, tokens and steps (``pagellm.metrics``;
         also readable as a mapping, ``stats["num_running"]``)."""
-        return EngineStats(self.scheduler.make_stats(), replace(self.iteration_stats))
+        sched, it = self.scheduler.make_stats(), replace(self.iteration_stats)
+        if self._structured is not None:
+            so = self._structured
+            sched.num_waiting_for_fsm = so.num_waiting_for_fsm
+            sched.num_constrained = so.num_constrained
+            it.grammar_compile_seconds = so.stats.compile_seconds
+            it.grammar_mask_seconds = so.stats.mask_seconds
+            it.grammars_compiled = so.stats.grammars_compiled
+        return EngineStats(sched, it)
 
     @property
     def stats(self) -> EngineStats:
         return self.get_stats()
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.get_num_unfinished_requests()
+        waiting = self._structured.num_waiting_for_fsm if self._structured is not None else 0
+        return self.scheduler.get_num_unfinished_requests() + waiting
 
     def check_health(self) -> None:
         """Raise ``EngineDeadError`` if the engine or any of its workers has failed."""
@@ -204,12 +239,16 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the workers (processes or Ray actors); idempotent."""
+        if self._structured is not None:
+            self._structured.shutdown()
         self.executor.shutdown()
 
     def _die(self, error: BaseException) -> EngineDeadError:
         """Fail every in-flight request (blocks freed), stop the workers, refuse further work."""
         self.dead_error = error
         groups = self.scheduler.finish_requests(list(self.scheduler.requests), SequenceStatus.FINISHED_ABORTED)
+        if self._structured is not None:
+            groups += [g for g in self._structured.pending_groups() if self._structured.abort(g.request_id)]
         for group in groups:
             self._forget(group)
         logger.error("engine failed, %d in-flight request(s) aborted: %s", len(groups), error)
@@ -227,9 +266,12 @@ class LLMEngine:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead_error}")
         t0 = time.perf_counter()
+        outputs = self._admit_compiled() if self._structured is not None else []
         sched_out = self.scheduler.schedule()
         ignored = self.scheduler.take_ignored()
-        outputs = [self._finish_ignored(g) for g in ignored]
+        outputs += [self._finish_ignored(g) for g in ignored]
+        if self._structured is not None and self._structured.num_constrained:
+            self._attach_bitmask(sched_out)
         # An empty step still goes to the workers when they must drop finished sequences' state
         # or do swap-outs.
         if sched_out.is_empty() and not sched_out.finished_seq_ids and sched_out.cache_ops.is_empty():
@@ -255,6 +297,8 @@ class LLMEngine:
         prompt_tokens = sum(max(0, min(s.num_computed_tokens + s.num_scheduled_tokens, len(s.prompt_token_ids))
                                 - s.num_computed_tokens) for s in sched_out.scheduled)
         updated, finished = self.scheduler.update_from_output(sched_out, runner_out)
+        if self._structured is not None and self._structured.num_constrained:
+            self._advance_grammars(updated)
         now = time.monotonic()
         for group in updated:
             m = group.metrics
@@ -319,6 +363,63 @@ class LLMEngine:
     def _forget(self, group: SequenceGroup) -> None:
         for seq in group.seqs:
             self._detok.pop(seq.seq_id, None)
+        if self._structured is not None:
+            self._structured.forget(group)
+
+    # ------------------------------------------------------------------ structured output
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar compiled join the scheduler; those that failed finish with the error."""
+        so = self._structured
+        assert so is not None
+        ready, failed = so.take_ready()
+        for group in ready:
+            self.scheduler.add_request(group)
+        outputs = []
+        for group, error in failed:
+            logger.warning("request %s: %s", group.request_id, error)
+            for seq in group.seqs:
+                seq.status = SequenceStatus.FINISHED_ABORTED
+            group.metrics.finished_time = time.monotonic()
+            out = self._make_output(group)
+            out.error = error
+            outputs.append(out)
+            self._forget(group)
+        if not ready and not failed and so.num_waiting_for_fsm and not self.scheduler.has_unfinished_requests():
+            so.wait_any(0.005)  # nothing else to run: wait for a compile instead of spinning
+        return outputs
+
+    def _attach_bitmask(self, sched_out: SchedulerOutput) -> None:
+        """One bitmask row per constrained sequence that samples this step (forks at a first
+        sample share their parent's row: they start from the same grammar state)."""
+        so = self._structured
+        assert so is not None
+        rows: list[tuple[str, Sequence]] = []
+        for s in sched_out.scheduled:
+            if s.do_sample and so.is_constrained(s.request_id):
+                group = self.scheduler.requests[s.request_id]
+                seq = next(q for q in group.seqs if q.seq_id == s.seq_id)
+                sched_out.structured_output_rows[s.seq_id] = len(rows)
+                rows.append((s.request_id, seq))
+        if rows:
+            sched_out.grammar_bitmask = so.fill_bitmask(rows)
+
+    def _advance_grammars(self, updated: list[SequenceGroup]) -> None:
+        """Feed each constrained sequence's new token to its matcher; a complete grammar ends it."""
+        so = self._structured
+        assert so is not None
+        for group in updated:
+            if not so.is_constrained(group.request_id):
+                continue
+            for seq in group.seqs:
+                if seq.status.is_finished:
+                    continue
+                state = so.advance(group.request_id, seq)
+                if state == "rejected":
+                    logger.warning("request %s: the grammar refused a sampled token; ending the sequence",
+                                   group.request_id)
+                # A beam search ends its beams itself (the complete grammar leaves only EOS to pick).
+                if state is not None and group.beam_state is None:
+                    self.scheduler.finish_seq(group, seq, SequenceStatus.FINISHED_STOPPED)
 
     def _make_output(self, group: SequenceGroup) -> RequestOutput:
         if group.beam_state is not None:

@@ -62,6 +62,9 @@ class LLM:
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        for params in params_list:  # a constraint that does not compile is refused before anything runs
+            if params.structured_outputs is not None:
+                self.llm_engine.structured_outputs.validate(params.structured_outputs)
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):

@@ -3,7 +3,7 @@ and publishes them in ``/openapi.json``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -37,6 +37,24 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorResponse, "description": what[s]} for s in statuses}
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``: the schema the reply must validate against."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema``."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingBody(BaseModel):
     """The sampling fields completions and chat share (OpenAI's and vLLM's extras)."""
 
@@ -62,6 +80,9 @@ class SamplingBody(BaseModel):
     stream_options: dict[str, Any] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
+    # vLLM's extra body field: StructuredOutputsParams' fields (json, regex, choice, grammar, json_object).
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingBody):

@@ -16,7 +16,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -43,8 +43,9 @@ from pagellm.entrypoints.openai_protocol import (
 )
 from pagellm.metrics import GAUGE, STAT_FIELDS
 from pagellm.outputs import CompletionOutput, RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.tokenizer import check_token_ids
+from pagellm.utils import reject_unknown
 
 logger = logging.getLogger(__name__)
 
@@ -192,12 +193,34 @@ class OpenAIServer:
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=body.skip_special_tokens, include_stop_str_in_output=body.include_stop_str_in_output)
+            skip_special_tokens=body.skip_special_tokens, include_stop_str_in_output=body.include_stop_str_in_output,
+            structured_outputs=self._structured_outputs(body))
         try:
             return SamplingParams(**kw)
         except ValueError as e:  # SamplingParams' messages start with the field's name
             field = str(e).split(" ", 1)[0]
             raise APIError(str(e), param=field if field in kw else None) from e
+
+    @staticmethod
+    def _structured_outputs(body: SamplingBody) -> StructuredOutputsParams | None:
+        """``response_format`` (OpenAI) or ``structured_outputs`` (vLLM's extra field), not both."""
+        fmt, so = body.response_format, body.structured_outputs
+        if fmt is not None and fmt.type != "text" and so is not None:
+            raise APIError("give response_format or structured_outputs, not both", param="response_format")
+        try:
+            if so is not None:
+                reject_unknown("structured_outputs field(s)", so, {f.name for f in fields(StructuredOutputsParams)})
+                return StructuredOutputsParams(**so)
+            if fmt is None or fmt.type == "text":
+                return None
+            if fmt.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise APIError("response_format json_schema needs json_schema.schema",
+                               param="response_format.json_schema")
+            return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+        except ValueError as e:
+            raise APIError(str(e), param="structured_outputs" if so is not None else "response_format") from e
 
     def _record(self, out: RequestOutput) -> None:
         m = out.metrics
@@ -223,6 +246,8 @@ class OpenAIServer:
             first = await gen.__anext__()
         except ValueError as e:
             raise APIError(str(e)) from e
+        if first.error is not None:  # e.g. a constraint that did not compile: nothing was generated
+            raise APIError(first.error, param=_error_param(first.error))
 
         async def chained() -> AsyncIterator[RequestOutput]:
             try:
@@ -266,9 +291,12 @@ class OpenAIServer:
                 return None
             await asyncio.wait({task}, timeout=0.2)
         try:
-            return task.result()
+            out = task.result()
         except ValueError as e:
             raise APIError(str(e)) from e
+        if out is not None and out.error is not None:
+            raise APIError(out.error, param=_error_param(out.error))
+        return out
 
     async def _deltas(self, outputs: AsyncIterator[RequestOutput], rid: str, request: Request, logprobs: bool,
                       always_first: bool = False) -> AsyncIterator[Delta]:
@@ -532,6 +560,12 @@ class OpenAIServer:
                 yield f"data: {json.dumps({'error': {'message': msg, 'type': kind}})}\n\n".encode()
             yield b"data: [DONE]\n\n"
         return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def _error_param(message: str) -> str | None:
+    """The request field an engine-side error names (``structured_outputs.json ...`` -> ``response_format``
+    for OpenAI clients, who sent it there or in ``structured_outputs``)."""
+    return "structured_outputs" if message.startswith("structured_outputs") else None
 
 
 def build_app(engine: EngineClient, model_name: str, api_key: str | None = None,

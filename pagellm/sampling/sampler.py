@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,6 +34,21 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[dict[int, tuple[float, int]] | None]
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: Any, rows: list[int], mask_rows: list[int]) -> None:
+    """Structured output: ``logits[rows[i]]`` keeps only the tokens set in ``bitmask[mask_rows[i]]``
+    (numpy ``int32 [R, ceil(V / 32)]``, bit ``t % 32`` of word ``t // 32``), in place; the rest
+    become ``-inf`` before penalties, sampling and logprobs, so the constrained distribution is
+    what every later stage sees (beam search included)."""
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    words = torch.from_numpy(bitmask[mask_rows]).to(logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
+    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -16,7 +16,7 @@ import torch
 from pagellm.attention.torch_paged import TorchPagedAttention
 from pagellm.core.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
 from pagellm.layers.custom_op import select_kernels
-from pagellm.sampling.sampler import Sampler, SamplingRow
+from pagellm.sampling.sampler import Sampler, SamplingRow, apply_token_bitmask
 
 
 class ModelRunner:
@@ -102,6 +102,10 @@ class ModelRunner:
                                         self._generator(seq_id, s.sampling_params.seed, j)))
         if len(row_idx) != len(sample_idx):
             logits = logits[row_idx]
+        if so.grammar_bitmask is not None:
+            constrained = [(i, so.structured_output_rows[sample_seqs[r].seq_id]) for i, r in enumerate(row_idx)
+                           if sample_seqs[r].seq_id in so.structured_output_rows]
+            apply_token_bitmask(logits, so.grammar_bitmask, [i for i, _ in constrained], [m for _, m in constrained])
         out = self.sampler(logits, rows)
         return ModelRunnerOutput(sampled={
             seq_id: SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])

@@ -1,0 +1,214 @@
+"""``StructuredOutputManager``: compiles constraints off the engine loop and keeps the matchers.
+
+The engine hands it every constrained request on arrival; the request waits here (vLLM's
+``WAITING_FOR_FSM``) while a worker thread compiles, and the scheduler never sees it until its
+grammar is ready, so nobody else waits. Compiled grammars are cached by their spec. Each step
+``fill_bitmask`` writes one row per constrained sequence that samples; after the step ``accept``
+advances each sequence's matcher by its new tokens. Matchers follow the tokens, not the blocks:
+a sequence preempted by recompute or swap keeps its matcher, and a fork (``n > 1``, beam search)
+gets a fresh one that replays the parent's output tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pagellm.sampling_params import StructuredOutputsParams
+from pagellm.sequence import Sequence, SequenceGroup
+from pagellm.structured_output.backend import (
+    CompiledGrammar,
+    GrammarCompileError,
+    Matcher,
+    StructuredOutputBackend,
+    allocate_bitmask,
+    create_backend,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_COMPILE_TIMEOUT_S = 30.0
+_CACHE_SIZE = 256
+
+
+@dataclass(slots=True)
+class StructuredOutputStats:
+    """Counters since start (``pagellm.metrics`` exports them)."""
+
+    grammars_compiled: int = 0
+    compile_seconds: float = 0.0
+    compile_failures: int = 0
+    mask_seconds: float = 0.0
+    masks_filled: int = 0
+
+
+class StructuredOutputManager:
+    """One per engine. ``backend``: ``auto`` | ``guidance`` | ``xgrammar``."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_id: int | None, backend: str = "auto",
+                 compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
+        self._backend_args = (backend, hf_tokenizer, vocab_size, eos_token_id)
+        self._backend: StructuredOutputBackend | None = None
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.compile_timeout_s = compile_timeout_s
+        # One thread: compiles are rare (cached by spec) and must not take the step loop's second core.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-grammar")
+        self._cache: OrderedDict[tuple[str, str, bool], Future[CompiledGrammar]] = OrderedDict()
+        self._pending: dict[str, tuple[SequenceGroup, Future[CompiledGrammar], float]] = {}
+        self._grammars: dict[str, CompiledGrammar] = {}
+        self._matchers: dict[int, tuple[Matcher, list[int]]] = {}  # seq_id -> (matcher, tokens it took)
+        self.stats = StructuredOutputStats()
+
+    # ------------------------------------------------------------------ compiling
+    @property
+    def backend(self) -> StructuredOutputBackend:
+        if self._backend is None:
+            self._backend = create_backend(*self._backend_args)
+        return self._backend
+
+    def _compile_timed(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        t0 = time.perf_counter()
+        try:
+            return self.backend.compile(params)
+        finally:
+            self.stats.compile_seconds += time.perf_counter() - t0
+
+    def _compile(self, params: StructuredOutputsParams) -> Future[CompiledGrammar]:
+        key = params.key()
+        fut = self._cache.get(key)
+        if fut is not None and not (fut.done() and fut.exception() is not None):
+            self._cache.move_to_end(key)
+            return fut
+        fut = self._pool.submit(self._compile_timed, params)
+        self._cache[key] = fut
+        while len(self._cache) > _CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return fut
+
+    def validate(self, params: StructuredOutputsParams) -> None:
+        """Compile now (or find it cached) and raise ``GrammarCompileError`` (a ``ValueError``) if it
+        does not compile: for front ends that want a bad constraint refused before it is queued."""
+        try:
+            self._compile(params).result(timeout=self.compile_timeout_s)
+        except TimeoutError as e:
+            raise GrammarCompileError(f"structured_outputs: the constraint did not compile within "
+                                      f"{self.compile_timeout_s:g} s") from e
+
+    def add_request(self, group: SequenceGroup) -> None:
+        params = group.sampling_params.structured_outputs
+        assert params is not None
+        self._pending[group.request_id] = (group, self._compile(params), time.monotonic())
+
+    def take_ready(self) -> tuple[list[SequenceGroup], list[tuple[SequenceGroup, str]]]:
+        """Requests whose grammar is now compiled (for the scheduler), and those that failed with why."""
+        ready: list[SequenceGroup] = []
+        failed: list[tuple[SequenceGroup, str]] = []
+        now = time.monotonic()
+        for rid, (group, fut, since) in list(self._pending.items()):
+            if fut.done():
+                del self._pending[rid]
+                error = fut.exception()
+                if error is None:
+                    self._grammars[rid] = fut.result()
+                    self.stats.grammars_compiled += 1
+                    ready.append(group)
+                else:
+                    self.stats.compile_failures += 1
+                    failed.append((group, str(error) if isinstance(error, GrammarCompileError)
+                                   else f"structured_outputs: the constraint does not compile: {error}"))
+            elif now - since > self.compile_timeout_s:
+                del self._pending[rid]
+                self.stats.compile_failures += 1
+                failed.append((group, f"structured_outputs: the constraint did not compile within "
+                                      f"{self.compile_timeout_s:g} s"))
+        return ready, failed
+
+    @property
+    def num_waiting_for_fsm(self) -> int:
+        return len(self._pending)
+
+    @property
+    def num_constrained(self) -> int:
+        return len(self._grammars)
+
+    def is_waiting(self, request_id: str) -> bool:
+        return request_id in self._pending
+
+    def wait_any(self, timeout: float) -> None:
+        """Block until some pending compile finishes or ``timeout`` seconds pass."""
+        futures = [fut for _, fut, _ in self._pending.values()]
+        if futures:
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def pending_groups(self) -> list[SequenceGroup]:
+        return [g for g, _, _ in self._pending.values()]
+
+    def abort(self, request_id: str) -> SequenceGroup | None:
+        """Drop a request still waiting for its grammar; returns it (``None`` if it was not waiting)."""
+        entry = self._pending.pop(request_id, None)
+        return entry[0] if entry else None
+
+    def forget(self, group: SequenceGroup) -> None:
+        """A finished request: drop its grammar and matchers."""
+        self._pending.pop(group.request_id, None)
+        self._grammars.pop(group.request_id, None)
+        for seq in group.seqs:
+            self._matchers.pop(seq.seq_id, None)
+
+    def is_constrained(self, request_id: str) -> bool:
+        return request_id in self._grammars
+
+    # ------------------------------------------------------------------ each step
+    def _matcher(self, request_id: str, seq: Sequence) -> tuple[Matcher, list[int]]:
+        """The sequence's matcher, advanced to its current output; a new sequence (a fork) replays
+        its tokens into a fresh one."""
+        entry = self._matchers.get(seq.seq_id)
+        if entry is None:
+            entry = (self._grammars[request_id].new_matcher(), [])
+            self._matchers[seq.seq_id] = entry
+        return entry
+
+    def advance(self, request_id: str, seq: Sequence) -> str | None:
+        """Feed ``seq``'s tokens generated since the last call to its matcher. Returns ``"rejected"``
+        if the grammar refused one (should not happen: the mask allowed it), ``"terminated"`` when
+        the grammar is complete, else ``None``."""
+        matcher, taken = self._matcher(request_id, seq)
+        out = seq.output_token_ids
+        if len(taken) > len(out) or taken != out[:len(taken)]:  # (defensive) a different history: replay
+            matcher, taken = self._grammars[request_id].new_matcher(), []
+            self._matchers[seq.seq_id] = (matcher, taken)
+        for tok in out[len(taken):]:
+            if matcher.is_terminated():
+                return "terminated"
+            if not matcher.accept_token(tok):
+                return "rejected"
+            taken.append(tok)
+        return "terminated" if matcher.is_terminated() else None
+
+    def fill_bitmask(self, rows: list[tuple[str, Sequence]]) -> np.ndarray:
+        """One bitmask row per ``(request_id, sequence)``, each advanced to its current tokens first."""
+        t0 = time.perf_counter()
+        bitmask = allocate_bitmask(len(rows), self.vocab_size)
+        for i, (rid, seq) in enumerate(rows):
+            self.advance(rid, seq)
+            matcher = self._matcher(rid, seq)[0]
+            if matcher.is_terminated():  # complete (a beam that goes on): only the end may follow
+                bitmask[i] = 0
+                if self.eos_token_id is not None:
+                    word, bit = divmod(self.eos_token_id, 32)
+                    bitmask[i, word] = np.uint32(1 << bit).view(np.int32)
+            else:
+                matcher.fill_bitmask(bitmask, i)
+        self.stats.mask_seconds += time.perf_counter() - t0
+        self.stats.masks_filled += len(rows)
+        return bitmask
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
