@@ -97,3 +97,32 @@ def test_argmax_logsumexp_matches_torch() -> None:
     assert torch.equal(cpu_ops.argmax(x), idx)
     empty_idx, empty_lse = cpu_ops.argmax_logsumexp(torch.empty(0, 5))
     assert empty_idx.shape == empty_lse.shape == (0,)
+
+
+@pytest.mark.parametrize("vocab", [37, 1000, 49152])
+def test_apply_token_bitmask_kernel_equals_unpacked_bits(vocab, monkeypatch):
+    """The kernel, the numpy fallback and a per-token loop agree: a bit set keeps the logit, a bit
+    clear makes it -inf; rows and mask rows map in any order; padding bits past the vocabulary and
+    rows not listed are left alone."""
+    import numpy as np
+
+    from pagellm.sampling import sampler
+
+    rng = np.random.default_rng(vocab)
+    rows_n = 5
+    bitmask = rng.integers(-2**31, 2**31 - 1, size=(rows_n, (vocab + 31) // 32 + 1), dtype=np.int64).astype(np.int32)
+    bitmask[0] = -1  # everything allowed
+    bitmask[1, ::2] = 0  # whole words banned
+    logits = torch.randn(rows_n + 2, vocab)
+    rows, mask_rows = [1, 2, 3, 4, 6], [4, 3, 2, 1, 0]
+    kernel = logits.clone()
+    sampler.apply_token_bitmask(kernel, bitmask, rows, mask_rows)
+    monkeypatch.setattr(cpu_ops, "available", lambda: False)
+    fallback = logits.clone()
+    sampler.apply_token_bitmask(fallback, bitmask, rows, mask_rows)
+    ref = logits.clone()
+    for r, m in zip(rows, mask_rows, strict=True):
+        allowed = [(int(bitmask[m, t // 32]) >> (t % 32)) & 1 for t in range(vocab)]
+        ref[r, torch.tensor(allowed) == 0] = float("-inf")
+    assert torch.equal(kernel, ref) and torch.equal(fallback, ref)
+    assert torch.equal(kernel[[0, 5]], logits[[0, 5]])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 
 from pagellm import kernels
@@ -21,6 +22,7 @@ _SIGNATURES: kernels.Signatures = {
     "write_kv_f32": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I]),
     "write_kv_f16": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I]),
     "argmax_logsumexp_f32": (None, [_P, _I, _I, _I, _P, _P]),
+    "apply_token_bitmask_f32": (None, [_P, _I, _I, _P, _I, _P, _P, _I]),
 }
 _WRITE_KV = {torch.float32: "write_kv_f32", torch.float16: "write_kv_f16"}
 
@@ -98,6 +100,23 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     getattr(_lib(), _WRITE_KV[key_cache.dtype])(k2.data_ptr(), _rows(k2, "key"), v2.data_ptr(), _rows(v2, "value"),
                                               key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
                                               t, row)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int], mask_rows: list[int]) -> None:
+    """``logits[rows[i]]`` keeps only the tokens set in ``bitmask[mask_rows[i]]`` (numpy ``int32 [M, W]``),
+    the rest set to ``-inf``, in place; float32 ``[R, V]`` logits with a contiguous last dimension."""
+    if logits.dtype != torch.float32 or logits.dim() != 2:
+        raise ValueError("logits must be float32 [R, V]")
+    words = np.ascontiguousarray(bitmask, dtype=np.int32)
+    if words.ndim != 2 or (logits.shape[1] + 31) // 32 > words.shape[1]:
+        raise ValueError(f"bitmask must be int32 [M, >= {(logits.shape[1] + 31) // 32}], got {words.shape}")
+    if len(rows) != len(mask_rows) or any(not 0 <= r < logits.shape[0] for r in rows) \
+            or any(not 0 <= m < words.shape[0] for m in mask_rows):
+        raise ValueError("rows / mask_rows out of range")
+    r_t = torch.tensor(rows, dtype=torch.int64)
+    m_t = torch.tensor(mask_rows, dtype=torch.int64)
+    _lib().apply_token_bitmask_f32(logits.data_ptr(), _rows(logits, "logits"), logits.shape[1],
+                                   words.ctypes.data, words.shape[1], r_t.data_ptr(), m_t.data_ptr(), len(rows))
 
 
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagellm.kernels import cpu_ops
@@ -40,15 +41,19 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: Any, rows: list[int], mas
     """Structured output: ``logits[rows[i]]`` keeps only the tokens set in ``bitmask[mask_rows[i]]``
     (numpy ``int32 [R, ceil(V / 32)]``, bit ``t % 32`` of word ``t // 32``), in place; the rest
     become ``-inf`` before penalties, sampling and logprobs, so the constrained distribution is
-    what every later stage sees (beam search included)."""
+    what every later stage sees (beam search included). The compiled kernel on CPU, else numpy's
+    ``unpackbits`` (little-endian words: byte ``k`` holds tokens ``8k .. 8k+7``)."""
     if not rows:
         return
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_ops.available():
+        cpu_ops.apply_token_bitmask(logits, bitmask, rows, mask_rows)
+        return
     vocab = logits.shape[1]
-    words = torch.from_numpy(bitmask[mask_rows]).to(logits.device)
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
+    bits = np.unpackbits(np.ascontiguousarray(bitmask[mask_rows], dtype="<i4").view(np.uint8), axis=1,
+                         bitorder="little")[:, :vocab]
     idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+    banned = torch.from_numpy(bits).to(logits.device) == 0
+    logits[idx] = logits[idx].masked_fill(banned, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
