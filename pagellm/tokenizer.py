@@ -68,13 +68,21 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders a ``tools`` list (Qwen's, Llama 3.1's; not SmolLM2's)."""
+        return "tools" in (getattr(self.hf, "chat_template", None) or "")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=...")
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           tools=tools)
 
-    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> dict[str, Any]:
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The templated conversation as a prompt dict (text and ids). The template already holds
         the special tokens, so none are added again (no second BOS)."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}

@@ -229,3 +229,131 @@ def test_response_format_through_the_openai_client(server):
     with pytest.raises(openai.BadRequestError, match="regexp"):
         client.completions.create(model=NAME, prompt="x", max_tokens=5, extra_body={"structured_outputs": {
             "regexp": "a"}})
+
+
+# ---- tool calls ----------------------------------------------------------------------------
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                     "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                     "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["a", "b"], "additionalProperties": False}}}
+SCHEMAS_BY_NAME = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
+
+
+def _check_calls(calls) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS_BY_NAME[call.function.name])
+
+
+def _streamed_calls(chunks):
+    """Tool calls put together from streamed deltas, as a client does, and the last finish reason."""
+    calls: dict[int, dict] = {}
+    finish = None
+    for c in chunks:
+        for ch in c.choices:
+            finish = ch.finish_reason or finish
+            for tc in ch.delta.tool_calls or []:
+                slot = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                slot["name"] += tc.function.name or ""
+                slot["arguments"] += tc.function.arguments or ""
+    return [calls[k] for k in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_constrained_tool_calls_through_the_openai_client(server, choice):
+    from test_server import NAME
+
+    _, client = server
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "What is 2 + 3?"}], tools=[WEATHER, ADD],
+              tool_choice=choice, max_tokens=120, temperature=0)
+    r = client.chat.completions.create(**kw)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None
+    _check_calls(ch.message.tool_calls)
+    if isinstance(choice, dict):
+        assert [c.function.name for c in ch.message.tool_calls] == ["add"]
+    streamed, finish = _streamed_calls(client.chat.completions.create(stream=True, **kw))
+    assert finish == "tool_calls"
+    assert streamed == [{"name": c.function.name, "arguments": c.function.arguments} for c in ch.message.tool_calls]
+    # The call goes back as history with its result; the next turn is served.
+    history = kw["messages"] + [ch.message.model_dump(exclude_none=True),
+                                {"role": "tool", "tool_call_id": ch.message.tool_calls[0].id, "content": "5"}]
+    r2 = client.chat.completions.create(model=NAME, messages=history, tools=[WEATHER, ADD], max_tokens=8)
+    assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_tool_choice_errors_name_the_field(server):
+    import openai
+    from test_server import NAME
+
+    _, client = server
+    msgs = [{"role": "user", "content": "hi"}]
+    cases = [(dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+             (dict(tool_choice="required"), "tool_choice"),
+             (dict(tools=[{"type": "function", "function": {"parameters": {}}}]), "tools[0]"),
+             (dict(tools=[WEATHER], tool_choice="sometimes"), "tool_choice"),
+             (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "tool_choice")]
+    for extra, param in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=NAME, messages=msgs, max_tokens=4, **extra)
+        assert e.value.body["param"] == param, (extra, e.value.body)
+    r = client.chat.completions.create(model=NAME, messages=msgs, tools=[WEATHER], tool_choice="none", max_tokens=4)
+    assert r.choices[0].message.tool_calls is None
+
+
+def test_auto_mode_parses_calls_and_streams_only_what_cannot_be_one():
+    from pagellm.entrypoints import tool_calls
+
+    mode = tool_calls.resolve([WEATHER, ADD], "auto", None)
+    reply = 'Sure. <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    content, calls = tool_calls.parse(mode, reply)
+    assert content == "Sure." and [c["function"]["name"] for c in calls] == ["add"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"a": 1, "b": 2}
+    assert tool_calls.parse(mode, '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>')[1] is None
+    assert tool_calls.parse(mode, "<tool_call>{not json</tool_call>")[1] is None
+    assert tool_calls.parse(mode, "no call here") == ("no call here", None)
+    assert tool_calls.holdback("Hello <tool") == len("Hello ")
+    assert tool_calls.holdback("Hello <tool_call>{") == len("Hello ")
+    assert tool_calls.holdback("Hello world") == len("Hello world")
+    prompt = tool_calls.tools_system_prompt([WEATHER])
+    assert "get_weather" in prompt and tool_calls.CALL_OPEN in prompt
+
+
+def test_slow_compile_times_out_without_holding_up_others(tiny_llama, monkeypatch):
+    """A request waits for its grammar outside the scheduler (vLLM's WAITING_FOR_FSM): the others
+    run meanwhile; past ``compile_timeout_s`` it ends with an error naming the limit."""
+    import time
+
+    llm = LLM(tiny_llama, kv_cache_memory="16MiB",
+              structured_outputs_config={"backend": "guidance", "compile_timeout_s": 0.3})
+    eng = llm.llm_engine
+    backend = eng.structured_outputs.backend
+    real = backend.compile
+
+    def slow(params):
+        if params.regex == "slow":
+            time.sleep(1.5)
+        return real(params)
+
+    monkeypatch.setattr(backend, "compile", slow)
+    eng.add_request("slow", "x", _params(regex="slow"))
+    eng.add_request("plain", "x", SamplingParams(max_tokens=3, ignore_eos=True))
+    assert eng.get_stats()["num_waiting_for_fsm"] == 1
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o
+    assert "did not compile within 0.3 s" in outs["slow"].error and outs["slow"].finished
+    assert len(outs["plain"].outputs[0].token_ids) == 3 and outs["plain"].error is None
+    assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_blocks
+    eng.shutdown()
+
+
+def test_oversized_constraint_is_refused():
+    with pytest.raises(ValueError, match="limit"):
+        StructuredOutputsParams(regex="a" * 300_000)

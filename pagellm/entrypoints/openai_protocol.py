@@ -142,6 +142,12 @@ class ChatCompletionRequest(SamplingBody):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # OpenAI's tools: [{"type": "function", "function": {"name", "description", "parameters"}}];
+    # tool_choice "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
+    # (pagellm.entrypoints.tool_calls checks them).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(BaseModel):

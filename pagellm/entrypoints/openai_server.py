@@ -29,6 +29,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 import pagellm
 from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagellm.engine.core_proc import AsyncEngineClient
+from pagellm.entrypoints import tool_calls
 from pagellm.entrypoints.openai_protocol import (
     CONTENT_FORMATS,
     APIError,
@@ -157,13 +158,24 @@ class OpenAIServer:
         except ValueError as e:
             raise APIError(str(e), param=param) from e
 
-    def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> dict[str, Any]:
-        """The conversation through the chat template, or a 400 naming what is wrong with it."""
+    def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                     tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The conversation through the chat template, or a 400 naming what is wrong with it. Tools
+        go to a template that takes them, else into a system message (``tool_calls``)."""
         if not messages:
             raise APIError("messages must not be empty", param="messages")
         msgs = [normalize_message(m, i, self.content_format) for i, m in enumerate(messages)]
+        if not self.tokenizer.template_takes_tools:
+            msgs = [tool_calls.history_as_text(m) for m in msgs]
+            if tools:
+                text = tool_calls.tools_system_prompt(tools)
+                if msgs[0]["role"] == "system" and isinstance(msgs[0].get("content"), str):
+                    msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + text}
+                else:
+                    msgs.insert(0, {"role": "system", "content": text})
+                tools = None
         try:
-            return self.tokenizer.chat_prompt(msgs, add_generation_prompt)
+            return self.tokenizer.chat_prompt(msgs, add_generation_prompt, tools)
         except Exception as e:  # a template that rejects the conversation; the message only, no traceback
             raise APIError(f"cannot apply the chat template: {type(e).__name__}: {e}", param="messages") from e
 
@@ -508,31 +520,50 @@ class OpenAIServer:
     # ------------------------------------------------------------------ /v1/chat/completions
     async def _chat(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
-        prompt = self._chat_prompt(body.messages, body.add_generation_prompt)
+        mode = tool_calls.resolve(body.tools, body.tool_choice, body.parallel_tool_calls)
+        prompt = self._chat_prompt(body.messages, body.add_generation_prompt, mode.tools if mode else None)
         ids = prompt["prompt_token_ids"]
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top = body.top_logprobs or 0
         if top and not body.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         params = self._params(body, len(ids), max_tokens, top if body.logprobs else None)
+        if mode is not None and mode.constrained:
+            if params.structured_outputs is not None:
+                raise APIError("tool_choice 'required' or a named function already constrains the reply; "
+                               "drop response_format / structured_outputs", param="tool_choice")
+            params = params.clone(structured_outputs=tool_calls.constraint(mode))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
+        def message(c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+            if mode is None or c.finish_reason != "stop":
+                return {"role": "assistant", "content": c.text}, c.finish_reason
+            content, calls = tool_calls.parse(mode, c.text)
+            if calls is None:
+                return {"role": "assistant", "content": c.text}, c.finish_reason
+            return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
         def whole(out: RequestOutput) -> dict[str, Any]:
-            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": self._logprobs_chat(c, top) if body.logprobs else None,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+            choices = []
+            for c in out.outputs:
+                msg, finish = message(c)
+                choices.append({"index": c.index, "message": msg,
+                                "logprobs": self._logprobs_chat(c, top) if body.logprobs else None,
+                                "finish_reason": finish, "stop_reason": c.stop_reason})
             return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                     "choices": choices, "usage": self._usage(out)}
 
         return await self._respond(prompt, params, rid, body, request, whole,
                                    lambda outputs: self._chat_chunks(outputs, params, rid, created, body, top,
-                                                                     request))
+                                                                     request, mode))
 
     async def _chat_chunks(self, outputs: AsyncIterator[RequestOutput], params: SamplingParams, rid: str,
                            created: int, body: ChatCompletionRequest, top: int,
-                           request: Request) -> AsyncIterator[dict]:
+                           request: Request, mode: tool_calls.ToolMode | None = None) -> AsyncIterator[dict]:
         last = None
+        texts: dict[int, str] = {}  # with tools: each choice's whole text, and how much went out as content
+        sent: dict[int, int] = {}
 
         def chunk(choices: list[dict], usage: dict | None = None) -> dict:
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
@@ -544,8 +575,24 @@ class OpenAIServer:
         async for d in self._deltas(outputs, rid, request, body.logprobs):
             last, c = d.output, d.completion
             lp = self._logprobs_chat(d.logprobs, top) if d.logprobs is not None else None
-            yield chunk([{"index": c.index, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
-                          "finish_reason": c.finish_reason}])
+            if mode is None:
+                yield chunk([{"index": c.index, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
+                              "finish_reason": c.finish_reason}])
+                continue
+            # Tools: content goes out only where it cannot be (part of) a call; calls at the end.
+            text = texts[c.index] = texts.get(c.index, "") + d.text
+            done = sent.get(c.index, 0)
+            upto = done if mode.constrained else max(done, tool_calls.holdback(text))
+            calls = None
+            if c.finish_reason is not None:
+                content, calls = tool_calls.parse(mode, text) if c.finish_reason == "stop" else (text, None)
+                upto = len(text) if calls is None else done
+            delta: dict[str, Any] = {"content": text[done:upto]} if upto > done else {}
+            sent[c.index] = upto
+            if calls is not None:
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+            yield chunk([{"index": c.index, "delta": delta, "logprobs": lp,
+                          "finish_reason": "tool_calls" if calls is not None else c.finish_reason}])
         if last is not None and (body.stream_options or {}).get("include_usage"):
             yield chunk([], self._usage(last))
 
