@@ -62,7 +62,7 @@ class StructuredOutputsParams:
         import json as json_module
 
         if self.json is not None:
-            text = self.json if isinstance(self.json, str) else json_module.dumps(self.json, sort_keys=True)
+            text = self.json if isinstance(self.json, str) else json_module.dumps(self.json)  # key order is output order: never sorted
             return "json", text, self.whitespace_flexible
         if self.regex is not None:
             return "regex", self.regex, self.whitespace_flexible

@@ -57,10 +57,14 @@ class XgrammarBackend(StructuredOutputBackend):
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         kind, spec, flexible = params.key()
         try:
+            # Compact JSON unless whitespace_flexible, as llguidance writes it (xgrammar's own default
+            # without whitespace is ", " and ": ").
+            seps = None if flexible else (",", ":")
             if kind == "json":
-                compiled = self.compiler.compile_json_schema(spec, any_whitespace=flexible)
+                compiled = self.compiler.compile_json_schema(spec, any_whitespace=flexible, separators=seps)
             elif kind == "json_object":
-                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=flexible)
+                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=flexible,
+                                                             separators=seps)
             elif kind == "regex":
                 compiled = self.compiler.compile_regex(spec)
             elif kind == "choice":
