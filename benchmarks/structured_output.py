@@ -44,7 +44,8 @@ def run(llm, reqs: list[dict], constrained: bool) -> dict:
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(r["max_tokens"] for r in reqs), "every request must yield exactly max_tokens"
     n_in = sum(len(r["prompt_token_ids"]) for r in reqs)
-    return {"wall": wall, "tok_s": (n_in + n_out) / wall, "steps": after["steps"] - before["steps"],
+    split = {k: after[f"{k}_seconds"] - before[f"{k}_seconds"] for k in ("schedule", "model", "output")}
+    return {"wall": wall, "tok_s": (n_in + n_out) / wall, "steps": after["steps"] - before["steps"], "split": split,
             "mask_s": after["grammar_mask_seconds"] - before["grammar_mask_seconds"],
             "outputs": [o.outputs[0].token_ids for o in outs]}
 
@@ -104,6 +105,9 @@ def main() -> None:
                      compile_s, m1, m64, abs(base["tok_s"] - base2["tok_s"]) / plain))
         print(f"{backend}: unconstrained {base['tok_s']:.1f} / {base2['tok_s']:.1f}, constrained {con['tok_s']:.1f} "
               f"total tok/s; {con['steps']} steps", flush=True)
+        for name, r in (("unconstrained", base), ("constrained", con), ("unconstrained", base2)):
+            split = ", ".join(f"{k} {v:.2f}" for k, v in r["split"].items())
+            print(f"  {name:13s} step loop seconds: {split} (mask fill {r['mask_s']:.2f}) of {r['wall']:.2f} wall")
 
     print(f"\nW64 ({len(reqs)} requests), schema {json.dumps(SCHEMA)[:60]}...")
     print(f"{'backend':10s} {'plain tok/s':>11s} {'json tok/s':>10s} {'ratio':>6s} {'mask ms/step':>12s} "

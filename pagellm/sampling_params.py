@@ -62,7 +62,8 @@ class StructuredOutputsParams:
         import json as json_module
 
         if self.json is not None:
-            text = self.json if isinstance(self.json, str) else json_module.dumps(self.json)  # key order is output order: never sorted
+            # Not sort_keys: the properties' order is the output's order.
+            text = self.json if isinstance(self.json, str) else json_module.dumps(self.json)
             return "json", text, self.whitespace_flexible
         if self.regex is not None:
             return "regex", self.regex, self.whitespace_flexible

@@ -71,6 +71,13 @@ def test_json_schema_output_validates(llm):
     _idle(llm)
 
 
+def test_properties_come_out_in_schema_order(llm):
+    schema = {"type": "object", "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}},
+              "required": ["zeta", "alpha"], "additionalProperties": False}
+    (out,) = llm.generate(["x"], _params(json=schema), use_tqdm=False)
+    assert list(json.loads(out.outputs[0].text)) == ["zeta", "alpha"]
+
+
 def test_regex_choice_and_json_object(llm):
     regex = r"(yes|no) [0-9]{2,4}!"
     outs = llm.generate(PROMPTS, _params(regex=regex), use_tqdm=False)
