@@ -14,7 +14,7 @@ LAYER = {
     "core": 2,
     "attention": 2.5, "distributed": 2.5, "kernels": 2.5, "layers": 2.5, "models": 2.5, "weights": 2.5, "sampling": 2.5,
     "worker": 3, "executor": 4,
-    "tokenizer": 5, "detokenizer": 5, "engine": 5,
+    "tokenizer": 5, "detokenizer": 5, "engine": 5, "structured_output": 5,
     "entrypoints": 6, "__init__": 6,
 }
 # Allowed imports per layer, beyond the module's own layer.

@@ -143,6 +143,9 @@ def test_bad_constraint_is_a_clear_error_and_the_engine_keeps_serving(llm):
         llm.generate(["x"], _params(regex="(unclosed"), use_tqdm=False)
     with pytest.raises(ValueError, match="structured_outputs.json"):
         llm.generate(["x"], _params(json='{"type": "object", "properties": '), use_tqdm=False)
+    if eng.structured_outputs.backend.name == "guidance":  # an unsupported construct is named
+        with pytest.raises(ValueError, match="unevaluatedProperties"):
+            llm.generate(["x"], _params(json={"type": "object", "unevaluatedProperties": False}), use_tqdm=False)
     # Through the engine directly (no front-end check): the request ends with the error.
     eng.add_request("bad", "x", _params(regex="[z-a]"))
     outs = []
