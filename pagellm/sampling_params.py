@@ -18,27 +18,60 @@ MAX_LOGPROBS = 20
 MAX_STRUCTURED_SPEC_CHARS = 256 * 1024
 
 
+def _check_structural_tag(tag: str | dict) -> str:
+    """vLLM's structural tag as canonical JSON text, or a ``ValueError`` naming what is wrong."""
+    import json as json_module
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"structured_outputs.structural_tag {why}")
+
+    if isinstance(tag, str):
+        try:
+            tag = json_module.loads(tag)
+        except json_module.JSONDecodeError as e:
+            raise bad(f"is not valid JSON: {e}") from e
+    if not isinstance(tag, dict):
+        raise bad("must be an object with 'structures' and 'triggers'")
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(structures, list) or not structures:
+        raise bad("needs a non-empty 'structures' list")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise bad("needs a non-empty 'triggers' list of strings")
+    for i, s in enumerate(structures):
+        if not isinstance(s, dict) or not all(isinstance(s.get(k), str) for k in ("begin", "end")) \
+                or not isinstance(s.get("schema"), (dict, bool)):
+            raise bad(f"structures[{i}] needs 'begin' and 'end' strings and a 'schema'")
+        if not any(s["begin"].startswith(t) for t in triggers):
+            raise bad(f"structures[{i}].begin {s['begin']!r} starts with none of the triggers")
+    return json_module.dumps({"structures": structures, "triggers": triggers})
+
+
 @dataclass(slots=True)
 class StructuredOutputsParams:
     """One output constraint (vLLM's ``StructuredOutputsParams``): exactly one of ``json`` (a JSON
     schema, as a dict or its JSON text), ``regex``, ``choice`` (the output is one of these strings),
-    ``grammar`` (a Lark grammar, llguidance's dialect; or GBNF/EBNF with the xgrammar backend) or
-    ``json_object=True`` (any JSON object). ``whitespace_flexible``: allow any whitespace between
-    JSON tokens (off: compact JSON, fewer tokens)."""
+    ``grammar`` (a Lark grammar, llguidance's dialect; or GBNF/EBNF with the xgrammar backend),
+    ``json_object=True`` (any JSON object) or ``structural_tag`` (free text in which each
+    ``begin ... end`` segment, entered when a trigger appears, follows its JSON schema; vLLM's
+    format as a dict or JSON text: ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``).
+    ``whitespace_flexible``: allow any whitespace between JSON tokens (off: compact JSON)."""
 
     json: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict | None = None
     whitespace_flexible: bool = False
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
                  if getattr(self, name) not in (None, False)]
         if len(given) != 1:
-            raise ValueError("structured_outputs: exactly one of json, regex, choice, grammar, json_object "
-                             f"must be set, got {given or 'none'}")
+            raise ValueError("structured_outputs: exactly one of json, regex, choice, grammar, json_object, "
+                             f"structural_tag must be set, got {given or 'none'}")
+        if self.structural_tag is not None:
+            self.structural_tag = _check_structural_tag(self.structural_tag)
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise ValueError(f"structured_outputs.json must be a JSON schema (dict or JSON text), "
                              f"got {type(self.json).__name__}")
@@ -71,6 +104,8 @@ class StructuredOutputsParams:
             return "choice", json_module.dumps(self.choice), self.whitespace_flexible
         if self.grammar is not None:
             return "grammar", self.grammar, self.whitespace_flexible
+        if self.structural_tag is not None:
+            return "structural_tag", str(self.structural_tag), self.whitespace_flexible
         return "json_object", "", self.whitespace_flexible
 
 

@@ -367,3 +367,43 @@ def test_slow_compile_times_out_without_holding_up_others(tiny_llama, monkeypatc
 def test_oversized_constraint_is_refused():
     with pytest.raises(ValueError, match="limit"):
         StructuredOutputsParams(regex="a" * 300_000)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_structural_tag_leaves_text_free_and_constrains_tagged_calls(tiny_llama, backend):
+    """``tool_choice="auto"``'s constraint: any text, but after ``<tool_call>`` only a given tool's
+    name and arguments under its schema, closed by ``}</tool_call>``."""
+    from pagellm.config import resolve_model_source
+    from pagellm.entrypoints import tool_calls
+    from pagellm.structured_output.backend import create_backend
+    from pagellm.tokenizer import Tokenizer
+
+    tok = Tokenizer(resolve_model_source(tiny_llama))
+    params = tool_calls.constraint(tool_calls.resolve([WEATHER, ADD], "auto", None))
+    grammar = create_backend(backend, tok.hf, len(tok.hf), tok.eos_token_id).compile(params)
+
+    def accepts(text: str) -> bool:
+        m = grammar.new_matcher()
+        return all(m.accept_token(t) for t in tok.encode(text, add_special_tokens=False) + [tok.eos_token_id])
+
+    assert accepts("Just some text, no call at all.")
+    assert accepts('Let me add. <tool_call>{"name": "add", "arguments": {"a":1,"b":2}}</tool_call>')
+    assert not accepts('<tool_call>{"name": "sub", "arguments": {}}</tool_call>')  # no such tool
+    assert not accepts('<tool_call>{"name": "add", "arguments": {"a":100,"b":2}}</tool_call>')  # a > 99
+    assert not accepts('<tool_call>{"name": "add", "arguments": {"a":1')  # a started call must end
+    with pytest.raises(ValueError, match="triggers"):
+        StructuredOutputsParams(structural_tag={"structures": [{"begin": "<x>", "schema": {}, "end": "</x>"}],
+                                                "triggers": ["<y>"]})
+
+
+def test_auto_tool_choice_serves_text_with_a_tagged_grammar(server):
+    from test_server import NAME
+
+    _, client = server
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hello"}],
+                                       tools=[WEATHER, ADD], max_tokens=12, temperature=0)
+    ch = r.choices[0]
+    if ch.finish_reason == "tool_calls":  # a random model may write a call; it must then be valid
+        _check_calls(ch.message.tool_calls)
+    else:
+        assert ch.message.tool_calls is None and isinstance(ch.message.content, str)

@@ -528,11 +528,13 @@ class OpenAIServer:
         if top and not body.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         params = self._params(body, len(ids), max_tokens, top if body.logprobs else None)
-        if mode is not None and mode.constrained:
-            if params.structured_outputs is not None:
+        if mode is not None:
+            if params.structured_outputs is None:
+                params = params.clone(structured_outputs=tool_calls.constraint(mode))
+            elif mode.constrained:
                 raise APIError("tool_choice 'required' or a named function already constrains the reply; "
                                "drop response_format / structured_outputs", param="tool_choice")
-            params = params.clone(structured_outputs=tool_calls.constraint(mode))
+            # (auto with a response_format: the format wins; calls are still parsed from the text)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 

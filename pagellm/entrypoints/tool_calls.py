@@ -7,8 +7,9 @@
 - ``"auto"`` (the default when tools are given) lets the model choose: the tools are shown to it
   and its reply is parsed for calls written as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
   (the Hermes / Qwen format). A chat template that takes ``tools`` gets them; one that does not
-  (SmolLM2's) gets them in a system message, :func:`tools_system_prompt`. A call that does not
-  parse or names no given tool stays text. Not constrained: a small model's free text is left as is.
+  (SmolLM2's) gets them in a system message, :func:`tools_system_prompt`. The reply is free text,
+  but once it writes ``<tool_call>`` a structural tag constrains the call (a given tool's name,
+  then arguments under its schema, then ``}</tool_call>``), so a started call always parses.
 - ``"none"``: tools are not shown and no call is parsed.
 
 Earlier turns carry calls as assistant ``tool_calls`` and results as ``tool`` messages; for a
@@ -86,7 +87,12 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def constraint(mode: ToolMode) -> StructuredOutputsParams:
-    """The grammar a constrained mode decodes under."""
+    """The grammar a mode decodes under (``auto``: free text with structurally tagged calls)."""
+    if mode.kind == "auto":
+        return StructuredOutputsParams(structural_tag={
+            "structures": [{"begin": f'{CALL_OPEN}{{"name": {json.dumps(t["function"]["name"])}, "arguments": ',
+                            "schema": _parameters(t), "end": "}" + CALL_CLOSE} for t in mode.tools],
+            "triggers": [CALL_OPEN]})
     if mode.kind == "named":
         tool = next(t for t in mode.tools if t["function"]["name"] == mode.name)
         return StructuredOutputsParams(json=_parameters(tool))

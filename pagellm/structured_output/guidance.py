@@ -76,6 +76,13 @@ class GuidanceBackend(StructuredOutputBackend):
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=defaults)
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec)
+        if kind == "structural_tag":
+            tag = json.loads(spec)
+            tags = [llguidance.StructTag(trigger=next(t for t in tag["triggers"] if s["begin"].startswith(t)),
+                                         begin=s["begin"], grammar=s["schema"], end=s["end"])
+                    for s in tag["structures"]]
+            # assume_special=False: a trigger like "<tool_call>" is text here, not a special token.
+            return llguidance.StructTag.to_grammar(tags, assume_special=False)
         if kind == "choice":
             return llguidance.LLMatcher.grammar_from_lark(
                 "start: " + " | ".join(_lark_literal(c) for c in json.loads(spec)))

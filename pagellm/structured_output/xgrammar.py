@@ -67,6 +67,11 @@ class XgrammarBackend(StructuredOutputBackend):
                                                              separators=seps)
             elif kind == "regex":
                 compiled = self.compiler.compile_regex(spec)
+            elif kind == "structural_tag":
+                tag = json.loads(spec)
+                items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                         for s in tag["structures"]]
+                compiled = self.compiler.compile_structural_tag(items, tag["triggers"])
             elif kind == "choice":
                 compiled = self.compiler.compile_grammar(
                     "root ::= " + " | ".join(json.dumps(c) for c in json.loads(spec)))
