@@ -43,6 +43,20 @@ def _idle(client: AsyncEngineClient, timeout: float = 15.0) -> None:
         time.sleep(0.05)
 
 
+def _wait_healthy(url: str, proc, timeout: float = 120.0) -> None:
+    """Until ``url`` answers /health with 200; fails if ``proc`` (the server) exits first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, "the server exited early"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.5)
+
+
 def test_core_process_gives_the_in_process_greedy_text(core, tiny_llama):
     srv, client = core
     sdk = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -123,16 +137,7 @@ def test_two_api_servers_give_the_same_greedy_text_as_one(tiny_llama):
     launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert launcher.poll() is None, launcher.stderr.read()[-2000:] if launcher.stderr else ""
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the servers did not start"
-            time.sleep(0.5)
+        _wait_healthy(url, launcher)
         llm = LLM(tiny_llama, kv_cache_memory="16MiB", max_model_len=256)
         params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
         ref = [o.outputs[0].text for o in llm.generate(PROMPTS * 2, params)]
@@ -222,16 +227,7 @@ def test_exit_on_engine_death_exits_non_zero(tiny_llama):
            "--exit-on-engine-death", "--kv-cache-memory", "16MiB", "--max-model-len", "256"]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, "the server exited early"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.5)
+        _wait_healthy(f"http://127.0.0.1:{port}", server)
         cores = [pid for pid in _children(server.pid) if "spawn_main" in _cmdline(pid)]  # not the resource tracker
         assert cores, "no engine core process found"
         for pid in cores:
@@ -241,18 +237,6 @@ def test_exit_on_engine_death_exits_non_zero(tiny_llama):
         if server.poll() is None:
             server.kill()
 
-
-def _wait_healthy(url: str, proc, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, "the server exited early"
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.5)
 
 
 def _stream_lines(url: str, body: dict, out: list[str]) -> None:
