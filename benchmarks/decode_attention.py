@@ -9,6 +9,11 @@ K/V bytes read per second, and the ratio, measured in the same run.
     python benchmarks/decode_attention.py
     python benchmarks/decode_attention.py --batch 8 --context 1000 2000
     python benchmarks/decode_attention.py --context 450 700 --shared-prefix 384
+    python benchmarks/decode_attention.py --cache-dtype float16 --hot    # compute bound: K/V from cache
+
+``--hot`` gives every decode the same blocks (one cache-resident context), so the kernel's
+arithmetic alone is timed; the gap to the default (blocks scattered over the whole cache) is
+what memory costs.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, nargs=2, default=[300, 600], metavar=("MIN", "MAX"))
     ap.add_argument("--cache-gib", type=float, default=2.0)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--cache-dtype", choices=("float32", "float16"), default="float32")
+    ap.add_argument("--hot", action="store_true", help="every decode reads the same blocks (from cache)")
     ap.add_argument("--shared-prefix", type=int, default=0,
                     help="tokens every context starts with, in blocks all decodes share (a prefix-cache hit)")
     add_shape_args(ap)
@@ -42,9 +49,10 @@ def main() -> None:
     torch.manual_seed(0)
     hq, hkv = args.heads
     d, bs, n_layers = args.head_dim, args.block_size, args.layers
-    row_bytes = hkv * d * 4
+    dtype = getattr(torch, args.cache_dtype)
+    row_bytes = hkv * d * dtype.itemsize
     num_blocks = int(args.cache_gib * 2**30 / (n_layers * 2 * bs * row_bytes))
-    kv = torch.randn(n_layers, 2, num_blocks * bs, hkv, d)  # every page touched before timing
+    kv = torch.randn(n_layers, 2, num_blocks * bs, hkv, d).to(dtype)  # every page touched before timing
     lens = [random.randint(*args.context) for _ in range(args.batch)]
     shared = min(args.shared_prefix, *lens) // bs
     need = shared + sum(-(-n // bs) - shared for n in lens)
@@ -53,6 +61,8 @@ def main() -> None:
     free = random.sample(range(num_blocks), num_blocks)
     prefix = [free.pop() for _ in range(shared)]
     tables = [prefix + [free.pop() for _ in range(-(-n // bs) - shared)] for n in lens]
+    if args.hot:
+        tables = [list(range(-(-n // bs))) for n in lens]
     q = torch.randn(args.batch, hq, d)
     k, v = torch.randn(args.batch, hkv, d), torch.randn(args.batch, hkv, d)
     slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens, strict=True)])

@@ -407,3 +407,31 @@ def test_auto_tool_choice_serves_text_with_a_tagged_grammar(server):
         _check_calls(ch.message.tool_calls)
     else:
         assert ch.message.tool_calls is None and isinstance(ch.message.content, str)
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(data_parallel_size=2)])
+def test_constrained_through_worker_processes_and_replicas(tiny_llama, parallel):
+    """The bitmask travels to mp workers in the step's diff (tensor parallel: rank 0 samples) and
+    each data-parallel replica compiles its own requests: the same greedy outputs as one worker."""
+    ref_llm = LLM(tiny_llama, kv_cache_memory="16MiB", max_model_len=512)
+    ref = [o.outputs[0].token_ids for o in ref_llm.generate(PROMPTS, _params(json=PERSON), use_tqdm=False)]
+    ref_llm.llm_engine.shutdown()
+    llm = LLM(tiny_llama, kv_cache_memory="16MiB", max_model_len=512, distributed_executor_backend="mp", **parallel)
+    with llm:
+        outs = llm.generate(PROMPTS, _params(json=PERSON), use_tqdm=False)
+        with pytest.raises(ValueError, match="structured_outputs.regex"):
+            llm.generate(["x"], _params(regex="(unclosed"), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    for o in outs:
+        jsonschema.validate(json.loads(o.outputs[0].text), PERSON)
+
+
+def test_malformed_tool_history_is_a_400(server):
+    import openai
+    from test_server import NAME
+
+    _, client = server
+    bad = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [1, 2]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=bad, max_tokens=4)
+    assert e.value.body["param"] == "messages[1].tool_calls"

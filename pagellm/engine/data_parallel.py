@@ -23,6 +23,7 @@ from pagellm.metrics import EngineStats
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.sequence import Sequence
+from pagellm.structured_output.manager import StructuredOutputManager
 from pagellm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,12 @@ class DataParallelEngine:
     # ------------------------------------------------------------------ requests
     def get_tokenizer(self):
         return self.tokenizer
+
+    @property
+    def structured_outputs(self) -> StructuredOutputManager:
+        """The first replica's manager, for front ends that check a constraint before queueing
+        (each replica compiles the requests routed to it)."""
+        return self.replicas[0].structured_outputs
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:

@@ -166,7 +166,7 @@ class OpenAIServer:
             raise APIError("messages must not be empty", param="messages")
         msgs = [normalize_message(m, i, self.content_format) for i, m in enumerate(messages)]
         if not self.tokenizer.template_takes_tools:
-            msgs = [tool_calls.history_as_text(m) for m in msgs]
+            msgs = [tool_calls.history_as_text(m, i) for i, m in enumerate(msgs)]
             if tools:
                 text = tool_calls.tools_system_prompt(tools)
                 if msgs[0]["role"] == "system" and isinstance(msgs[0].get("content"), str):

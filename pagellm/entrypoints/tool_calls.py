@@ -60,8 +60,8 @@ def resolve(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool
                 or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise APIError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
                            "{...}}}}}", param=f"tools[{i}]")
-        params = fn.get("parameters", _ANY_OBJECT)
-        if not isinstance(params, dict):
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
             raise APIError(f"tools[{i}].function.parameters must be a JSON schema object",
                            param=f"tools[{i}].function.parameters")
         names.append(fn["name"])
@@ -73,7 +73,8 @@ def resolve(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool
     if tool_choice == "required":
         return ToolMode("required", tools, parallel=par)
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        name = (tool_choice.get("function") or {}).get("name")
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
         if name not in names:
             raise APIError(f"tool_choice names function {name!r}, which is not among tools ({names})",
                            param="tool_choice")
@@ -114,14 +115,19 @@ def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
             "and nothing else.")
 
 
-def history_as_text(msg: dict[str, Any]) -> dict[str, Any]:
+def history_as_text(msg: dict[str, Any], index: int = 0) -> dict[str, Any]:
     """An earlier assistant call or tool result as plain text, for a template without tool support."""
     calls = msg.get("tool_calls")
     if msg.get("role") == "assistant" and calls:
-        text = "".join(CALL_OPEN + json.dumps({"name": c["function"]["name"],
-                                              "arguments": _loads_or_text(c["function"].get("arguments", "{}"))})
-                       + CALL_CLOSE for c in calls)
-        return {"role": "assistant", "content": ((msg.get("content") or "") + text)}
+        try:
+            text = "".join(CALL_OPEN + json.dumps({"name": c["function"]["name"],
+                                                  "arguments": _loads_or_text(c["function"].get("arguments", "{}"))})
+                           + CALL_CLOSE for c in calls)
+        except (TypeError, KeyError, AttributeError) as e:
+            raise APIError(f"messages[{index}].tool_calls must be a list of {{'function': {{'name': ..., "
+                           "'arguments': ...}}}}", param=f"messages[{index}].tool_calls") from e
+        content = msg.get("content") if isinstance(msg.get("content"), str) else ""
+        return {"role": "assistant", "content": content + text}
     if msg.get("role") == "tool":
         return {"role": "user",
                 "content": f"Result of the call {msg.get('tool_call_id', '')}: {msg.get('content', '')}"}
