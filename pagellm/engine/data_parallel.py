@@ -81,7 +81,8 @@ class DataParallelEngine:
         replica = self.replicas[i]
         replica.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params, arrival_time, priority,
                             cache_salt)
-        group = replica.scheduler.requests[request_id]
+        group = replica.get_request_group(request_id)
+        assert group is not None
         max_new = group.sampling_params.max_tokens or (self.max_model_len - len(group.prompt_token_ids))
         cost = len(group.prompt_token_ids) + (group.sampling_params.best_of or group.sampling_params.n) * max_new
         self._replica_of[request_id], self._cost[request_id] = i, cost

@@ -189,6 +189,13 @@ class LLMEngine:
         else:
             self.scheduler.add_request(group)
 
+    def get_request_group(self, request_id: str) -> SequenceGroup | None:
+        """A queued or running request's state (also while it waits for its grammar), or ``None``."""
+        group = self.scheduler.requests.get(request_id)
+        if group is None and self._structured is not None:
+            group = self._structured.pending_group(request_id)
+        return group
+
     def abort_request(self, request_id: str | list[str]) -> None:
         if self._structured is not None:
             for rid in [request_id] if isinstance(request_id, str) else request_id:

@@ -141,6 +141,10 @@ class StructuredOutputManager:
     def is_waiting(self, request_id: str) -> bool:
         return request_id in self._pending
 
+    def pending_group(self, request_id: str) -> SequenceGroup | None:
+        entry = self._pending.get(request_id)
+        return entry[0] if entry else None
+
     def wait_any(self, timeout: float) -> None:
         """Block until some pending compile finishes or ``timeout`` seconds pass."""
         futures = [fut for _, fut, _ in self._pending.values()]
