@@ -35,7 +35,8 @@ def run(llm, reqs: list[dict], constrained: bool) -> dict:
     so = StructuredOutputsParams(json=SCHEMA) if constrained else None
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True, structured_outputs=so)
               for r in reqs]
-    assert llm.llm_engine.reset_prefix_cache()  # each run computes every prompt: no hits from the last
+    if not llm.llm_engine.reset_prefix_cache():  # each run computes every prompt: no hits from the last
+        raise RuntimeError("the prefix cache could not be reset (requests still hold blocks)")
     before = llm.llm_engine.get_stats()
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs], params, use_tqdm=False)
