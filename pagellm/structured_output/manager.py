@@ -185,10 +185,13 @@ class StructuredOutputManager:
         the grammar is complete, else ``None``."""
         matcher, taken = self._matcher(request_id, seq)
         out = seq.output_token_ids
-        if len(taken) > len(out) or taken != out[:len(taken)]:  # (defensive) a different history: replay
-            matcher, taken = self._grammars[request_id].new_matcher(), []
+        n = len(taken)
+        if n > len(out) or (n and taken[-1] != out[n - 1]):  # (defensive) a different history: replay
+            matcher, taken, n = self._grammars[request_id].new_matcher(), [], 0
             self._matchers[seq.seq_id] = (matcher, taken)
-        for tok in out[len(taken):]:
+        if n == len(out):  # nothing new (most calls from fill_bitmask): no slicing, no copies
+            return "terminated" if matcher.is_terminated() else None
+        for tok in out[n:]:
             if matcher.is_terminated():
                 return "terminated"
             if not matcher.accept_token(tok):
