@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json as json_module  # (StructuredOutputsParams has a field named json)
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -20,8 +21,6 @@ MAX_STRUCTURED_SPEC_CHARS = 256 * 1024
 
 def _check_structural_tag(tag: str | dict) -> str:
     """vLLM's structural tag as canonical JSON text, or a ``ValueError`` naming what is wrong."""
-    import json as json_module
-
     def bad(why: str) -> ValueError:
         return ValueError(f"structured_outputs.structural_tag {why}")
 
@@ -92,8 +91,6 @@ class StructuredOutputsParams:
 
     def key(self) -> tuple[str, str, bool]:
         """``(kind, spec text, whitespace_flexible)``: what a compiled grammar is cached under."""
-        import json as json_module
-
         if self.json is not None:
             # Not sort_keys: the properties' order is the output's order.
             text = self.json if isinstance(self.json, str) else json_module.dumps(self.json)

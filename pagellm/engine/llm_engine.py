@@ -172,8 +172,7 @@ class LLMEngine:
         capacity = self.num_blocks * self.block_size
         if len(ids) + 1 > capacity:
             raise ValueError(f"prompt of {len(ids)} tokens can never fit in the KV cache ({capacity} token slots)")
-        if request_id in self.scheduler.requests or (
-                self._structured is not None and self._structured.is_waiting(request_id)):
+        if self.get_request_group(request_id) is not None:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params.clone(eos_token_id=self.tokenizer.eos_token_id)
         seq = Sequence(self.scheduler.new_seq_id(), ids)

@@ -539,9 +539,7 @@ class OpenAIServer:
         created = int(time.time())
 
         def message(c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
-            if mode is None or c.finish_reason != "stop":
-                return {"role": "assistant", "content": c.text}, c.finish_reason
-            content, calls = tool_calls.parse(mode, c.text)
+            content, calls = tool_calls.finished(mode, c.text, c.finish_reason)
             if calls is None:
                 return {"role": "assistant", "content": c.text}, c.finish_reason
             return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
@@ -564,8 +562,7 @@ class OpenAIServer:
                            created: int, body: ChatCompletionRequest, top: int,
                            request: Request, mode: tool_calls.ToolMode | None = None) -> AsyncIterator[dict]:
         last = None
-        texts: dict[int, str] = {}  # with tools: each choice's whole text, and how much went out as content
-        sent: dict[int, int] = {}
+        sent: dict[int, int] = {}  # with tools: how much of each choice's text went out as content
 
         def chunk(choices: list[dict], usage: dict | None = None) -> dict:
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
@@ -582,12 +579,12 @@ class OpenAIServer:
                               "finish_reason": c.finish_reason}])
                 continue
             # Tools: content goes out only where it cannot be (part of) a call; calls at the end.
-            text = texts[c.index] = texts.get(c.index, "") + d.text
+            text = c.text  # the whole reply so far
             done = sent.get(c.index, 0)
             upto = done if mode.constrained else max(done, tool_calls.holdback(text))
             calls = None
             if c.finish_reason is not None:
-                content, calls = tool_calls.parse(mode, text) if c.finish_reason == "stop" else (text, None)
+                calls = tool_calls.finished(mode, text, c.finish_reason)[1]
                 upto = len(text) if calls is None else done
             delta: dict[str, Any] = {"content": text[done:upto]} if upto > done else {}
             sent[c.index] = upto

@@ -175,6 +175,15 @@ def parse(mode: ToolMode, text: str) -> tuple[str | None, list[dict[str, Any]] |
     return before or None, calls
 
 
+def finished(mode: ToolMode | None, text: str,
+             finish_reason: str | None) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """:func:`parse` of a reply that ended with ``finish_reason``: only a reply that stopped by
+    itself (not cut by ``max_tokens``) is read for calls; the text and ``None`` otherwise."""
+    if mode is None or finish_reason != "stop":
+        return text, None
+    return parse(mode, text)
+
+
 def holdback(text: str) -> int:
     """How much of streamed ``text`` may be sent as content in auto mode: everything before a call
     starts, keeping back a tail that could be the beginning of ``<tool_call>``."""

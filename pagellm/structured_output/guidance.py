@@ -62,10 +62,11 @@ class GuidanceBackend(StructuredOutputBackend):
         # what one grammar may cost: a pathological one fails with an error instead of stalling a step.
         self.limits = llguidance.LLParserLimits()
 
-    def grammar_text(self, params: StructuredOutputsParams) -> str:
-        """The constraint as an llguidance grammar (JSON schema, regex or Lark)."""
-        defaults = {"whitespace_flexible": params.whitespace_flexible}
-        kind, spec, _ = params.key()
+    @staticmethod
+    def grammar_text(kind: str, spec: str, whitespace_flexible: bool) -> str:
+        """The constraint (``StructuredOutputsParams.key()``) as an llguidance grammar (JSON schema,
+        regex or Lark)."""
+        defaults = {"whitespace_flexible": whitespace_flexible}
         if kind == "json":
             try:
                 schema = json.loads(spec)
@@ -89,9 +90,10 @@ class GuidanceBackend(StructuredOutputBackend):
         return llguidance.LLMatcher.grammar_from_lark(spec)
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        kind = params.key()[0]
+        key = params.key()
+        kind = key[0]
         try:
-            grammar = self.grammar_text(params)
+            grammar = self.grammar_text(*key)
         except GrammarCompileError:
             raise
         except Exception as e:  # llguidance raises ValueError / RuntimeError with its message

@@ -92,14 +92,16 @@ class StructuredOutputManager:
             self._cache.popitem(last=False)
         return fut
 
+    def _timed_out(self) -> str:
+        return f"structured_outputs: the constraint did not compile within {self.compile_timeout_s:g} s"
+
     def validate(self, params: StructuredOutputsParams) -> None:
         """Compile now (or find it cached) and raise ``GrammarCompileError`` (a ``ValueError``) if it
         does not compile: for front ends that want a bad constraint refused before it is queued."""
         try:
             self._compile(params).result(timeout=self.compile_timeout_s)
         except TimeoutError as e:
-            raise GrammarCompileError(f"structured_outputs: the constraint did not compile within "
-                                      f"{self.compile_timeout_s:g} s") from e
+            raise GrammarCompileError(self._timed_out()) from e
 
     def add_request(self, group: SequenceGroup) -> None:
         params = group.sampling_params.structured_outputs
@@ -126,8 +128,7 @@ class StructuredOutputManager:
             elif now - since > self.compile_timeout_s:
                 del self._pending[rid]
                 self.stats.compile_failures += 1
-                failed.append((group, f"structured_outputs: the constraint did not compile within "
-                                      f"{self.compile_timeout_s:g} s"))
+                failed.append((group, self._timed_out()))
         return ready, failed
 
     @property
@@ -137,9 +138,6 @@ class StructuredOutputManager:
     @property
     def num_constrained(self) -> int:
         return len(self._grammars)
-
-    def is_waiting(self, request_id: str) -> bool:
-        return request_id in self._pending
 
     def pending_group(self, request_id: str) -> SequenceGroup | None:
         entry = self._pending.get(request_id)
@@ -204,15 +202,13 @@ class StructuredOutputManager:
         t0 = time.perf_counter()
         bitmask = allocate_bitmask(len(rows), self.vocab_size)
         for i, (rid, seq) in enumerate(rows):
-            self.advance(rid, seq)
-            matcher = self._matcher(rid, seq)[0]
-            if matcher.is_terminated():  # complete (a beam that goes on): only the end may follow
+            if self.advance(rid, seq) == "terminated":  # complete (a beam that goes on): only the end may follow
                 bitmask[i] = 0
                 if self.eos_token_id is not None:
                     word, bit = divmod(self.eos_token_id, 32)
                     bitmask[i, word] = np.uint32(1 << bit).view(np.int32)
             else:
-                matcher.fill_bitmask(bitmask, i)
+                self._matcher(rid, seq)[0].fill_bitmask(bitmask, i)
         self.stats.mask_seconds += time.perf_counter() - t0
         self.stats.masks_filled += len(rows)
         return bitmask
