@@ -10,6 +10,7 @@ whether, where they diverge, each side's token is in the other's top 5 (vLLM's
 
     python benchmarks/quality.py                       # float32 vs bfloat16 and int8 (where this machine has them)
     python benchmarks/quality.py --dtype float32 auto auto+gguf   # DTYPE+gguf: quantization="gguf" (int8 GEMMs)
+    python benchmarks/quality.py --dtype float32 auto+gguf auto+gguf@float32   # @KV: kv_cache_dtype
 """
 
 from __future__ import annotations
@@ -80,9 +81,10 @@ def main() -> None:
     print(f"machine: {cpu_info().summary()}")
     rows, ref = [], None
     for mode in modes:
-        dtype, _, quantization = mode.partition("+")
+        spec, _, kv = mode.partition("@")
+        dtype, _, quantization = spec.partition("+")
         engine = LLMEngine.from_engine_args(EngineArgs(model=args.model, dtype=dtype, quantization=quantization or None,
-                                                       kv_cache_memory="256MiB"))
+                                                       kv_cache_dtype=kv or "auto", kv_cache_memory="256MiB"))
         tok = engine.get_tokenizer()
         with open(TEXT) as f:
             ids = tok.encode(f.read())
@@ -98,11 +100,12 @@ def main() -> None:
                     diverged += 1
                     close &= x in topb[pos] and y in topa[pos]
                     break
-        rows.append((f"{mode} ({engine.model_info.dtype})", ppl, ppl / ref[0], diverged, close))
+        info = engine.model_info
+        rows.append((f"{mode} ({info.dtype}, {info.kv_cache_dtype} KV)", ppl, ppl / ref[0], diverged, close))
     print(f"\n{len(ids)} text tokens, {len(SMOL_PROMPTS)} prompts x {args.new_tokens} greedy tokens")
-    print(f"{'mode (numerics)':28s} {'perplexity':>10s} {'vs first':>9s} {'diverged':>9s} {'top-5 close':>11s}")
+    print(f"{'mode (numerics, KV)':44s} {'perplexity':>10s} {'vs first':>9s} {'diverged':>9s} {'top-5 close':>11s}")
     for name, ppl, ratio, diverged, close in rows:
-        print(f"{name:28s} {ppl:10.4f} {ratio:9.4f} {diverged:>5d}/{len(SMOL_PROMPTS):<3d} {str(close):>11s}")
+        print(f"{name:44s} {ppl:10.4f} {ratio:9.4f} {diverged:>5d}/{len(SMOL_PROMPTS):<3d} {str(close):>11s}")
 
 
 if __name__ == "__main__":
