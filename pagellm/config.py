@@ -237,16 +237,77 @@ class StructuredOutputsConfig:
         """From a dict (``LLM(structured_outputs_config={...})``) or its JSON text (the CLI flag)."""
         if value is None or isinstance(value, cls):
             return value or cls()
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError("structured_outputs_config must be JSON, e.g. "
-                                 "'{\"backend\": \"xgrammar\"}': " + str(e)) from e
-        if not isinstance(value, dict):
-            raise ValueError(f"structured_outputs_config must be a dict, got {type(value).__name__}")
-        reject_unknown("structured_outputs_config field(s)", value, {"backend", "compile_timeout_s"})
-        return cls(**value)
+        return cls(**_config_dict(value, "structured_outputs_config", '{"backend": "xgrammar"}', cls))
+
+
+def _config_dict(value: dict | str, name: str, example: str, cls: type) -> dict[str, Any]:
+    """A nested config given as a dict or as its JSON text (a CLI flag), its keys checked against ``cls``."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} must be JSON, e.g. '{example}': {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict, got {type(value).__name__}")
+    reject_unknown(f"{name} field(s)", value, {f.name for f in fields(cls)})
+    return value
+
+
+SPEC_METHODS = ("ngram", "suffix")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """vLLM's ``speculative_config``: a proposer guesses up to ``num_speculative_tokens`` next
+    tokens per sequence, the target model verifies them in one step (docs/spec_decode.md).
+
+    ``ngram``: the latest earlier occurrence of the context's last ``prompt_lookup_max`` ..
+    ``prompt_lookup_min`` tokens in the prompt and output; ``suffix``: a suffix tree over the
+    request's tokens and the last ``suffix_cache_requests`` finished outputs (SuffixDecoding),
+    proposing while a continuation's frequency is at least ``suffix_min_probability``.
+    ``cost_model``: choose k per step from measured step times and acceptance (``False``: always
+    the full ``num_speculative_tokens``); ``disable_by_batch_size``: no drafts at this many running
+    sequences or more (vLLM's ``disable_by_batch_size``; ``None`` = the cost model decides)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    suffix_max_depth: int = 24
+    suffix_min_probability: float = 0.1
+    suffix_cache_requests: int = 256
+    cost_model: bool = True
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config method must be one of {SPEC_METHODS}, got {self.method!r} "
+                             "(draft_model is not built yet: docs/spec_decode.md)")
+        if not (isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 16):
+            raise ValueError(f"speculative_config num_speculative_tokens must be 1..16, "
+                             f"got {self.num_speculative_tokens!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                             f"got {self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.suffix_max_depth < 2:
+            raise ValueError(f"speculative_config suffix_max_depth must be >= 2, got {self.suffix_max_depth}")
+        if not 0.0 <= self.suffix_min_probability <= 1.0:
+            raise ValueError(f"speculative_config suffix_min_probability must be in [0, 1], "
+                             f"got {self.suffix_min_probability}")
+        if self.suffix_cache_requests < 0:
+            raise ValueError(f"speculative_config suffix_cache_requests must be >= 0, "
+                             f"got {self.suffix_cache_requests}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"speculative_config disable_by_batch_size must be >= 1, "
+                             f"got {self.disable_by_batch_size}")
+
+    @classmethod
+    def from_any(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """From a dict (``LLM(speculative_config={...})``) or its JSON text; ``None``: no speculation."""
+        if value is None or isinstance(value, cls):
+            return value
+        return cls(**_config_dict(value, "speculative_config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                                  cls))
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +320,7 @@ class EngineConfig:
     parallel: ParallelConfig
     device: DeviceConfig
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative: SpeculativeConfig | None = None
 
 
 _HELP = {
@@ -275,6 +337,8 @@ _HELP = {
     "num_threads": "torch CPU threads per worker (default: the cores, shared out between local workers)",
     "structured_outputs_config": "JSON, e.g. '{\"backend\": \"xgrammar\"}': grammar library for constrained "
                                  "decoding (auto = llguidance) and compile_timeout_s (default 30)",
+    "speculative_config": "JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}': speculative "
+                          "decoding with the ngram or suffix proposer (docs/spec_decode.md); default: off",
     "tensor_parallel_size": "ranks that split each layer's heads and features (torch.distributed: gloo on CPU, "
                             "nccl on CUDA)",
     "data_parallel_size": "independent engine replicas behind one front end, requests sent to the least loaded",
@@ -324,6 +388,7 @@ class EngineArgs:
     device: str = "auto"
     num_threads: int | None = None
     structured_outputs_config: dict | str | None = None
+    speculative_config: dict | str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -354,6 +419,7 @@ class EngineArgs:
                                         self.tensor_parallel_size, self.data_parallel_size)),  # type: ignore
             device=DeviceConfig(self.device, self.num_threads),  # type: ignore[arg-type]
             structured_outputs=StructuredOutputsConfig.from_any(self.structured_outputs_config),
+            speculative=SpeculativeConfig.from_any(self.speculative_config),
         )
 
     @classmethod
@@ -392,5 +458,5 @@ def default_num_threads() -> int:
 
 __all__ = [
     "CacheConfig", "DeviceConfig", "EngineArgs", "EngineConfig", "ModelConfig", "ParallelConfig",
-    "SchedulerConfig", "default_num_threads",
+    "SchedulerConfig", "SpeculativeConfig", "default_num_threads",
 ]

@@ -85,6 +85,40 @@ class IterationStats:
     grammar_mask_seconds: float = _stat(COUNTER, "Seconds filling structured-output token bitmasks in steps",
                                         "structured_output_mask_seconds", "sum", 0.0)
 
+    # Speculative decoding (vLLM's spec_decode_* counters; derived: acceptance rate, mean acceptance length).
+    spec_num_drafts: int = _stat(COUNTER, "Draft runs verified (one per sequence and step with drafts)",
+                                 "spec_decode_num_drafts")
+    spec_num_draft_tokens: int = _stat(COUNTER, "Draft tokens verified", "spec_decode_num_draft_tokens")
+    spec_num_accepted_tokens: int = _stat(COUNTER, "Draft tokens accepted", "spec_decode_num_accepted_tokens")
+    spec_accepted_per_pos: list[int] = _stat(COUNTER, "Draft tokens accepted at each position (label position)",
+                                             "spec_decode_num_accepted_tokens_per_pos", default=None)
+    spec_steps_off: int = _stat(COUNTER, "Steps in which the cost model switched speculation off",
+                                "spec_decode_steps_off")
+    spec_k: int = _stat(GAUGE, "Drafts per sequence the cost model chose for the latest step", "spec_decode_k", "mean")
+
+    def __post_init__(self) -> None:
+        if self.spec_accepted_per_pos is None:
+            self.spec_accepted_per_pos = []
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens per verified draft run, the target's own token included (vLLM's definition)."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
+
+    def record_spec(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_draft_tokens
+        self.spec_num_accepted_tokens += num_accepted
+        per_pos = self.spec_accepted_per_pos
+        if len(per_pos) < num_draft_tokens:
+            per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for i in range(num_accepted):
+            per_pos[i] += 1
+
     def record_step(self, prompt_tokens: int, generation_tokens: int, schedule_seconds: float = 0.0,
                     model_seconds: float = 0.0, output_seconds: float = 0.0) -> None:
         self.steps += 1
@@ -110,7 +144,8 @@ class StatField:
 STAT_FIELDS: tuple[StatField, ...] = tuple(
     StatField(f.name, group, f.metadata["kind"], f.metadata["doc"], f.metadata["prom"], f.metadata["merge"])
     for group, cls in (("scheduler", SchedulerStats), ("iteration", IterationStats)) for f in fields(cls))
-_DERIVED = ("prefix_cache_hit_rate",)
+_DERIVED = {"prefix_cache_hit_rate": "scheduler", "spec_acceptance_rate": "iteration",
+            "spec_mean_acceptance_length": "iteration"}
 
 
 @dataclass(slots=True)
@@ -122,7 +157,7 @@ class EngineStats(Mapping):
 
     def __getitem__(self, key: str) -> float:
         if key in _DERIVED:
-            return getattr(self.scheduler, key)
+            return getattr(getattr(self, _DERIVED[key]), key)
         for f in STAT_FIELDS:
             if f.name == key:
                 return getattr(getattr(self, f.group), key)
@@ -142,6 +177,11 @@ class EngineStats(Mapping):
         out = cls()
         for f in STAT_FIELDS:
             values = [getattr(getattr(p, f.group), f.name) for p in parts]
+            if values and isinstance(values[0], list):  # per position: summed position by position
+                width = max(len(v) for v in values)
+                setattr(getattr(out, f.group), f.name,
+                        [sum(v[i] for v in values if i < len(v)) for i in range(width)])
+                continue
             total = sum(values) / len(values) if f.merge == "mean" and values else sum(values)
             setattr(getattr(out, f.group), f.name, total)
         return out

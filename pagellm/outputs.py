@@ -25,6 +25,10 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0  # by recompute or by swap
     num_swaps: int = 0  # preemptions by swap (each one swapped out, later back in)
+    # Speculative decoding: steps that verified drafts, tokens drafted, drafts accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -64,6 +64,9 @@ class Sequence:
     stop_reason: int | str | None = None
     # Chained hashes of this sequence's full blocks, extended by the KV cache manager as it grows.
     block_hashes: list[bytes] = field(default_factory=list)
+    # Speculative decoding: the proposer's guesses at the next tokens, verified in the next step
+    # (only a sequence in the decode state, ``num_computed_tokens == num_tokens - 1``, uses them).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +102,7 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: the K/V are dropped, the tokens are kept and recomputed later."""
         self.num_computed_tokens = 0
+        self.spec_token_ids = []
         self.status = SequenceStatus.PREEMPTED
 
     def is_finished(self) -> bool:

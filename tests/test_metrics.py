@@ -27,7 +27,8 @@ def test_mapping_view_has_every_field_once():
     s = _stats(2, 0.5, 100, 90, 3)
     names = [f.name for f in STAT_FIELDS]
     assert len(set(names)) == len(names)
-    assert set(s) == set(names) | {"prefix_cache_hit_rate"} and len(s) == len(set(s))
+    derived = {"prefix_cache_hit_rate", "spec_acceptance_rate", "spec_mean_acceptance_length"}
+    assert set(s) == set(names) | derived and len(s) == len(set(s))
     assert s["num_running"] == 2 and s["steps"] == 3 and dict(s)["prefix_cache_hits"] == 90
     for f in STAT_FIELDS:
         assert f.kind in ("gauge", "counter") and f.merge in ("sum", "mean") and f.doc

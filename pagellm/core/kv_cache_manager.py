@@ -199,6 +199,20 @@ class KVCacheManager:
             new.extend(added)
         return new
 
+    def trim(self, seq: Sequence, num_tokens: int) -> int:
+        """Give back the blocks past the first ``num_tokens`` slots (speculative decoding: blocks
+        that held only rejected drafts). Returns how many went back."""
+        table = self.block_tables.get(seq.seq_id)
+        keep = self.num_blocks_for(num_tokens)
+        if not table or len(table) <= keep:
+            return 0
+        tail = table[keep:]
+        del table[keep:]
+        self.block_pool.free_blocks(reversed(tail))
+        if self._num_cached_blocks.get(seq.seq_id, 0) > keep:
+            self._num_cached_blocks[seq.seq_id] = keep
+        return len(tail)
+
     def _needs_cow(self, num_computed_tokens: int, table: list[KVCacheBlock]) -> bool:
         """The block the next token goes into exists and is shared: it must be copied first."""
         i = num_computed_tokens // self.block_size

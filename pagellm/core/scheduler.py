@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -50,6 +50,10 @@ from pagellm.core.scheduler_output import CacheOps, ModelRunnerOutput, Scheduled
 from pagellm.metrics import PrefixCacheStats, SchedulerStats
 from pagellm.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagellm.utils import InvariantError
+
+# Speculative decoding's per-token stop check from the engine (stop strings need the text):
+# ``(group, seq) -> True`` when ``seq``'s last appended token completes a stop string.
+StopCheck = Callable[[SequenceGroup, Sequence], bool]
 
 
 @dataclass(slots=True)
@@ -225,12 +229,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ plans (values; nothing changes)
     def _plan(self, group: SequenceGroup, token_budget: int) -> list[SlotRequest]:
-        """The group's live sequences' next tokens, in order, within the budget."""
+        """The group's live sequences' next tokens, in order, within the budget (a decoding
+        sequence's drafts count as tokens to compute: they are verified in the same pass)."""
         plan = []
         for seq in group.live_seqs():
             if token_budget <= 0:
                 break
-            n = self._num_new_tokens(seq.num_tokens, seq.num_computed_tokens, token_budget)
+            n = self._num_new_tokens(seq.num_tokens + self._num_drafts(seq, group), seq.num_computed_tokens,
+                                     token_budget)
             if n > 0:  # 0: a beam that sampled and waits for its siblings
                 plan.append(SlotRequest(seq, seq.num_computed_tokens, n))
                 token_budget -= n
@@ -250,6 +256,19 @@ class Scheduler:
             plan.append(SlotRequest(seq, computed, n, hits))
             token_budget -= n
         return plan
+
+    def _num_drafts(self, seq: Sequence, group: SequenceGroup) -> int:
+        """How many of ``seq``'s drafts may be verified: none unless it is decoding (a prefill,
+        a recompute or a swapped-in sequence computes its known tokens first); none past
+        ``max_model_len``; none past ``max_tokens`` (the token after the last draft is free)."""
+        k = len(seq.spec_token_ids)
+        if not k or seq.num_computed_tokens != seq.num_tokens - 1:
+            return 0
+        k = min(k, self.max_model_len - seq.num_tokens)
+        max_tokens = group.sampling_params.max_tokens
+        if max_tokens is not None:
+            k = min(k, max_tokens - seq.num_output_tokens - 1)
+        return max(k, 0)
 
     def _num_new_tokens(self, num_tokens: int, num_computed_tokens: int, token_budget: int) -> int:
         """The unified rule: every token not yet computed, capped by the chunk size and the budget."""
@@ -433,7 +452,13 @@ class Scheduler:
 
     def _make_scheduled(self, group: SequenceGroup, seq: Sequence, n: int) -> ScheduledSequence:
         start = seq.num_computed_tokens
-        do_sample = start + n == seq.num_tokens
+        # Tokens past the known ones are drafts (trimmed to what the budget left: ``_plan``).
+        num_spec = start + n - seq.num_tokens
+        do_sample = num_spec >= 0
+        token_ids = seq.token_ids_range(start, start + n - max(num_spec, 0))
+        spec = seq.spec_token_ids[:num_spec] if num_spec > 0 else None
+        if spec:
+            token_ids = token_ids + spec
         sample_ids = None
         if do_sample and not group.forked and group.num_samples > 1 and group.beam_state is None:
             # The request's first sample: draw one token per future sequence from this row.
@@ -441,7 +466,7 @@ class Scheduler:
         return ScheduledSequence(
             request_id=group.request_id,
             seq_id=seq.seq_id,
-            token_ids=seq.token_ids_range(start, start + n),
+            token_ids=token_ids,
             num_computed_tokens=start,
             block_ids=self.kv_cache_manager.get_block_ids(seq.seq_id),
             do_sample=do_sample,
@@ -449,13 +474,20 @@ class Scheduler:
             output_token_ids=seq.output_token_ids,
             prompt_token_ids=seq.prompt_token_ids,
             sample_seq_ids=sample_ids,
+            spec_token_ids=spec,
         )
 
     # ------------------------------------------------------------------ results
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> tuple[list[SequenceGroup], list[SequenceGroup]]:
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                           stop_check: StopCheck | None = None) -> tuple[list[SequenceGroup], list[SequenceGroup]]:
         """Advance ``num_computed_tokens``, append sampled tokens (forking at a request's first
         sample), apply token-level stops; a finished sequence frees its blocks at once.
+
+        Speculative decoding: ``num_computed_tokens`` advances by every scheduled token, then rolls
+        back by the rejected drafts; the accepted drafts and the token after them are appended one
+        by one, each checked for stops (and by ``stop_check``, the engine's stop strings), so a
+        stop inside an accepted run ends the sequence exactly where it would have ended without
+        speculation; blocks that held only rejected drafts go back to the pool.
 
         Returns ``(groups that got a new token, groups that finished)``.
         """
@@ -470,6 +502,10 @@ class Scheduler:
             if seq is None or seq.status != SequenceStatus.RUNNING:
                 continue
             seq.num_computed_tokens += sched.num_scheduled_tokens
+            accepted = runner_output.spec_accepted.get(seq.seq_id, []) if sched.spec_token_ids else []
+            if sched.spec_token_ids:
+                seq.num_computed_tokens -= len(sched.spec_token_ids) - len(accepted)  # the rejected drafts
+                seq.spec_token_ids = []
             kv.cache_full_blocks(seq, group.cache_salt)
             if not sched.do_sample:
                 continue
@@ -486,11 +522,21 @@ class Scheduler:
                 targets += [self._fork(group, seq, child_id) for child_id in sched.sample_seq_ids[1:]]
                 group.forked = True
             for target in targets:
-                sampled = runner_output.sampled[target.seq_id]
-                target.append_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
-                self._check_stop(target, group)
+                tokens = [*accepted, runner_output.sampled[target.seq_id]] if target is seq else \
+                    [runner_output.sampled[target.seq_id]]
+                for sampled in tokens:
+                    target.append_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
+                    self._check_stop(target, group)
+                    if (len(tokens) > 1 and stop_check is not None
+                            and target.status != SequenceStatus.FINISHED_STOPPED and stop_check(group, target)):
+                        target.status = SequenceStatus.FINISHED_STOPPED
+                    if target.status.is_finished:
+                        break
                 if target.status.is_finished:
                     self._free_seq(target)
+                elif sched.spec_token_ids:
+                    kv.cache_full_blocks(target, group.cache_salt)
+                    kv.trim(target, target.num_tokens)
             updated[group.request_id] = group
             if group.is_finished():
                 self._release(group)

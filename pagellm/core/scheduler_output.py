@@ -33,6 +33,10 @@ class ScheduledSequence:
     # Parallel sampling: at a request's first sample, one token is drawn from this row's logits
     # for each of these sequence ids (the first is ``seq_id``; the others are the forks to be).
     sample_seq_ids: list[int] | None = None
+    # Speculative decoding: the drafts at the end of ``token_ids`` (after the last known token);
+    # every position from the last known token on is sampled, and the rejection sampler keeps
+    # the drafts the target model agrees with.
+    spec_token_ids: list[int] | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -73,6 +77,11 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def scheduled_spec_decode_tokens(self) -> dict[int, list[int]]:
+        """``seq_id -> drafts`` verified this step (vLLM's name)."""
+        return {s.seq_id: s.spec_token_ids for s in self.scheduled if s.spec_token_ids}
+
 
 @dataclass(slots=True)
 class SampledToken:
@@ -85,6 +94,11 @@ class SampledToken:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """Sampled tokens of one step, keyed by ``seq_id`` (only sequences with ``do_sample``)."""
+    """Sampled tokens of one step, keyed by ``seq_id`` (only sequences with ``do_sample``).
+
+    A sequence that verified drafts also has ``spec_accepted[seq_id]``: the drafts the rejection
+    sampler accepted, in order; ``sampled[seq_id]`` is then the token after them (the target's
+    correction at the first rejected draft, or the bonus token when all were accepted)."""
 
     sampled: dict[int, SampledToken]
+    spec_accepted: dict[int, list[SampledToken]] = field(default_factory=dict)

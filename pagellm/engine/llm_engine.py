@@ -17,13 +17,14 @@ from pagellm.config import EngineArgs, EngineConfig, resolve_model_source
 from pagellm.core.beam_search import BeamSearchState
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
-from pagellm.core.scheduler_output import SchedulerOutput
+from pagellm.core.scheduler_output import SampledToken, SchedulerOutput
 from pagellm.detokenizer import IncrementalDetokenizer, find_stop_string
 from pagellm.executor import PendingOutput, WorkerError, create_executor
 from pagellm.metrics import EngineStats, IterationStats
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
 from pagellm.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagellm.spec_decode.manager import SpecDecodeManager
 from pagellm.structured_output.manager import StructuredOutputManager
 from pagellm.tokenizer import Tokenizer, check_token_ids
 
@@ -77,6 +78,10 @@ class LLMEngine:
         # Built on the first constrained request, so an engine that never sees one never imports a
         # grammar library.
         self._structured: StructuredOutputManager | None = None
+        self._spec: SpecDecodeManager | None = None
+        if config.speculative is not None:
+            self._spec = SpecDecodeManager(config.speculative, config.scheduler.max_num_batched_tokens,
+                                           config.scheduler.prefill_chunk_cap)
         logger.info("pagellm engine: %s on %s (%s), %d KV blocks x %d tokens (+%d CPU swap blocks), "
                     "max_model_len %d", self.model_info.architecture, self.model_info.device, self.model_info.dtype,
                     self.num_blocks, self.block_size, self.num_cpu_blocks, self.max_model_len)
@@ -302,7 +307,13 @@ class LLMEngine:
             return outputs
         prompt_tokens = sum(max(0, min(s.num_computed_tokens + s.num_scheduled_tokens, len(s.prompt_token_ids))
                                 - s.num_computed_tokens) for s in sched_out.scheduled)
-        updated, finished = self.scheduler.update_from_output(sched_out, runner_out)
+        spec = self._spec
+        num_accepted = 0
+        if spec is not None:  # (before the update, which releases the requests that finish)
+            num_accepted = self._record_spec(sched_out, runner_out.spec_accepted)
+            spec.observe_step(sum(s.num_scheduled_tokens for s in sched_out.scheduled), t_model - started.submitted_at)
+        updated, finished = self.scheduler.update_from_output(
+            sched_out, runner_out, self._stop_string_hit if spec is not None else None)
         if self._structured is not None and self._structured.num_constrained:
             self._advance_grammars(updated)
         now = time.monotonic()
@@ -319,13 +330,40 @@ class LLMEngine:
             outputs.append(self._make_output(group))
             if group.is_finished():
                 self._forget(group)
-        self.iteration_stats.record_step(prompt_tokens, len(runner_out.sampled), started.schedule_seconds,
-                                         t_model - started.submitted_at, time.perf_counter() - t_model)
+        if spec is not None:
+            spec.propose(self.scheduler.running, self.iteration_stats, self._no_drafts)
+        self.iteration_stats.record_step(prompt_tokens, len(runner_out.sampled) + num_accepted,
+                                         started.schedule_seconds, t_model - started.submitted_at,
+                                         time.perf_counter() - t_model)
         return outputs
 
-    def _detokenize(self, group: SequenceGroup, seq: Sequence) -> None:
+    # ------------------------------------------------------------------ speculative decoding
+    def _record_spec(self, sched_out: SchedulerOutput, accepted: dict[int, list[SampledToken]]) -> int:
+        """Each verified draft run's result into the statistics; returns the drafts accepted."""
+        spec = self._spec
+        assert spec is not None
+        total = 0
+        for s in sched_out.scheduled:
+            group = self.scheduler.requests.get(s.request_id)
+            if s.spec_token_ids and group is not None:
+                n = len(accepted.get(s.seq_id, ()))
+                spec.record(group, s.seq_id, len(s.spec_token_ids), n, self.iteration_stats)
+                total += n
+        return total
+
+    def _no_drafts(self, group: SequenceGroup) -> bool:
+        """Requests under a grammar decode without drafts (each draft would need its own mask)."""
+        return self._structured is not None and self._structured.is_constrained(group.request_id)
+
+    def _stop_string_hit(self, group: SequenceGroup, seq: Sequence) -> bool:
+        """The scheduler's per-token stop check inside an accepted draft run (stop strings)."""
+        self._detokenize(group, seq, finish=False)
+        return isinstance(seq.stop_reason, str)
+
+    def _detokenize(self, group: SequenceGroup, seq: Sequence, finish: bool = True) -> None:
         """Feed ``seq``'s new tokens to its detokenizer (a fork gets its own on first sight) and
-        apply stop strings."""
+        apply stop strings (``finish=False``: only note the hit in ``stop_reason``; the caller
+        ends the sequence)."""
         detok = self._detok.get(seq.seq_id)
         if detok is None:
             detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
@@ -342,6 +380,8 @@ class LLMEngine:
             if hit is not None:
                 detok.text = detok.text[:hit[1]]
                 seq.stop_reason = hit[0]
+                if not finish:
+                    return
                 if seq.is_finished():  # the same token also hit max_tokens: the stop string wins
                     seq.status = SequenceStatus.FINISHED_STOPPED
                 else:
@@ -369,6 +409,8 @@ class LLMEngine:
     def _forget(self, group: SequenceGroup) -> None:
         for seq in group.seqs:
             self._detok.pop(seq.seq_id, None)
+        if self._spec is not None:
+            self._spec.request_finished(group)
         if self._structured is not None:
             self._structured.forget(group)
 

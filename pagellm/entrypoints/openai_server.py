@@ -107,8 +107,14 @@ class _EngineCollector:
             if f.prom is None:
                 continue
             family = GaugeMetricFamily if f.kind == GAUGE else CounterMetricFamily
-            m = family(f"pagellm:{f.prom}", f.doc, labels=["model_name"])
-            m.add_metric([self.server.model_name], getattr(getattr(s, f.group), f.name))
+            value = getattr(getattr(s, f.group), f.name)
+            if isinstance(value, list):  # one series per position
+                m = family(f"pagellm:{f.prom}", f.doc, labels=["model_name", "position"])
+                for i, v in enumerate(value):
+                    m.add_metric([self.server.model_name, str(i)], v)
+            else:
+                m = family(f"pagellm:{f.prom}", f.doc, labels=["model_name"])
+                m.add_metric([self.server.model_name], value)
             yield m
 
 

@@ -136,6 +136,11 @@ def greedy_and_lse_cpu(raw: torch.Tensor, logits: torch.Tensor) -> tuple[torch.T
 class Sampler(CustomOp):
     """:func:`sample` with the greedy/logsumexp pass chosen once (``select_kernels``)."""
 
+    @property
+    def greedy_and_lse(self) -> GreedyAndLSE:
+        """The pass ``forward`` uses (for the rejection sampler, which shares it)."""
+        return greedy_and_lse_cpu if self.use_kernel else greedy_and_lse_native
+
     def forward_native(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         return sample(logits, rows, greedy_and_lse_native)
 
@@ -146,18 +151,10 @@ class Sampler(CustomOp):
 def sample(logits: torch.Tensor, rows: list[SamplingRow],
            greedy_and_lse: GreedyAndLSE = greedy_and_lse_native) -> SamplerOutput:
     """``logits [S, V]`` (float32, one row per sampling sequence) -> one token per row."""
-    raw = logits
-    if any(r.params.has_penalties for r in rows) or any(len(r.output_token_ids) < r.params.min_tokens for r in rows):
-        logits = logits.clone()
-        apply_penalties(logits, rows)
-        apply_min_tokens(logits, rows)
-    # Logprobs are of the raw distribution: ``raw - logsumexp(raw)``, never materialised whole
-    # unless top logprobs are asked for.
-    tokens, lse = greedy_and_lse(raw, logits)
+    raw, logits, tokens, lse = process_logits(logits, rows, greedy_and_lse)
     random_idx = [i for i, r in enumerate(rows) if r.params.temperature > 0.0]
     if random_idx:
-        filtered = _filter(logits[random_idx], [rows[i].params for i in random_idx])
-        probs = filtered.softmax(dim=-1)
+        probs = target_probs(logits[random_idx], [rows[i].params for i in random_idx])
         noise = torch.empty_like(probs)
         for j, i in enumerate(random_idx):
             gen = rows[i].generator
@@ -166,6 +163,31 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
             else:
                 noise[j].exponential_()
         tokens[random_idx] = (probs / noise).argmax(dim=-1)
+    return logprobs_of(raw, lse, tokens, rows)
+
+
+def process_logits(logits: torch.Tensor, rows: list[SamplingRow], greedy_and_lse: GreedyAndLSE
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(raw, processed, greedy tokens, logsumexp of raw)``: penalties and the ``min_tokens`` ban
+    applied to a copy (``processed`` is ``raw`` itself when neither applies)."""
+    raw = logits
+    if any(r.params.has_penalties for r in rows) or any(len(r.output_token_ids) < r.params.min_tokens for r in rows):
+        logits = logits.clone()
+        apply_penalties(logits, rows)
+        apply_min_tokens(logits, rows)
+    # Logprobs are of the raw distribution: ``raw - logsumexp(raw)``, never materialised whole
+    # unless top logprobs are asked for.
+    tokens, lse = greedy_and_lse(raw, logits)
+    return raw, logits, tokens, lse
+
+
+def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution random rows sample from: temperature, top-k / top-p / min-p, softmax."""
+    return _filter(logits, params).softmax(dim=-1)
+
+
+def logprobs_of(raw: torch.Tensor, lse: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    """Each row's chosen token with its logprob (and rank and top-k when asked for) under ``raw``."""
     token_list = tokens.tolist()
     chosen = (raw.gather(1, tokens[:, None]).squeeze(1) - lse).tolist()
     tops: list[dict[int, tuple[float, int]] | None] = [None] * len(rows)

@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 
 from pagellm.attention.torch_paged import TorchPagedAttention
-from pagellm.core.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
+from pagellm.core.scheduler_output import ModelRunnerOutput, SampledToken, SchedulerOutput
 from pagellm.layers.custom_op import select_kernels
+from pagellm.sampling.rejection_sampler import DraftSpan, rejection_sample
 from pagellm.sampling.sampler import Sampler, SamplingRow, apply_token_bitmask
 
 
@@ -57,11 +58,16 @@ class ModelRunner:
         if not so.scheduled:
             return ModelRunnerOutput(sampled={})
         bs = self.block_size
-        decodes = [s for s in so.scheduled if s.is_decode]
-        chunks = [s for s in so.scheduled if not s.is_decode]
+        # Decodes as (sequence, offset) rows of one token. A sequence verifying drafts is one
+        # decode row per position (each attending to the cache up to itself; all K/V are written
+        # before attention), so a verified token is computed exactly as a plain decode step would
+        # compute it: speculation cannot change greedy outputs.
+        decodes = [(s, i) for s in so.scheduled if s.is_decode or s.spec_token_ids
+                   for i in range(s.num_scheduled_tokens)]
+        chunks = [s for s in so.scheduled if not (s.is_decode or s.spec_token_ids)]
         meta = self.attn_backend.build_metadata(
-            decode_lens=[s.num_computed_tokens + 1 for s in decodes],
-            decode_block_tables=[s.block_ids for s in decodes],
+            decode_lens=[s.num_computed_tokens + i + 1 for s, i in decodes],
+            decode_block_tables=[s.block_ids for s, _ in decodes],
             chunks=[(s.num_computed_tokens, s.num_scheduled_tokens, s.block_ids) for s in chunks],
             block_size=bs,
             device=self.device,
@@ -69,18 +75,33 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        sample_idx: list[int] = []
-        sample_seqs: list[ScheduledSequence] = []
-        for s in [decodes[i] for i in meta.decode_order] + chunks:
+        last_row: dict[int, int] = {}  # seq_id -> flat row of its last token
+        spec_rows: dict[tuple[int, int], int] = {}  # (seq_id, offset) -> flat row, for drafting sequences
+        for s, i in [decodes[j] for j in meta.decode_order]:
+            p = s.num_computed_tokens + i
+            slots.append(s.block_ids[p // bs] * bs + p % bs)
+            input_ids.append(s.token_ids[i])
+            positions.append(p)
+            if s.spec_token_ids:
+                spec_rows[(s.seq_id, i)] = len(input_ids) - 1
+            else:
+                last_row[s.seq_id] = len(input_ids) - 1
+        for s in chunks:
             start = s.num_computed_tokens
             ids = s.block_ids
             for p in range(start, start + s.num_scheduled_tokens):
                 slots.append(ids[p // bs] * bs + p % bs)
             input_ids.extend(s.token_ids)
             positions.extend(range(start, start + s.num_scheduled_tokens))
-            if s.do_sample:
-                sample_idx.append(len(input_ids) - 1)
-                sample_seqs.append(s)
+            last_row[s.seq_id] = len(input_ids) - 1
+        # Rows to sample, sequence by sequence; a drafting one's positions in order.
+        sample_idx: list[int] = []
+        sample_seqs = [s for s in so.scheduled if s.do_sample]
+        for s in sample_seqs:
+            if s.spec_token_ids:
+                sample_idx.extend(spec_rows[(s.seq_id, i)] for i in range(s.num_scheduled_tokens))
+            else:
+                sample_idx.append(last_row[s.seq_id])
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
@@ -90,24 +111,49 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_idx]).float()  # a collective under TP
         if not self.is_driver:
             return None
-        # A request's first sample with n > 1 draws one token per future fork from the same row.
+        # A request's first sample with n > 1 draws one token per future fork from the same row;
+        # a sequence with drafts has one row per position, verified by the rejection sampler.
         row_idx: list[int] = []
         rows: list[SamplingRow] = []
         row_seq_ids: list[int] = []
-        for i, s in enumerate(sample_seqs):
+        row_parents: list[int] = []  # the scheduled sequence (forks share its grammar row)
+        spec_idx: list[int] = []
+        spec_rows: list[SamplingRow] = []
+        spans: list[DraftSpan] = []
+        r = 0
+        for s in sample_seqs:
+            if s.spec_token_ids:
+                gen = self._generator(s.seq_id, s.sampling_params.seed)
+                spans.append(DraftSpan(len(spec_rows), s.spec_token_ids))
+                for i in range(len(s.spec_token_ids) + 1):
+                    spec_idx.append(r + i)
+                    spec_rows.append(SamplingRow(s.sampling_params, s.prompt_token_ids,
+                                                 s.output_token_ids + s.spec_token_ids[:i], gen))
+                r += len(s.spec_token_ids) + 1
+                continue
             for j, seq_id in enumerate(s.sample_seq_ids or [s.seq_id]):
-                row_idx.append(i)
+                row_idx.append(r)
                 row_seq_ids.append(seq_id)
+                row_parents.append(s.seq_id)
                 rows.append(SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids,
                                         self._generator(seq_id, s.sampling_params.seed, j)))
-        if len(row_idx) != len(sample_idx):
-            logits = logits[row_idx]
-        if so.grammar_bitmask is not None:
-            constrained = [(i, so.structured_output_rows[sample_seqs[r].seq_id]) for i, r in enumerate(row_idx)
-                           if sample_seqs[r].seq_id in so.structured_output_rows]
-            apply_token_bitmask(logits, so.grammar_bitmask, [i for i, _ in constrained], [m for _, m in constrained])
-        out = self.sampler(logits, rows)
-        return ModelRunnerOutput(sampled={
-            seq_id: SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
-            for i, seq_id in enumerate(row_seq_ids)
-        })
+            r += 1
+        result = ModelRunnerOutput(sampled={})
+        if rows:
+            plain = logits if spec_idx == [] and len(row_idx) == len(sample_idx) else logits[row_idx]
+            if so.grammar_bitmask is not None:  # (constrained sequences never draft)
+                constrained = [(i, so.structured_output_rows[seq_id]) for i, seq_id in enumerate(row_parents)
+                               if seq_id in so.structured_output_rows]
+                apply_token_bitmask(plain, so.grammar_bitmask, [i for i, _ in constrained],
+                                    [m for _, m in constrained])
+            out = self.sampler(plain, rows)
+            result.sampled = {seq_id: SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
+                              for i, seq_id in enumerate(row_seq_ids)}
+        if spans:
+            verified = rejection_sample(logits[spec_idx], spec_rows, spans, self.sampler.greedy_and_lse)
+            for s, v in zip((s for s in sample_seqs if s.spec_token_ids), verified, strict=True):
+                tokens = [SampledToken(t, lp, top) for t, lp, top in
+                          zip(v.token_ids, v.logprobs, v.top_logprobs, strict=True)]
+                result.sampled[s.seq_id] = tokens.pop()
+                result.spec_accepted[s.seq_id] = tokens
+        return result

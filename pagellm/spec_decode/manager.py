@@ -1,0 +1,100 @@
+"""``SpecDecodeManager``: the engine's side of speculative decoding.
+
+After each step the engine asks it for drafts (``propose``): every running sequence that is
+decoding (not a beam, not under a grammar) gets up to ``k`` proposed tokens in
+``Sequence.spec_token_ids``, ``k`` chosen by the cost model for the coming step; the scheduler
+schedules them and rolls back what the rejection sampler refuses. ``record`` takes each verified
+run's result (acceptance per sequence, the engine's statistics, the request's metrics),
+``observe_step`` each step's model time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from pagellm.config import SpeculativeConfig
+from pagellm.metrics import IterationStats
+from pagellm.sequence import Sequence, SequenceGroup
+from pagellm.spec_decode.cost_model import StepCostModel, choose_k
+from pagellm.spec_decode.proposers import create_proposer
+
+_ALPHA_PRIOR = 0.5  # a new sequence's acceptance before it has drafted
+_ALPHA_EMA = 0.3
+
+
+class SpecDecodeManager:
+    """Proposes drafts each step and keeps the measurements that decide how many."""
+
+    def __init__(self, config: SpeculativeConfig, max_num_batched_tokens: int, prefill_chunk_cap: int) -> None:
+        self.config = config
+        self.proposer = create_proposer(config)
+        self.cost = StepCostModel()
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_chunk_cap = prefill_chunk_cap
+        self._alpha: dict[int, float] = {}  # seq_id -> per-draft acceptance, learnt
+
+    def observe_step(self, num_tokens: int, model_seconds: float) -> None:
+        self.cost.observe(num_tokens, model_seconds)
+
+    def record(self, group: SequenceGroup, seq_id: int, num_drafts: int, num_accepted: int,
+               stats: IterationStats) -> None:
+        """One verified run: ``num_accepted`` of ``num_drafts`` drafts were accepted."""
+        stats.record_spec(num_drafts, num_accepted)
+        m = group.metrics
+        m.spec_num_drafts += 1
+        m.spec_num_draft_tokens += num_drafts
+        m.spec_num_accepted_tokens += num_accepted
+        # Per-draft acceptance of a geometric run: accepted / (accepted + 1 if one was refused).
+        observed = num_accepted / (num_accepted + (num_accepted < num_drafts))
+        old = self._alpha.get(seq_id, _ALPHA_PRIOR)
+        self._alpha[seq_id] = old + _ALPHA_EMA * (observed - old)
+
+    def propose(self, running: Iterable[SequenceGroup], stats: IterationStats,
+                skip: Callable[[SequenceGroup], bool]) -> None:
+        """Drafts for the next step's decoding sequences (``skip``: requests that must not draft)."""
+        cfg = self.config
+        decoding: list[Sequence] = []
+        base, other = 0, 0.0
+        for group in running:
+            drafting = group.beam_state is None and not skip(group)
+            for seq in group.live_seqs():
+                todo = seq.num_tokens - seq.num_computed_tokens
+                base += min(todo, self.prefill_chunk_cap)
+                if todo == 1 and drafting:
+                    decoding.append(seq)
+                elif todo == 1:
+                    other += 1
+        base = min(base, self.max_num_batched_tokens)
+        if not decoding:
+            return
+        max_k = cfg.num_speculative_tokens
+        if cfg.disable_by_batch_size is not None and len(decoding) + other >= cfg.disable_by_batch_size:
+            stats.spec_steps_off += 1
+            stats.spec_k = 0
+            return
+        if cfg.cost_model:
+            # Would drafts pay even if every sequence had a full run on offer? If not, do not
+            # spend the proposer's time on them this step.
+            best = choose_k(self.cost, base, other, [(max_k, self._alpha.get(s.seq_id, _ALPHA_PRIOR))
+                                                     for s in decoding], max_k)
+            if best == 0:
+                stats.spec_steps_off += 1
+                stats.spec_k = 0
+                return
+            max_k = best
+        offers = [(seq, self.proposer.propose(seq, max_k)) for seq in decoding]
+        offers = [(seq, d) for seq, d in offers if d]
+        k = max_k
+        if cfg.cost_model and offers:
+            k = choose_k(self.cost, base, other + len(decoding) - len(offers),
+                         [(len(d), self._alpha.get(s.seq_id, _ALPHA_PRIOR)) for s, d in offers], max_k)
+            if k == 0:
+                stats.spec_steps_off += 1
+        stats.spec_k = k
+        for seq, d in offers:
+            seq.spec_token_ids = d[:k]
+
+    def request_finished(self, group: SequenceGroup) -> None:
+        for seq in group.seqs:
+            self._alpha.pop(seq.seq_id, None)
+        self.proposer.request_finished(group.seqs)
