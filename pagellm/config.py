@@ -270,7 +270,7 @@ class SpeculativeConfig:
     sequences or more (vLLM's ``disable_by_batch_size``; ``None`` = the cost model decides)."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: int = 5
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     suffix_max_depth: int = 24
@@ -337,7 +337,7 @@ _HELP = {
     "num_threads": "torch CPU threads per worker (default: the cores, shared out between local workers)",
     "structured_outputs_config": "JSON, e.g. '{\"backend\": \"xgrammar\"}': grammar library for constrained "
                                  "decoding (auto = llguidance) and compile_timeout_s (default 30)",
-    "speculative_config": "JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}': speculative "
+    "speculative_config": "JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 5}': speculative "
                           "decoding with the ngram or suffix proposer (docs/spec_decode.md); default: off",
     "tensor_parallel_size": "ranks that split each layer's heads and features (torch.distributed: gloo on CPU, "
                             "nccl on CUDA)",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -219,7 +220,7 @@ def test_random_drafts_keep_invariants_and_outputs(ops, num_blocks, block_size, 
 
 def test_cost_model_turns_speculation_off_where_it_does_not_pay():
     flat, linear = StepCostModel(), StepCostModel()
-    for n in range(1, 600):
+    for n in [*range(1, 600)] * 3:
         flat.observe(n, 0.010)  # weight-bound: more tokens cost nothing
         linear.observe(n, 0.001 * n)  # compute-bound: every token costs the same
     offers = [(5, 0.7)] * 4
@@ -228,6 +229,11 @@ def test_cost_model_turns_speculation_off_where_it_does_not_pay():
     assert choose_k(flat, 4, 0, [], 5) == 0
     # Unmeasured sizes borrow the nearest smaller measurement (optimistic: tried once, then known).
     fresh = StepCostModel()
-    fresh.observe(64, 0.05)
+    for _ in range(3):
+        fresh.observe(64, 0.05)
+    fresh.observe(300, 0.5)  # one sample: not trusted yet
     assert fresh.estimate(300) == 0.05 and fresh.estimate(8) == 0.05 and StepCostModel().estimate(8) is None
+    fresh.observe(300, 0.2)
+    fresh.observe(300, 0.2)
+    assert fresh.estimate(300) == pytest.approx(0.3)
     assert expected_tokens(0.5, 3) == 1 + 0.5 + 0.25 + 0.125

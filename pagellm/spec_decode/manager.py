@@ -20,6 +20,8 @@ from pagellm.spec_decode.proposers import create_proposer
 
 _ALPHA_PRIOR = 0.5  # a new sequence's acceptance before it has drafted
 _ALPHA_EMA = 0.3
+_ALPHA_DRIFT = 0.05  # per step off
+_EXPLORE_MIN, _EXPLORE_MAX = 16, 1024
 
 
 class SpecDecodeManager:
@@ -32,6 +34,11 @@ class SpecDecodeManager:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk_cap = prefill_chunk_cap
         self._alpha: dict[int, float] = {}  # seq_id -> per-draft acceptance, learnt
+        # Exploration: after this many steps with speculation off, one step drafts anyway, so that
+        # one unlucky measurement cannot switch it off for good; the interval doubles each time
+        # the model stays off (at most one step in 1024 then), and resets when speculation pays.
+        self._explore_every = _EXPLORE_MIN
+        self._off_steps = 0
 
     def observe_step(self, num_tokens: int, model_seconds: float) -> None:
         self.cost.observe(num_tokens, model_seconds)
@@ -69,30 +76,46 @@ class SpecDecodeManager:
             return
         max_k = cfg.num_speculative_tokens
         if cfg.disable_by_batch_size is not None and len(decoding) + other >= cfg.disable_by_batch_size:
-            stats.spec_steps_off += 1
-            stats.spec_k = 0
+            self._off(stats)
             return
+        explore = False
         if cfg.cost_model:
             # Would drafts pay even if every sequence had a full run on offer? If not, do not
             # spend the proposer's time on them this step.
             best = choose_k(self.cost, base, other, [(max_k, self._alpha.get(s.seq_id, _ALPHA_PRIOR))
                                                      for s in decoding], max_k)
-            if best == 0:
-                stats.spec_steps_off += 1
-                stats.spec_k = 0
+            explore = best == 0 and self._off_steps + 1 >= self._explore_every
+            if best == 0 and not explore:
+                for seq in decoding:  # unmeasured while off: drift back towards the prior (optimism)
+                    a = self._alpha.get(seq.seq_id)
+                    if a is not None:
+                        self._alpha[seq.seq_id] = a + _ALPHA_DRIFT * (_ALPHA_PRIOR - a)
+                self._off(stats)
                 return
-            max_k = best
+            max_k = best or max_k
         offers = [(seq, self.proposer.propose(seq, max_k)) for seq in decoding]
         offers = [(seq, d) for seq, d in offers if d]
         k = max_k
-        if cfg.cost_model and offers:
+        if cfg.cost_model and offers and not explore:
             k = choose_k(self.cost, base, other + len(decoding) - len(offers),
                          [(len(d), self._alpha.get(s.seq_id, _ALPHA_PRIOR)) for s, d in offers], max_k)
             if k == 0:
-                stats.spec_steps_off += 1
+                self._off(stats)
+                return
+        if explore:
+            self._off_steps = 0
+            self._explore_every = min(2 * self._explore_every, _EXPLORE_MAX)
+        elif offers:
+            self._off_steps = 0
+            self._explore_every = _EXPLORE_MIN
         stats.spec_k = k
         for seq, d in offers:
             seq.spec_token_ids = d[:k]
+
+    def _off(self, stats: IterationStats) -> None:
+        stats.spec_steps_off += 1
+        stats.spec_k = 0
+        self._off_steps += 1
 
     def request_finished(self, group: SequenceGroup) -> None:
         for seq in group.seqs:
