@@ -227,13 +227,12 @@ def test_cost_model_turns_speculation_off_where_it_does_not_pay():
     assert choose_k(flat, 4, 0, offers, 5) == 5
     assert choose_k(linear, 4, 0, offers, 5) == 0
     assert choose_k(flat, 4, 0, [], 5) == 0
-    # Unmeasured sizes borrow the nearest smaller measurement (optimistic: tried once, then known).
+    # Unmeasured sizes: interpolated; above the largest, extrapolated with the last slope, or as
+    # if every row cost the same while only one size is known (never a guess that drafts are free).
     fresh = StepCostModel()
-    for _ in range(3):
-        fresh.observe(64, 0.05)
-    fresh.observe(300, 0.5)  # one sample: not trusted yet
-    assert fresh.estimate(300) == 0.05 and fresh.estimate(8) == 0.05 and StepCostModel().estimate(8) is None
-    fresh.observe(300, 0.2)
-    fresh.observe(300, 0.2)
-    assert fresh.estimate(300) == pytest.approx(0.3)
+    assert fresh.estimate(8) is None and choose_k(fresh, 4, 0, offers, 5) == 0
+    fresh.observe(64, 0.05)
+    assert fresh.estimate(256) == pytest.approx(0.2) and fresh.estimate(8) == 0.05
+    fresh.observe(128, 0.06)
+    assert fresh.estimate(96) == pytest.approx(0.055, rel=0.01) and fresh.estimate(256) == pytest.approx(0.08, rel=0.01)
     assert expected_tokens(0.5, 3) == 1 + 0.5 + 0.25 + 0.125

@@ -80,8 +80,7 @@ class LLMEngine:
         self._structured: StructuredOutputManager | None = None
         self._spec: SpecDecodeManager | None = None
         if config.speculative is not None:
-            self._spec = SpecDecodeManager(config.speculative, config.scheduler.max_num_batched_tokens,
-                                           config.scheduler.prefill_chunk_cap)
+            self._spec = SpecDecodeManager(config.speculative)
         logger.info("pagellm engine: %s on %s (%s), %d KV blocks x %d tokens (+%d CPU swap blocks), "
                     "max_model_len %d", self.model_info.architecture, self.model_info.device, self.model_info.dtype,
                     self.num_blocks, self.block_size, self.num_cpu_blocks, self.max_model_len)
@@ -311,7 +310,9 @@ class LLMEngine:
         num_accepted = 0
         if spec is not None:  # (before the update, which releases the requests that finish)
             num_accepted = self._record_spec(sched_out, runner_out.spec_accepted)
-            spec.observe_step(sum(s.num_scheduled_tokens for s in sched_out.scheduled), t_model - started.submitted_at)
+            if all(s.is_decode or s.spec_token_ids for s in sched_out.scheduled):  # (a prefill costs otherwise)
+                spec.observe_step(sum(s.num_scheduled_tokens for s in sched_out.scheduled),
+                                  t_model - started.submitted_at)
         updated, finished = self.scheduler.update_from_output(
             sched_out, runner_out, self._stop_string_hit if spec is not None else None)
         if self._structured is not None and self._structured.num_constrained:

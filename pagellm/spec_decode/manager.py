@@ -21,27 +21,27 @@ from pagellm.spec_decode.proposers import create_proposer
 _ALPHA_PRIOR = 0.5  # a new sequence's acceptance before it has drafted
 _ALPHA_EMA = 0.3
 _ALPHA_DRIFT = 0.05  # per step off
-_EXPLORE_MIN, _EXPLORE_MAX = 16, 1024
+_EXPLORE_MIN, _EXPLORE_MAX = 8, 1024
 
 
 class SpecDecodeManager:
     """Proposes drafts each step and keeps the measurements that decide how many."""
 
-    def __init__(self, config: SpeculativeConfig, max_num_batched_tokens: int, prefill_chunk_cap: int) -> None:
+    def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.proposer = create_proposer(config)
         self.cost = StepCostModel()
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.prefill_chunk_cap = prefill_chunk_cap
         self._alpha: dict[int, float] = {}  # seq_id -> per-draft acceptance, learnt
-        # Exploration: after this many steps with speculation off, one step drafts anyway, so that
-        # one unlucky measurement cannot switch it off for good; the interval doubles each time
-        # the model stays off (at most one step in 1024 then), and resets when speculation pays.
+        # Exploration: after this many steps with speculation off, one step drafts one token per
+        # sequence anyway (the cheapest step that measures what drafts cost), so that a guess or an
+        # unlucky measurement cannot switch speculation off for good; the interval doubles each
+        # time it stays off (at most one step in 1024 then) and resets when speculation pays.
         self._explore_every = _EXPLORE_MIN
         self._off_steps = 0
 
-    def observe_step(self, num_tokens: int, model_seconds: float) -> None:
-        self.cost.observe(num_tokens, model_seconds)
+    def observe_step(self, num_decode_rows: int, model_seconds: float) -> None:
+        """A step of decodes only (drafted positions included): its model time."""
+        self.cost.observe(num_decode_rows, model_seconds)
 
     def record(self, group: SequenceGroup, seq_id: int, num_drafts: int, num_accepted: int,
                stats: IterationStats) -> None:
@@ -61,17 +61,16 @@ class SpecDecodeManager:
         """Drafts for the next step's decoding sequences (``skip``: requests that must not draft)."""
         cfg = self.config
         decoding: list[Sequence] = []
-        base, other = 0, 0.0
+        other = 0.0
         for group in running:
             drafting = group.beam_state is None and not skip(group)
             for seq in group.live_seqs():
-                todo = seq.num_tokens - seq.num_computed_tokens
-                base += min(todo, self.prefill_chunk_cap)
-                if todo == 1 and drafting:
-                    decoding.append(seq)
-                elif todo == 1:
-                    other += 1
-        base = min(base, self.max_num_batched_tokens)
+                if seq.num_tokens - seq.num_computed_tokens == 1:
+                    if drafting:
+                        decoding.append(seq)
+                    else:
+                        other += 1
+        base = len(decoding) + int(other)  # the next step's decode rows without drafts
         if not decoding:
             return
         max_k = cfg.num_speculative_tokens
@@ -84,7 +83,7 @@ class SpecDecodeManager:
             # spend the proposer's time on them this step.
             best = choose_k(self.cost, base, other, [(max_k, self._alpha.get(s.seq_id, _ALPHA_PRIOR))
                                                      for s in decoding], max_k)
-            explore = best == 0 and self._off_steps + 1 >= self._explore_every
+            explore = best == 0 and self._off_steps + 1 >= self._explore_every and self.cost.estimate(1) is not None
             if best == 0 and not explore:
                 for seq in decoding:  # unmeasured while off: drift back towards the prior (optimism)
                     a = self._alpha.get(seq.seq_id)
@@ -92,7 +91,7 @@ class SpecDecodeManager:
                         self._alpha[seq.seq_id] = a + _ALPHA_DRIFT * (_ALPHA_PRIOR - a)
                 self._off(stats)
                 return
-            max_k = best or max_k
+            max_k = best or 1  # exploring: one draft each, the cheapest step that measures the slope
         offers = [(seq, self.proposer.propose(seq, max_k)) for seq in decoding]
         offers = [(seq, d) for seq, d in offers if d]
         k = max_k
