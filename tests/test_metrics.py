@@ -32,3 +32,26 @@ def test_mapping_view_has_every_field_once():
     assert s["num_running"] == 2 and s["steps"] == 3 and dict(s)["prefix_cache_hits"] == 90
     for f in STAT_FIELDS:
         assert f.kind in ("gauge", "counter") and f.merge in ("sum", "mean") and f.doc
+
+
+def test_speculative_decoding_counters_merge_and_export_per_position():
+    """Per-position acceptance is summed position by position across replicas and exported as
+    one Prometheus series per position; the derived rates follow from the counts."""
+    from types import SimpleNamespace
+
+    from pagellm.entrypoints.openai_server import _EngineCollector
+
+    a, b = IterationStats(), IterationStats()
+    a.record_spec(3, 2)  # 3 drafts, the first 2 accepted
+    b.record_spec(5, 5)
+    b.record_spec(2, 0)
+    merged = EngineStats.merge([EngineStats(iteration=a), EngineStats(iteration=b)])
+    it = merged.iteration
+    assert it.spec_accepted_per_pos == [2, 2, 1, 1, 1]
+    assert merged["spec_acceptance_rate"] == 7 / 10 and merged["spec_mean_acceptance_length"] == 1 + 7 / 3
+    engine = SimpleNamespace(get_stats_now=lambda: merged)
+    families = {m.name: m for m in _EngineCollector(SimpleNamespace(engine=engine, model_name="m")).collect()}
+    per_pos = families["pagellm:spec_decode_num_accepted_tokens_per_pos"]
+    assert [(s.labels["position"], s.value) for s in per_pos.samples if s.name.endswith("_total")] == [
+        ("0", 2), ("1", 2), ("2", 1), ("3", 1), ("4", 1)]
+    assert families["pagellm:spec_decode_num_drafts"].samples[0].value == 3

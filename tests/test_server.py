@@ -206,6 +206,32 @@ def test_tokenize_detokenize_and_metrics(served, client):
         assert name in text, name
 
 
+def test_speculative_decoding_streams_the_same_text_and_exports_metrics(tiny_llama):
+    """Steps that emit several tokens at once stream the same text as the whole reply, which is
+    the reply of an engine without speculation; the spec_decode counters are on /metrics."""
+    texts = []
+    for spec in (None, {"method": "suffix", "num_speculative_tokens": 4, "cost_model": False,
+                        "prompt_lookup_min": 1}):
+        engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, kv_cache_memory="16MiB",
+                                                      speculative_config=spec))
+        srv = _Server(engine, None)
+        try:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+            kw = dict(model=NAME, prompt="a b c a b c a b c a b", max_tokens=30, temperature=0)
+            whole = c.completions.create(**kw).choices[0].text
+            streamed = "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **kw))
+            assert streamed == whole
+            texts.append(whole)
+            metrics = httpx.get(srv.url + "/metrics").text
+            if spec is not None:
+                assert "pagellm:spec_decode_num_drafts_total" in metrics
+                assert engine.engine.get_stats()["spec_num_drafts"] > 0
+        finally:
+            srv.stop()
+            engine.shutdown()
+    assert texts[0] == texts[1]
+
+
 def test_dead_engine_reports_unhealthy_and_fails_requests(tiny_llama):
     engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, kv_cache_memory="16MiB"))
     srv = _Server(engine, None)

@@ -56,6 +56,13 @@ async def drain_stream(queue: asyncio.Queue, done: list[bool]) -> AsyncIterator[
             return
 
 
+def _per_position(now: list[int], before: list[int], drafts: int) -> str:
+    """Acceptance rate at each draft position over an interval, vLLM's log format."""
+    if not drafts:
+        return "-"
+    return ", ".join(f"{(n - (before[i] if i < len(before) else 0)) / drafts:.2f}" for i, n in enumerate(now))
+
+
 class AsyncLLM:
     """Async front of one ``LLMEngine``: ``generate`` yields outputs as they come; ``abort`` frees at once."""
 
@@ -161,6 +168,16 @@ class AsyncLLM:
                 sch.num_running, sch.num_swapped, sch.num_waiting, 100 * sch.kv_cache_usage,
                 100 * sch.prefix_cache_hit_rate, steps, ms["schedule_seconds"], ms["model_seconds"],
                 ms["output_seconds"])
+            drafts = it.spec_num_drafts - prev_it.spec_num_drafts
+            if drafts or it.spec_steps_off != prev_it.spec_steps_off:
+                drafted = it.spec_num_draft_tokens - prev_it.spec_num_draft_tokens
+                accepted = it.spec_num_accepted_tokens - prev_it.spec_num_accepted_tokens
+                logger.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, Drafted: %d "
+                            "tokens, Acceptance rate: %.1f%%, Per-position acceptance: %s, Steps without drafts "
+                            "(cost model): %d", 1 + accepted / drafts if drafts else 0.0, accepted, drafted,
+                            100 * accepted / drafted if drafted else 0.0,
+                            _per_position(it.spec_accepted_per_pos, prev_it.spec_accepted_per_pos, drafts),
+                            it.spec_steps_off - prev_it.spec_steps_off)
         return now, s
 
     def _push(self, request_id: str, item: RequestOutput | BaseException | None) -> None:

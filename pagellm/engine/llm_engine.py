@@ -220,6 +220,7 @@ class LLMEngine:
         """Queues, KV usage, preemptions, prefix-cache counters, tokens and steps (``pagellm.metrics``;
         also readable as a mapping, ``stats["num_running"]``)."""
         sched, it = self.scheduler.make_stats(), replace(self.iteration_stats)
+        it.spec_accepted_per_pos = list(it.spec_accepted_per_pos)  # a snapshot, not the live list
         if self._structured is not None:
             so = self._structured
             sched.num_waiting_for_fsm = so.num_waiting_for_fsm
