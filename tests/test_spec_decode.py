@@ -288,6 +288,25 @@ def test_sampling_parallel_samples_and_beams_with_speculation(tiny):
     assert beams(engine) == beams(base)
 
 
+def test_speculation_across_processes(tiny):
+    """Drafts reach out-of-process workers in the step diff and the accepted ones come back:
+    tensor-parallel ranks in worker processes give the same tokens."""
+    path, prompts, ref = tiny
+    engine = LLMEngine.from_engine_args(EngineArgs(model=path, dtype="float32", kv_cache_memory="64MiB",
+                                                   tensor_parallel_size=2, distributed_executor_backend="mp",
+                                                   speculative_config=_spec("ngram", 3)))
+    try:
+        engine._spec.proposer = OracleProposer(prompts, ref)
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": p}, params)
+        done = run_to_completion(engine)
+        assert [done[str(i)].outputs[0].token_ids for i in range(len(prompts))] == ref
+        assert engine.get_stats()["spec_num_accepted_tokens"] > 0
+    finally:
+        engine.shutdown()
+
+
 def test_bfloat16_greedy_is_identical_with_speculation(tiny):
     """Verified positions run as decode rows: with batch-invariant GEMMs even the faster numerics
     give the same tokens as without speculation."""

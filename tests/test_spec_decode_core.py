@@ -236,3 +236,29 @@ def test_cost_model_turns_speculation_off_where_it_does_not_pay():
     fresh.observe(128, 0.06)
     assert fresh.estimate(96) == pytest.approx(0.055, rel=0.01) and fresh.estimate(256) == pytest.approx(0.08, rel=0.01)
     assert expected_tokens(0.5, 3) == 1 + 0.5 + 0.25 + 0.125
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=60), st.lists(st.integers(0, 4), max_size=20),
+       st.integers(1, 3), st.integers(0, 3), st.integers(1, 6))
+def test_ngram_index_equals_a_brute_force_search(prompt, output, lo, extra, k):
+    """The incremental n-gram index (grown in bulk, then token by token) proposes what a rescan
+    of the whole context would: the tokens after the latest earlier match, longest n first."""
+    from pagellm.config import SpeculativeConfig
+    from pagellm.sequence import Sequence
+    from pagellm.spec_decode.proposers import NgramProposer
+
+    hi = lo + extra
+    prop = NgramProposer(SpeculativeConfig(method="ngram", prompt_lookup_min=lo, prompt_lookup_max=hi))
+    seq = Sequence(0, prompt, [])
+    for t in [None, *output]:
+        if t is not None:
+            seq.output_token_ids.append(t)
+        toks = seq.prompt_token_ids + seq.output_token_ids
+        want: list[int] = []
+        for n in range(hi, lo - 1, -1):
+            ends = [e for e in range(n - 1, len(toks) - 1) if toks[e - n + 1:e + 1] == toks[len(toks) - n:]]
+            if len(toks) > n and ends:
+                want = toks[ends[-1] + 1:ends[-1] + 1 + k]
+                break
+        assert prop.propose(seq, k) == want

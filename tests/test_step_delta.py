@@ -13,11 +13,11 @@ from pagellm.executor.step_delta import StepDecoder, StepEncoder
 from pagellm.sampling_params import SamplingParams
 
 FIELDS = ("request_id", "seq_id", "token_ids", "num_computed_tokens", "block_ids", "do_sample", "sampling_params",
-          "output_token_ids", "prompt_token_ids", "sample_seq_ids")
+          "output_token_ids", "prompt_token_ids", "sample_seq_ids", "spec_token_ids")
 
-# One action per live sequence and step: decode one token (sometimes a new block), replace the
+# One action per live sequence and step: decode one token (or verify drafts; sometimes a new block), replace the
 # block table (preemption / swap-in), replace the last block (copy-on-write), skip the step, finish.
-actions = st.lists(st.lists(st.sampled_from(["decode", "new_block", "replace", "cow", "skip", "finish"]),
+actions = st.lists(st.lists(st.sampled_from(["decode", "draft", "new_block", "replace", "cow", "skip", "finish"]),
                             min_size=4, max_size=4), min_size=1, max_size=30)
 
 
@@ -43,6 +43,9 @@ def test_decoded_steps_equal_the_encoded_ones(steps):
             s.num_computed_tokens += len(s.token_ids)
             s.output_token_ids.append(seq_id + len(s.output_token_ids))
             s.token_ids = [s.output_token_ids[-1]]
+            s.spec_token_ids = [7, seq_id] if action == "draft" else None  # drafts verified this step
+            if s.spec_token_ids:
+                s.token_ids = s.token_ids + s.spec_token_ids
             if action == "new_block":
                 s.block_ids.append(next_block)
             elif action == "replace":

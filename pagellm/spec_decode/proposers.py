@@ -67,12 +67,17 @@ class NgramIndex:
         self.indexed = 0  # n-grams ending before this position are in ``maps``
 
     def catch_up(self, tokens: _SeqTokens, upto: int) -> None:
-        """Index the n-grams ending at positions ``indexed .. upto - 1``."""
-        for end in range(self.indexed, upto):
-            for n in self.lengths:
-                if end + 1 >= n:
-                    self.maps[n][hash(tokens.slice(end + 1 - n, end + 1))] = end
-        self.indexed = max(self.indexed, upto)
+        """Index the n-grams ending at positions ``indexed .. upto - 1`` (in bulk: an 8k-token
+        prompt's first lookup takes milliseconds, not a tenth of a second)."""
+        start = self.indexed
+        if upto <= start:
+            return
+        for n in self.lengths:
+            lo = max(start - n + 1, 0)
+            seg = tokens.slice(lo, upto)
+            grams = zip(*(seg[i:] for i in range(n)), strict=False)  # the n-grams ending at lo + n - 1 ..
+            self.maps[n].update(zip(map(hash, grams), range(lo + n - 1, upto), strict=False))
+        self.indexed = upto
 
     def latest(self, gram: tuple[int, ...]) -> int | None:
         return self.maps[len(gram)].get(hash(gram))
@@ -110,42 +115,52 @@ class NgramProposer:
 
 
 class SuffixCounts:
-    """For each match length ``n`` in ``lengths``: hash of ``n`` tokens -> {next token: count}."""
+    """For each match length ``n`` in ``lengths``: hash of ``n`` tokens -> what followed them.
+
+    A suffix seen once (most of them) stores its next token as a plain ``int``; a dict
+    ``{next token: count}`` only once it has been followed twice: a third of the memory.
+    """
 
     __slots__ = ("lengths", "maps")
 
     def __init__(self, lengths: list[int]) -> None:
         self.lengths = lengths
-        self.maps: dict[int, dict[int, dict[int, int]]] = {n: {} for n in lengths}
+        self.maps: dict[int, dict[int, int | dict[int, int]]] = {n: {} for n in lengths}
 
     def add(self, tokens: Seq[int], end: int, sign: int = 1) -> None:
-        """Count ``tokens[end]`` as the continuation of each suffix ending at ``end - 1``."""
+        """Count (``sign`` -1: uncount) ``tokens[end]`` as the continuation of each suffix ending
+        at ``end - 1``."""
         nxt = tokens[end]
         for n in self.lengths:
             if end < n:
                 continue
             key = hash(tuple(tokens[end - n:end]))
             m = self.maps[n]
-            counts = m.get(key)
-            if counts is None:
-                if sign < 0:
-                    continue
-                counts = m[key] = {}
+            seen = m.get(key)
+            if seen is None:
+                if sign > 0:
+                    m[key] = nxt
+                continue
+            counts = {seen: 1} if isinstance(seen, int) else seen
             c = counts.get(nxt, 0) + sign
             if c > 0:
                 counts[nxt] = c
             else:
                 counts.pop(nxt, None)
-                if not counts:
-                    del m[key]
+            if not counts:
+                del m[key]
+            elif len(counts) == 1 and next(iter(counts.values())) == 1:
+                m[key] = next(iter(counts))
+            else:
+                m[key] = counts
 
     def continuations(self, context: Seq[int]) -> tuple[int, dict[int, int] | None]:
-        """The longest suffix of ``context`` seen before, and what followed it."""
+        """The longest suffix of ``context`` seen before, and what followed it (token -> count)."""
         for n in self.lengths:
             if len(context) >= n:
-                counts = self.maps[n].get(hash(tuple(context[len(context) - n:])))
-                if counts:
-                    return n, counts
+                seen = self.maps[n].get(hash(tuple(context[len(context) - n:])))
+                if seen is not None:
+                    return n, {seen: 1} if isinstance(seen, int) else seen
         return 0, None
 
 
