@@ -253,7 +253,7 @@ def _config_dict(value: dict | str, name: str, example: str, cls: type) -> dict[
     return value
 
 
-SPEC_METHODS = ("ngram", "suffix")
+SPEC_METHODS = ("ngram", "suffix", "draft_model")
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,11 +265,15 @@ class SpeculativeConfig:
     ``prompt_lookup_min`` tokens in the prompt and output; ``suffix``: a suffix tree over the
     request's tokens and the last ``suffix_cache_requests`` finished outputs (SuffixDecoding),
     proposing while a continuation's frequency is at least ``suffix_min_probability``.
+    ``draft_model``: a smaller ``model`` with the same tokenizer, run by the same worker with its
+    own paged K/V (same block tables), proposes greedily; it writes ``num_speculative_tokens``
+    slots ahead (``num_lookahead_tokens``).
     ``cost_model``: choose k per step from measured step times and acceptance (``False``: always
     the full ``num_speculative_tokens``); ``disable_by_batch_size``: no drafts at this many running
     sequences or more (vLLM's ``disable_by_batch_size``; ``None`` = the cost model decides)."""
 
     method: str = "ngram"
+    model: str | None = None
     num_speculative_tokens: int = 5
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
@@ -282,7 +286,10 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config method must be one of {SPEC_METHODS}, got {self.method!r} "
-                             "(draft_model is not built yet: docs/spec_decode.md)")
+                             "(EAGLE and MTP heads are not built: docs/spec_decode.md)")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config model (the draft model's path) is required with method "
+                             f"'draft_model' and only there; got method {self.method!r}, model {self.model!r}")
         if not (isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 16):
             raise ValueError(f"speculative_config num_speculative_tokens must be 1..16, "
                              f"got {self.num_speculative_tokens!r}")
@@ -300,6 +307,12 @@ class SpeculativeConfig:
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"speculative_config disable_by_batch_size must be >= 1, "
                              f"got {self.disable_by_batch_size}")
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Slots a sampling sequence gets past its scheduled tokens: where a draft model writes
+        the K/V of the drafts it proposes."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
 
     @classmethod
     def from_any(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
@@ -338,7 +351,8 @@ _HELP = {
     "structured_outputs_config": "JSON, e.g. '{\"backend\": \"xgrammar\"}': grammar library for constrained "
                                  "decoding (auto = llguidance) and compile_timeout_s (default 30)",
     "speculative_config": "JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 5}': speculative "
-                          "decoding with the ngram or suffix proposer (docs/spec_decode.md); default: off",
+                          "decoding with the ngram, suffix or draft_model (with \"model\": PATH) proposer "
+                          "(docs/spec_decode.md); default: off",
     "tensor_parallel_size": "ranks that split each layer's heads and features (torch.distributed: gloo on CPU, "
                             "nccl on CUDA)",
     "data_parallel_size": "independent engine replicas behind one front end, requests sent to the least loaded",
@@ -419,8 +433,15 @@ class EngineArgs:
                                         self.tensor_parallel_size, self.data_parallel_size)),  # type: ignore
             device=DeviceConfig(self.device, self.num_threads),  # type: ignore[arg-type]
             structured_outputs=StructuredOutputsConfig.from_any(self.structured_outputs_config),
-            speculative=SpeculativeConfig.from_any(self.speculative_config),
+            speculative=self._speculative(),
         )
+
+    def _speculative(self) -> SpeculativeConfig | None:
+        spec = SpeculativeConfig.from_any(self.speculative_config)
+        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size != 1:
+            raise ValueError("speculative_config method 'draft_model' runs with tensor_parallel_size=1 only "
+                             f"(got {self.tensor_parallel_size})")
+        return spec
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:

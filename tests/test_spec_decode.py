@@ -11,7 +11,7 @@ import torch
 from test_scheduling_invariance import _kwargs
 
 from pagellm import LLMEngine, SamplingParams
-from pagellm.config import EngineArgs, SpeculativeConfig
+from pagellm.config import EngineArgs, SpeculativeConfig, resolve_model_source
 from pagellm.sampling import rejection_sampler
 from pagellm.sampling.rejection_sampler import DraftSpan, rejection_sample
 from pagellm.sampling.sampler import SamplingRow, target_probs
@@ -168,7 +168,7 @@ COPY_PROMPT = ("Repeat this list exactly:\n1. apples, 2. pears, 3. plums, 4. che
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
 def test_smollm2_greedy_is_identical_with_speculation(method):
     """The bundled model in its default numerics, on the parity prompts and a copying prompt:
     the same tokens with k = 1, 3, 5, and drafts really accepted."""
@@ -184,8 +184,9 @@ def test_smollm2_greedy_is_identical_with_speculation(method):
         return [done[str(i)].outputs[0].token_ids for i in range(len(SMOL_PROMPTS) + 1)], engine
 
     ref, _ = greedy()
+    extra = {"model": resolve_model_source(None).path} if method == "draft_model" else {}  # SmolLM2 for itself
     for k in (1, 3, 5):
-        got, engine = greedy(speculative_config=_spec(method, k))
+        got, engine = greedy(speculative_config=_spec(method, k, **extra))
         assert got == ref, k
         assert engine.get_stats()["spec_num_accepted_tokens"] > 0
 
@@ -305,6 +306,37 @@ def test_speculation_across_processes(tiny):
         assert engine.get_stats()["spec_num_accepted_tokens"] > 0
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("config", [None, "tight_cache", "tight_swap", "tight_cache_and_chunks", "block_size_1"])
+def test_a_model_drafting_for_itself_is_always_right(tiny, config):
+    """The draft model's cache follows the target's through chunking, recomputation, swap and
+    prefix hits (the same block ids, the same block copies): the tiny model drafting for itself
+    must then propose exactly the target's greedy tokens, every time, and change nothing."""
+    path, prompts, ref = tiny
+    kwargs = _kwargs(config, prompts) if config else {}
+    got, engine = engine_greedy(path, prompts, MAX_TOKENS, **kwargs,
+                                speculative_config={"method": "draft_model", "model": path,
+                                                    "num_speculative_tokens": 3, "cost_model": False})
+    assert got == ref
+    stats = engine.get_stats()
+    assert stats["spec_num_draft_tokens"] > 20 and stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"]
+    if config and config.startswith("tight"):
+        assert engine.scheduler.num_preemptions > 0
+    assert engine.executor.worker.draft_cache is not None
+
+
+def test_another_tiny_model_drafts_and_bad_draft_models_are_errors(tiny, ckpt_root):
+    path, prompts, ref = tiny
+    other = build_tiny_checkpoint(ckpt_root, "qwen3")
+    got, engine = engine_greedy(path, prompts, MAX_TOKENS, speculative_config={
+        "method": "draft_model", "model": other, "num_speculative_tokens": 4, "cost_model": False})
+    assert got == ref and engine.get_stats()["spec_num_drafts"] > 0
+    with pytest.raises(ValueError, match="model"):
+        EngineArgs(model=path, speculative_config={"method": "draft_model"}).create_engine_config()
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineArgs(model=path, tensor_parallel_size=2,
+                   speculative_config={"method": "draft_model", "model": other}).create_engine_config()
 
 
 def test_bfloat16_greedy_is_identical_with_speculation(tiny):

@@ -74,8 +74,12 @@ class _Step:
 class Scheduler:
     """Decides, each step, which sequences compute how many tokens; owns all block bookkeeping."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
+                 num_lookahead_tokens: int = 0) -> None:
         self.config = config
+        # A draft model writes its drafts' K/V past a sampling sequence's scheduled tokens: it
+        # gets these slots too when the pool has them (given back after the step).
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.priority_policy = config.scheduling_policy == "priority"
@@ -436,6 +440,8 @@ class Scheduler:
         self.running.append(group)
 
     def _make_output(self, step: _Step) -> SchedulerOutput:
+        if self.num_lookahead_tokens:
+            self._allocate_lookahead(step)
         step.ops.copy.extend(self.kv_cache_manager.take_copies())
         out = SchedulerOutput(
             scheduled=[self._make_scheduled(g, r.seq, r.num_new_tokens) for g, plan in step.scheduled for r in plan],
@@ -445,6 +451,18 @@ class Scheduler:
         )
         self._finished_seq_ids = []
         return out
+
+    def _allocate_lookahead(self, step: _Step) -> None:
+        """Best effort, after every admission: slots past the scheduled tokens of each sampling
+        sequence (not beams), where the draft model writes its drafts; none where the pool is
+        short (the worker then drafts only as far as the slots go)."""
+        kv = self.kv_cache_manager
+        for group, plan in step.scheduled:
+            if group.beam_state is not None:
+                continue
+            for r in plan:
+                if r.num_computed_tokens + r.num_new_tokens >= r.seq.num_tokens:
+                    kv.allocate_slots(r.seq, r.num_new_tokens + self.num_lookahead_tokens)
 
     def new_seq_id(self) -> int:
         """A fresh sequence id (the engine's first sequences and every fork draw from one counter)."""
@@ -534,9 +552,9 @@ class Scheduler:
                         break
                 if target.status.is_finished:
                     self._free_seq(target)
-                elif sched.spec_token_ids:
+                elif sched.spec_token_ids or self.num_lookahead_tokens:
                     kv.cache_full_blocks(target, group.cache_salt)
-                    kv.trim(target, target.num_tokens)
+                    kv.trim(target, target.num_tokens)  # rejected drafts' and lookahead blocks
             updated[group.request_id] = group
             if group.is_finished():
                 self._release(group)

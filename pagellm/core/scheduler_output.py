@@ -73,6 +73,9 @@ class SchedulerOutput:
     # that sample this step; the worker masks their logits before sampling.
     structured_output_rows: dict[int, int] = field(default_factory=dict)
     grammar_bitmask: Any = None
+    # Speculative decoding with a draft model: ``seq_id -> k``, the drafts the worker proposes
+    # after this step for each sampling sequence listed (set by the engine).
+    draft_k: dict[int, int] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not self.scheduled
@@ -102,3 +105,5 @@ class ModelRunnerOutput:
 
     sampled: dict[int, SampledToken]
     spec_accepted: dict[int, list[SampledToken]] = field(default_factory=dict)
+    # A draft model's proposals: ``seq_id -> (position of the last emitted token, drafts after it)``.
+    draft_token_ids: dict[int, tuple[int, list[int]]] = field(default_factory=dict)

@@ -72,7 +72,8 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching,
                                                self.num_cpu_blocks, config.scheduler.watermark)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
+                                   config.speculative.num_lookahead_tokens if config.speculative else 0)
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self.iteration_stats = IterationStats()
         # Built on the first constrained request, so an engine that never sees one never imports a
@@ -283,6 +284,8 @@ class LLMEngine:
         outputs += [self._finish_ignored(g) for g in ignored]
         if self._structured is not None and self._structured.num_constrained:
             self._attach_bitmask(sched_out)
+        if self.scheduler.num_lookahead_tokens and self._spec is not None:
+            self._spec.plan_model_drafts(sched_out, self.scheduler.requests, self.iteration_stats, self._no_drafts)
         # An empty step still goes to the workers when they must drop finished sequences' state
         # or do swap-outs.
         if sched_out.is_empty() and not sched_out.finished_seq_ids and sched_out.cache_ops.is_empty():
@@ -333,6 +336,7 @@ class LLMEngine:
             if group.is_finished():
                 self._forget(group)
         if spec is not None:
+            spec.receive_model_drafts(runner_out.draft_token_ids)
             spec.propose(self.scheduler.running, self.iteration_stats, self._no_drafts)
         self.iteration_stats.record_step(prompt_tokens, len(runner_out.sampled) + num_accepted,
                                          started.schedule_seconds, t_model - started.submitted_at,

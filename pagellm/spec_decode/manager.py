@@ -13,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from pagellm.config import SpeculativeConfig
+from pagellm.core.scheduler_output import SchedulerOutput
 from pagellm.metrics import IterationStats
 from pagellm.sequence import Sequence, SequenceGroup
 from pagellm.spec_decode.cost_model import StepCostModel, choose_k
-from pagellm.spec_decode.proposers import create_proposer
+from pagellm.spec_decode.proposers import DraftModelProposer, create_proposer
 
 _ALPHA_PRIOR = 0.5  # a new sequence's acceptance before it has drafted
 _ALPHA_EMA = 0.3
@@ -58,8 +59,52 @@ class SpecDecodeManager:
 
     def propose(self, running: Iterable[SequenceGroup], stats: IterationStats,
                 skip: Callable[[SequenceGroup], bool]) -> None:
-        """Drafts for the next step's decoding sequences (``skip``: requests that must not draft)."""
-        cfg = self.config
+        """Drafts for the next step's decoding sequences (``skip``: requests that must not draft).
+        A draft model's drafts were decided (``plan_model_drafts``) and computed during the step:
+        they are only handed out here."""
+        decoding, other = self._decoding(running, skip)
+        if not decoding:
+            return
+        by_model = isinstance(self.proposer, DraftModelProposer)
+        max_k, explore = (self.config.num_speculative_tokens, False) if by_model else \
+            self._max_k([s.seq_id for s in decoding], other, stats)
+        if not max_k:
+            return
+        offers = [(seq, self.proposer.propose(seq, max_k)) for seq in decoding]
+        offers = [(seq, d) for seq, d in offers if d]
+        if by_model and not offers:
+            return
+        k = max_k
+        if self.config.cost_model and offers and not explore:
+            k = choose_k(self.cost, len(decoding) + int(other), other + len(decoding) - len(offers),
+                         [(len(d), self._alpha.get(s.seq_id, _ALPHA_PRIOR)) for s, d in offers], max_k)
+            if k == 0:
+                self._off(stats)
+                return
+        if offers and not explore:
+            self._off_steps = 0
+            self._explore_every = _EXPLORE_MIN
+        stats.spec_k = k
+        for seq, d in offers:
+            seq.spec_token_ids = d[:k]
+
+    def plan_model_drafts(self, so: SchedulerOutput, requests: dict[str, SequenceGroup], stats: IterationStats,
+                          skip: Callable[[SequenceGroup], bool]) -> None:
+        """A draft model proposes during the step (after the target samples): decide now, for the
+        sequences that sample in it, how many drafts it computes (``so.draft_k``)."""
+        sampling = [s.seq_id for s in so.scheduled
+                    if s.do_sample and requests[s.request_id].beam_state is None and not skip(requests[s.request_id])]
+        if not sampling:
+            return
+        other = sum(1 for s in so.scheduled if s.do_sample) - len(sampling)
+        k, _ = self._max_k(sampling, other, stats)
+        if k:
+            so.draft_k = dict.fromkeys(sampling, k)
+
+    @staticmethod
+    def _decoding(running: Iterable[SequenceGroup], skip: Callable[[SequenceGroup], bool]
+                  ) -> tuple[list[Sequence], float]:
+        """Sequences that decode next (those that may draft, and how many others)."""
         decoding: list[Sequence] = []
         other = 0.0
         for group in running:
@@ -70,46 +115,38 @@ class SpecDecodeManager:
                         decoding.append(seq)
                     else:
                         other += 1
-        base = len(decoding) + int(other)  # the next step's decode rows without drafts
-        if not decoding:
-            return
+        return decoding, other
+
+    def _max_k(self, seq_ids: list[int], other: float, stats: IterationStats) -> tuple[int, bool]:
+        """``(most drafts worth proposing per sequence, exploring?)``; 0 = speculation off this
+        step (counted). Would drafts pay even if every sequence had a full run on offer? If not,
+        the proposer's time is not spent on them."""
+        cfg = self.config
         max_k = cfg.num_speculative_tokens
-        if cfg.disable_by_batch_size is not None and len(decoding) + other >= cfg.disable_by_batch_size:
+        if cfg.disable_by_batch_size is not None and len(seq_ids) + other >= cfg.disable_by_batch_size:
             self._off(stats)
-            return
-        explore = False
-        if cfg.cost_model:
-            # Would drafts pay even if every sequence had a full run on offer? If not, do not
-            # spend the proposer's time on them this step.
-            best = choose_k(self.cost, base, other, [(max_k, self._alpha.get(s.seq_id, _ALPHA_PRIOR))
-                                                     for s in decoding], max_k)
-            explore = best == 0 and self._off_steps + 1 >= self._explore_every and self.cost.estimate(1) is not None
-            if best == 0 and not explore:
-                for seq in decoding:  # unmeasured while off: drift back towards the prior (optimism)
-                    a = self._alpha.get(seq.seq_id)
-                    if a is not None:
-                        self._alpha[seq.seq_id] = a + _ALPHA_DRIFT * (_ALPHA_PRIOR - a)
-                self._off(stats)
-                return
-            max_k = best or 1  # exploring: one draft each, the cheapest step that measures the slope
-        offers = [(seq, self.proposer.propose(seq, max_k)) for seq in decoding]
-        offers = [(seq, d) for seq, d in offers if d]
-        k = max_k
-        if cfg.cost_model and offers and not explore:
-            k = choose_k(self.cost, base, other + len(decoding) - len(offers),
-                         [(len(d), self._alpha.get(s.seq_id, _ALPHA_PRIOR)) for s, d in offers], max_k)
-            if k == 0:
-                self._off(stats)
-                return
-        if explore:
+            return 0, False
+        if not cfg.cost_model:
+            return max_k, False
+        best = choose_k(self.cost, len(seq_ids) + int(other), other,
+                        [(max_k, self._alpha.get(i, _ALPHA_PRIOR)) for i in seq_ids], max_k)
+        if best:
+            return best, False
+        if self._off_steps + 1 >= self._explore_every and self.cost.estimate(1) is not None:
+            # Exploring: one draft each, the cheapest step that measures what drafts cost.
             self._off_steps = 0
             self._explore_every = min(2 * self._explore_every, _EXPLORE_MAX)
-        elif offers:
-            self._off_steps = 0
-            self._explore_every = _EXPLORE_MIN
-        stats.spec_k = k
-        for seq, d in offers:
-            seq.spec_token_ids = d[:k]
+            return 1, True
+        for i in seq_ids:  # unmeasured while off: drift back towards the prior (optimism)
+            a = self._alpha.get(i)
+            if a is not None:
+                self._alpha[i] = a + _ALPHA_DRIFT * (_ALPHA_PRIOR - a)
+        self._off(stats)
+        return 0, False
+
+    def receive_model_drafts(self, drafts: dict[int, tuple[int, list[int]]]) -> None:
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.receive(drafts)
 
     def _off(self, stats: IterationStats) -> None:
         stats.spec_steps_off += 1

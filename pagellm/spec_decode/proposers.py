@@ -236,10 +236,31 @@ class SuffixProposer:
                     self.global_counts.add(old, end, -1)
 
 
-Proposer = NgramProposer | SuffixProposer
+class DraftModelProposer:
+    """Hands out the drafts the worker's draft model computed during the last step (proposals
+    for a sequence whose last token has moved on since are stale and dropped)."""
+
+    def __init__(self) -> None:
+        self._drafts: dict[int, tuple[int, list[int]]] = {}
+
+    def receive(self, drafts: dict[int, tuple[int, list[int]]]) -> None:
+        self._drafts = drafts
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        pos, drafts = self._drafts.get(seq.seq_id, (-1, []))
+        return drafts[:k] if pos == seq.num_tokens - 1 else []
+
+    def request_finished(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self._drafts.pop(seq.seq_id, None)
+
+
+Proposer = NgramProposer | SuffixProposer | DraftModelProposer
 
 
 def create_proposer(config: SpeculativeConfig) -> Proposer:
     if config.method == "ngram":
         return NgramProposer(config)
+    if config.method == "draft_model":
+        return DraftModelProposer()
     return SuffixProposer(config)

@@ -14,10 +14,11 @@ from __future__ import annotations
 import torch
 
 from pagellm.attention.torch_paged import TorchPagedAttention
-from pagellm.core.scheduler_output import ModelRunnerOutput, SampledToken, SchedulerOutput
+from pagellm.core.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
 from pagellm.layers.custom_op import select_kernels
 from pagellm.sampling.rejection_sampler import DraftSpan, rejection_sample
 from pagellm.sampling.sampler import Sampler, SamplingRow, apply_token_bitmask
+from pagellm.worker.draft_runner import DraftRunner
 
 
 class ModelRunner:
@@ -37,6 +38,7 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.sampler = Sampler()
         select_kernels(self.sampler, device, self.dtype)
+        self.draft: DraftRunner | None = None  # speculative decoding with a draft model (Worker sets it)
 
     def _generator(self, seq_id: int, seed: int | None, index: int = 0) -> torch.Generator | None:
         """The RNG of sequence ``seq_id``, created on its first sample. Sample ``index`` of a request
@@ -65,13 +67,10 @@ class ModelRunner:
         decodes = [(s, i) for s in so.scheduled if s.is_decode or s.spec_token_ids
                    for i in range(s.num_scheduled_tokens)]
         chunks = [s for s in so.scheduled if not (s.is_decode or s.spec_token_ids)]
-        meta = self.attn_backend.build_metadata(
-            decode_lens=[s.num_computed_tokens + i + 1 for s, i in decodes],
-            decode_block_tables=[s.block_ids for s, _ in decodes],
-            chunks=[(s.num_computed_tokens, s.num_scheduled_tokens, s.block_ids) for s in chunks],
-            block_size=bs,
-            device=self.device,
-        )
+        decode_lens = [s.num_computed_tokens + i + 1 for s, i in decodes]
+        decode_tables = [s.block_ids for s, _ in decodes]
+        chunk_specs = [(s.num_computed_tokens, s.num_scheduled_tokens, s.block_ids) for s in chunks]
+        meta = self.attn_backend.build_metadata(decode_lens, decode_tables, chunk_specs, bs, self.device)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -106,6 +105,9 @@ class ModelRunner:
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids_t, pos_t, kv_caches, meta)
+        if self.draft is not None:  # the draft model's K/V follow the target's, token for token
+            self.draft.forward(ids_t, pos_t, meta.slot_mapping, decode_lens, decode_tables, chunk_specs,
+                               meta.decode_order)
         if not sample_idx:
             return ModelRunnerOutput(sampled={}) if self.is_driver else None
         logits = self.model.compute_logits(hidden[sample_idx]).float()  # a collective under TP
@@ -156,4 +158,19 @@ class ModelRunner:
                           zip(v.token_ids, v.logprobs, v.top_logprobs, strict=True)]
                 result.sampled[s.seq_id] = tokens.pop()
                 result.spec_accepted[s.seq_id] = tokens
+        if self.draft is not None and so.draft_k:
+            result.draft_token_ids = self._draft(so, sample_seqs, result)
         return result
+
+    def _draft(self, so: SchedulerOutput, sample_seqs: list[ScheduledSequence],
+               result: ModelRunnerOutput) -> dict[int, tuple[int, list[int]]]:
+        """The draft model's proposals from each listed sequence's last emitted token."""
+        assert self.draft is not None
+        starts = []
+        for s in sample_seqs:
+            k = so.draft_k.get(s.seq_id, 0)
+            if k:
+                accepted = len(result.spec_accepted.get(s.seq_id, ()))
+                pos = s.num_computed_tokens + s.num_scheduled_tokens - len(s.spec_token_ids or ()) + accepted
+                starts.append((s.seq_id, result.sampled[s.seq_id].token_id, pos, s.block_ids, k))
+        return self.draft.propose(starts)

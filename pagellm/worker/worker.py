@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,6 +19,7 @@ from pagellm.layers.linear import Linear
 from pagellm.models import get_model_class
 from pagellm.weights import freq_factors, iter_weights, load_model_config
 from pagellm.worker.cache_engine import CacheEngine, KVCacheSpec
+from pagellm.worker.draft_runner import DraftRunner
 from pagellm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -75,18 +77,21 @@ class Worker:
         self.cache_engine: CacheEngine | None = None
         self.model_runner: ModelRunner | None = None
 
-    def load_model(self) -> ModelInfo:
-        source = resolve_model_source(self.config.model.model)
+    def _build_model(self, path: str | None) -> tuple[torch.nn.Module, Any, Any]:
+        """``(model, HF config, source)``: built on meta (no random init), materialised
+        uninitialised, then every weight loaded (sharded, a rank reads only its slice)."""
+        source = resolve_model_source(path)
         hf_config = load_model_config(source)
-        arch = hf_config.architectures[0]
-        cls = get_model_class(arch)
+        cls = get_model_class(hf_config.architectures[0])
         with torch.device("meta"):
             model = cls(hf_config, freq_factors(source), tp=self.tp)
-        # Built on meta (no random init), materialised uninitialised, then every weight is loaded.
         model = model.to_empty(device=self.device)
-        # Sharded, a rank reads only its slice of each safetensors weight.
         model.load_weights(iter_weights(source, hf_config, lazy=self.tp.world_size > 1))
-        model = model.to(self.dtype).eval()
+        return model.to(self.dtype).eval(), hf_config, source
+
+    def load_model(self) -> ModelInfo:
+        model, hf_config, source = self._build_model(self.config.model.model)
+        arch = hf_config.architectures[0]
         if self.cpu_numerics:
             layer0 = [m.weight for m in model.model.layers[0].modules() if isinstance(m, Linear)]
             self.numerics = choose_numerics(self.config.model.dtype, layer0, probe=self.tp.world_size == 1,
@@ -105,13 +110,13 @@ class Worker:
         kernels_on = select_kernels(model, self.device, self.dtype)
         logger.info("compiled CPU ops: %s", "on" if kernels_on else "off (PyTorch reference ops)")
         self.model = model
-        self.spec = KVCacheSpec(
-            num_layers=hf_config.num_hidden_layers,
-            num_kv_heads=model.model.layers[0].self_attn.num_kv_heads,
-            head_dim=model.model.layers[0].self_attn.head_dim,
-            block_size=self.config.cache.block_size,
-            dtype=self._kv_cache_dtype(),
-        )
+        self.spec = self._kv_spec(model, hf_config, self.numerics)
+        self.draft_model: torch.nn.Module | None = None
+        self.draft_spec: KVCacheSpec | None = None
+        spec_cfg = self.config.speculative
+        if spec_cfg is not None and spec_cfg.model is not None:
+            self._load_draft(spec_cfg.model, hf_config.vocab_size)
+        self.max_positions = hf_config.max_position_embeddings
         return ModelInfo(
             architecture=arch,
             vocab_size=hf_config.vocab_size,
@@ -121,16 +126,44 @@ class Worker:
             dtype=self.numerics.name,
             kv_cache_dtype=str(self.spec.dtype).removeprefix("torch."),
             device=str(self.device),
-            block_bytes=self.spec.block_bytes,
+            block_bytes=self.block_bytes,
         )
 
-    def _kv_cache_dtype(self) -> torch.dtype:
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block: the target's K/V, and the draft model's when there is one."""
+        return self.spec.block_bytes + (self.draft_spec.block_bytes if self.draft_spec is not None else 0)
+
+    def _load_draft(self, path: str, vocab_size: int) -> None:
+        """The draft model of speculative decoding, with its own numerics and K/V layout."""
+        draft, hf_config, _ = self._build_model(path)
+        if hf_config.vocab_size != vocab_size:
+            raise ValueError(f"speculative_config model {path!r} has a vocabulary of {hf_config.vocab_size} tokens, "
+                             f"the target {vocab_size}: a draft model must share the target's tokenizer")
+        numerics = self.numerics
+        if self.cpu_numerics:
+            layer0 = [m.weight for m in draft.model.layers[0].modules() if isinstance(m, Linear)]
+            numerics = choose_numerics(self.config.model.dtype, layer0, probe=True)
+            logger.info("draft model numerics: %s GEMMs: %s", numerics.name, numerics.reason)
+        if self.device.type == "cpu" and hasattr(draft, "pack_for_cpu"):
+            draft.pack_for_cpu(numerics.compute_dtype, numerics.int8)
+        select_kernels(draft, self.device, self.dtype)
+        self.draft_model = draft
+        self.draft_spec = self._kv_spec(draft, hf_config, numerics)
+
+    def _kv_spec(self, model: torch.nn.Module, hf_config: Any, numerics: Numerics) -> KVCacheSpec:
+        attn = model.model.layers[0].self_attn
+        return KVCacheSpec(num_layers=hf_config.num_hidden_layers, num_kv_heads=attn.num_kv_heads,
+                           head_dim=attn.head_dim, block_size=self.config.cache.block_size,
+                           dtype=self._kv_cache_dtype(numerics))
+
+    def _kv_cache_dtype(self, numerics: Numerics) -> torch.dtype:
         """``auto``: the model's dtype; with bfloat16 (or int8) GEMMs on a CPU, float16 (16-bit like the
         weights, read directly by the attention kernels, more exact than bfloat16's 8-bit mantissa)."""
         kv = self.config.cache.kv_cache_dtype
         if kv != "auto":
             return _DTYPES[kv]
-        sixteen = self.numerics.int8 or self.numerics.compute_dtype == torch.bfloat16
+        sixteen = numerics.int8 or numerics.compute_dtype == torch.bfloat16
         return torch.float16 if self.cpu_numerics and sixteen else self.dtype
 
     def parallel_info(self) -> dict[str, object]:
@@ -144,18 +177,18 @@ class Worker:
         if cache.num_gpu_blocks_override is not None:
             n = cache.num_gpu_blocks_override
         else:
-            n = cache.kv_cache_memory // self.spec.block_bytes
+            n = cache.kv_cache_memory // self.block_bytes
             if n < 1:
                 raise ValueError(
                     f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block "
-                    f"(one block of {cache.block_size} tokens needs {self.spec.block_bytes} bytes)"
+                    f"(one block of {cache.block_size} tokens needs {self.block_bytes} bytes)"
                 )
         if cache.num_cpu_blocks_override is not None:
             n_cpu = cache.num_cpu_blocks_override
         elif cache.swap_space is None:
-            n_cpu = min(n, 4 * 2**30 // self.spec.block_bytes)  # swapped-out work once fit on the device
+            n_cpu = min(n, 4 * 2**30 // self.block_bytes)  # swapped-out work once fit on the device
         else:
-            n_cpu = int(cache.swap_space * 2**30) // self.spec.block_bytes
+            n_cpu = int(cache.swap_space * 2**30) // self.block_bytes
         return n, n_cpu
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
@@ -165,13 +198,21 @@ class Worker:
         logger.info("attention backend: %r", self.attn_backend)
         self.model_runner = ModelRunner(self.model, self.spec.block_size, self.device, self.attn_backend,
                                         self.tp.is_driver)
+        self.draft_cache: CacheEngine | None = None
+        if self.draft_model is not None and self.draft_spec is not None:
+            self.draft_cache = CacheEngine(self.draft_spec, num_blocks, self.device, num_cpu_blocks)
+            backend = select_attention_backend(self.draft_cache.kv_caches[0][0], self.dtype)
+            self.model_runner.draft = DraftRunner(self.draft_model, backend, self.draft_cache.kv_caches,
+                                                  self.spec.block_size, self.device, self.max_positions)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's sampled tokens (``None`` on ranks other than 0, which only compute)."""
         assert self.cache_engine is not None and self.model_runner is not None, "initialize_cache first"
         ops = scheduler_output.cache_ops
         # Before the forward pass: swapped-out blocks may be reused by this very step.
-        self.cache_engine.swap_out(ops.swap_out)
-        self.cache_engine.swap_in(ops.swap_in)
-        self.cache_engine.copy(ops.copy)
+        for cache in (self.cache_engine, self.draft_cache):
+            if cache is not None:
+                cache.swap_out(ops.swap_out)
+                cache.swap_in(ops.swap_in)
+                cache.copy(ops.copy)
         return self.model_runner.execute_model(scheduler_output, self.cache_engine.kv_caches)
