@@ -12,6 +12,7 @@ are printed for each run. Absolute speeds drift on shared machines: read the rat
 
     python benchmarks/spec_decode.py                              # none, ngram, suffix; k = 5
     python benchmarks/spec_decode.py --k 3 --methods ngram --skip-w64
+    python benchmarks/spec_decode.py --methods draft_model --draft-model PATH --skip-w64
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def make_llm(args: argparse.Namespace, method: str | None, **kw):
     from pagellm import LLM
 
     spec = None if method is None else {"method": method, "num_speculative_tokens": args.k}
+    if method == "draft_model":
+        spec["model"] = args.draft_model
     return LLM(args.model, speculative_config=spec, **kw)
 
 
@@ -82,13 +85,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--methods", nargs="+", default=["ngram", "suffix"])
+    ap.add_argument("--draft-model", default=None, help="with --methods draft_model: its path (default: the "
+                    "bundled model drafting for itself, which shows the cost model switching it off)")
     ap.add_argument("--k", type=int, default=5, help="num_speculative_tokens (the cost model may use fewer)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--workload", default=W64)
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--skip-w64", action="store_true")
     args = ap.parse_args()
+    from pagellm.config import resolve_model_source
     from pagellm.kernels.machine import cpu_info
+
+    args.draft_model = args.draft_model or resolve_model_source(None).path
 
     print(f"machine: {cpu_info().summary()}")
     runs: list[str | None] = [None, *args.methods]
