@@ -92,6 +92,7 @@ def main() -> None:
     ap.add_argument("--workload", default=W64)
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--skip-w64", action="store_true")
+    ap.add_argument("--repeats", type=int, default=2, help="W64 runs per method, interleaved (best kept)")
     args = ap.parse_args()
     from pagellm.config import resolve_model_source
     from pagellm.kernels.machine import cpu_info
@@ -110,12 +111,16 @@ def main() -> None:
         print(f"  {method or 'none':8s} {speed:7.1f} decode tok/s  {speed / base[0]:5.2f}x  outputs {same}; {summary}")
     if args.skip_w64:
         return
-    print(f"\n2. {os.path.basename(args.workload)}, all requests at once")
-    w_base = None
+    print(f"\n2. {os.path.basename(args.workload)}, all requests at once, best of {args.repeats} interleaved runs")
+    best: dict[str | None, tuple[float, str]] = {}
+    for _ in range(args.repeats):  # taking turns: a noisy stretch of the machine hits every method alike
+        for method in runs:
+            speed, summary = w64(args, method)
+            if speed > best.get(method, (0.0, ""))[0]:
+                best[method] = (speed, summary)
     for method in runs:
-        speed, summary = w64(args, method)
-        w_base = w_base or speed
-        print(f"  {method or 'none':8s} {speed:7.1f} total tok/s   {speed / w_base:5.2f}x  {summary}")
+        speed, summary = best[method]
+        print(f"  {method or 'none':8s} {speed:7.1f} total tok/s   {speed / best[None][0]:5.2f}x  {summary}")
 
 
 if __name__ == "__main__":
