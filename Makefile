@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROMPTS := "The capital of France is" "Write a haiku about autumn leaves." "Explain what a paged KV cache is in one sentence."
 
-.PHONY: setup run test test-fast test-optimized test-wheel typecheck bench lint clean
+.PHONY: setup run test browser test-fast test-optimized test-wheel typecheck bench lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,11 +25,18 @@ run: setup
 	$(BIN)/pagellm generate --chat-format --max-tokens 96 --temperature 0.7 --top-p 0.9 --seed 0 --repetition-penalty 1.1 $(PROMPTS)
 
 # Everything CI checks: lint, types, the whole suite, the -O subset, and the wheel as users install it.
-test: setup
+test: setup browser
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest
 	$(MAKE) test-optimized test-wheel
+
+# Debian's chromium, for the test that opens the step-trace page in a real browser (it skips, saying
+# so, where the browser cannot be installed: not root, no apt).
+browser:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && \
+	    apt-get install -y -q chromium >/dev/null 2>&1; }; }; } || echo "chromium not installed: the step-trace page test will skip"
 
 # For development: lint and every test that does not load the bundled SmolLM2 (about a third of the time).
 test-fast: setup

@@ -324,6 +324,29 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ObservabilityConfig:
+    """The step trace (``trace``: a ring buffer of ``trace_max_events``; ``trace_out``: also
+    written to this Chrome Trace JSON file) and the per-step log line (``log_step_details``)."""
+
+    trace: bool = False
+    trace_out: str | None = None
+    trace_max_events: int = 500_000
+    log_step_details: bool = False
+
+    def __post_init__(self) -> None:
+        if self.trace_max_events < 1000:
+            raise ValueError(f"trace_max_events must be >= 1000, got {self.trace_max_events}")
+        if self.trace_out is not None:
+            parent = os.path.dirname(os.path.abspath(self.trace_out))
+            if not os.path.isdir(parent):
+                raise ValueError(f"trace_out {self.trace_out!r}: directory {parent!r} does not exist")
+
+    @property
+    def tracing(self) -> bool:
+        return self.trace or self.trace_out is not None
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """All configs of one engine, as the layers below the entrypoints see them."""
 
@@ -334,6 +357,7 @@ class EngineConfig:
     device: DeviceConfig
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative: SpeculativeConfig | None = None
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
 
 _HELP = {
@@ -353,6 +377,11 @@ _HELP = {
     "speculative_config": "JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 5}': speculative "
                           "decoding with the ngram, suffix or draft_model (with \"model\": PATH) proposer "
                           "(docs/spec_decode.md); default: off",
+    "trace": "record the step trace in memory (the server serves it at /debug/trace)",
+    "trace_out": "record the step trace and write it to this Chrome Trace JSON file (Perfetto, chrome://tracing, "
+                 "`pagellm trace FILE -o FILE.html`); written when generation ends and at shutdown",
+    "log_step_details": "one log line per engine step: batch, tokens, queues with the reasons requests wait, "
+                        "KV use, admissions and preemptions, step time",
     "tensor_parallel_size": "ranks that split each layer's heads and features (torch.distributed: gloo on CPU, "
                             "nccl on CUDA)",
     "data_parallel_size": "independent engine replicas behind one front end, requests sent to the least loaded",
@@ -403,6 +432,10 @@ class EngineArgs:
     num_threads: int | None = None
     structured_outputs_config: dict | str | None = None
     speculative_config: dict | str | None = None
+    trace: bool = False
+    trace_out: str | None = None
+    trace_max_events: int = 500_000
+    log_step_details: bool = False
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -434,6 +467,8 @@ class EngineArgs:
             device=DeviceConfig(self.device, self.num_threads),  # type: ignore[arg-type]
             structured_outputs=StructuredOutputsConfig.from_any(self.structured_outputs_config),
             speculative=self._speculative(),
+            observability=ObservabilityConfig(self.trace, self.trace_out, self.trace_max_events,
+                                              self.log_step_details),
         )
 
     def _speculative(self) -> SpeculativeConfig | None:

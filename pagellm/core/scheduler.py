@@ -57,6 +57,36 @@ StopCheck = Callable[[SequenceGroup, Sequence], bool]
 
 
 @dataclass(slots=True)
+class StepDecisions:
+    """What one ``schedule()`` decided, for the step trace (recorded only when asked for):
+    admissions with their prefix-cache hits in tokens, preemptions by mode, swap-ins, and why
+    each waiting request that stayed waiting was left out."""
+
+    admitted: list[tuple[str, int]] = field(default_factory=list)
+    preempted: list[tuple[str, str]] = field(default_factory=list)  # (request id, "recompute" | "swap")
+    swapped_in: list[str] = field(default_factory=list)
+    left_out: dict[str, str] = field(default_factory=dict)  # request id -> LeftOut reason
+    token_budget: int = 0
+    token_budget_used: int = 0
+
+
+class LeftOut:
+    """Why a waiting request was not admitted this step (the first reason that stopped admissions;
+    under the priority policy the requests behind a blocked better one get ``PRIORITY``)."""
+
+    TOKEN_BUDGET = "token_budget"
+    MAX_NUM_SEQS = "max_num_seqs"
+    NO_FREE_BLOCKS = "no_free_blocks"
+    WATERMARK = "watermark"
+    OLDER_SWAPPED_FIRST = "older_swapped_first"
+    NO_ROOM_AFTER_PREEMPTION = "no_room_after_preemption"  # this step had to preempt: no admissions
+    PUSHED_OUT_THIS_STEP = "pushed_out_this_step"
+    PREFIX_BEING_COMPUTED = "prefix_being_computed"  # its next block is a running prefill's
+    WHOLE_PROMPT = "whole_prompt_needs_budget"  # chunked prefill off
+    PRIORITY = "priority"
+
+
+@dataclass(slots=True)
 class _Step:
     """What one ``schedule()`` call has decided so far; its phases add to it in turn."""
 
@@ -65,6 +95,7 @@ class _Step:
     scheduled: list[tuple[SequenceGroup, list[SlotRequest]]] = field(default_factory=list)
     preempted: list[SequenceGroup] = field(default_factory=list)  # out of blocks (phase 1)
     forced: list[SequenceGroup] = field(default_factory=list)  # pushed out by a better request (phase 0)
+    waiting_stop: str = LeftOut.TOKEN_BUDGET  # why admissions stopped (the step trace's LeftOut)
 
     def add(self, group: SequenceGroup, plan: list[SlotRequest]) -> None:
         self.scheduled.append((group, plan))
@@ -80,6 +111,10 @@ class Scheduler:
         # A draft model writes its drafts' K/V past a sampling sequence's scheduled tokens: it
         # gets these slots too when the pool has them (given back after the step).
         self.num_lookahead_tokens = num_lookahead_tokens
+        # The step trace: when on, each schedule() leaves its decisions in ``last_decisions``.
+        self.record_decisions = False
+        self.last_decisions: StepDecisions | None = None
+        self._decisions: StepDecisions | None = None
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.priority_policy = config.scheduling_policy == "priority"
@@ -211,6 +246,8 @@ class Scheduler:
         group.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue_time(group)
+        if self._decisions is not None:
+            self._decisions.preempted.append((group.request_id, "swap" if group in self.swapped else "recompute"))
 
     def _ignore(self, group: SequenceGroup) -> None:
         for seq in group.seqs:
@@ -300,6 +337,7 @@ class Scheduler:
         """One step: priority preemption, running, swapped, waiting (see the module docstring)."""
         self._step += 1
         step = _Step(token_budget=self.config.max_num_batched_tokens)
+        self._decisions = StepDecisions(token_budget=step.token_budget) if self.record_decisions else None
         if self.priority_policy:
             self.running.sort(key=self._key)  # the worst is last: the next victim
             self._preempt_for_priority(step)
@@ -307,7 +345,17 @@ class Scheduler:
         if not step.preempted:  # a step that had to preempt has no room to take anyone back
             self._schedule_swapped(step)
             self._schedule_waiting(step)
+        else:
+            step.waiting_stop = LeftOut.NO_ROOM_AFTER_PREEMPTION
+        if self._decisions is not None:
+            self._record_left_out(step, self._decisions)
+        self.last_decisions = self._decisions
         return self._make_output(step)
+
+    def _record_left_out(self, step: _Step, d: StepDecisions) -> None:
+        d.token_budget_used = d.token_budget - step.token_budget
+        for i, group in enumerate(self.waiting):
+            d.left_out[group.request_id] = LeftOut.PRIORITY if self.priority_policy and i else step.waiting_stop
 
     def _preempt_for_priority(self, step: _Step) -> None:
         """Phase 0: push out running requests the best waiting one outranks, worst first, until it fits."""
@@ -370,6 +418,8 @@ class Scheduler:
             self.swapped.pop(0)
             step.ops.swap_in.extend(kv.swap_in(seqs))
             self.num_swap_ins += 1
+            if self._decisions is not None:
+                self._decisions.swapped_in.append(group.request_id)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
             self._dequeue_time(group)
@@ -387,10 +437,13 @@ class Scheduler:
         while self.waiting and step.token_budget > 0:
             group = self.waiting.peek()
             if self.swapped and not self._key(group) < self._key(self.swapped[0]):
+                step.waiting_stop = LeftOut.OLDER_SWAPPED_FIRST
                 break
             if group in step.forced:
+                step.waiting_stop = LeftOut.PUSHED_OUT_THIS_STEP
                 break  # pushed out this very step for a better request: not back before the next
             if not self._has_seq_room(group):
+                step.waiting_stop = LeftOut.MAX_NUM_SEQS
                 break
             if any(kv.num_blocks_for(s.num_tokens) > kv.num_blocks for s in group.live_seqs()):
                 self._ignore(group)  # could never be held, however empty the pool
@@ -399,8 +452,10 @@ class Scheduler:
             first = plan[0]
             n_hit = len(first.computed_blocks)
             if n_hit < len(first.seq.block_hashes) and first.seq.block_hashes[n_hit] in pending:
+                step.waiting_stop = LeftOut.PREFIX_BEING_COMPUTED
                 break  # its next block is being computed by a running prefill: a hit in a step or two
             if not self._admissible(plan):
+                step.waiting_stop = self._why_not_admissible(plan)
                 break
             self._admit(group, plan)
             pending |= self._pending_block_hashes([group])  # empty with caching off: nothing is hashed
@@ -420,6 +475,13 @@ class Scheduler:
             plan.pop()
         return kv.num_new_blocks(plan) <= kv.num_free_blocks
 
+    def _why_not_admissible(self, plan: list[SlotRequest]) -> str:
+        kv = self.kv_cache_manager
+        if not self.config.enable_chunked_prefill and any(
+                r.num_computed_tokens + r.num_new_tokens < r.seq.num_tokens for r in plan):
+            return LeftOut.WHOLE_PROMPT
+        return LeftOut.NO_FREE_BLOCKS if kv.num_new_blocks(plan) > kv.num_free_blocks else LeftOut.WATERMARK
+
     def _admit(self, group: SequenceGroup, plan: list[SlotRequest]) -> None:
         """Apply an admission plan: hits become computed tokens, blocks are allocated, the group runs."""
         kv = self.kv_cache_manager
@@ -438,6 +500,8 @@ class Scheduler:
         self.waiting.pop()
         self._dequeue_time(group)
         self.running.append(group)
+        if self._decisions is not None:
+            self._decisions.admitted.append((group.request_id, plan[0].num_computed_tokens))
 
     def _make_output(self, step: _Step) -> SchedulerOutput:
         if self.num_lookahead_tokens:

@@ -107,3 +107,6 @@ class ModelRunnerOutput:
     spec_accepted: dict[int, list[SampledToken]] = field(default_factory=dict)
     # A draft model's proposals: ``seq_id -> (position of the last emitted token, drafts after it)``.
     draft_token_ids: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
+    # Seconds the runner spent preparing inputs, in the forward pass (the draft model's included)
+    # and sampling (the step trace's phases).
+    timings: tuple[float, float, float] = (0.0, 0.0, 0.0)

@@ -250,6 +250,11 @@ class AsyncLLM:
         with self._lock:
             return self.engine.get_stats()
 
+    def get_trace_now(self) -> dict[str, Any] | None:
+        """The step trace's buffer (``None`` when tracing is off), from any thread."""
+        with self._lock:
+            return self.engine.get_trace()
+
     def shutdown(self) -> None:
         """Stop the loop; in-flight streams end with ``EngineDeadError``."""
         if self._stopped:

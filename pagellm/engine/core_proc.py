@@ -120,10 +120,11 @@ def run_engine_core(engine_args: EngineArgs, chat_template: str | None, input_ad
             elif kind == "abort":
                 engine.abort_request(msg[1])
                 owner.pop(msg[1], None)
-            elif kind in ("stats", "health"):
+            elif kind in ("stats", "health", "trace"):
                 _, client, token = msg
                 try:
-                    result: Any = engine.get_stats() if kind == "stats" else engine.check_health()
+                    result: Any = (engine.get_stats() if kind == "stats" else engine.get_trace() if kind == "trace"
+                                   else engine.check_health())
                 except Exception as e:  # noqa: BLE001 - the health answer is the exception
                     result = _picklable(e)
                 _send(outs[client], ("reply", token, result))
@@ -358,6 +359,9 @@ class AsyncEngineClient:
 
     def get_stats_now(self) -> EngineStats:
         return self._call("stats")
+
+    def get_trace_now(self) -> dict[str, Any] | None:
+        return self._call("trace")
 
     def shutdown(self) -> None:
         """Stop the core (it finishes its step first) and the receiver; open streams end with

@@ -16,9 +16,11 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from typing import Any
 
 from pagellm.config import EngineArgs, EngineConfig, resolve_model_source
 from pagellm.engine.llm_engine import EngineDeadError, LLMEngine, PromptType, StartedStep
+from pagellm.engine.step_trace import write_trace_json
 from pagellm.metrics import EngineStats
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -35,7 +37,10 @@ class DataParallelEngine:
     def __init__(self, config: EngineConfig, chat_template: str | None = None) -> None:
         par = config.parallel
         self.config = config
-        replica = replace(config, parallel=replace(par, data_parallel_size=1))
+        # Replicas trace in memory; this engine writes their traces as one file (a process per replica).
+        replica = replace(config, parallel=replace(par, data_parallel_size=1),
+                          observability=replace(config.observability, trace=config.observability.tracing,
+                                                trace_out=None))
         # One tokenizer for all, loaded here: transformers' lazy imports are not thread-safe.
         tokenizer = Tokenizer(resolve_model_source(config.model.model), config.model.tokenizer, chat_template)
         # Replicas start in parallel (their workers load the model at the same time).
@@ -163,7 +168,34 @@ class DataParallelEngine:
                 self._die(e)
             raise
 
+    def get_trace(self) -> dict[str, Any] | None:
+        """The replicas' step traces as one document, replica ``i`` as process ``i + 1``."""
+        traces = [r.get_trace() for r in self.replicas]
+        if traces[0] is None:
+            return None
+        events = []
+        for i, t in enumerate(traces):
+            assert t is not None
+            for ev in t["traceEvents"]:
+                ev = dict(ev, pid=i + 1)
+                if ev.get("name") == "process_name":
+                    ev["args"] = {"name": f"pagellm engine (data-parallel replica {i})"}
+                if "id" in ev:
+                    ev["id"] = f"{ev['id']}"
+                events.append(ev)
+        return {"traceEvents": events, "displayTimeUnit": "ms",
+                "otherData": {"producer": "pagellm", "replicas": len(traces)}}
+
+    def write_trace(self) -> str | None:
+        path = self.config.observability.trace_out
+        trace = self.get_trace()
+        if path is None or trace is None:
+            return None
+        return write_trace_json(trace, path)
+
     def shutdown(self) -> None:
+        if self.config.observability.trace_out is not None:
+            self.write_trace()
         for r in self.replicas:
             r.shutdown()
 

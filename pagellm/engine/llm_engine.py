@@ -19,6 +19,7 @@ from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.core.scheduler_output import SampledToken, SchedulerOutput
 from pagellm.detokenizer import IncrementalDetokenizer, find_stop_string
+from pagellm.engine.step_trace import KVState, StepTimes, StepTracer, step_log_line, summarize_step
 from pagellm.executor import PendingOutput, WorkerError, create_executor
 from pagellm.metrics import EngineStats, IterationStats
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -80,6 +81,11 @@ class LLMEngine:
         # grammar library.
         self._structured: StructuredOutputManager | None = None
         self._spec: SpecDecodeManager | None = None
+        obs = config.observability
+        # The step trace and the per-step log line; None and False: nothing recorded, nothing paid.
+        self.tracer = StepTracer(obs.trace_max_events, obs.trace_out) if obs.tracing else None
+        self._log_steps = obs.log_step_details
+        self.scheduler.record_decisions = obs.tracing or obs.log_step_details
         if config.speculative is not None:
             self._spec = SpecDecodeManager(config.speculative)
         logger.info("pagellm engine: %s on %s (%s), %d KV blocks x %d tokens (+%d CPU swap blocks), "
@@ -187,6 +193,8 @@ class LLMEngine:
                 beam.beam_width, min(beam.max_tokens, self.max_model_len - len(ids)), beam.length_penalty,
                 beam.early_stopping, None if beam.ignore_eos else self.tokenizer.eos_token_id)
         self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        if self.tracer is not None:
+            self.tracer.request_added(request_id, len(ids))
         if params.structured_outputs is not None:
             # Waits for its grammar (WAITING_FOR_FSM) outside the scheduler; begin_step admits it.
             self.structured_outputs.add_request(group)
@@ -253,6 +261,11 @@ class LLMEngine:
         """Stop the workers (processes or Ray actors); idempotent."""
         if self._structured is not None:
             self._structured.shutdown()
+        if self.tracer is not None and self.tracer.path is not None:
+            try:
+                self.write_trace()
+            except OSError as e:  # a full disk must not keep the workers alive
+                logger.warning("could not write the step trace: %s", e)
         self.executor.shutdown()
 
     def _die(self, error: BaseException) -> EngineDeadError:
@@ -338,10 +351,37 @@ class LLMEngine:
         if spec is not None:
             spec.receive_model_drafts(runner_out.draft_token_ids)
             spec.propose(self.scheduler.running, self.iteration_stats, self._no_drafts)
+        t_end = time.perf_counter()
         self.iteration_stats.record_step(prompt_tokens, len(runner_out.sampled) + num_accepted,
-                                         started.schedule_seconds, t_model - started.submitted_at,
-                                         time.perf_counter() - t_model)
+                                         started.schedule_seconds, t_model - started.submitted_at, t_end - t_model)
+        if self.scheduler.record_decisions:
+            self._trace_step(started, runner_out.timings, t_model, t_end)
         return outputs
+
+    def _trace_step(self, started: StartedStep, timings: tuple[float, float, float], t_model: float,
+                    t_end: float) -> None:
+        """The step into the trace and/or the per-step log line."""
+        kv = self.kv_cache_manager
+        times = StepTimes(started.submitted_at - started.schedule_seconds, started.schedule_seconds,
+                          started.submitted_at, *timings, t_model, t_end)
+        state = KVState(kv.num_blocks, kv.num_free_blocks, len(kv.block_pool.cached_block_hash_to_block))
+        stats = self.scheduler.make_stats()
+        args = (started.scheduler_output, self.scheduler.last_decisions, stats, state,
+                self.config.scheduler.max_num_batched_tokens)
+        if self.tracer is not None:
+            summary = self.tracer.record_step(times, *args)
+        else:
+            summary = summarize_step(self.iteration_stats.steps, *args)
+        if self._log_steps:
+            logger.info("%s", step_log_line(summary, times))
+
+    def get_trace(self) -> dict[str, Any] | None:
+        """The step trace's buffer as a Chrome Trace document (``None`` when tracing is off)."""
+        return self.tracer.to_json() if self.tracer is not None else None
+
+    def write_trace(self) -> str | None:
+        """Write the step trace to its ``trace_out`` file (if any); returns the path."""
+        return self.tracer.write() if self.tracer is not None else None
 
     # ------------------------------------------------------------------ speculative decoding
     def _record_spec(self, sched_out: SchedulerOutput, accepted: dict[int, list[SampledToken]]) -> int:
@@ -413,6 +453,9 @@ class LLMEngine:
         return out
 
     def _forget(self, group: SequenceGroup) -> None:
+        if self.tracer is not None:
+            self.tracer.request_finished(group.request_id, group.seqs[0].status.finish_reason,
+                                         sum(s.num_output_tokens for s in group.seqs))
         for seq in group.seqs:
             self._detok.pop(seq.seq_id, None)
         if self._spec is not None:

@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_args(bench_sub.add_parser(
         "serve", help="load an OpenAI-compatible server with streaming requests; TTFT / TPOT / ITL / E2E, tok/s",
         description=bench_serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    trace = sub.add_parser("trace", help="render a step trace (--trace-out) as one self-contained HTML page")
+    trace.add_argument("trace_file", help="Chrome Trace JSON written by --trace-out or fetched from /debug/trace")
+    trace.add_argument("-o", "--output", default=None, help="HTML file (default: TRACE_FILE with .html)")
     return parser
 
 
@@ -229,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "trace":
+            from pagellm.entrypoints import trace_html
+
+            trace_html.main(args.trace_file, args.output or args.trace_file.removesuffix(".json") + ".html")
+            return 0
         if args.command == "bench":
             from pagellm.entrypoints import bench_serve
 

@@ -23,7 +23,12 @@ class LLM:
     ``TypeError``.
     """
 
-    def __init__(self, model: str | None = None, chat_template: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, chat_template: str | None = None,
+                 trace: bool | str | None = None, **kwargs: Any) -> None:
+        """``trace``: the step trace, ``True`` (in memory: ``get_trace()``) or a file path it is
+        written to after every ``generate`` and at shutdown (see docs/step_trace.md)."""
+        if trace is not None:
+            kwargs["trace_out" if isinstance(trace, str) else "trace"] = trace
         args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = create_engine(args, chat_template=chat_template)
         self._counter = itertools.count()
@@ -37,6 +42,10 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+    def get_trace(self) -> dict[str, Any] | None:
+        """The step trace so far as a Chrome Trace document (``None`` unless ``trace`` is on)."""
+        return self.llm_engine.get_trace()
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer().hf
@@ -143,4 +152,5 @@ class LLM:
         finally:
             if pbar is not None:
                 pbar.close()
+            engine.write_trace()  # (a no-op unless trace_out is set)
         return [finished[r] for r in request_ids]

@@ -432,6 +432,16 @@ class OpenAIServer:
         async def metrics() -> Response:
             return Response(generate_latest(server.registry), media_type="text/plain; version=0.0.4")
 
+        @app.get("/debug/trace", dependencies=keyed, responses=error_responses(401, 404))
+        async def debug_trace() -> Response:
+            """The step trace so far (Chrome Trace JSON; ``pagellm trace`` renders it); 404 unless
+            the server was started with ``--trace`` or ``--trace-out FILE``."""
+            trace = await asyncio.to_thread(server.engine.get_trace_now)
+            if trace is None:
+                return _error("the step trace is off: start the server with --trace or --trace-out FILE", 404,
+                              "NotFoundError")
+            return Response(json.dumps(trace, separators=(",", ":")), media_type="application/json")
+
         @app.post("/tokenize", dependencies=keyed, responses=error_responses(400, 401, 404))
         async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
             server._check_model(body.model)

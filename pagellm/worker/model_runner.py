@@ -11,6 +11,8 @@ chunk, so attention runs the decodes as one batched call and each chunk unpadded
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from pagellm.attention.torch_paged import TorchPagedAttention
@@ -59,6 +61,7 @@ class ModelRunner:
             self.generators.pop(seq_id, None)
         if not so.scheduled:
             return ModelRunnerOutput(sampled={})
+        t0 = time.perf_counter()
         bs = self.block_size
         # Decodes as (sequence, offset) rows of one token. A sequence verifying drafts is one
         # decode row per position (each attending to the cache up to itself; all K/V are written
@@ -104,12 +107,14 @@ class ModelRunner:
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        t1 = time.perf_counter()
         hidden = self.model(ids_t, pos_t, kv_caches, meta)
         if self.draft is not None:  # the draft model's K/V follow the target's, token for token
             self.draft.forward(ids_t, pos_t, meta.slot_mapping, decode_lens, decode_tables, chunk_specs,
                                meta.decode_order)
+        t2 = time.perf_counter()
         if not sample_idx:
-            return ModelRunnerOutput(sampled={}) if self.is_driver else None
+            return ModelRunnerOutput(sampled={}, timings=(t1 - t0, t2 - t1, 0.0)) if self.is_driver else None
         logits = self.model.compute_logits(hidden[sample_idx]).float()  # a collective under TP
         if not self.is_driver:
             return None
@@ -160,6 +165,7 @@ class ModelRunner:
                 result.spec_accepted[s.seq_id] = tokens
         if self.draft is not None and so.draft_k:
             result.draft_token_ids = self._draft(so, sample_seqs, result)
+        result.timings = (t1 - t0, t2 - t1, time.perf_counter() - t2)
         return result
 
     def _draft(self, so: SchedulerOutput, sample_seqs: list[ScheduledSequence],
