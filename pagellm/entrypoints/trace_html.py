@@ -45,8 +45,17 @@ def reduce_trace(trace: dict[str, Any]) -> dict[str, Any]:
     end = max([s["t"] + s["dur"] for s in steps], default=0.0)
     for (_, rid), (name, start) in open_.items():  # still running when the trace was taken
         lanes.setdefault(rid, []).append([name, start, end])
+    # Time 0 is the first step or arrival (an idle server before its first request is not shown).
+    t0 = min([s["t"] for s in steps] + [p[1] for ph in lanes.values() for p in ph], default=0.0)
+    for s in steps:
+        s["t"] -= t0
+    for m in markers:
+        m["t"] -= t0
+    for ph in lanes.values():
+        for p in ph:
+            p[1], p[2] = p[1] - t0, p[2] - t0
     order = sorted(lanes, key=lambda r: min(p[1] for p in lanes[r]))
-    return {"steps": steps, "markers": markers, "end": end,
+    return {"steps": steps, "markers": markers, "end": end - t0,
             "lanes": [{"id": rid, "phases": lanes[rid], "finish": finish.get(rid)} for rid in order]}
 
 
