@@ -3,9 +3,10 @@
 from pagellm.config import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.entrypoints.llm import LLM
+from pagellm.lora_request import LoRARequest
 from pagellm.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "EngineArgs",
-           "LLMEngine", "Logprob", "RequestOutput", "SamplingParams"]
+           "LLMEngine", "LoRARequest", "Logprob", "RequestOutput", "SamplingParams"]

@@ -324,6 +324,30 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """vLLM's LoRA arguments: ``enable_lora``; at most ``max_loras`` distinct adapters in one step
+    (device slots); ranks up to ``max_lora_rank``; the worker keeps ``max_cpu_loras`` adapters'
+    tensors in memory (default: ``max_loras``)."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
+@dataclass(frozen=True, slots=True)
 class ObservabilityConfig:
     """The step trace (``trace``: a ring buffer of ``trace_max_events``; ``trace_out``: also
     written to this Chrome Trace JSON file) and the per-step log line (``log_step_details``)."""
@@ -358,6 +382,7 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative: SpeculativeConfig | None = None
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 _HELP = {
@@ -382,6 +407,10 @@ _HELP = {
                  "`pagellm trace FILE -o FILE.html`); written when generation ends and at shutdown",
     "log_step_details": "one log line per engine step: batch, tokens, queues with the reasons requests wait, "
                         "KV use, admissions and preemptions, step time",
+    "enable_lora": "serve LoRA adapters (PEFT directories) beside the base model, several in one batch",
+    "max_loras": "most distinct adapters in one step (device slots)",
+    "max_lora_rank": "largest adapter rank accepted",
+    "max_cpu_loras": "adapters whose tensors the worker keeps in memory (default: max_loras)",
     "tensor_parallel_size": "ranks that split each layer's heads and features (torch.distributed: gloo on CPU, "
                             "nccl on CUDA)",
     "data_parallel_size": "independent engine replicas behind one front end, requests sent to the least loaded",
@@ -436,6 +465,10 @@ class EngineArgs:
     trace_out: str | None = None
     trace_max_events: int = 500_000
     log_step_details: bool = False
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -469,7 +502,14 @@ class EngineArgs:
             speculative=self._speculative(),
             observability=ObservabilityConfig(self.trace, self.trace_out, self.trace_max_events,
                                               self.log_step_details),
+            lora=self._lora(),
         )
+
+    def _lora(self) -> LoRAConfig:
+        lora = LoRAConfig(self.enable_lora, self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+        if lora.enable_lora and self.tensor_parallel_size != 1:
+            raise ValueError(f"enable_lora runs with tensor_parallel_size=1 only (got {self.tensor_parallel_size})")
+        return lora
 
     def _speculative(self) -> SpeculativeConfig | None:
         spec = SpeculativeConfig.from_any(self.speculative_config)
@@ -495,7 +535,8 @@ class EngineArgs:
                 parser.add_argument(flag, type=float, default=default, help=help_)
             elif f.name == "swap_space":
                 parser.add_argument(flag, type=float, default=None, help=help_)
-            elif f.name in ("max_model_len", "num_gpu_blocks_override", "num_cpu_blocks_override", "num_threads"):
+            elif f.name in ("max_model_len", "num_gpu_blocks_override", "num_cpu_blocks_override", "num_threads",
+                            "max_cpu_loras"):
                 parser.add_argument(flag, type=int, default=None, help=help_)
             else:
                 parser.add_argument(flag, type=str, default=default, help=help_)

@@ -141,6 +141,19 @@ class SequenceGroup:
     forked: bool = False
     # Beam search: a ``core.beam_search.BeamSearchState`` (typed loosely: L1 does not import core).
     beam_state: Any = None
+    # Multi-LoRA: the adapter's ``lora_int_id`` (0: the base model) and its weights' fingerprint,
+    # which goes into the prefix cache's block hashes; steps it waited for an adapter slot.
+    lora_id: int = 0
+    lora_fingerprint: str | None = None
+    lora_skips: int = 0
+
+    @property
+    def hash_key(self) -> str | None:
+        """What the first block's hash includes besides tokens: the cache salt and the adapter's
+        weights (K/V computed under one adapter are never another's, or the base model's)."""
+        if self.lora_fingerprint is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x00lora:{self.lora_fingerprint}"
 
     @property
     def num_samples(self) -> int:

@@ -13,7 +13,8 @@ from pagellm.executor.step_delta import StepDecoder, StepEncoder
 from pagellm.sampling_params import SamplingParams
 
 FIELDS = ("request_id", "seq_id", "token_ids", "num_computed_tokens", "block_ids", "do_sample", "sampling_params",
-          "output_token_ids", "prompt_token_ids", "sample_seq_ids", "spec_token_ids")
+          "output_token_ids", "prompt_token_ids", "sample_seq_ids", "spec_token_ids",
+          "lora_slot")
 
 # One action per live sequence and step: decode one token (or verify drafts; sometimes a new block), replace the
 # block table (preemption / swap-in), replace the last block (copy-on-write), skip the step, finish.

@@ -51,6 +51,9 @@ from pagellm.metrics import PrefixCacheStats, SchedulerStats
 from pagellm.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagellm.utils import InvariantError
 
+# Steps a waiting request may be passed over for its adapter (max_loras) before nobody passes it.
+LORA_MAX_SKIPS = 8
+
 # Speculative decoding's per-token stop check from the engine (stop strings need the text):
 # ``(group, seq) -> True`` when ``seq``'s last appended token completes a stop string.
 StopCheck = Callable[[SequenceGroup, Sequence], bool]
@@ -84,6 +87,7 @@ class LeftOut:
     PREFIX_BEING_COMPUTED = "prefix_being_computed"  # its next block is a running prefill's
     WHOLE_PROMPT = "whole_prompt_needs_budget"  # chunked prefill off
     PRIORITY = "priority"
+    MAX_LORAS = "max_loras"  # its adapter would be one more than max_loras in the step
 
 
 @dataclass(slots=True)
@@ -96,6 +100,7 @@ class _Step:
     preempted: list[SequenceGroup] = field(default_factory=list)  # out of blocks (phase 1)
     forced: list[SequenceGroup] = field(default_factory=list)  # pushed out by a better request (phase 0)
     waiting_stop: str = LeftOut.TOKEN_BUDGET  # why admissions stopped (the step trace's LeftOut)
+    lora_skipped: list[str] = field(default_factory=list)  # passed over for their adapter this step
 
     def add(self, group: SequenceGroup, plan: list[SlotRequest]) -> None:
         self.scheduled.append((group, plan))
@@ -106,8 +111,10 @@ class Scheduler:
     """Decides, each step, which sequences compute how many tokens; owns all block bookkeeping."""
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
-                 num_lookahead_tokens: int = 0) -> None:
+                 num_lookahead_tokens: int = 0, max_loras: int = 0) -> None:
         self.config = config
+        # Multi-LoRA: at most this many distinct adapters among a step's sequences (0: no LoRA).
+        self.max_loras = max_loras
         # A draft model writes its drafts' K/V past a sampling sequence's scheduled tokens: it
         # gets these slots too when the pool has them (given back after the step).
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -291,7 +298,7 @@ class Scheduler:
         for seq in group.live_seqs():
             if token_budget <= 0:
                 break
-            hits = kv.get_computed_blocks(seq, group.cache_salt)
+            hits = kv.get_computed_blocks(seq, group.hash_key)
             computed = len(hits) * kv.block_size
             n = self._num_new_tokens(seq.num_tokens, computed, token_budget)
             plan.append(SlotRequest(seq, computed, n, hits))
@@ -356,6 +363,8 @@ class Scheduler:
         d.token_budget_used = d.token_budget - step.token_budget
         for i, group in enumerate(self.waiting):
             d.left_out[group.request_id] = LeftOut.PRIORITY if self.priority_policy and i else step.waiting_stop
+        for rid in step.lora_skipped:
+            d.left_out[rid] = LeftOut.MAX_LORAS
 
     def _preempt_for_priority(self, step: _Step) -> None:
         """Phase 0: push out running requests the best waiting one outranks, worst first, until it fits."""
@@ -406,6 +415,9 @@ class Scheduler:
                 break  # a better request waits (e.g. the one this step's priority preemption was for)
             if not self._has_seq_room(group):
                 break
+            if self.max_loras and group.lora_id and group.lora_id not in {g.lora_id for g in self.running} and len(
+                    {g.lora_id for g in self.running if g.lora_id}) >= self.max_loras:
+                break  # its adapter would be one too many (it is the oldest swapped work: it goes next)
             seqs = group.live_seqs()
             n = self._num_new_tokens(seqs[0].num_tokens, seqs[0].num_computed_tokens,
                                      max(1, step.token_budget // len(seqs)))
@@ -434,8 +446,19 @@ class Scheduler:
         nobody is admitted past an older (better) swapped request or a request pushed out this step."""
         kv = self.kv_cache_manager
         pending = self._pending_block_hashes(self.running) if kv.enable_caching and self.waiting else set()
+        adapters = {g.lora_id for g in self.running if g.lora_id} if self.max_loras else set()
+        skipped: list[SequenceGroup] = []
         while self.waiting and step.token_budget > 0:
             group = self.waiting.peek()
+            if group.lora_id and group.lora_id not in adapters and len(adapters) >= self.max_loras:
+                if group.lora_skips < LORA_MAX_SKIPS:
+                    # Its adapter would be one too many: the next requests may go first this
+                    # step; it keeps its place, and after LORA_MAX_SKIPS steps nobody passes it.
+                    group.lora_skips += 1
+                    skipped.append(self.waiting.pop())
+                    continue
+                step.waiting_stop = LeftOut.MAX_LORAS
+                break
             if self.swapped and not self._key(group) < self._key(self.swapped[0]):
                 step.waiting_stop = LeftOut.OLDER_SWAPPED_FIRST
                 break
@@ -460,6 +483,11 @@ class Scheduler:
             self._admit(group, plan)
             pending |= self._pending_block_hashes([group])  # empty with caching off: nothing is hashed
             step.add(group, plan)
+            if group.lora_id:
+                adapters.add(group.lora_id)
+        for group in reversed(skipped):  # back in their places
+            self.waiting.prepend(group)
+        step.lora_skipped = [g.request_id for g in skipped]
 
     def _admissible(self, plan: list[SlotRequest]) -> bool:
         """Whether ``plan`` fits now; trims it to the sequences that fit when nobody is running."""
@@ -588,7 +616,7 @@ class Scheduler:
             if sched.spec_token_ids:
                 seq.num_computed_tokens -= len(sched.spec_token_ids) - len(accepted)  # the rejected drafts
                 seq.spec_token_ids = []
-            kv.cache_full_blocks(seq, group.cache_salt)
+            kv.cache_full_blocks(seq, group.hash_key)
             if not sched.do_sample:
                 continue
             if group.beam_state is not None:
@@ -617,7 +645,7 @@ class Scheduler:
                 if target.status.is_finished:
                     self._free_seq(target)
                 elif sched.spec_token_ids or self.num_lookahead_tokens:
-                    kv.cache_full_blocks(target, group.cache_salt)
+                    kv.cache_full_blocks(target, group.hash_key)
                     kv.trim(target, target.num_tokens)  # rejected drafts' and lookahead blocks
             updated[group.request_id] = group
             if group.is_finished():

@@ -37,6 +37,8 @@ class ScheduledSequence:
     # every position from the last known token on is sampled, and the rejection sampler keeps
     # the drafts the target model agrees with.
     spec_token_ids: list[int] | None = None
+    # Multi-LoRA: the device slot of the request's adapter (-1: the base model).
+    lora_slot: int = -1
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -76,6 +78,8 @@ class SchedulerOutput:
     # Speculative decoding with a draft model: ``seq_id -> k``, the drafts the worker proposes
     # after this step for each sampling sequence listed (set by the engine).
     draft_k: dict[int, int] = field(default_factory=dict)
+    # Multi-LoRA: adapters to copy into device slots before the step (``slot -> LoRAAdapter``).
+    lora_loads: dict[int, Any] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not self.scheduled

@@ -21,6 +21,7 @@ from typing import Any
 from pagellm.config import EngineArgs, EngineConfig, resolve_model_source
 from pagellm.engine.llm_engine import EngineDeadError, LLMEngine, PromptType, StartedStep
 from pagellm.engine.step_trace import write_trace_json
+from pagellm.lora_request import LoRARequest
 from pagellm.metrics import EngineStats
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -76,7 +77,8 @@ class DataParallelEngine:
         return self.replicas[0].structured_outputs
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         if request_id in self._replica_of:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if cache_salt is None and isinstance(prompt, dict):
@@ -85,7 +87,7 @@ class DataParallelEngine:
         i = self._route(ids, cache_salt)
         replica = self.replicas[i]
         replica.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params, arrival_time, priority,
-                            cache_salt)
+                            cache_salt, lora_request)
         group = replica.get_request_group(request_id)
         assert group is not None
         max_new = group.sampling_params.max_tokens or (self.max_model_len - len(group.prompt_token_ids))
@@ -167,6 +169,16 @@ class DataParallelEngine:
             if self.dead_error is None:
                 self._die(e)
             raise
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        for r in self.replicas:
+            r.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return all([r.remove_lora(lora_int_id) for r in self.replicas])
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.replicas[0].list_loras()
 
     def get_trace(self) -> dict[str, Any] | None:
         """The replicas' step traces as one document, replica ``i`` as process ``i + 1``."""

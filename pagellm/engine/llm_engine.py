@@ -19,8 +19,10 @@ from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.core.scheduler_output import SampledToken, SchedulerOutput
 from pagellm.detokenizer import IncrementalDetokenizer, find_stop_string
+from pagellm.engine.lora_manager import LoRAManager
 from pagellm.engine.step_trace import KVState, StepTimes, StepTracer, step_log_line, summarize_step
 from pagellm.executor import PendingOutput, WorkerError, create_executor
+from pagellm.lora_request import LoRARequest
 from pagellm.metrics import EngineStats, IterationStats
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
@@ -73,8 +75,15 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching,
                                                self.num_cpu_blocks, config.scheduler.watermark)
+        lora = config.lora
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
-                                   config.speculative.num_lookahead_tokens if config.speculative else 0)
+                                   config.speculative.num_lookahead_tokens if config.speculative else 0,
+                                   lora.max_loras if lora.enable_lora else 0)
+        self.lora: LoRAManager | None = None
+        if lora.enable_lora:
+            assert self.model_info.lora_module_shapes is not None
+            self.lora = LoRAManager(lora.max_loras, lora.max_lora_rank, self.model_info.lora_module_shapes,
+                                    self.model_info.num_layers)
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self.iteration_stats = IterationStats()
         # Built on the first constrained request, so an engine that never sees one never imports a
@@ -147,10 +156,12 @@ class LLMEngine:
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Validate and queue a request; raises ``ValueError`` naming the problem instead of queueing it.
 
         ``cache_salt``: requests share cached prefix blocks only with requests of the same salt.
+        ``lora_request``: the adapter it runs with (checked and registered on first use).
         """
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine is dead ({self.dead_error}); request {request_id!r} refused")
@@ -185,9 +196,14 @@ class LLMEngine:
             raise ValueError(f"prompt of {len(ids)} tokens can never fit in the KV cache ({capacity} token slots)")
         if self.get_request_group(request_id) is not None:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if lora_request is not None and self.lora is None:
+            raise ValueError("lora_request needs an engine with enable_lora=True")
+        adapter = self.lora.acquire(lora_request) if lora_request is not None and self.lora is not None else None
         params = params.clone(eos_token_id=self.tokenizer.eos_token_id)
         seq = Sequence(self.scheduler.new_seq_id(), ids)
         group = SequenceGroup(request_id, [seq], params, arrival_time or time.monotonic(), text, priority, cache_salt)
+        if adapter is not None and lora_request is not None:
+            group.lora_id, group.lora_fingerprint = lora_request.lora_int_id, adapter.fingerprint
         if beam is not None:
             group.beam_state = BeamSearchState(
                 beam.beam_width, min(beam.max_tokens, self.max_model_len - len(ids)), beam.length_penalty,
@@ -195,11 +211,30 @@ class LLMEngine:
         self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         if self.tracer is not None:
             self.tracer.request_added(request_id, len(ids))
-        if params.structured_outputs is not None:
-            # Waits for its grammar (WAITING_FOR_FSM) outside the scheduler; begin_step admits it.
-            self.structured_outputs.add_request(group)
-        else:
-            self.scheduler.add_request(group)
+        try:
+            if params.structured_outputs is not None:
+                # Waits for its grammar (WAITING_FOR_FSM) outside the scheduler; begin_step admits it.
+                self.structured_outputs.add_request(group)
+            else:
+                self.scheduler.add_request(group)
+        except BaseException:
+            if group.lora_id and self.lora is not None:
+                self.lora.release(group.lora_id)
+            raise
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Check and register an adapter ahead of its requests (``ValueError`` if it cannot be served)."""
+        if self.lora is None:
+            raise ValueError("add_lora needs an engine with enable_lora=True")
+        self.lora.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter; refuses (``LoRAInUse``, a ``ValueError``) while requests use it."""
+        return self.lora is not None and self.lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.lora is None else list(self.lora.requests.values())
 
     def get_request_group(self, request_id: str) -> SequenceGroup | None:
         """A queued or running request's state (also while it waits for its grammar), or ``None``."""
@@ -297,6 +332,9 @@ class LLMEngine:
         outputs += [self._finish_ignored(g) for g in ignored]
         if self._structured is not None and self._structured.num_constrained:
             self._attach_bitmask(sched_out)
+        if self.lora is not None:
+            groups = self.scheduler.requests
+            self.lora.assign_slots(sched_out, {s.request_id: groups[s.request_id].lora_id for s in sched_out.scheduled})
         if self.scheduler.num_lookahead_tokens and self._spec is not None:
             self._spec.plan_model_drafts(sched_out, self.scheduler.requests, self.iteration_stats, self._no_drafts)
         # An empty step still goes to the workers when they must drop finished sequences' state
@@ -453,6 +491,8 @@ class LLMEngine:
         return out
 
     def _forget(self, group: SequenceGroup) -> None:
+        if group.lora_id and self.lora is not None:
+            self.lora.release(group.lora_id)
         if self.tracer is not None:
             self.tracer.request_finished(group.request_id, group.seqs[0].status.finish_reason,
                                          sum(s.num_output_tokens for s in group.seqs))

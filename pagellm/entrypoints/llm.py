@@ -10,6 +10,7 @@ from typing import Any
 from pagellm.config import EngineArgs
 from pagellm.engine.data_parallel import create_engine
 from pagellm.engine.llm_engine import PromptType
+from pagellm.lora_request import LoRARequest
 from pagellm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -56,8 +57,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
+        """Generate for every prompt; outputs come back in input order. ``lora_request``: one
+        adapter for every prompt, or one (or ``None``: the base model) per prompt."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -71,6 +74,12 @@ class LLM:
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest) \
+            else list(lora_request)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
+        for lora in {r for r in loras if r is not None}:  # a bad adapter is refused before anything runs
+            self.llm_engine.add_lora(lora)
         for params in params_list:  # a constraint that does not compile is refused before anything runs
             if params.structured_outputs is not None:
                 self.llm_engine.structured_outputs.validate(params.structured_outputs)
@@ -78,7 +87,8 @@ class LLM:
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 rid = str(next(self._counter))
-                self.llm_engine.add_request(rid, prompt, params, priority=priority[i] if priority else 0)
+                self.llm_engine.add_request(rid, prompt, params, priority=priority[i] if priority else 0,
+                                            lora_request=loras[i])
                 ids.append(rid)
         except Exception:
             self.llm_engine.abort_request(ids)

@@ -15,6 +15,8 @@ bfloat16) nothing is packed and ``F.linear`` runs as before.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,6 +48,8 @@ class Linear(nn.Linear):
     q_bits: int
     i8_bits: int
     amx: bool
+    # Multi-LoRA: the adapters' slots of this projection (``lora/layers.py``), when enabled.
+    lora: Any = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -97,4 +101,7 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        y = self.matmul(x, self.bias)
+        if self.lora is not None and self.lora.ctx.rows:  # adapter rows in this step
+            self.lora.add(x, y)
+        return y

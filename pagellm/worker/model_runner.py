@@ -18,6 +18,7 @@ import torch
 from pagellm.attention.torch_paged import TorchPagedAttention
 from pagellm.core.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
 from pagellm.layers.custom_op import select_kernels
+from pagellm.lora.layers import ModelLoRA
 from pagellm.sampling.rejection_sampler import DraftSpan, rejection_sample
 from pagellm.sampling.sampler import Sampler, SamplingRow, apply_token_bitmask
 from pagellm.worker.draft_runner import DraftRunner
@@ -41,6 +42,7 @@ class ModelRunner:
         self.sampler = Sampler()
         select_kernels(self.sampler, device, self.dtype)
         self.draft: DraftRunner | None = None  # speculative decoding with a draft model (Worker sets it)
+        self.lora: ModelLoRA | None = None  # multi-LoRA slots (Worker sets them)
 
     def _generator(self, seq_id: int, seed: int | None, index: int = 0) -> torch.Generator | None:
         """The RNG of sequence ``seq_id``, created on its first sample. Sample ``index`` of a request
@@ -104,6 +106,11 @@ class ModelRunner:
                 sample_idx.extend(spec_rows[(s.seq_id, i)] for i in range(s.num_scheduled_tokens))
             else:
                 sample_idx.append(last_row[s.seq_id])
+        if self.lora is not None:  # each row's adapter slot, in the flat order
+            row_slots = [s.lora_slot for s, _ in (decodes[j] for j in meta.decode_order)]
+            for s in chunks:
+                row_slots.extend([s.lora_slot] * s.num_scheduled_tokens)
+            self.lora.set_rows(row_slots, self.device)
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,9 @@ from pagellm.kernels import gemm
 from pagellm.kernels.machine import Numerics, choose_numerics, cpu_info
 from pagellm.layers.custom_op import select_kernels
 from pagellm.layers.linear import Linear
+from pagellm.lora.adapter import LoRAAdapter, load_adapter
+from pagellm.lora.layers import ModelLoRA, module_shapes
+from pagellm.lora_request import AdapterSpec
 from pagellm.models import get_model_class
 from pagellm.weights import freq_factors, iter_weights, load_model_config
 from pagellm.worker.cache_engine import CacheEngine, KVCacheSpec
@@ -39,6 +43,9 @@ class ModelInfo:
     device: str
     block_bytes: int
     kv_cache_dtype: str  # what the cache holds ("auto" resolved)
+    num_layers: int = 0
+    # Each projection an adapter may target, its parts as (in_features, out_features).
+    lora_module_shapes: dict[str, list[tuple[int, int]]] | None = None
 
 
 class Worker:
@@ -117,6 +124,10 @@ class Worker:
         if spec_cfg is not None and spec_cfg.model is not None:
             self._load_draft(spec_cfg.model, hf_config.vocab_size)
         self.max_positions = hf_config.max_position_embeddings
+        lora = self.config.lora
+        self.model_lora = ModelLoRA(model, lora.max_loras, lora.max_lora_rank, self.device) if lora.enable_lora \
+            else None
+        self._adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()  # by fingerprint, LRU order
         return ModelInfo(
             architecture=arch,
             vocab_size=hf_config.vocab_size,
@@ -127,7 +138,19 @@ class Worker:
             kv_cache_dtype=str(self.spec.dtype).removeprefix("torch."),
             device=str(self.device),
             block_bytes=self.block_bytes,
+            num_layers=hf_config.num_hidden_layers,
+            lora_module_shapes=module_shapes(model),
         )
+
+    def _fill_lora_slot(self, slot: int, spec: AdapterSpec) -> None:
+        """Copy an adapter into a device slot; its tensors are read once and the last
+        ``max_cpu_loras`` kept (an engine-checked adapter: a few ms for a small one)."""
+        assert self.model_lora is not None, "LoRA slots without enable_lora"
+        adapter = self._adapters.pop(spec.fingerprint, None) or load_adapter(spec)
+        self._adapters[spec.fingerprint] = adapter
+        while len(self._adapters) > self.config.lora.cpu_loras:
+            self._adapters.popitem(last=False)
+        self.model_lora.load(slot, adapter)
 
     @property
     def block_bytes(self) -> int:
@@ -198,6 +221,7 @@ class Worker:
         logger.info("attention backend: %r", self.attn_backend)
         self.model_runner = ModelRunner(self.model, self.spec.block_size, self.device, self.attn_backend,
                                         self.tp.is_driver)
+        self.model_runner.lora = self.model_lora
         self.draft_cache: CacheEngine | None = None
         if self.draft_model is not None and self.draft_spec is not None:
             self.draft_cache = CacheEngine(self.draft_spec, num_blocks, self.device, num_cpu_blocks)
@@ -210,6 +234,8 @@ class Worker:
         assert self.cache_engine is not None and self.model_runner is not None, "initialize_cache first"
         ops = scheduler_output.cache_ops
         # Before the forward pass: swapped-out blocks may be reused by this very step.
+        for slot, spec in scheduler_output.lora_loads.items():
+            self._fill_lora_slot(slot, spec)
         for cache in (self.cache_engine, self.draft_cache):
             if cache is not None:
                 cache.swap_out(ops.swap_out)
