@@ -17,13 +17,14 @@ _seq_ids = itertools.count(10**9)  # far from the ids a scheduler hands its fork
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_model_len=10_000, enable_caching=True, num_cpu_blocks=0,
-                   watermark=0.0, **cfg) -> Scheduler:
+                   watermark=0.0, max_loras=0, **cfg) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_caching, num_cpu_blocks, watermark)
-    return Scheduler(SchedulerConfig(watermark=watermark, **cfg), kv, max_model_len)
+    return Scheduler(SchedulerConfig(watermark=watermark, **cfg), kv, max_model_len, max_loras=max_loras)
 
 
 def make_group(rid: str, prompt_len: int, max_tokens: int = 4, tokens: list[int] | None = None,
-               cache_salt: str | None = None, priority: int = 0, beam_width: int = 0, **params) -> SequenceGroup:
+               cache_salt: str | None = None, priority: int = 0, beam_width: int = 0, lora_id: int = 0,
+               **params) -> SequenceGroup:
     """A request; ``beam_width > 0`` makes it a beam search (as ``LLMEngine.add_request`` would)."""
     if beam_width:
         params = dict(params, n=beam_width, logprobs=2 * beam_width, ignore_eos=True)
@@ -33,6 +34,8 @@ def make_group(rid: str, prompt_len: int, max_tokens: int = 4, tokens: list[int]
                           priority=priority)
     if beam_width:
         group.beam_state = BeamSearchState(beam_width, max_tokens, eos_token_id=EOS)
+    if lora_id:
+        group.lora_id, group.lora_fingerprint = lora_id, f"adapter-{lora_id}"
     return group
 
 

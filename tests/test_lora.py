@@ -1,0 +1,174 @@
+"""Multi-LoRA: a batch mixing the base model and several PEFT adapters gives, per request, Hugging
+Face ``PeftModel``'s greedy tokens for that adapter alone (float32), also with one slot and under
+preemption; adapters never share cached K/V with each other or with stale weights; bad adapters
+are clear errors; the scheduler's ``max_loras`` rule."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from pagellm import LLM, LLMEngine, LoRARequest, SamplingParams
+from pagellm.config import EngineArgs
+from pagellm.core.scheduler import LORA_MAX_SKIPS
+
+from conftest import build_tiny_checkpoint, run_to_completion
+from conftest_core import fake_step, make_group, make_scheduler
+from test_hf_parity import random_prompts
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+NEW = 12
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(base_path: str, out: str, seed: int, targets: list[str], r: int = 8, rslora: bool = False) -> str:
+    """A PEFT adapter with random (non-zero) A and B, so it changes the outputs."""
+    if not os.path.exists(out):
+        torch.manual_seed(seed)
+        base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+        cfg = peft.LoraConfig(r=r, lora_alpha=16, target_modules=targets, init_lora_weights=False, use_rslora=rslora)
+        peft.get_peft_model(base, cfg).save_pretrained(out)
+    return out
+
+
+def hf_greedy(base_path: str, adapter: str | None, prompts: list[list[int]]) -> list[list[int]]:
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).eval()
+    model = peft.PeftModel.from_pretrained(base, adapter).eval() if adapter else base
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            g = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
+            outs.append(g[0, len(p):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def setup(ckpt_root, request):
+    arch = request.param
+    path = build_tiny_checkpoint(ckpt_root, arch)
+    adapters = [make_adapter(path, f"{path}-lora-qv", 1, ["q_proj", "v_proj"]),
+                make_adapter(path, f"{path}-lora-all", 2, ALL, r=4, rslora=True),
+                make_adapter(path, f"{path}-lora-mlp", 3, ["gate_proj", "down_proj"], r=16)]
+    prompts = random_prompts(8, seed=11, hi=60)
+    # Request i runs on adapter i % 4 (3: the base model).
+    which = [adapters[i % 4] if i % 4 < 3 else None for i in range(len(prompts))]
+    refs = {a: hf_greedy(path, a, prompts) for a in [*adapters, None]}
+    want = [refs[w][i] for i, w in enumerate(which)]
+    return path, prompts, which, want
+
+
+def _run(path, prompts, which, **kw):
+    kw.setdefault("kv_cache_memory", "64MiB")
+    engine = LLMEngine.from_engine_args(EngineArgs(model=path, dtype="float32", enable_lora=True, **kw))
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    ids = {a: i + 1 for i, a in enumerate(sorted({w for w in which if w}))}
+    for i, (p, w) in enumerate(zip(prompts, which, strict=True)):
+        lora = LoRARequest(os.path.basename(w), ids[w], w) if w else None
+        engine.add_request(str(i), {"prompt_token_ids": p}, params, lora_request=lora)
+    done = run_to_completion(engine)
+    return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))], engine
+
+
+@pytest.mark.parametrize("config", ["mixed", "one_slot", "tight_cache"])
+def test_mixed_batches_match_peft(setup, config):
+    path, prompts, which, want = setup
+    kw = {"mixed": dict(max_loras=3), "one_slot": dict(max_loras=1),
+          "tight_cache": dict(max_loras=2, num_gpu_blocks_override=14, max_num_batched_tokens=48)}[config]
+    got, engine = _run(path, prompts, which, **kw)
+    assert got == want
+    assert len({tuple(w) for w in want}) > 4, "the adapters must change the outputs"
+    if config == "tight_cache":
+        assert engine.scheduler.num_preemptions > 0
+    assert engine.lora.stats.slot_loads >= 3 and not engine.lora.in_use
+    kv = engine.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_adapters_never_share_cached_blocks_and_reloads_get_no_stale_hits(ckpt_root, tmp_path):
+    path = build_tiny_checkpoint(ckpt_root, "llama")
+    a = make_adapter(path, f"{path}-lora-qv", 1, ["q_proj", "v_proj"])
+    b = make_adapter(path, f"{path}-lora-all", 2, ALL, r=4, rslora=True)
+    prompt = random_prompts(1, seed=5, lo=80, hi=80)[0]
+    engine = LLMEngine.from_engine_args(EngineArgs(model=path, dtype="float32", enable_lora=True, max_loras=2,
+                                                   kv_cache_memory="64MiB"))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def hits(rid, lora):
+        before = engine.scheduler.prefix_cache_stats.hits
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params, lora_request=lora)
+        out = run_to_completion(engine)[rid]
+        return engine.scheduler.prefix_cache_stats.hits - before, out.outputs[0].token_ids
+
+    name_dir = str(tmp_path / "same-name")
+    shutil.copytree(a, name_dir)
+    assert hits("a1", LoRARequest("x", 1, name_dir))[0] == 0
+    assert hits("a2", LoRARequest("x", 1, name_dir))[0] > 0  # the same adapter again: its own blocks
+    assert hits("b", LoRARequest("y", 2, b))[0] == 0  # another adapter, same prompt: nothing shared
+    assert hits("base", None)[0] == 0
+    # The same name and id, other weights (reloaded after an unload): no stale K/V (a hash of the
+    # name would hit the blocks "x" cached before); the same weights as a cached adapter under
+    # another name do share them (the K/V are the same).
+    c = make_adapter(path, f"{path}-lora-mlp", 3, ["gate_proj", "down_proj"], r=16)
+    assert engine.remove_lora(1)
+    shutil.rmtree(name_dir)
+    shutil.copytree(c, name_dir)
+    n, tokens = hits("reloaded", LoRARequest("x", 1, name_dir))
+    assert n == 0
+    assert hits("c", LoRARequest("z", 3, c)) == (64, tokens)
+
+
+def test_bad_adapters_are_clear_errors_and_the_engine_keeps_serving(ckpt_root, tmp_path):
+    path = build_tiny_checkpoint(ckpt_root, "llama")
+    big = make_adapter(path, f"{path}-lora-r32", 4, ["q_proj"], r=32)
+    # An adapter made for a wider model: its A has more input features than this model's layers.
+    from safetensors.torch import load_file, save_file
+
+    foreign = str(tmp_path / "foreign")
+    shutil.copytree(make_adapter(path, f"{path}-lora-qv", 1, ["q_proj", "v_proj"]), foreign)
+    weights = load_file(os.path.join(foreign, "adapter_model.safetensors"))
+    key = next(k for k in weights if "lora_A" in k)
+    weights[key] = torch.zeros(weights[key].shape[0], weights[key].shape[1] * 2)
+    save_file(weights, os.path.join(foreign, "adapter_model.safetensors"))
+    llm = LLM(path, dtype="float32", enable_lora=True, kv_cache_memory="64MiB")
+    for lora, match in ((LoRARequest("gone", 1, str(tmp_path / "nope")), "not a directory"),
+                        (LoRARequest("big", 2, big), "max_lora_rank"),
+                        (LoRARequest("foreign", 3, foreign), "base model needs")):
+        with pytest.raises(ValueError, match=match):
+            llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False, lora_request=lora)
+    assert llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    plain = LLM(path, dtype="float32", kv_cache_memory="64MiB")
+    with pytest.raises(ValueError, match="enable_lora"):
+        plain.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False,
+                       lora_request=LoRARequest("qv", 1, make_adapter(path, f"{path}-lora-qv", 1, ["q_proj"])))
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        EngineArgs(model=path, enable_lora=True, max_loras=4, max_cpu_loras=2).create_engine_config()
+
+
+def test_max_loras_passes_over_a_request_without_losing_its_place_and_it_cannot_starve():
+    sched = make_scheduler(num_blocks=256, block_size=4, max_num_seqs=8, max_loras=1)
+    groups = [make_group(rid, 4, max_tokens=n, lora_id=lora, tokens=[i + 10] * 4)
+              for i, (rid, n, lora) in enumerate((("a", 40, 1), ("b", 2, 2), ("c", 2, 0), ("d", 2, 1)))]
+    for g in groups:
+        sched.add_request(g)
+    out, _ = fake_step(sched)
+    # b's adapter would be a second one: c (base) and d (a's adapter) go first, b keeps its place.
+    assert {s.request_id for s in out.scheduled} == {"a", "c", "d"}
+    assert [g.request_id for g in sched.waiting] == ["b"]
+    more = [make_group(f"n{i}", 4, max_tokens=2, tokens=[i + 30] * 4) for i in range(20)]
+    lora_of = {g.request_id: g.lora_id for g in groups + more}
+    for _ in range(LORA_MAX_SKIPS + 4):
+        if more:
+            sched.add_request(more.pop())
+        fake_step(sched)
+    # After LORA_MAX_SKIPS passes nobody overtakes b: once a finishes, b runs.
+    assert groups[1].lora_skips == LORA_MAX_SKIPS
+    while sched.has_unfinished_requests():
+        out, _ = fake_step(sched)
+        assert len({lora_of[s.request_id] for s in out.scheduled} - {0}) <= 1
+    assert groups[1].seqs[0].num_output_tokens == 2
