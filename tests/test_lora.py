@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -172,3 +173,55 @@ def test_max_loras_passes_over_a_request_without_losing_its_place_and_it_cannot_
         out, _ = fake_step(sched)
         assert len({lora_of[s.request_id] for s in out.scheduled} - {0}) <= 1
     assert groups[1].seqs[0].num_output_tokens == 2
+
+
+def test_server_picks_the_adapter_by_model_and_loads_and_unloads(ckpt_root):
+    """The ``openai`` client names the adapter in ``model``; adapters are listed, loaded and
+    unloaded over HTTP (bad path: 400; unknown: 404; in use by a running stream: 409)."""
+    import httpx
+    import openai
+    from test_server import _Server
+
+    from pagellm.engine.async_llm import AsyncLLM
+
+    path = build_tiny_checkpoint(ckpt_root, "llama")
+    qv = make_adapter(path, f"{path}-lora-qv", 1, ["q_proj", "v_proj"])
+    allm = make_adapter(path, f"{path}-lora-all", 2, ALL, r=4, rslora=True)
+    prompt = [int(t) for t in random_prompts(1, seed=9, lo=20, hi=20)[0]]
+    with LLM(path, dtype="float32", enable_lora=True, max_loras=2, kv_cache_memory="64MiB") as llm:
+        p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        want = {name: llm.generate({"prompt_token_ids": prompt}, p, use_tqdm=False, lora_request=lora)[0]
+                .outputs[0].text for name, lora in (("base", None), ("qv", LoRARequest("qv", 1, qv)),
+                                                          ("all", LoRARequest("all", 2, allm)))}
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=path, dtype="float32", enable_lora=True, max_loras=2,
+                                                  kv_cache_memory="64MiB"))
+    srv = _Server(engine, None)
+    try:
+        base = srv.url + "/v1"
+        for name, lora_path in (("qv", qv), ("all", allm)):
+            assert httpx.post(base + "/load_lora_adapter", json={"lora_name": name, "lora_path": lora_path}
+                              ).status_code == 200
+        r = httpx.post(base + "/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/no/such/dir"})
+        assert r.status_code == 400 and "not a directory" in r.json()["error"]["message"]
+        models = httpx.get(base + "/models").json()["data"]
+        assert [m["id"] for m in models[1:]] == ["qv", "all"] and models[1]["parent"] == models[0]["id"]
+        client = openai.OpenAI(base_url=base, api_key="x", max_retries=0, timeout=60)
+        for name in ("qv", "all"):
+            c = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True, "logprobs": None})
+            assert c.choices[0].text == want[name] != want["base"]
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="nope", prompt="x", max_tokens=2)
+        stream = client.completions.create(model="qv", prompt=prompt, max_tokens=200, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        assert httpx.post(base + "/unload_lora_adapter", json={"lora_name": "qv"}).status_code == 409
+        stream.close()
+        deadline = time.monotonic() + 10
+        while httpx.post(base + "/unload_lora_adapter", json={"lora_name": "qv"}).status_code == 409:
+            assert time.monotonic() < deadline, "the aborted stream never released its adapter"
+        assert httpx.post(base + "/unload_lora_adapter", json={"lora_name": "qv"}).status_code == 404
+        assert "qv" not in {m["id"] for m in httpx.get(base + "/models").json()["data"]}
+    finally:
+        srv.stop()
+        engine.shutdown()

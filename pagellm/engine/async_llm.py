@@ -21,7 +21,8 @@ from typing import Any
 
 from pagellm.config import EngineArgs
 from pagellm.engine.data_parallel import DataParallelEngine, create_engine
-from pagellm.engine.llm_engine import EngineDeadError, LLMEngine, PromptType
+from pagellm.engine.llm_engine import EngineDeadError, LLMEngine, PromptType, lora_op
+from pagellm.lora_request import LoRARequest
 from pagellm.metrics import EngineStats
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -192,7 +193,7 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ public API
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its (cumulative) outputs until it finishes.
 
         Invalid requests raise ``ValueError`` here, before anything is yielded. Stopping the
@@ -205,7 +206,7 @@ class AsyncLLM:
         self._streams[request_id] = stream
         done = [False]
         try:
-            await asyncio.to_thread(self._add, request_id, prompt, sampling_params, priority)
+            await asyncio.to_thread(self._add, request_id, prompt, sampling_params, priority, lora_request)
             async for item in drain_stream(stream.queue, done):
                 yield item
         finally:
@@ -213,9 +214,10 @@ class AsyncLLM:
             if not done[0] and self.is_running:
                 await asyncio.shield(asyncio.to_thread(self._abort, request_id))
 
-    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int) -> None:
+    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int,
+             lora_request: LoRARequest | None = None) -> None:
         with self._lock:
-            self.engine.add_request(request_id, prompt, params, priority=priority)
+            self.engine.add_request(request_id, prompt, params, priority=priority, lora_request=lora_request)
         self._wakeup.set()
 
     def _abort(self, request_id: str) -> None:
@@ -249,6 +251,11 @@ class AsyncLLM:
         """The engine's stats, from any thread (waits for the current step; a Prometheus scrape)."""
         with self._lock:
             return self.engine.get_stats()
+
+    def lora(self, op: str, arg: Any = None) -> Any:
+        """LoRA adapters: ``("add", LoRARequest)``, ``("remove", lora_int_id)``, ``("list", None)``."""
+        with self._lock:
+            return lora_op(self.engine, op, arg)
 
     def get_trace_now(self) -> dict[str, Any] | None:
         """The step trace's buffer (``None`` when tracing is off), from any thread."""

@@ -35,7 +35,8 @@ from typing import Any
 
 from pagellm.config import EngineArgs
 from pagellm.engine.async_llm import drain_stream
-from pagellm.engine.llm_engine import EngineDeadError, PromptType
+from pagellm.engine.llm_engine import EngineDeadError, PromptType, lora_op
+from pagellm.lora_request import LoRARequest
 from pagellm.metrics import EngineStats
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -111,20 +112,20 @@ def run_engine_core(engine_args: EngineArgs, chat_template: str | None, input_ad
             msg = pickle.loads(inp.recv())
             kind = msg[0]
             if kind == "add":
-                _, client, rid, prompt, params, priority = msg
+                _, client, rid, prompt, params, priority, lora_request = msg
                 try:
-                    engine.add_request(rid, prompt, params, priority=priority)
+                    engine.add_request(rid, prompt, params, priority=priority, lora_request=lora_request)
                     owner[rid] = client
                 except Exception as e:  # invalid input: that request's stream raises it
                     _send(outs[client], ("error", rid, _picklable(e)))
             elif kind == "abort":
                 engine.abort_request(msg[1])
                 owner.pop(msg[1], None)
-            elif kind in ("stats", "health", "trace"):
-                _, client, token = msg
+            elif kind in ("stats", "health", "trace", "lora"):
+                _, client, token, *arg = msg
                 try:
                     result: Any = (engine.get_stats() if kind == "stats" else engine.get_trace() if kind == "trace"
-                                   else engine.check_health())
+                                   else lora_op(engine, *arg[0]) if kind == "lora" else engine.check_health())
                 except Exception as e:  # noqa: BLE001 - the health answer is the exception
                     result = _picklable(e)
                 _send(outs[client], ("reply", token, result))
@@ -286,15 +287,15 @@ class AsyncEngineClient:
         with self._send_lock:
             _send(self._out, msg)
 
-    def _call(self, kind: str) -> Any:
-        """A stats or health request, answered by the core between steps."""
+    def _call(self, kind: str, *arg: Any) -> Any:
+        """A stats, health, trace or LoRA request, answered by the core between steps."""
         token = next(self._tokens)
         slot: list[Any] = [threading.Event()]
         self._replies[token] = slot
         try:
             if self.dead_error is not None:
                 raise EngineDeadError(f"the engine is not running: {self.dead_error}")
-            self._send((kind, self.client_index, token))
+            self._send((kind, self.client_index, token, *arg))
             if not slot[0].wait(CONTROL_TIMEOUT_S):
                 raise EngineDeadError(f"the engine core did not answer {kind} in {CONTROL_TIMEOUT_S:.0f} s")
         finally:
@@ -324,7 +325,7 @@ class AsyncEngineClient:
         return self._info.vocab_size
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """As ``AsyncLLM.generate``: outputs until finished; invalid input raises before any output;
         a caller that stops reading aborts the request in the core."""
         if not self.is_running:
@@ -334,7 +335,7 @@ class AsyncEngineClient:
         self._streams[request_id] = (loop, queue)
         done = [False]
         try:
-            self._send(("add", self.client_index, request_id, prompt, sampling_params, priority))
+            self._send(("add", self.client_index, request_id, prompt, sampling_params, priority, lora_request))
             async for item in drain_stream(queue, done):
                 yield item
         finally:
@@ -362,6 +363,10 @@ class AsyncEngineClient:
 
     def get_trace_now(self) -> dict[str, Any] | None:
         return self._call("trace")
+
+    def lora(self, op: str, arg: Any = None) -> Any:
+        """As ``AsyncLLM.lora``, done by the core between steps."""
+        return self._call("lora", (op, arg))
 
     def shutdown(self) -> None:
         """Stop the core (it finishes its step first) and the receiver; open streams end with

@@ -177,7 +177,7 @@ class DataParallelEngine:
     def remove_lora(self, lora_int_id: int) -> bool:
         return all([r.remove_lora(lora_int_id) for r in self.replicas])
 
-    def list_loras(self) -> list[LoRARequest]:
+    def list_loras(self) -> list[LoRARequest] | None:
         return self.replicas[0].list_loras()
 
     def get_trace(self) -> dict[str, Any] | None:

@@ -233,8 +233,9 @@ class LLMEngine:
         """Unregister an adapter; refuses (``LoRAInUse``, a ``ValueError``) while requests use it."""
         return self.lora is not None and self.lora.remove(lora_int_id)
 
-    def list_loras(self) -> list[LoRARequest]:
-        return [] if self.lora is None else list(self.lora.requests.values())
+    def list_loras(self) -> list[LoRARequest] | None:
+        """The registered adapters (``None``: the engine runs without LoRA)."""
+        return None if self.lora is None else list(self.lora.requests.values())
 
     def get_request_group(self, request_id: str) -> SequenceGroup | None:
         """A queued or running request's state (also while it waits for its grammar), or ``None``."""
@@ -592,3 +593,14 @@ class LLMEngine:
             metrics=group.metrics,
             num_cached_tokens=group.num_cached_tokens,
         )
+
+
+def lora_op(engine: Any, op: str, arg: Any) -> Any:
+    """An engine client's LoRA control call on ``engine`` (an LLMEngine or DataParallelEngine)."""
+    if op == "add":
+        return engine.add_lora(arg)
+    if op == "remove":
+        return engine.remove_lora(arg)
+    if op == "list":
+        return engine.list_loras()
+    raise ValueError(f"unknown LoRA operation {op!r}")

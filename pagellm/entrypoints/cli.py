@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from pagellm.config import EngineArgs
+from pagellm.lora_request import LoRARequest
 from pagellm.sampling_params import SamplingParams
 
 
@@ -129,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--exit-on-engine-death", action="store_true",
                      help="exit with status 1 once the engine has died (for systemd / Kubernetes to restart it) "
                           "instead of answering 503")
+    srv.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                     help="LoRA adapters (PEFT directories) to serve from the start, each picked by a request's "
+                          "model field (needs --enable-lora; more with POST /v1/load_lora_adapter)")
     srv.add_argument("--api-server-count", type=int, default=1,
                      help="HTTP server processes sharing the port, each a client of the one engine core")
     EngineArgs.add_cli_args(srv, skip=("served_model_name",))
@@ -167,13 +171,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.api_server_count > 1:
         if not args.engine_core_process:
             raise ValueError("--api-server-count > 1 needs the engine core process (drop --no-engine-core-process)")
+        if args.lora_modules:
+            raise ValueError("--lora-modules with --api-server-count > 1: load them with POST /v1/load_lora_adapter")
         return _serve_many(args, engine_args, chat_template, name, api_key)
+    loras = _lora_modules(args.lora_modules, engine_args)
     engine: EngineClient = (AsyncEngineClient.start(engine_args, chat_template) if args.engine_core_process
                             else AsyncLLM.from_engine_args(engine_args, chat_template))
+    try:
+        for lora in loras:  # checked before the server listens: a bad path stops it with the reason
+            engine.lora("add", lora)
+    except ValueError:
+        engine.shutdown()
+        raise
     serve(engine, name, args.host, args.port, api_key,
           chat_template_content_format=args.chat_template_content_format,
           exit_on_engine_death=args.exit_on_engine_death)
     return 0
+
+
+def _lora_modules(specs: list[str], engine_args: EngineArgs) -> list[LoRARequest]:
+    """``--lora-modules name=path ...`` as LoRA requests with ids 1, 2, ..."""
+    if specs and not engine_args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    out = []
+    for i, spec in enumerate(specs):
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules expects NAME=PATH, got {spec!r}")
+        out.append(LoRARequest(name, i + 1, path))
+    return out
 
 
 def _interrupt(signum: int, frame: object) -> None:

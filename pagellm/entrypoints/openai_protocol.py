@@ -33,7 +33,8 @@ class ErrorResponse(BaseModel):
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses`` for a route: these statuses with the error body."""
     what = {400: "Invalid request (the message names the field)", 401: "Missing or wrong API key",
-            404: "Unknown model", 503: "The engine is not running"}
+            404: "Unknown model (or adapter)", 409: "The adapter is in use by running requests",
+            503: "The engine is not running"}
     return {s: {"model": ErrorResponse, "description": what[s]} for s in statuses}
 
 
@@ -156,6 +157,22 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's): a PEFT adapter directory served under ``lora_name``."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter``: refused (409) while requests of the adapter run."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
 
 
 class DetokenizeRequest(BaseModel):

@@ -29,6 +29,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 import pagellm
 from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagellm.engine.core_proc import AsyncEngineClient
+from pagellm.engine.lora_manager import LoRAInUse
 from pagellm.entrypoints import tool_calls
 from pagellm.entrypoints.openai_protocol import (
     CONTENT_FORMATS,
@@ -37,11 +38,14 @@ from pagellm.entrypoints.openai_protocol import (
     ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     SamplingBody,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     error_responses,
     normalize_message,
 )
+from pagellm.lora_request import LoRARequest
 from pagellm.metrics import GAUGE, STAT_FIELDS
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -134,6 +138,9 @@ class OpenAIServer:
         self.model_name = model_name
         self.content_format = chat_template_content_format
         self.api_key = api_key
+        # LoRA adapters served under their names (picked by a request's ``model``); the engine
+        # holds the truth, this front end's view is refreshed from it on a miss.
+        self.loras: dict[str, LoRARequest] = {r.lora_name: r for r in engine.lora("list") or []}
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = engine.max_model_len
         self.registry = CollectorRegistry()
@@ -153,9 +160,35 @@ class OpenAIServer:
         self.app = self._build()
 
     # ------------------------------------------------------------------ helpers
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    def _check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter ``model`` names (``None``: the base model); 404 for an unknown name."""
+        if model is None or model == self.model_name:
+            return None
+        lora = self.loras.get(model)
+        if lora is None and self.lora_enabled:
+            self.loras = {r.lora_name: r for r in self.engine.lora("list")}  # another front end may have loaded it
+            lora = self.loras.get(model)
+        if lora is None:
             raise APIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model", "model_not_found")
+        return lora
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.lora("list") is not None  # None: the engine runs without LoRA
+
+    async def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Register an adapter under ``name`` (the next free id); ``APIError`` 400 if it cannot be served."""
+        if not self.lora_enabled:
+            raise APIError("this server runs without LoRA: start it with --enable-lora", 400, param="lora_name")
+        if name == self.model_name or name in {r.lora_name for r in self.engine.lora("list")}:
+            raise APIError(f"the name {name!r} is already in use", 400, param="lora_name")
+        request = LoRARequest(name, max([r.lora_int_id for r in self.engine.lora("list")], default=0) + 1, path)
+        try:
+            await asyncio.to_thread(self.engine.lora, "add", request)
+        except ValueError as e:
+            raise APIError(str(e), 400, param="lora_path") from e
+        self.loras[name] = request
+        return {"status": "ok", "lora_name": name, "lora_int_id": request.lora_int_id}
 
     def _check_token_ids(self, ids: list[int], param: str) -> None:
         """The engine's own check, here too: the front end decodes ids (echo, /detokenize) first."""
@@ -255,11 +288,11 @@ class OpenAIServer:
         if m.first_scheduled_time is not None:
             self.hist["request_queue_time_seconds"].labels(label).observe(m.first_scheduled_time - m.arrival_time)
 
-    async def _start(self, prompt: Any, params: SamplingParams, rid: str,
-                     priority: int) -> AsyncIterator[RequestOutput]:
+    async def _start(self, prompt: Any, params: SamplingParams, rid: str, priority: int,
+                     lora: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Queue the request and wait for its first output, so a rejected request becomes an
         HTTP 400 before a streaming response has started."""
-        gen = self.engine.generate(prompt, params, rid, priority)
+        gen = self.engine.generate(prompt, params, rid, priority, lora)
         try:
             first = await gen.__anext__()
         except ValueError as e:
@@ -291,11 +324,11 @@ class OpenAIServer:
             await outputs.aclose()
 
     async def _final(self, prompt: Any, params: SamplingParams, rid: str, priority: int,
-                     request: Request) -> RequestOutput | None:
+                     request: Request, lora: LoRARequest | None = None) -> RequestOutput | None:
         """Non-streaming: the final output, or ``None`` (request aborted) if the client went away."""
         async def collect() -> RequestOutput | None:
             last = None
-            async for out in self.engine.generate(prompt, params, rid, priority):
+            async for out in self.engine.generate(prompt, params, rid, priority, lora):
                 last = out
             if last is not None:
                 self._record(last)
@@ -424,9 +457,31 @@ class OpenAIServer:
 
         @app.get("/v1/models", dependencies=v1, responses=error_responses(401, 503))
         async def models() -> dict[str, Any]:
-            return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": int(time.time()),
-                                                "owned_by": "pagellm", "root": server.model_name,
-                                                "max_model_len": server.max_model_len}]}
+            now = int(time.time())
+            loras = await asyncio.to_thread(server.engine.lora, "list") or []
+            return {"object": "list", "data": [
+                {"id": server.model_name, "object": "model", "created": now, "owned_by": "pagellm",
+                 "root": server.model_name, "parent": None, "max_model_len": server.max_model_len},
+                *({"id": r.lora_name, "object": "model", "created": now, "owned_by": "pagellm", "root": r.lora_path,
+                   "parent": server.model_name, "max_model_len": server.max_model_len} for r in loras)]}
+
+        @app.post("/v1/load_lora_adapter", dependencies=v1, responses=error_responses(400, 401))
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> dict[str, Any]:
+            """Check and register an adapter (its files are read in a thread, not in the engine's step)."""
+            return await server.load_lora(body.lora_name, body.lora_path)
+
+        @app.post("/v1/unload_lora_adapter", dependencies=v1, responses=error_responses(400, 401, 404, 409))
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> dict[str, Any]:
+            """Unregister an adapter; 409 while requests using it run (they are never cut short)."""
+            lora = server._check_model(body.lora_name) if body.lora_name != server.model_name else None
+            if lora is None:
+                raise APIError(f"{body.lora_name!r} is not a LoRA adapter", 404, "NotFoundError", "lora_name")
+            try:
+                await asyncio.to_thread(server.engine.lora, "remove", lora.lora_int_id)
+            except LoRAInUse as e:
+                raise APIError(str(e), 409, "ConflictError", "lora_name") from e
+            server.loras.pop(lora.lora_name, None)
+            return {"status": "ok", "lora_name": lora.lora_name}
 
         @app.get("/metrics", dependencies=keyed, responses=error_responses(401))
         async def metrics() -> Response:
@@ -511,9 +566,10 @@ class OpenAIServer:
     async def _respond(self, prompt: Any, params: SamplingParams, rid: str, body: SamplingBody, request: Request,
                        whole: Any, chunks: Any) -> Any:
         """Stream ``chunks(outputs)`` as SSE, or wait for the final output and return ``whole(output)``."""
+        lora = self._check_model(body.model)
         if body.stream:
-            return self._sse(chunks(await self._start(prompt, params, rid, body.priority)))
-        out = await self._final(prompt, params, rid, body.priority, request)
+            return self._sse(chunks(await self._start(prompt, params, rid, body.priority, lora)))
+        out = await self._final(prompt, params, rid, body.priority, request, lora)
         if out is None:
             return Response(status_code=499)  # the client went away; nobody reads this
         return whole(out)
