@@ -57,6 +57,8 @@ class SchedulerStats:
                                      "num_requests_waiting_for_fsm")
     num_constrained: int = _stat(GAUGE, "Requests decoding under a structured-output grammar",
                                  "num_requests_structured")
+    lora_active: int = _stat(GAUGE, "LoRA adapters used by live requests", "lora_active_adapters")
+    lora_registered: int = _stat(GAUGE, "LoRA adapters registered (checked, servable)", "lora_registered_adapters")
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -86,6 +88,9 @@ class IterationStats:
                                         "structured_output_mask_seconds", "sum", 0.0)
 
     # Speculative decoding (vLLM's spec_decode_* counters; derived: acceptance rate, mean acceptance length).
+    lora_loads: int = _stat(COUNTER, "LoRA adapters checked and registered", "lora_loads")
+    lora_slot_loads: int = _stat(COUNTER, "LoRA adapters copied into a device slot (a slot's previous one evicted)",
+                                 "lora_slot_loads")
     spec_num_drafts: int = _stat(COUNTER, "Draft runs verified (one per sequence and step with drafts)",
                                  "spec_decode_num_drafts")
     spec_num_draft_tokens: int = _stat(COUNTER, "Draft tokens verified", "spec_decode_num_draft_tokens")

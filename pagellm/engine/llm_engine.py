@@ -266,6 +266,9 @@ class LLMEngine:
         also readable as a mapping, ``stats["num_running"]``)."""
         sched, it = self.scheduler.make_stats(), replace(self.iteration_stats)
         it.spec_accepted_per_pos = list(it.spec_accepted_per_pos)  # a snapshot, not the live list
+        if self.lora is not None:
+            sched.lora_active, sched.lora_registered = self.lora.num_active, len(self.lora.requests)
+            it.lora_loads, it.lora_slot_loads = self.lora.stats.loads, self.lora.stats.slot_loads
         if self._structured is not None:
             so = self._structured
             sched.num_waiting_for_fsm = so.num_waiting_for_fsm
