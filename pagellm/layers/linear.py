@@ -102,6 +102,6 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.bias)
-        if self.lora is not None and self.lora.ctx.rows:  # adapter rows in this step
+        if self.lora is not None and self.lora.ctx.active:  # adapter rows in this step
             self.lora.add(x, y)
         return y

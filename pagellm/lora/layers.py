@@ -19,16 +19,24 @@ from pagellm.lora.adapter import LoRAAdapter
 
 
 class LoRAContext:
-    """The step's rows per adapter slot, shared by every LoRA-enabled projection of one model."""
+    """The step's adapter rows, shared by every LoRA-enabled projection of one model: runs of
+    consecutive flat-batch rows with the same adapter slot (the model runner orders decodes by
+    slot, and a prompt chunk is one run), so every update is two GEMMs on a slice: no gathers,
+    no scatter, no arithmetic on other adapters' rows."""
 
-    __slots__ = ("rows",)
+    __slots__ = ("segments",)
 
     def __init__(self) -> None:
-        self.rows: list[tuple[int, torch.Tensor]] = []
+        self.segments: list[tuple[int, int, int]] = []  # (start, end, slot)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.segments)
 
 
 class LoRASlots:
-    """``max_loras`` adapter slots of one (possibly fused) projection."""
+    """``max_loras`` adapter slots of one (possibly fused) projection: ``At [slots, in, W]`` and
+    ``Bt [slots, W, out]`` (``W`` = parts x max rank; a part's rank columns, zero past its rank)."""
 
     def __init__(self, ctx: LoRAContext, num_slots: int, in_features: int, part_outs: list[int], max_rank: int,
                  device: torch.device) -> None:
@@ -37,22 +45,21 @@ class LoRASlots:
         self.part_offsets = [sum(part_outs[:i]) for i in range(len(part_outs))]
         self.part_outs = part_outs
         width = len(part_outs) * max_rank
-        self.A = torch.zeros(num_slots, width, in_features, device=device)
-        self.B = torch.zeros(num_slots, sum(part_outs), width, device=device)
+        self.At = torch.zeros(num_slots, in_features, width, device=device)
+        self.Bt = torch.zeros(num_slots, width, sum(part_outs), device=device)
 
     def load(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Put an adapter's parts for this projection in ``slot`` (parts it lacks stay zero)."""
-        self.A[slot].zero_()
-        self.B[slot].zero_()
+        self.At[slot].zero_()
+        self.Bt[slot].zero_()
         for p, (a, b) in parts.items():
             r, col, row = a.shape[0], p * self.max_rank, self.part_offsets[p]
-            self.A[slot, col:col + r] = a
-            self.B[slot, row:row + self.part_outs[p], col:col + r] = b
+            self.At[slot, :, col:col + r] = a.T
+            self.Bt[slot, col:col + r, row:row + self.part_outs[p]] = b.T
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        for slot, idx in self.ctx.rows:
-            xs = x.index_select(0, idx)
-            y.index_add_(0, idx, (xs @ self.A[slot].T) @ self.B[slot].T)
+        for start, end, slot in self.ctx.segments:
+            y[start:end].addmm_(torch.mm(x[start:end], self.At[slot]), self.Bt[slot])
         return y
 
 
@@ -93,10 +100,14 @@ class ModelLoRA:
             assert m.lora is not None
             m.lora.load(slot, adapter.weights.get((int(layer), name), {}))
 
-    def set_rows(self, row_slots: list[int], device: torch.device) -> None:
-        """The step's rows per slot (``row_slots[i]``: the slot of flat row ``i``, -1 for the base model)."""
-        by_slot: dict[int, list[int]] = {}
-        for i, s in enumerate(row_slots):
-            if s >= 0:
-                by_slot.setdefault(s, []).append(i)
-        self.ctx.rows = [(s, torch.tensor(rows, dtype=torch.long, device=device)) for s, rows in by_slot.items()]
+    def set_step(self, row_slots: list[int]) -> None:
+        """The step's rows: ``row_slots[i]`` is flat row ``i``'s slot (-1: the base model)."""
+        segments: list[tuple[int, int, int]] = []
+        for i, slot in enumerate(row_slots):
+            if slot < 0:
+                continue
+            if segments and segments[-1][1] == i and segments[-1][2] == slot:
+                segments[-1] = (segments[-1][0], i + 1, slot)
+            else:
+                segments.append((i, i + 1, slot))
+        self.ctx.segments = segments

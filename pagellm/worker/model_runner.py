@@ -71,6 +71,8 @@ class ModelRunner:
         # compute it: speculation cannot change greedy outputs.
         decodes = [(s, i) for s in so.scheduled if s.is_decode or s.spec_token_ids
                    for i in range(s.num_scheduled_tokens)]
+        if self.lora is not None:  # decodes of one adapter side by side: one slice each in every projection
+            decodes.sort(key=lambda d: d[0].lora_slot)
         chunks = [s for s in so.scheduled if not (s.is_decode or s.spec_token_ids)]
         decode_lens = [s.num_computed_tokens + i + 1 for s, i in decodes]
         decode_tables = [s.block_ids for s, _ in decodes]
@@ -106,11 +108,11 @@ class ModelRunner:
                 sample_idx.extend(spec_rows[(s.seq_id, i)] for i in range(s.num_scheduled_tokens))
             else:
                 sample_idx.append(last_row[s.seq_id])
-        if self.lora is not None:  # each row's adapter slot, in the flat order
-            row_slots = [s.lora_slot for s, _ in (decodes[j] for j in meta.decode_order)]
+        if self.lora is not None:  # each flat row's adapter slot
+            row_slots = [decodes[j][0].lora_slot for j in meta.decode_order]
             for s in chunks:
                 row_slots.extend([s.lora_slot] * s.num_scheduled_tokens)
-            self.lora.set_rows(row_slots, self.device)
+            self.lora.set_step(row_slots)
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
