@@ -65,10 +65,12 @@ class LoRASlots:
 
 def lora_modules(model: nn.Module) -> dict[str, Linear]:
     """``"{layer}.{module}" -> projection`` for every projection an adapter may target."""
-    out = {}
-    for i, layer in enumerate(model.model.layers):
+    out: dict[str, Linear] = {}
+    layers: nn.ModuleList = model.get_submodule("model.layers")  # type: ignore[assignment]
+    for i, layer in enumerate(layers):
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
             module = layer.get_submodule(name)
+            assert isinstance(module, Linear)
             out[f"{i}.{name}"] = module
     return out
 
