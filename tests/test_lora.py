@@ -226,3 +226,42 @@ def test_server_picks_the_adapter_by_model_and_loads_and_unloads(ckpt_root):
     finally:
         srv.stop()
         engine.shutdown()
+
+
+@pytest.mark.slow
+def test_smollm2_mixed_batch_matches_peft(smollm2_path, tmp_path):
+    """The bundled SmolLM2 (float32 over its dequantized GGUF weights, as Hugging Face reads them)
+    with three PEFT adapters and the base model in one batch: each request equals PeftModel's."""
+    from test_hf_parity import SMOL_PROMPTS
+
+    directory, name = os.path.split(smollm2_path)
+    tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    adapters = []
+    for i, (targets, r) in enumerate(((["q_proj", "v_proj"], 8), (ALL, 4), (["gate_proj", "down_proj"], 16))):
+        torch.manual_seed(i)
+        cfg = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False)
+        model = peft.get_peft_model(hf, cfg)
+        for pname, p in model.named_parameters():
+            if "lora_B" in pname:
+                p.data *= 0.2  # a sizeable update that still leaves the model talking
+        model.save_pretrained(str(tmp_path / f"a{i}"))
+        hf = model.unload()
+        adapters.append(str(tmp_path / f"a{i}"))
+    prompts = [tok.encode(p) for p in SMOL_PROMPTS[:8]]
+    which = [adapters[i % 4] if i % 4 < 3 else None for i in range(len(prompts))]
+    def greedy(model, p):
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            g = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
+        return g[0, len(p):].tolist()
+
+    want, base = [], []
+    for p, w in zip(prompts, which, strict=True):
+        base.append(greedy(hf, p))
+        model = peft.PeftModel.from_pretrained(hf, w).eval() if w else hf
+        want.append(greedy(model, p))
+        hf = model.unload() if w else hf
+    got, _ = _run(None, prompts, which, max_loras=3, kv_cache_memory="256MiB")
+    assert got == want
+    assert sum(w != b for w, b in zip(want, base, strict=True)) >= 3, "the adapters must change the outputs"

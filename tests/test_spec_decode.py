@@ -208,6 +208,16 @@ class OracleProposer:
         pass
 
 
+def oracle_run(engine, prompts, ref):
+    """Greedy outputs of ``prompts`` with the oracle proposer drafting."""
+    engine._spec.proposer = OracleProposer(prompts, ref)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    done = run_to_completion(engine)
+    return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+
+
 @pytest.mark.parametrize("config", ["tight_cache", "tight_swap", "tight_cache_and_chunks", "block_size_1",
                                     "chunk_every_prompt"])
 def test_speculation_under_pressure_changes_nothing(tiny, config):
@@ -215,12 +225,7 @@ def test_speculation_under_pressure_changes_nothing(tiny, config):
     kwargs = _kwargs(config, prompts)
     engine = LLMEngine.from_engine_args(EngineArgs(model=path, dtype="float32", kv_cache_memory="64MiB",
                                                    speculative_config=_spec("ngram", 4), **kwargs))
-    engine._spec.proposer = OracleProposer(prompts, ref)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": p}, params)
-    done = run_to_completion(engine)
-    assert [done[str(i)].outputs[0].token_ids for i in range(len(prompts))] == ref
+    assert oracle_run(engine, prompts, ref) == ref
     stats = engine.get_stats()
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
     if config.startswith("tight"):
@@ -297,12 +302,7 @@ def test_speculation_across_processes(tiny):
                                                    tensor_parallel_size=2, distributed_executor_backend="mp",
                                                    speculative_config=_spec("ngram", 3)))
     try:
-        engine._spec.proposer = OracleProposer(prompts, ref)
-        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), {"prompt_token_ids": p}, params)
-        done = run_to_completion(engine)
-        assert [done[str(i)].outputs[0].token_ids for i in range(len(prompts))] == ref
+        assert oracle_run(engine, prompts, ref) == ref
         assert engine.get_stats()["spec_num_accepted_tokens"] > 0
     finally:
         engine.shutdown()
