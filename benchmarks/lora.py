@@ -19,7 +19,7 @@ import tempfile
 import time
 
 from throughput import load_hf_model
-from workload import W64, load_workload
+from workload import add_workload_args, load_workload
 
 
 def make_adapters(model_path: str | None, out: str, n: int, rank: int) -> list[str]:
@@ -45,9 +45,7 @@ def make_adapters(model_path: str | None, out: str, n: int, rank: int) -> list[s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--workload", default=W64)
-    ap.add_argument("--num-requests", type=int, default=None)
+    add_workload_args(ap)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()

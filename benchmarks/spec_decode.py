@@ -21,7 +21,7 @@ import argparse
 import json
 import os
 
-from workload import W64, load_workload, run_all
+from workload import add_workload_args, load_workload, run_all
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS = os.path.join(HERE, "data", "spec_copy_prompts.json")
@@ -83,14 +83,12 @@ def w64(args: argparse.Namespace, method: str | None) -> tuple[float, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None)
+    add_workload_args(ap)
     ap.add_argument("--methods", nargs="+", default=["ngram", "suffix"])
     ap.add_argument("--draft-model", default=None, help="with --methods draft_model: its path (default: the "
                     "bundled model drafting for itself, which shows the cost model switching it off)")
     ap.add_argument("--k", type=int, default=5, help="num_speculative_tokens (the cost model may use fewer)")
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--workload", default=W64)
-    ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--skip-w64", action="store_true")
     ap.add_argument("--repeats", type=int, default=2, help="W64 runs per method, interleaved (best kept)")
     args = ap.parse_args()

@@ -12,14 +12,12 @@ import argparse
 import logging
 import time
 
-from workload import W64, load_workload, run_all
+from workload import add_workload_args, load_workload, run_all
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--workload", default=W64)
-    ap.add_argument("--num-requests", type=int, default=None)
+    add_workload_args(ap)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     from pagellm import LLM, SamplingParams

@@ -269,6 +269,15 @@ class Scheduler:
     def _has_seq_room(self, group: SequenceGroup) -> bool:
         return self._num_running_seqs() + group.num_seqs_reserved <= self.config.max_num_seqs
 
+    def _running_adapters(self) -> set[int]:
+        """The LoRA adapters the running requests use (empty without LoRA)."""
+        return {g.lora_id for g in self.running if g.lora_id} if self.max_loras else set()
+
+    def _adapter_over_limit(self, group: SequenceGroup, adapters: set[int]) -> bool:
+        """Whether ``group``'s adapter would be one more than ``max_loras`` beside ``adapters``."""
+        return (bool(self.max_loras and group.lora_id) and group.lora_id not in adapters
+                and len(adapters) >= self.max_loras)
+
     def _outranks(self, group: SequenceGroup, victim: SequenceGroup) -> bool:
         """May ``group`` push ``victim`` out? Only with a strictly better base priority *and* a
         better effective one: aging orders the queues and shields an aged victim, but never starts
@@ -415,8 +424,7 @@ class Scheduler:
                 break  # a better request waits (e.g. the one this step's priority preemption was for)
             if not self._has_seq_room(group):
                 break
-            if self.max_loras and group.lora_id and group.lora_id not in {g.lora_id for g in self.running} and len(
-                    {g.lora_id for g in self.running if g.lora_id}) >= self.max_loras:
+            if self._adapter_over_limit(group, self._running_adapters()):
                 break  # its adapter would be one too many (it is the oldest swapped work: it goes next)
             seqs = group.live_seqs()
             n = self._num_new_tokens(seqs[0].num_tokens, seqs[0].num_computed_tokens,
@@ -446,11 +454,11 @@ class Scheduler:
         nobody is admitted past an older (better) swapped request or a request pushed out this step."""
         kv = self.kv_cache_manager
         pending = self._pending_block_hashes(self.running) if kv.enable_caching and self.waiting else set()
-        adapters = {g.lora_id for g in self.running if g.lora_id} if self.max_loras else set()
+        adapters = self._running_adapters()
         skipped: list[SequenceGroup] = []
         while self.waiting and step.token_budget > 0:
             group = self.waiting.peek()
-            if group.lora_id and group.lora_id not in adapters and len(adapters) >= self.max_loras:
+            if self._adapter_over_limit(group, adapters):
                 if group.lora_skips < LORA_MAX_SKIPS:
                     # Its adapter would be one too many: the next requests may go first this
                     # step; it keeps its place, and after LORA_MAX_SKIPS steps nobody passes it.

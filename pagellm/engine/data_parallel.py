@@ -192,8 +192,6 @@ class DataParallelEngine:
                 ev = dict(ev, pid=i + 1)
                 if ev.get("name") == "process_name":
                     ev["args"] = {"name": f"pagellm engine (data-parallel replica {i})"}
-                if "id" in ev:
-                    ev["id"] = f"{ev['id']}"
                 events.append(ev)
         return {"traceEvents": events, "displayTimeUnit": "ms",
                 "otherData": {"producer": "pagellm", "replicas": len(traces)}}

@@ -40,7 +40,7 @@ class LoRAManager:
         self.max_lora_rank = max_lora_rank
         self.module_shapes = module_shapes
         self.num_layers = num_layers
-        self.loaded: dict[int, AdapterSpec] = {}
+        self.specs: dict[int, AdapterSpec] = {}  # the checked adapter of each id in ``requests``
         self.requests: dict[int, LoRARequest] = {}
         self.in_use: dict[int, int] = {}
         self.slots: list[int | None] = [None] * max_loras  # adapter id per device slot
@@ -53,10 +53,9 @@ class LoRAManager:
         """Load (or find loaded) the adapter of ``request``; a known id with another path or name
         is reloaded (and gets a new identity for the prefix cache if its weights changed)."""
         known = self.requests.get(request.lora_int_id)
-        adapter = self.loaded.get(request.lora_int_id)
-        if adapter is not None and known == request:
-            return adapter
-        if known is not None and known != request and self.in_use.get(request.lora_int_id):
+        if known == request:
+            return self.specs[request.lora_int_id]
+        if known is not None and self.in_use.get(request.lora_int_id):
             raise LoRAInUse(f"lora_int_id {request.lora_int_id} is {known.lora_name!r} at {known.lora_path!r}, "
                             "in use by running requests: it cannot be replaced now")
         for other_id, other in self.requests.items():
@@ -67,7 +66,7 @@ class LoRAManager:
         self.stats.loads += 1
         self._forget_slot(request.lora_int_id)  # old weights in a slot must not serve the new ones
         self.requests[request.lora_int_id] = request
-        self.loaded[request.lora_int_id] = adapter
+        self.specs[request.lora_int_id] = adapter
         logger.info("LoRA adapter %r (id %d, rank %d) loaded from %s", request.lora_name, request.lora_int_id,
                     adapter.rank, request.lora_path)
         return adapter
@@ -77,12 +76,9 @@ class LoRAManager:
         if self.in_use.get(lora_int_id):
             raise LoRAInUse(f"LoRA adapter {lora_int_id} is used by {self.in_use[lora_int_id]} running request(s)")
         found = self.requests.pop(lora_int_id, None) is not None
-        self.loaded.pop(lora_int_id, None)
+        self.specs.pop(lora_int_id, None)
         self._forget_slot(lora_int_id)
         return found
-
-    def by_name(self, name: str) -> LoRARequest | None:
-        return next((r for r in self.requests.values() if r.lora_name == name), None)
 
     def _forget_slot(self, lora_int_id: int) -> None:
         for i, s in enumerate(self.slots):
@@ -119,7 +115,7 @@ class LoRAManager:
             slot = min(free, key=lambda i: (self.slots[i] is not None, self._slot_used[i]))
             self.slots[slot] = lora_id
             where[lora_id] = slot
-            so.lora_loads[slot] = self.loaded[lora_id]
+            so.lora_loads[slot] = self.specs[lora_id]
             self.stats.slot_loads += 1
         for lora_id in needed:
             self._slot_used[where[lora_id]] = self._step

@@ -165,24 +165,23 @@ class OpenAIServer:
         if model is None or model == self.model_name:
             return None
         lora = self.loras.get(model)
-        if lora is None and self.lora_enabled:
-            self.loras = {r.lora_name: r for r in self.engine.lora("list")}  # another front end may have loaded it
-            lora = self.loras.get(model)
+        if lora is None:
+            registered = self.engine.lora("list")  # another front end may have loaded it (None: no LoRA)
+            if registered is not None:
+                self.loras = {r.lora_name: r for r in registered}
+                lora = self.loras.get(model)
         if lora is None:
             raise APIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model", "model_not_found")
         return lora
 
-    @property
-    def lora_enabled(self) -> bool:
-        return self.engine.lora("list") is not None  # None: the engine runs without LoRA
-
     async def load_lora(self, name: str, path: str) -> dict[str, Any]:
         """Register an adapter under ``name`` (the next free id); ``APIError`` 400 if it cannot be served."""
-        if not self.lora_enabled:
+        registered = await asyncio.to_thread(self.engine.lora, "list")  # None: the engine runs without LoRA
+        if registered is None:
             raise APIError("this server runs without LoRA: start it with --enable-lora", 400, param="lora_name")
-        if name == self.model_name or name in {r.lora_name for r in self.engine.lora("list")}:
+        if name == self.model_name or name in {r.lora_name for r in registered}:
             raise APIError(f"the name {name!r} is already in use", 400, param="lora_name")
-        request = LoRARequest(name, max([r.lora_int_id for r in self.engine.lora("list")], default=0) + 1, path)
+        request = LoRARequest(name, max([r.lora_int_id for r in registered], default=0) + 1, path)
         try:
             await asyncio.to_thread(self.engine.lora, "add", request)
         except ValueError as e:
@@ -473,8 +472,8 @@ class OpenAIServer:
         @app.post("/v1/unload_lora_adapter", dependencies=v1, responses=error_responses(400, 401, 404, 409))
         async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> dict[str, Any]:
             """Unregister an adapter; 409 while requests using it run (they are never cut short)."""
-            lora = server._check_model(body.lora_name) if body.lora_name != server.model_name else None
-            if lora is None:
+            lora = server._check_model(body.lora_name)  # 404 for an unknown name
+            if lora is None:  # the base model's name
                 raise APIError(f"{body.lora_name!r} is not a LoRA adapter", 404, "NotFoundError", "lora_name")
             try:
                 await asyncio.to_thread(server.engine.lora, "remove", lora.lora_int_id)

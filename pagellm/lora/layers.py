@@ -75,14 +75,15 @@ def lora_modules(model: nn.Module) -> dict[str, Linear]:
     return out
 
 
+def _parts(m: Linear) -> list[tuple[int, int]]:
+    """A projection's (fused) parts as ``(in_features, out_features)``."""
+    parts = getattr(m, "parts", None)
+    return [(m.in_features, size) for _, size in parts] if parts else [(m.in_features, m.out_features)]
+
+
 def module_shapes(model: nn.Module) -> dict[str, list[tuple[int, int]]]:
-    """Each target module's parts as ``(in_features, out_features)`` (layer 0's: all layers agree)."""
-    shapes = {}
-    for key, m in lora_modules(model).items():
-        name = key.split(".", 1)[1]
-        parts = getattr(m, "parts", None)
-        shapes[name] = [(m.in_features, size) for _, size in parts] if parts else [(m.in_features, m.out_features)]
-    return shapes
+    """Each target module's parts (every layer's are the same)."""
+    return {key.split(".", 1)[1]: _parts(m) for key, m in lora_modules(model).items()}
 
 
 class ModelLoRA:
@@ -91,10 +92,8 @@ class ModelLoRA:
     def __init__(self, model: nn.Module, num_slots: int, max_rank: int, device: torch.device) -> None:
         self.ctx = LoRAContext()
         self.modules = lora_modules(model)
-        shapes = module_shapes(model)
-        for key, m in self.modules.items():
-            parts = shapes[key.split(".", 1)[1]]
-            m.lora = LoRASlots(self.ctx, num_slots, m.in_features, [o for _, o in parts], max_rank, device)
+        for m in self.modules.values():
+            m.lora = LoRASlots(self.ctx, num_slots, m.in_features, [o for _, o in _parts(m)], max_rank, device)
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         for key, m in self.modules.items():

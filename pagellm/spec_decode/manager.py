@@ -76,7 +76,7 @@ class SpecDecodeManager:
             return
         k = max_k
         if self.config.cost_model and offers and not explore:
-            k = choose_k(self.cost, len(decoding) + int(other), other + len(decoding) - len(offers),
+            k = choose_k(self.cost, len(decoding) + other, other + len(decoding) - len(offers),
                          [(len(d), self._alpha.get(s.seq_id, _ALPHA_PRIOR)) for s, d in offers], max_k)
             if k == 0:
                 self._off(stats)
@@ -103,10 +103,10 @@ class SpecDecodeManager:
 
     @staticmethod
     def _decoding(running: Iterable[SequenceGroup], skip: Callable[[SequenceGroup], bool]
-                  ) -> tuple[list[Sequence], float]:
+                  ) -> tuple[list[Sequence], int]:
         """Sequences that decode next (those that may draft, and how many others)."""
         decoding: list[Sequence] = []
-        other = 0.0
+        other = 0
         for group in running:
             drafting = group.beam_state is None and not skip(group)
             for seq in group.live_seqs():
@@ -117,7 +117,7 @@ class SpecDecodeManager:
                         other += 1
         return decoding, other
 
-    def _max_k(self, seq_ids: list[int], other: float, stats: IterationStats) -> tuple[int, bool]:
+    def _max_k(self, seq_ids: list[int], other: int, stats: IterationStats) -> tuple[int, bool]:
         """``(most drafts worth proposing per sequence, exploring?)``; 0 = speculation off this
         step (counted). Would drafts pay even if every sequence had a full run on offer? If not,
         the proposer's time is not spent on them."""
@@ -128,7 +128,7 @@ class SpecDecodeManager:
             return 0, False
         if not cfg.cost_model:
             return max_k, False
-        best = choose_k(self.cost, len(seq_ids) + int(other), other,
+        best = choose_k(self.cost, len(seq_ids) + other, other,
                         [(max_k, self._alpha.get(i, _ALPHA_PRIOR)) for i in seq_ids], max_k)
         if best:
             return best, False

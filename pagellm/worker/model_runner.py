@@ -82,14 +82,14 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         last_row: dict[int, int] = {}  # seq_id -> flat row of its last token
-        spec_rows: dict[tuple[int, int], int] = {}  # (seq_id, offset) -> flat row, for drafting sequences
+        draft_row: dict[tuple[int, int], int] = {}  # (seq_id, offset) -> flat row, for drafting sequences
         for s, i in [decodes[j] for j in meta.decode_order]:
             p = s.num_computed_tokens + i
             slots.append(s.block_ids[p // bs] * bs + p % bs)
             input_ids.append(s.token_ids[i])
             positions.append(p)
             if s.spec_token_ids:
-                spec_rows[(s.seq_id, i)] = len(input_ids) - 1
+                draft_row[(s.seq_id, i)] = len(input_ids) - 1
             else:
                 last_row[s.seq_id] = len(input_ids) - 1
         for s in chunks:
@@ -105,7 +105,7 @@ class ModelRunner:
         sample_seqs = [s for s in so.scheduled if s.do_sample]
         for s in sample_seqs:
             if s.spec_token_ids:
-                sample_idx.extend(spec_rows[(s.seq_id, i)] for i in range(s.num_scheduled_tokens))
+                sample_idx.extend(draft_row[(s.seq_id, i)] for i in range(s.num_scheduled_tokens))
             else:
                 sample_idx.append(last_row[s.seq_id])
         if self.lora is not None:  # each flat row's adapter slot
@@ -156,7 +156,7 @@ class ModelRunner:
             r += 1
         result = ModelRunnerOutput(sampled={})
         if rows:
-            plain = logits if spec_idx == [] and len(row_idx) == len(sample_idx) else logits[row_idx]
+            plain = logits if not spec_idx and len(row_idx) == len(sample_idx) else logits[row_idx]
             if so.grammar_bitmask is not None:  # (constrained sequences never draft)
                 constrained = [(i, so.structured_output_rows[seq_id]) for i, seq_id in enumerate(row_parents)
                                if seq_id in so.structured_output_rows]

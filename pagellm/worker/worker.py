@@ -99,15 +99,10 @@ class Worker:
     def load_model(self) -> ModelInfo:
         model, hf_config, source = self._build_model(self.config.model.model)
         arch = hf_config.architectures[0]
+        self.numerics, packed_int8 = self._numerics_for(model, self.tp.world_size == 1, self.config.model.quantization)
         if self.cpu_numerics:
-            layer0 = [m.weight for m in model.model.layers[0].modules() if isinstance(m, Linear)]
-            self.numerics = choose_numerics(self.config.model.dtype, layer0, probe=self.tp.world_size == 1,
-                                            quantization=self.config.model.quantization)
             logger.info("numerics: %s GEMMs (float32 between them): %s [%s]", self.numerics.name, self.numerics.reason,
                         cpu_info().summary())
-        packed_int8 = 0
-        if self.device.type == "cpu" and hasattr(model, "pack_for_cpu"):
-            packed_int8 = model.pack_for_cpu(self.numerics.compute_dtype, self.numerics.int8)
         if self.numerics.int8 and packed_int8 == 0:
             raise ValueError(f"quantization='gguf' found no Q4_1 / Q8_0 weights in {source.path}")
         if self.config.model.quantization is not None and not self.numerics.int8:
@@ -163,16 +158,25 @@ class Worker:
         if hf_config.vocab_size != vocab_size:
             raise ValueError(f"speculative_config model {path!r} has a vocabulary of {hf_config.vocab_size} tokens, "
                              f"the target {vocab_size}: a draft model must share the target's tokenizer")
-        numerics = self.numerics
+        numerics, _ = self._numerics_for(draft, True, None)
         if self.cpu_numerics:
-            layer0 = [m.weight for m in draft.model.layers[0].modules() if isinstance(m, Linear)]
-            numerics = choose_numerics(self.config.model.dtype, layer0, probe=True)
             logger.info("draft model numerics: %s GEMMs: %s", numerics.name, numerics.reason)
-        if self.device.type == "cpu" and hasattr(draft, "pack_for_cpu"):
-            draft.pack_for_cpu(numerics.compute_dtype, numerics.int8)
         select_kernels(draft, self.device, self.dtype)
         self.draft_model = draft
         self.draft_spec = self._kv_spec(draft, hf_config, numerics)
+
+    def _numerics_for(self, model: torch.nn.Module, probe: bool, quantization: str | None) -> tuple[Numerics, int]:
+        """The GEMM numerics for ``model`` (chosen per machine on a CPU, from its first layer's
+        shapes; else the worker's) and its weights packed for them; returns how many weights the
+        int8 kernel took."""
+        numerics = self.numerics
+        if self.cpu_numerics:
+            layer0 = [m.weight for m in model.get_submodule("model.layers.0").modules() if isinstance(m, Linear)]
+            numerics = choose_numerics(self.config.model.dtype, layer0, probe=probe, quantization=quantization)
+        packed_int8 = 0
+        if self.device.type == "cpu" and hasattr(model, "pack_for_cpu"):
+            packed_int8 = model.pack_for_cpu(numerics.compute_dtype, numerics.int8)
+        return numerics, packed_int8
 
     def _kv_spec(self, model: torch.nn.Module, hf_config: Any, numerics: Numerics) -> KVCacheSpec:
         attn = model.model.layers[0].self_attn
