@@ -76,6 +76,36 @@ def _run(path, prompts, which, **kw):
     return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))], engine
 
 
+@pytest.mark.parametrize("in_features,part_outs,rows,segments", [
+    (576, [576, 192, 192], 64, [(0, 5, 0), (5, 21, 1), (30, 64, 3)]),  # fused qkv, decode runs, base rows between
+    (1536, [576], 300, [(0, 300, 2)]),                                  # one prompt chunk
+    (40, [24, 8], 9, [(1, 9, 0)]),                                      # widths off the vector path
+])
+def test_lora_updates_equal_the_per_adapter_formula(in_features, part_outs, rows, segments):
+    """Both versions of a projection's update (the compiled grouped kernel where it builds, and the
+    torch one) against ``x A_p^T B_p^T`` per part written out, with slots of two ranks."""
+    from pagellm.lora.layers import LoRAContext, LoRASlots
+
+    gen = torch.Generator().manual_seed(0)
+    ctx = LoRAContext()
+    slots = LoRASlots(ctx, 4, in_features, part_outs, 16, torch.device("cpu"))
+    weights = {}
+    for slot in range(4):
+        r = 8 if slot == 1 else 16
+        weights[slot] = {p: (torch.randn(r, in_features, generator=gen), torch.randn(o, r, generator=gen))
+                         for p, o in enumerate(part_outs)}
+        slots.load(slot, weights[slot])
+    ctx.segments = segments
+    ctx.segment_tensor = torch.tensor(segments, dtype=torch.int64).reshape(-1, 3)
+    x = torch.randn(rows, in_features, generator=gen)
+    y0 = torch.randn(rows, sum(part_outs), generator=gen)
+    want = y0.clone()
+    for start, end, slot in segments:
+        want[start:end] += torch.cat([x[start:end] @ a.T @ b.T for a, b in weights[slot].values()], dim=1)
+    for got in (slots.add(x, y0.clone()), slots.add_native(x, y0.clone())):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+
+
 @pytest.mark.parametrize("config", ["mixed", "one_slot", "tight_cache"])
 def test_mixed_batches_match_peft(setup, config):
     path, prompts, which, want = setup

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagellm.kernels import lora_sgmv
 from pagellm.layers.linear import Linear
 from pagellm.lora.adapter import LoRAAdapter
 
@@ -24,10 +25,11 @@ class LoRAContext:
     slot, and a prompt chunk is one run), so every update is two GEMMs on a slice: no gathers,
     no scatter, no arithmetic on other adapters' rows."""
 
-    __slots__ = ("segments",)
+    __slots__ = ("segments", "segment_tensor")
 
     def __init__(self) -> None:
         self.segments: list[tuple[int, int, int]] = []  # (start, end, slot)
+        self.segment_tensor = torch.empty(0, 3, dtype=torch.int64)  # the same, for the kernel
 
     @property
     def active(self) -> bool:
@@ -47,6 +49,10 @@ class LoRASlots:
         width = len(part_outs) * max_rank
         self.At = torch.zeros(num_slots, in_features, width, device=device)
         self.Bt = torch.zeros(num_slots, width, sum(part_outs), device=device)
+        # The kernel's view of the parts: (rank column, rank, output offset, output width).
+        self.parts = torch.tensor([[i * max_rank, max_rank, off, n] for i, (off, n) in
+                                   enumerate(zip(self.part_offsets, part_outs, strict=True))], dtype=torch.int64)
+        self.use_kernel = lora_sgmv.supports(self.At, self.Bt)
 
     def load(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Put an adapter's parts for this projection in ``slot`` (parts it lacks stay zero)."""
@@ -58,6 +64,13 @@ class LoRASlots:
             self.Bt[slot, col:col + r, row:row + self.part_outs[p]] = b.T
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel and x.dtype == y.dtype == torch.float32 and x.stride(1) == 1 and y.stride(1) == 1:
+            lora_sgmv.add(x, y, self.ctx.segment_tensor, self.At, self.Bt, self.parts)
+            return y
+        return self.add_native(x, y)
+
+    def add_native(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The torch version (and the kernel's oracle): one ``mm`` + ``addmm_`` per run."""
         for start, end, slot in self.ctx.segments:
             y[start:end].addmm_(torch.mm(x[start:end], self.At[slot]), self.Bt[slot])
         return y
@@ -112,3 +125,5 @@ class ModelLoRA:
             else:
                 segments.append((i, i + 1, slot))
         self.ctx.segments = segments
+        if segments:  # base-model-only steps pay no tensor
+            self.ctx.segment_tensor = torch.tensor(segments, dtype=torch.int64)
