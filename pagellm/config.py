@@ -347,6 +347,72 @@ class LoRAConfig:
         return self.max_cpu_loras or self.max_loras
 
 
+KV_CONNECTORS = ("DiskConnector",)
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferConfig:
+    """vLLM's ``kv_transfer_config``: ``kv_connector`` moves K/V between this engine's pool and
+    elsewhere (docs/kv_transfer.md). ``DiskConnector``: a persistent prefix cache, with
+    ``kv_connector_extra_config={"path": DIR, "max_size_gib": N}`` (default 10). ``kv_role``:
+    ``kv_producer`` only saves, ``kv_consumer`` only loads, ``kv_both`` does both.
+    ``kv_load_failure_policy``: a load that fails is recomputed (``recompute``) or ends the
+    request with an error (``fail``)."""
+
+    kv_connector: str = "DiskConnector"
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    kv_load_failure_policy: str = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"kv_transfer_config kv_connector must be one of {KV_CONNECTORS}, got "
+                             f"{self.kv_connector!r} (TcpConnector, the prefill/decode split, is not built yet)")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_transfer_config kv_load_failure_policy must be one of {KV_LOAD_FAILURE_POLICIES}, "
+                             f"got {self.kv_load_failure_policy!r}")
+        extra = self.kv_connector_extra_config
+        if not isinstance(extra, dict):
+            raise ValueError("kv_transfer_config kv_connector_extra_config must be a dict")
+        reject_unknown("kv_connector_extra_config field(s)", extra, {"path", "max_size_gib"})
+        if not isinstance(extra.get("path"), str) or not extra["path"]:
+            raise ValueError('kv_transfer_config: DiskConnector needs kv_connector_extra_config {"path": DIR}')
+        size = extra.get("max_size_gib", 10)
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or size < 0:
+            raise ValueError(f"kv_connector_extra_config max_size_gib must be a number >= 0, got {size!r}")
+
+    @property
+    def path(self) -> str:
+        return os.path.abspath(os.path.expanduser(self.kv_connector_extra_config["path"]))
+
+    def store_dir(self, fingerprint: str) -> str:
+        """The directory of one engine fingerprint's blocks (foreign blocks never share it)."""
+        return os.path.join(self.path, fingerprint[:32])
+
+    @property
+    def max_bytes(self) -> int:
+        return int(float(self.kv_connector_extra_config.get("max_size_gib", 10)) * 2**30)
+
+    @property
+    def saves(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def loads(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_any(cls, value: dict | str | KVTransferConfig | None) -> KVTransferConfig | None:
+        if value is None or isinstance(value, cls):
+            return value
+        return cls(**_config_dict(value, "kv_transfer_config", '{"kv_connector": "DiskConnector", '
+                                  '"kv_connector_extra_config": {"path": "/var/cache/pagellm-kv"}}', cls))
+
+
 @dataclass(frozen=True, slots=True)
 class ObservabilityConfig:
     """The step trace (``trace``: a ring buffer of ``trace_max_events``; ``trace_out``: also
@@ -383,6 +449,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    kv_transfer: KVTransferConfig | None = None
 
 
 _HELP = {
@@ -411,6 +478,9 @@ _HELP = {
     "max_loras": "most distinct adapters in one step (device slots)",
     "max_lora_rank": "largest adapter rank accepted",
     "max_cpu_loras": "adapters whose tensors the worker keeps in memory (default: max_loras)",
+    "kv_transfer_config": "JSON, e.g. '{\"kv_connector\": \"DiskConnector\", \"kv_connector_extra_config\": "
+                          "{\"path\": \"/var/cache/pagellm-kv\", \"max_size_gib\": 20}}': a prefix cache on disk that "
+                          "survives restarts (docs/kv_transfer.md); default: off",
     "tensor_parallel_size": "ranks that split each layer's heads and features (torch.distributed: gloo on CPU, "
                             "nccl on CUDA)",
     "data_parallel_size": "independent engine replicas behind one front end, requests sent to the least loaded",
@@ -469,6 +539,7 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    kv_transfer_config: dict | str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -503,7 +574,22 @@ class EngineArgs:
             observability=ObservabilityConfig(self.trace, self.trace_out, self.trace_max_events,
                                               self.log_step_details),
             lora=self._lora(),
+            kv_transfer=self._kv_transfer(),
         )
+
+    def _kv_transfer(self) -> KVTransferConfig | None:
+        kvt = KVTransferConfig.from_any(self.kv_transfer_config)
+        if kvt is None:
+            return None
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_transfer_config needs enable_prefix_caching (blocks are found by their prefix hash)")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"kv_transfer_config runs with tensor_parallel_size=1 only (got "
+                             f"{self.tensor_parallel_size})")
+        spec = SpeculativeConfig.from_any(self.speculative_config)
+        if spec is not None and spec.method == "draft_model":
+            raise ValueError("kv_transfer_config does not combine with a draft model yet (its K/V are not saved)")
+        return kvt
 
     def _lora(self) -> LoRAConfig:
         lora = LoRAConfig(self.enable_lora, self.max_loras, self.max_lora_rank, self.max_cpu_loras)

@@ -59,6 +59,16 @@ class SchedulerStats:
                                  "num_requests_structured")
     lora_active: int = _stat(GAUGE, "LoRA adapters used by live requests", "lora_active_adapters")
     lora_registered: int = _stat(GAUGE, "LoRA adapters registered (checked, servable)", "lora_registered_adapters")
+    num_loading_kv: int = _stat(GAUGE, "Requests waiting for a KV connector to load their prefix",
+                                "num_requests_waiting_for_remote_kvs")
+    kv_blocks_loaded: int = _stat(COUNTER, "KV blocks loaded by the KV connector", "kv_transfer_blocks_loaded")
+    kv_blocks_saved: int = _stat(COUNTER, "KV blocks saved by the KV connector", "kv_transfer_blocks_saved")
+    kv_bytes_loaded: int = _stat(COUNTER, "Bytes of K/V loaded by the KV connector", "kv_transfer_bytes_loaded")
+    kv_bytes_saved: int = _stat(COUNTER, "Bytes of K/V saved by the KV connector", "kv_transfer_bytes_saved")
+    kv_load_seconds: float = _stat(COUNTER, "Seconds the workers spent loading K/V", "kv_transfer_load_seconds",
+                                   "sum", 0.0)
+    kv_load_failures: int = _stat(COUNTER, "KV blocks a connector was asked for that did not arrive intact "
+                                  "(recomputed, or the request failed)", "kv_transfer_load_failures")
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -146,6 +146,8 @@ class SequenceGroup:
     lora_id: int = 0
     lora_fingerprint: str | None = None
     lora_skips: int = 0
+    # KV transfer: a connector load was tried for this request (at most once).
+    kv_load_tried: bool = False
 
     @property
     def hash_key(self) -> str | None:

@@ -99,6 +99,11 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, seq.token_ids_range(i * bs, (i + 1) * bs),
                                             extra_key if i == 0 else None))
 
+    def block_hashes(self, seq: Sequence, extra_key: str | None = None) -> list[bytes]:
+        """``seq``'s chained block hashes, one per full block of its known tokens."""
+        self._update_block_hashes(seq, extra_key)
+        return seq.block_hashes
+
     def get_computed_blocks(self, seq: Sequence, extra_key: str | None = None) -> list[KVCacheBlock]:
         """The longest run of cached blocks that prefixes ``seq`` (not yet touched).
 

@@ -16,6 +16,12 @@ Each step, in this order:
    it is cached (SGLang's in-batch prefix caching): requests that arrive together with a common
    prefix compute it once instead of once each in the same step.
 
+KV transfer (``core/kv_connector.py``): at its first admission a request whose prefix a connector
+holds past the local hits gets blocks for it and waits in ``loading`` (vLLM's
+``WAITING_FOR_REMOTE_KVS``) for one step, using none of the token budget; the step's worker fills
+the blocks, and ``update_kv_transfer`` caches what arrived intact, frees the blocks and puts the
+request back at the head of ``waiting``, where step 4 finds them as ordinary prefix hits.
+
 Steps 3 and 4 are skipped in a step whose step 2 preempted anyone: that step had no room, and an
 admission must never push out older work at once.
 
@@ -41,12 +47,20 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 from pagellm.config import SchedulerConfig
 from pagellm.core.beam_search import advance_beams
 from pagellm.core.kv_cache_manager import AllocStatus, KVCacheManager, SlotRequest
+from pagellm.core.kv_connector import KVConnectorScheduler
 from pagellm.core.request_queue import FCFSRequestQueue, PriorityRequestQueue
-from pagellm.core.scheduler_output import CacheOps, ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from pagellm.core.scheduler_output import (
+    CacheOps,
+    KVConnectorOutput,
+    ModelRunnerOutput,
+    ScheduledSequence,
+    SchedulerOutput,
+)
 from pagellm.metrics import PrefixCacheStats, SchedulerStats
 from pagellm.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagellm.utils import InvariantError
@@ -111,8 +125,15 @@ class Scheduler:
     """Decides, each step, which sequences compute how many tokens; owns all block bookkeeping."""
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
-                 num_lookahead_tokens: int = 0, max_loras: int = 0) -> None:
+                 num_lookahead_tokens: int = 0, max_loras: int = 0, connector: KVConnectorScheduler | None = None,
+                 kv_load_failure_policy: str = "recompute") -> None:
         self.config = config
+        # KV transfer: the connector, the requests whose blocks its worker side fills this step,
+        # and what a load that fails means (recompute the rest, or end the request with an error).
+        self.connector = connector
+        self.loading: dict[str, SequenceGroup] = {}
+        self.kv_load_failure_policy = kv_load_failure_policy
+        self._load_failed: list[SequenceGroup] = []
         # Multi-LoRA: at most this many distinct adapters among a step's sequences (0: no LoRA).
         self.max_loras = max_loras
         # A draft model writes its drafts' K/V past a sampling sequence's scheduled tokens: it
@@ -174,6 +195,11 @@ class Scheduler:
         self.requests[group.request_id] = group
         self.waiting.add(group)
 
+    def take_load_failed(self) -> list[SequenceGroup]:
+        """Requests ended (aborted) because their K/V load failed under the ``fail`` policy."""
+        out, self._load_failed = self._load_failed, []
+        return out
+
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
@@ -191,7 +217,15 @@ class Scheduler:
             kv_cache_usage=kv.usage(), cpu_cache_usage=kv.cpu_pool.usage(),
             num_preemptions=self.num_preemptions, num_swap_outs=self.num_swap_outs, num_swap_ins=self.num_swap_ins,
             num_swap_fallbacks=self.num_swap_fallbacks, prefix_cache_queries=self.prefix_cache_stats.queries,
-            prefix_cache_hits=self.prefix_cache_stats.hits)
+            prefix_cache_hits=self.prefix_cache_stats.hits, **self._kv_transfer_stats())
+
+    def _kv_transfer_stats(self) -> dict[str, Any]:
+        if self.connector is None:
+            return {}
+        c = self.connector.stats
+        return dict(num_loading_kv=len(self.loading), kv_blocks_loaded=c.blocks_loaded, kv_blocks_saved=c.blocks_saved,
+                    kv_bytes_loaded=c.bytes_loaded, kv_bytes_saved=c.bytes_saved, kv_load_seconds=c.load_seconds,
+                    kv_load_failures=c.load_failures)
 
     def take_ignored(self) -> list[SequenceGroup]:
         """Requests finished as ``FINISHED_IGNORED`` by the last ``schedule()`` (they never fit)."""
@@ -221,6 +255,8 @@ class Scheduler:
             self.swapped.remove(group)
         elif group in self.waiting:
             self.waiting.remove(group)
+        else:
+            self.loading.pop(group.request_id, None)  # (its load, in flight, ends before any reuse)
         for seq in group.seqs:
             self.kv_cache_manager.free(seq)  # a no-op for sequences that finished earlier
             if seq.seq_id not in self._finished_seq_ids:
@@ -484,7 +520,11 @@ class Scheduler:
             n_hit = len(first.computed_blocks)
             if n_hit < len(first.seq.block_hashes) and first.seq.block_hashes[n_hit] in pending:
                 step.waiting_stop = LeftOut.PREFIX_BEING_COMPUTED
-                break  # its next block is being computed by a running prefill: a hit in a step or two
+                break  # its next block is being computed (or loaded): a hit in a step or two
+            n_load = self._start_load(group, plan) if self.connector is not None else 0
+            if n_load:
+                pending.update(first.seq.block_hashes[n_hit:n_hit + n_load])  # its sharers wait for them
+                continue
             if not self._admissible(plan):
                 step.waiting_stop = self._why_not_admissible(plan)
                 break
@@ -496,6 +536,66 @@ class Scheduler:
         for group in reversed(skipped):  # back in their places
             self.waiting.prepend(group)
         step.lora_skipped = [g.request_id for g in skipped]
+
+    def _start_load(self, group: SequenceGroup, plan: list[SlotRequest]) -> int:
+        """Blocks for the K/V the connector holds past ``group``'s local hits, and the group parked
+        in ``loading`` until the step's worker has filled them. Only at a request's first
+        admission, once, and for one sequence (forks and beams come later). Returns the number of
+        blocks being loaded (0: none, the group is admitted as usual or not)."""
+        if group.kv_load_tried or group.metrics.first_scheduled_time is not None or len(plan) != 1:
+            return 0
+        assert self.connector is not None
+        kv, first = self.kv_cache_manager, plan[0]
+        n = self.connector.get_num_new_matched_tokens(first.seq, first.num_computed_tokens)
+        if n <= 0:
+            return 0
+        load = SlotRequest(first.seq, first.num_computed_tokens, n, first.computed_blocks)
+        if kv.num_new_blocks([load]) + (kv.watermark_blocks if self.running else 0) > kv.num_free_blocks:
+            return 0  # no room to load into: admitted as usual (or not) instead
+        group.kv_load_tried = True
+        seq = first.seq
+        seq.num_computed_tokens = first.num_computed_tokens
+        if kv.allocate_slots(seq, n, first.computed_blocks) is None:
+            raise RuntimeError(f"allocate_slots failed loading request {group.request_id!r} after num_new_blocks "
+                               "said the pool had room")
+        i0, count = first.num_computed_tokens // kv.block_size, n // kv.block_size
+        self.connector.update_state_after_alloc(group.request_id, kv.get_block_ids(seq.seq_id)[i0:i0 + count],
+                                                seq.block_hashes[i0:i0 + count])
+        self.waiting.pop()
+        self._dequeue_time(group)
+        self.loading[group.request_id] = group
+        return count
+
+    def update_kv_transfer(self, output: KVConnectorOutput | None) -> None:
+        """After a step: each loading request's blocks that arrived intact become prefix-cache
+        blocks, all its blocks go back to the pool, and it returns to the head of ``waiting``
+        (or, under the ``fail`` policy with blocks missing, ends). Every load issued by a step is
+        answered by that step, so nobody stays in ``loading`` longer."""
+        if self.connector is None:
+            return
+        if output is not None:
+            self.connector.update_connector_output(output)
+        kv, bs, stats = self.kv_cache_manager, self.kv_cache_manager.block_size, self.connector.stats
+        for rid, group in reversed(list(self.loading.items())):  # prepended in reverse: original order
+            seq = group.seqs[0]
+            asked = len(kv.get_block_ids(seq.seq_id)) - seq.num_computed_tokens // bs
+            got = min(output.loaded.get(rid, 0), asked) if output is not None else 0
+            seq.num_computed_tokens += got * bs
+            kv.cache_full_blocks(seq, group.hash_key)
+            kv.free(seq)
+            seq.num_computed_tokens = 0
+            stats.blocks_loaded += got
+            stats.load_failures += asked - got
+            stats.requests_loaded += got > 0
+            if got < asked and self.kv_load_failure_policy == "fail":
+                for s in group.seqs:
+                    s.status = SequenceStatus.FINISHED_ABORTED
+                self._release(group)
+                self._load_failed.append(group)
+                continue
+            self.waiting.prepend(group)
+            self._enqueue_time(group)
+        self.loading.clear()
 
     def _admissible(self, plan: list[SlotRequest]) -> bool:
         """Whether ``plan`` fits now; trims it to the sequences that fit when nobody is running."""
@@ -549,8 +649,28 @@ class Scheduler:
             finished_seq_ids=self._finished_seq_ids,
             preempted_request_ids=[g.request_id for g in step.forced + step.preempted],
         )
+        if self.connector is not None:
+            self._offer_saves(step)
+            out.kv_connector_metadata = self.connector.build_connector_meta()
         self._finished_seq_ids = []
         return out
+
+    def _offer_saves(self, step: _Step) -> None:
+        """Offer the connector every block this step fills up (drafts excluded: they may be
+        rejected), with its chained hash; the worker copies the ones it keeps after the pass."""
+        assert self.connector is not None
+        kv = self.kv_cache_manager
+        bs = kv.block_size
+        for group, plan in step.scheduled:
+            for r in plan:
+                end = min(r.num_computed_tokens + r.num_new_tokens, r.seq.num_tokens) // bs
+                start = r.num_computed_tokens // bs
+                if end <= start:
+                    continue
+                hashes = kv.block_hashes(r.seq, group.hash_key)
+                table = kv.block_tables[r.seq.seq_id]
+                for i in range(start, min(end, len(hashes))):
+                    self.connector.request_save(table[i].block_id, hashes[i])
 
     def _allocate_lookahead(self, step: _Step) -> None:
         """Best effort, after every admission: slots past the scheduled tokens of each sampling
@@ -703,7 +823,7 @@ class Scheduler:
         """Queues disjoint and consistent with statuses; device blocks owned exactly by running
         sequences, CPU blocks exactly by swapped ones; both pools whole when idle."""
         queues = {"running": [g.request_id for g in self.running], "waiting": [g.request_id for g in self.waiting],
-                  "swapped": [g.request_id for g in self.swapped]}
+                  "swapped": [g.request_id for g in self.swapped], "loading": list(self.loading)}
         for name, ids in queues.items():
             if len(set(ids)) != len(ids):
                 raise InvariantError(f"a request is twice in {name}")
@@ -752,6 +872,10 @@ class Scheduler:
                     raise InvariantError(f"waiting {s.status!r}")
                 if s.num_computed_tokens != 0:
                     raise InvariantError("a waiting sequence claims computed tokens")
+        for g in self.loading.values():
+            if len(g.seqs) != 1 or g.seqs[0].status != SequenceStatus.WAITING or g.queued_since is not None:
+                raise InvariantError(f"loading request {g.request_id!r} in an impossible state")
+            live.add(g.seqs[0].seq_id)
         kv.check_invariants(live_seq_ids=live, swapped_seq_ids=swapped)
         if not self.requests:
             if kv.num_free_blocks != kv.num_blocks:

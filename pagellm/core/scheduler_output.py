@@ -63,6 +63,32 @@ class CacheOps:
 
 
 @dataclass(slots=True)
+class KVConnectorMetadata:
+    """A step's K/V transfers (``core/kv_connector.py``), as block ids and the connector's names
+    for the blocks: ``loads`` fill a waiting request's blocks before the forward pass, ``saves``
+    copy blocks this step computes after it, ``deletes`` drop saved blocks."""
+
+    loads: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+    saves: list[tuple[int, str]] = field(default_factory=list)
+    deletes: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class KVConnectorOutput:
+    """The worker's report on a step's transfers: ``loaded[request_id]`` is how many of the
+    request's blocks arrived intact (always a prefix of its list); names the worker found bad
+    (missing, truncated, corrupt, foreign) or could not write; byte and time counters."""
+
+    loaded: dict[str, int] = field(default_factory=dict)
+    bad_files: list[str] = field(default_factory=list)
+    failed_saves: list[str] = field(default_factory=list)
+    blocks_saved: int = 0
+    bytes_saved: int = 0
+    bytes_loaded: int = 0
+    load_seconds: float = 0.0
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     """Everything the worker needs for one step; ``finished_seq_ids`` lets it drop per-sequence state."""
 
@@ -80,6 +106,8 @@ class SchedulerOutput:
     draft_k: dict[int, int] = field(default_factory=dict)
     # Multi-LoRA: adapters to copy into device slots before the step (``slot -> LoRAAdapter``).
     lora_loads: dict[int, Any] = field(default_factory=dict)
+    # KV transfer: this step's loads, saves and deletes (``None``: no connector, or nothing to do).
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     def is_empty(self) -> bool:
         return not self.scheduled
@@ -114,3 +142,4 @@ class ModelRunnerOutput:
     # Seconds the runner spent preparing inputs, in the forward pass (the draft model's included)
     # and sampling (the step trace's phases).
     timings: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    kv_connector_output: KVConnectorOutput | None = None

@@ -16,6 +16,7 @@ from typing import Any, cast
 from pagellm.config import EngineArgs, EngineConfig, resolve_model_source
 from pagellm.core.beam_search import BeamSearchState
 from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv_connector import DiskConnectorScheduler
 from pagellm.core.scheduler import Scheduler
 from pagellm.core.scheduler_output import SampledToken, SchedulerOutput
 from pagellm.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -75,10 +76,18 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching,
                                                self.num_cpu_blocks, config.scheduler.watermark)
-        lora = config.lora
+        lora, kvt = config.lora, config.kv_transfer
+        connector = None
+        if kvt is not None:  # (the only connector today: DiskConnector)
+            connector = DiskConnectorScheduler(kvt.store_dir(self.model_info.kv_fingerprint), self.block_size,
+                                               self.model_info.block_bytes, kvt.max_bytes, kvt.saves, kvt.loads)
+            logger.info("KV transfer: DiskConnector at %s (%s, %d blocks / %.1f MiB on disk, cap %.1f GiB)",
+                        connector.root, kvt.kv_role, len(connector.index.files), connector.index.total_bytes / 2**20,
+                        kvt.max_bytes / 2**30)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
                                    config.speculative.num_lookahead_tokens if config.speculative else 0,
-                                   lora.max_loras if lora.enable_lora else 0)
+                                   lora.max_loras if lora.enable_lora else 0, connector,
+                                   kvt.kv_load_failure_policy if kvt is not None else "recompute")
         self.lora: LoRAManager | None = None
         if lora.enable_lora:
             assert self.model_info.lora_module_shapes is not None
@@ -341,9 +350,10 @@ class LLMEngine:
             self.lora.assign_slots(sched_out, {s.request_id: groups[s.request_id].lora_id for s in sched_out.scheduled})
         if self.scheduler.num_lookahead_tokens and self._spec is not None:
             self._spec.plan_model_drafts(sched_out, self.scheduler.requests, self.iteration_stats, self._no_drafts)
-        # An empty step still goes to the workers when they must drop finished sequences' state
-        # or do swap-outs.
-        if sched_out.is_empty() and not sched_out.finished_seq_ids and sched_out.cache_ops.is_empty():
+        # An empty step still goes to the workers when they must drop finished sequences' state,
+        # do swap-outs or move K/V for a connector.
+        if sched_out.is_empty() and not sched_out.finished_seq_ids and sched_out.cache_ops.is_empty() \
+                and sched_out.kv_connector_metadata is None:
             return StartedStep(sched_out, outputs, None)
         t1 = time.perf_counter()
         try:
@@ -361,6 +371,9 @@ class LLMEngine:
         except WorkerError as e:
             raise self._die(e) from e
         t_model = time.perf_counter()
+        if self.scheduler.connector is not None:
+            self.scheduler.update_kv_transfer(runner_out.kv_connector_output if runner_out is not None else None)
+            outputs += [self._finish_load_failed(g) for g in self.scheduler.take_load_failed()]
         if sched_out.is_empty():
             return outputs
         prompt_tokens = sum(max(0, min(s.num_computed_tokens + s.num_scheduled_tokens, len(s.prompt_token_ids))
@@ -491,6 +504,15 @@ class LLMEngine:
                        "finished without completing", group.request_id, self.num_blocks, self.block_size)
         group.metrics.finished_time = time.monotonic()
         out = self._make_output(group)
+        self._forget(group)
+        return out
+
+    def _finish_load_failed(self, group: SequenceGroup) -> RequestOutput:
+        error = "its cached prefix could not be loaded by the KV connector (kv_load_failure_policy 'fail')"
+        logger.warning("request %s: %s", group.request_id, error)
+        group.metrics.finished_time = time.monotonic()
+        out = self._make_output(group)
+        out.error = error
         self._forget(group)
         return out
 

@@ -17,3 +17,6 @@ class UniProcExecutor(Executor):
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         return [getattr(self.worker, method)(*args)]
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

@@ -33,6 +33,7 @@ class WorkerWrapper:
     def shutdown(self) -> None:
         import torch.distributed as dist
 
+        self.worker.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
 

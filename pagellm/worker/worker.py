@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +14,7 @@ import torch
 
 from pagellm.attention import select_attention_backend
 from pagellm.config import EngineConfig, default_num_threads, resolve_model_source
-from pagellm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagellm.core.scheduler_output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed import init_tensor_parallel
 from pagellm.kernels import gemm
 from pagellm.kernels.machine import Numerics, choose_numerics, cpu_info
@@ -24,6 +27,7 @@ from pagellm.models import get_model_class
 from pagellm.weights import freq_factors, iter_weights, load_model_config
 from pagellm.worker.cache_engine import CacheEngine, KVCacheSpec
 from pagellm.worker.draft_runner import DraftRunner
+from pagellm.worker.kv_connector import DiskConnectorWorker
 from pagellm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -46,6 +50,8 @@ class ModelInfo:
     num_layers: int = 0
     # Each projection an adapter may target, its parts as (in_features, out_features).
     lora_module_shapes: dict[str, list[tuple[int, int]]] | None = None
+    # What the K/V of a block depend on besides its tokens (sha256 hex): KV transfer keys on it.
+    kv_fingerprint: str = ""
 
 
 class Worker:
@@ -113,6 +119,7 @@ class Worker:
         logger.info("compiled CPU ops: %s", "on" if kernels_on else "off (PyTorch reference ops)")
         self.model = model
         self.spec = self._kv_spec(model, hf_config, self.numerics)
+        self.kv_fp = self._kv_fingerprint(source.path, arch)
         self.draft_model: torch.nn.Module | None = None
         self.draft_spec: KVCacheSpec | None = None
         spec_cfg = self.config.speculative
@@ -135,7 +142,22 @@ class Worker:
             block_bytes=self.block_bytes,
             num_layers=hf_config.num_hidden_layers,
             lora_module_shapes=module_shapes(model),
+            kv_fingerprint=self.kv_fp.hex(),
         )
+
+    def _kv_fingerprint(self, path: str, arch: str) -> bytes:
+        """The identity of this worker's K/V values and layout: model weights (their files'
+        paths, sizes and modification times), GEMM numerics, K/V dtype and block shape, tensor
+        parallelism. Two engines agreeing on it compute the same K/V for the same tokens."""
+        files = [path] if os.path.isfile(path) else sorted(
+            os.path.join(path, f) for f in os.listdir(path) if f.endswith((".safetensors", ".bin", ".gguf")))
+        stats = [(os.path.realpath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+        spec = self.spec
+        ident = {"format": 1, "arch": arch, "weights": stats, "numerics": self.numerics.name,
+                 "kv_dtype": str(spec.dtype), "block": [spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                                        spec.block_size],
+                 "tp": [self.tp.rank, self.tp.world_size], "device": self.device.type}
+        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).digest()
 
     def _fill_lora_slot(self, slot: int, spec: AdapterSpec) -> None:
         """Copy an adapter into a device slot; its tensors are read once and the last
@@ -226,6 +248,10 @@ class Worker:
         self.model_runner = ModelRunner(self.model, self.spec.block_size, self.device, self.attn_backend,
                                         self.tp.is_driver)
         self.model_runner.lora = self.model_lora
+        self.kv_connector: DiskConnectorWorker | None = None
+        kvt = self.config.kv_transfer
+        if kvt is not None:
+            self.kv_connector = DiskConnectorWorker(kvt.store_dir(self.kv_fp.hex()), self.kv_fp, self.cache_engine)
         self.draft_cache: CacheEngine | None = None
         if self.draft_model is not None and self.draft_spec is not None:
             self.draft_cache = CacheEngine(self.draft_spec, num_blocks, self.device, num_cpu_blocks)
@@ -245,4 +271,24 @@ class Worker:
                 cache.swap_out(ops.swap_out)
                 cache.swap_in(ops.swap_in)
                 cache.copy(ops.copy)
-        return self.model_runner.execute_model(scheduler_output, self.cache_engine.kv_caches)
+        meta, connector = scheduler_output.kv_connector_metadata, self.kv_connector
+        transfer = KVConnectorOutput() if meta is not None and connector is not None else None
+        if transfer is not None:
+            connector.start_load_kv(meta, transfer)  # (blocks of waiting requests: no step reads them)
+        out = self.model_runner.execute_model(scheduler_output, self.cache_engine.kv_caches)
+        if transfer is not None:
+            connector.save_kv(meta, transfer)
+            if out is not None:
+                out.kv_connector_output = transfer
+        return out
+
+    def kv_wait_for_save(self) -> None:
+        """Until every K/V block the connector queued is on disk."""
+        if getattr(self, "kv_connector", None) is not None:
+            self.kv_connector.wait_for_save()
+
+    def shutdown(self) -> None:
+        """Finish what must outlive the worker (queued K/V saves)."""
+        if getattr(self, "kv_connector", None) is not None:
+            self.kv_connector.shutdown()
+            self.kv_connector = None

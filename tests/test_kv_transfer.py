@@ -1,0 +1,206 @@
+"""KV transfer with the disk connector: a prefix cache that survives the engine. Greedy tokens
+after a restart equal a run without it (loaded blocks are used: counted, and prompts shorter
+than their prefix's saved blocks are not recomputed); damaged, foreign and missing files are
+ignored and recomputed, or end the request with an error under the ``fail`` policy; a size cap
+of 0 saves nothing; invariants hold after every step and every block is free at the end."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import random
+import shutil
+
+import pytest
+
+from pagellm import LLMEngine, SamplingParams
+from pagellm.config import EngineArgs, KVTransferConfig
+
+from conftest import build_tiny_checkpoint, run_to_completion
+
+NEW = 8
+BS = 16
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    """Requests sharing long prefixes (some longer than a step's budget below), and strangers."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 49152) for _ in range(300)]
+    out = [shared + [rng.randrange(3, 49152) for _ in range(rng.randint(1, 40))] for _ in range(4)]
+    out += [[rng.randrange(3, 49152) for _ in range(rng.randint(20, 90))] for _ in range(3)]
+    out.append(shared[:200])  # a prefix of the others' prefix, ending mid-block
+    return out
+
+
+def engine(model: str, store: str | None, policy: str = "recompute", max_size_gib: float = 1.0, **kw) -> LLMEngine:
+    kvt = None if store is None else {"kv_connector": "DiskConnector", "kv_load_failure_policy": policy,
+                                      "kv_connector_extra_config": {"path": store, "max_size_gib": max_size_gib}}
+    args = dict(model=model, dtype="float32", block_size=BS, max_num_batched_tokens=128,
+                long_prefill_token_threshold=64, kv_transfer_config=kvt)
+    args.update(kw)
+    return LLMEngine.from_engine_args(EngineArgs(**args))
+
+
+def greedy(eng: LLMEngine, ps: list[list[int]]) -> dict[str, list[int] | str | None]:
+    for i, p in enumerate(ps):
+        eng.add_request(f"r{i}", {"prompt_token_ids": p}, SamplingParams(temperature=0.0, max_tokens=NEW,
+                                                                         ignore_eos=True))
+    done = run_to_completion(eng)
+    return {rid: (out.error if out.error else out.outputs[0].token_ids) for rid, out in done.items()}
+
+
+def close(eng: LLMEngine) -> None:
+    eng.executor.collective_rpc("kv_wait_for_save")
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model(ckpt_root) -> str:
+    return build_tiny_checkpoint(ckpt_root, "llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> dict:
+    eng = engine(model, None)
+    try:
+        return greedy(eng, prompts())
+    finally:
+        eng.shutdown()
+
+
+def block_files(store: str) -> list[str]:
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(store) for f in fs if f.endswith(".kvblock"))
+
+
+VARIANTS = {
+    "default": {},
+    # A pool of 40 blocks for 8 requests of up to 340 tokens: preemption (recompute and swap) and
+    # loads competing for blocks.
+    "tight_cache": {"num_gpu_blocks_override": 40, "preemption_mode": "recompute"},
+    "tight_cache_swap": {"num_gpu_blocks_override": 40, "preemption_mode": "swap"},
+    "worker_process": {"distributed_executor_backend": "mp"},
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_restart_loads_the_saved_prefix_and_greedy_tokens_are_unchanged(model, reference, tmp_path, variant):
+    store = str(tmp_path / "kv")
+    first = engine(model, store, **VARIANTS[variant])
+    assert greedy(first, prompts()) == reference
+    assert first.scheduler.make_stats().kv_blocks_saved > 0
+    close(first)
+    files = block_files(store)
+    assert files, "nothing saved"
+    second = engine(model, store, **VARIANTS[variant])  # a new engine: its device cache is empty
+    assert greedy(second, prompts()) == reference
+    stats = second.scheduler.make_stats()
+    assert stats.kv_blocks_loaded >= 300 // BS, "the shared prefix was recomputed, not loaded"
+    assert stats.kv_load_failures == 0
+    # Every loaded token counts as a prefix hit: the shared 18 blocks, for the first request at least.
+    assert stats.prefix_cache_hits >= (300 // BS) * BS
+    close(second)
+
+
+def chain_files(store: str, tokens: list[int]) -> list[str]:
+    """The block files of ``tokens``' full blocks, in prefix order (the block hash chain)."""
+    from pagellm.core.block_pool import hash_block_tokens
+    from pagellm.core.kv_connector import block_file_name
+
+    (fingerprint_dir,) = os.listdir(store)
+    out, parent = [], None
+    for i in range(len(tokens) // BS):
+        parent = hash_block_tokens(parent, tokens[i * BS:(i + 1) * BS])
+        out.append(os.path.join(store, fingerprint_dir, block_file_name(parent)))
+    return out
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped_byte", "foreign", "deleted_after_start"])
+def test_damaged_and_foreign_files_are_ignored_and_recomputed(model, reference, tmp_path, damage):
+    store = str(tmp_path / "kv")
+    ps = prompts()
+    first = engine(model, store)
+    greedy(first, ps[:1])
+    close(first)
+    files = chain_files(store, ps[0])
+    assert all(os.path.exists(f) for f in files)
+    bad = files[3]
+    if damage == "truncated":
+        with open(bad, "r+b") as f:
+            f.truncate(os.path.getsize(bad) // 2)
+    elif damage == "flipped_byte":  # one payload byte: only the checksum can tell
+        with open(bad, "r+b") as f:
+            f.seek(-5, os.SEEK_END)
+            b = f.read(1)
+            f.seek(-5, os.SEEK_END)
+            f.write(bytes([b[0] ^ 0x01]))
+    elif damage == "foreign":  # another block's (valid) file under this block's name
+        shutil.copyfile(files[5], bad)
+    damaged = pathlib.Path(bad).read_bytes() if damage != "deleted_after_start" else None
+    second = engine(model, store)
+    if damage == "deleted_after_start":  # listed when the engine started, gone when loaded
+        os.unlink(bad)
+    assert greedy(second, ps) == reference
+    close(second)
+    stats = second.scheduler.make_stats()
+    # One request loads the shared prefix (its sharers wait for it, then hit it in the device cache):
+    # its 3 blocks before the bad one arrive, the other 15 are recomputed.
+    assert stats.kv_blocks_loaded == 3 and stats.kv_load_failures == len(files) - 3, stats
+    # The damaged file was removed; the recomputed block was saved again, whole.
+    assert os.path.exists(bad) and (damaged is None or pathlib.Path(bad).read_bytes() != damaged)
+
+
+def test_fail_policy_ends_the_request_with_an_error_and_frees_its_blocks(model, tmp_path):
+    store = str(tmp_path / "kv")
+    ps = prompts()[:1]
+    first = engine(model, store)
+    want = greedy(first, ps)
+    close(first)
+    with open(chain_files(store, ps[0])[3], "r+b") as f:
+        f.truncate(10)
+    second = engine(model, store, policy="fail")
+    got = greedy(second, ps)  # (run_to_completion checks every block is free)
+    assert isinstance(got["r0"], str) and "KV connector" in got["r0"]
+    close(second)
+    third = engine(model, store, policy="fail")  # the bad file is gone now: a clean partial hit
+    assert greedy(third, ps) == want
+    close(third)
+
+
+def test_size_cap_zero_saves_nothing_and_a_small_cap_evicts_least_recently_used(model, reference, tmp_path):
+    store = str(tmp_path / "kv")
+    eng = engine(model, store, max_size_gib=0)
+    assert greedy(eng, prompts()) == reference
+    close(eng)
+    assert block_files(store) == []
+    block_bytes = eng.model_info.block_bytes
+    cap_blocks = 5
+    eng = engine(model, store, max_size_gib=(cap_blocks * (block_bytes + 100)) / 2**30)
+    assert greedy(eng, prompts()) == reference
+    close(eng)
+    assert 0 < len(block_files(store)) <= cap_blocks
+
+
+def test_another_engine_fingerprint_never_sees_the_blocks(model, reference, tmp_path, ckpt_root):
+    store = str(tmp_path / "kv")
+    eng = engine(model, store)
+    greedy(eng, prompts())
+    close(eng)
+    other = engine(model, store, kv_cache_dtype="float16")  # other K/V values: another directory
+    greedy(other, prompts())
+    assert other.scheduler.make_stats().kv_blocks_loaded == 0
+    close(other)
+    assert len(os.listdir(store)) == 2
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="path"):
+        KVTransferConfig(kv_connector_extra_config={})
+    with pytest.raises(ValueError, match="kv_connector"):
+        KVTransferConfig(kv_connector="Nope", kv_connector_extra_config={"path": "/tmp/x"})
+    with pytest.raises(ValueError, match="kv_role"):
+        KVTransferConfig(kv_role="both", kv_connector_extra_config={"path": "/tmp/x"})
+    with pytest.raises(ValueError, match="max_size_gib"):
+        KVTransferConfig(kv_connector_extra_config={"path": "/tmp/x", "max_size_gib": -1})
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        EngineArgs(enable_prefix_caching=False,
+                   kv_transfer_config='{"kv_connector_extra_config": {"path": "/tmp/x"}}').create_engine_config()
