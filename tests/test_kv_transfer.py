@@ -204,3 +204,125 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         EngineArgs(enable_prefix_caching=False,
                    kv_transfer_config='{"kv_connector_extra_config": {"path": "/tmp/x"}}').create_engine_config()
+
+
+# ---- TcpConnector: disaggregated prefill/decode between two engines (loopback) -----------------
+
+def tcp_engine(model: str, role: str, timeout_s: float = 30, **kw) -> LLMEngine:
+    extra: dict = {"timeout_s": timeout_s}
+    if role != "kv_producer":
+        extra["port"] = 0  # any free port (engine.kv_receiver.port)
+    args = dict(model=model, dtype="float32", block_size=BS, max_num_batched_tokens=128,
+                long_prefill_token_threshold=64,
+                kv_transfer_config={"kv_connector": "TcpConnector", "kv_role": role,
+                                    "kv_connector_extra_config": extra})
+    args.update(kw)
+    return LLMEngine.from_engine_args(EngineArgs(**args))
+
+
+def split(prefill: LLMEngine | None, decode: LLMEngine, ps: list[list[int]], port: int,
+          tag: str = "t") -> tuple[dict, dict]:
+    """Each prompt on both sides as the proxy sends it: the decode request first (it waits for its
+    transfer), the prefill request (one token, its blocks pushed to ``port``). Steps both engines
+    in turns, checking invariants; returns both sides' greedy tokens."""
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    for i, p in enumerate(ps):
+        decode.add_request(f"d{i}", {"prompt_token_ids": p,
+                                     "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": f"{tag}{i}"}}, sp)
+        if prefill is not None:
+            prefill.add_request(f"d{i}", {"prompt_token_ids": p, "kv_transfer_params": {
+                "do_remote_decode": True, "transfer_id": f"{tag}{i}", "remote_host": "127.0.0.1", "remote_port": port}},
+                SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    outs: tuple[dict, dict] = ({}, {})
+    for _ in range(20_000):
+        busy = False
+        for side, eng in enumerate((prefill, decode)):
+            if eng is None or not eng.has_unfinished_requests():
+                continue
+            busy = True
+            for out in eng.step():
+                if out.finished:
+                    outs[side][out.request_id] = out.error or out.outputs[0].token_ids
+            eng.scheduler.check_invariants()
+        if not busy:
+            break
+    for eng in (prefill, decode):
+        if eng is not None:
+            assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_blocks
+    return outs
+
+
+def test_prefill_decode_split_equals_one_engine(model, reference, tmp_path):
+    decode = tcp_engine(model, "kv_consumer")
+    prefill = tcp_engine(model, "kv_producer")
+    try:
+        first, got = split(prefill, decode, prompts(), decode.kv_receiver.port)
+        assert {k.replace("d", "r"): v for k, v in got.items()} == reference
+        assert {k.replace("d", "r"): v for k, v in first.items()} == {k: v[:1] for k, v in reference.items()}
+        stats = decode.scheduler.make_stats()
+        # Every prompt's full blocks came over (the shared prefix's once per request that loaded it).
+        assert stats.kv_blocks_loaded >= 300 // BS and stats.kv_load_failures == 0
+        assert prefill.scheduler.make_stats().kv_blocks_saved > 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_prefill_side_that_never_sends_costs_a_timeout_then_recompute(model, reference):
+    decode = tcp_engine(model, "kv_consumer", timeout_s=0.3)
+    try:
+        _, got = split(None, decode, prompts(), decode.kv_receiver.port)
+        assert {k.replace("d", "r"): v for k, v in got.items()} == reference
+        assert decode.scheduler.connector.num_timeouts == len(prompts())
+    finally:
+        decode.shutdown()
+
+
+def test_a_decode_side_that_is_gone_leaves_the_prefill_side_clean(model, reference):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    prefill = tcp_engine(model, "kv_producer", timeout_s=0.5)
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        for i, p in enumerate(prompts()):
+            prefill.add_request(f"p{i}", {"prompt_token_ids": p, "kv_transfer_params": {
+                "do_remote_decode": True, "transfer_id": f"x{i}", "remote_host": "127.0.0.1", "remote_port": port}}, sp)
+        done = run_to_completion(prefill)  # (every block free at the end)
+        assert {k.replace("p", "r"): v.outputs[0].token_ids for k, v in done.items()} == \
+            {k: v[:1] for k, v in reference.items()}
+    finally:
+        prefill.shutdown()  # returns: unsent blocks are dropped after the timeout
+
+
+def test_blocks_from_another_numerics_are_refused_and_recomputed(model, reference):
+    decode = tcp_engine(model, "kv_consumer")
+    prefill = tcp_engine(model, "kv_producer", kv_cache_dtype="float16")  # other K/V: another fingerprint
+    try:
+        _, got = split(prefill, decode, prompts(), decode.kv_receiver.port)
+        assert {k.replace("d", "r"): v for k, v in got.items()} == reference
+        stats = decode.scheduler.make_stats()
+        assert stats.kv_blocks_loaded == 0 and stats.kv_load_failures > 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_kv_transfer_params_errors_name_the_field(model):
+    eng = engine(model, None)
+    try:
+        with pytest.raises(ValueError, match="TcpConnector"):
+            eng.add_request("a", {"prompt_token_ids": [5, 6], "kv_transfer_params": {"do_remote_prefill": True}})
+    finally:
+        eng.shutdown()
+    decode = tcp_engine(model, "kv_consumer")
+    try:
+        with pytest.raises(ValueError, match="transfer_id"):
+            decode.add_request("a", {"prompt_token_ids": [5, 6], "kv_transfer_params": {"do_remote_prefill": True}})
+        with pytest.raises(ValueError, match="unknown"):
+            decode.add_request("b", {"prompt_token_ids": [5, 6], "kv_transfer_params": {"bogus": 1}})
+        assert not decode.has_unfinished_requests()
+    finally:
+        decode.shutdown()

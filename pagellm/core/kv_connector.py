@@ -22,12 +22,34 @@ Pure Python (layer 2): no torch, no files read here beyond a directory listing.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagellm.core.scheduler_output import KVConnectorMetadata, KVConnectorOutput
-from pagellm.sequence import Sequence
+from pagellm.sequence import Sequence, SequenceGroup
+
+# What a request may carry in ``kv_transfer_params`` (vLLM's field; the proxy fills it).
+KV_TRANSFER_PARAMS = {"do_remote_decode", "do_remote_prefill", "transfer_id", "remote_host", "remote_port"}
+
+
+def check_kv_transfer_params(params: Any) -> dict[str, Any]:
+    """``params`` validated (a ``ValueError`` naming the bad field)."""
+    if not isinstance(params, dict):
+        raise ValueError(f"kv_transfer_params must be an object, got {type(params).__name__}")
+    unknown = set(params) - KV_TRANSFER_PARAMS
+    if unknown:
+        raise ValueError(f"kv_transfer_params: unknown field(s) {sorted(unknown)}; known: {sorted(KV_TRANSFER_PARAMS)}")
+    if (params.get("do_remote_decode") or params.get("do_remote_prefill")) and \
+            not isinstance(params.get("transfer_id"), str):
+        raise ValueError("kv_transfer_params.transfer_id must be a string")
+    if params.get("do_remote_decode") and (not isinstance(params.get("remote_host"), str)
+                                           or not isinstance(params.get("remote_port"), int)):
+        raise ValueError("kv_transfer_params with do_remote_decode needs remote_host (str) and remote_port (int)")
+    return params
 
 FILE_SUFFIX = ".kvblock"
 
@@ -62,6 +84,14 @@ class KVConnectorScheduler(ABC):
 
     def request_save(self, block_id: int, block_hash: bytes) -> None:  # noqa: B027 (optional hook)
         """A full block this step computes (with its chained hash); save it if wanted."""
+
+    def prompt_done(self, group: SequenceGroup, block_ids: list[int], block_hashes: list[bytes]) -> None:  # noqa: B027
+        """``group``'s prompt is computed by the end of this step; these are its full blocks."""
+
+    def waiting_for_remote(self, group: SequenceGroup) -> bool:
+        """``True`` while ``group`` must wait for K/V another engine is sending (it keeps its place
+        in the queue and holds no blocks); ``False`` once they are here or will not come."""
+        return False
 
     @abstractmethod
     def build_connector_meta(self) -> KVConnectorMetadata | None:
@@ -183,3 +213,135 @@ class DiskConnectorScheduler(KVConnectorScheduler):
             self.index.drop(bytes.fromhex(os.path.basename(name)[: -len(FILE_SUFFIX)]))
         for name in output.failed_saves:
             self.index.drop(bytes.fromhex(os.path.basename(name)[: -len(FILE_SUFFIX)]))
+
+
+class ReceivedBlocks:
+    """Blocks other engines pushed to this one (``engine/kv_receiver.py`` puts them, from its
+    thread), kept by block hash in LRU order under a byte cap, and which transfers are complete."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._blocks: OrderedDict[bytes, bytes] = OrderedDict()
+        self._bytes = 0
+        self._done: OrderedDict[str, int] = OrderedDict()  # transfer id -> blocks announced
+
+    def put(self, block_hash: bytes, data: bytes) -> None:
+        with self._lock:
+            old = self._blocks.pop(block_hash, None)
+            self._bytes += len(data) - (len(old) if old is not None else 0)
+            self._blocks[block_hash] = data
+            while self._bytes > self.max_bytes and self._blocks:
+                _, victim = self._blocks.popitem(last=False)
+                self._bytes -= len(victim)
+
+    def finish(self, transfer_id: str, num_blocks: int) -> None:
+        with self._lock:
+            self._done[transfer_id] = num_blocks
+            while len(self._done) > 100_000:
+                self._done.popitem(last=False)
+
+    def is_done(self, transfer_id: str) -> bool:
+        with self._lock:
+            return transfer_id in self._done
+
+    def get(self, block_hash: bytes) -> bytes | None:
+        with self._lock:
+            data = self._blocks.get(block_hash)
+            if data is not None:
+                self._blocks.move_to_end(block_hash)
+            return data
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        with self._lock:
+            return block_hash in self._blocks
+
+    def drop(self, block_hash: bytes) -> None:
+        with self._lock:
+            data = self._blocks.pop(block_hash, None)
+            if data is not None:
+                self._bytes -= len(data)
+
+
+class TcpConnectorScheduler(KVConnectorScheduler):
+    """Disaggregated prefill/decode over TCP (docs/kv_transfer.md).
+
+    Producer (a prefill engine): a request with ``kv_transfer_params.do_remote_decode`` has every
+    full block of its prompt pushed, when its prompt is computed, to the decode engine at
+    ``remote_host:remote_port`` (the worker copies them out after that step and sends them from a
+    thread), then a "done" for its ``transfer_id``. Its blocks are free as soon as the request
+    ends: nothing waits on the decode side.
+
+    Consumer (a decode engine): blocks pushed to it land in ``received``; a request with
+    ``do_remote_prefill`` waits in the queue (holding no blocks, keeping its place) until its
+    transfer is done or ``timeout_s`` has passed, then loads whatever matches its prefix, like the
+    disk connector, and computes the rest.
+    """
+
+    def __init__(self, block_size: int, received: ReceivedBlocks | None, timeout_s: float,
+                 clock: Any = time.monotonic) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.received = received
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.num_timeouts = 0
+        self._loads: dict[str, list[tuple[int, str]]] = {}
+        self._payloads: dict[str, bytes] = {}
+        self._sends: list[tuple[str, str, list[tuple[int, str]]]] = []
+
+    def waiting_for_remote(self, group: SequenceGroup) -> bool:
+        params = group.kv_transfer_params
+        if not params or not params.get("do_remote_prefill") or self.received is None or group.kv_load_tried:
+            return False
+        if self.received.is_done(params["transfer_id"]):
+            return False
+        if self.clock() - group.arrival_time > self.timeout_s:
+            self.num_timeouts += 1
+            group.kv_load_tried = True  # computes its prompt itself from now on
+            return False
+        return True
+
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
+        if self.received is None:
+            return 0
+        bs = self.block_size
+        n = 0
+        for h in seq.block_hashes[num_computed_tokens // bs:(seq.num_tokens - 1) // bs]:
+            if h not in self.received:
+                break
+            n += 1
+        return n * bs
+
+    def update_state_after_alloc(self, request_id: str, block_ids: list[int], block_hashes: list[bytes]) -> None:
+        assert self.received is not None
+        items = []
+        for b, h in zip(block_ids, block_hashes, strict=True):
+            data = self.received.get(h)
+            if data is None:  # evicted since the match: the rest is recomputed
+                break
+            name = h.hex()
+            self._payloads[name] = data
+            items.append((b, name))
+        self._loads[request_id] = items
+
+    def prompt_done(self, group: SequenceGroup, block_ids: list[int], block_hashes: list[bytes]) -> None:
+        params = group.kv_transfer_params
+        if not params or not params.get("do_remote_decode"):
+            return
+        dest = f"tcp://{params['remote_host']}:{params['remote_port']}"
+        self._sends.append((dest, params["transfer_id"],
+                            [(b, h.hex()) for b, h in zip(block_ids, block_hashes, strict=True)]))
+
+    def build_connector_meta(self) -> KVConnectorMetadata | None:
+        if not (self._loads or self._sends):
+            return None
+        meta = KVConnectorMetadata(loads=self._loads, payloads=self._payloads, sends=self._sends)
+        self._loads, self._payloads, self._sends = {}, {}, []
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        super().update_connector_output(output)
+        if self.received is not None:
+            for name in output.bad_files:  # foreign (another model or numerics) or damaged in flight
+                self.received.drop(bytes.fromhex(name))

@@ -134,6 +134,7 @@ class Scheduler:
         self.loading: dict[str, SequenceGroup] = {}
         self.kv_load_failure_policy = kv_load_failure_policy
         self._load_failed: list[SequenceGroup] = []
+        self.num_waiting_for_remote = 0  # in the last schedule(): requests waiting for pushed K/V
         # Multi-LoRA: at most this many distinct adapters among a step's sequences (0: no LoRA).
         self.max_loras = max_loras
         # A draft model writes its drafts' K/V past a sampling sequence's scheduled tokens: it
@@ -492,14 +493,22 @@ class Scheduler:
         pending = self._pending_block_hashes(self.running) if kv.enable_caching and self.waiting else set()
         adapters = self._running_adapters()
         skipped: list[SequenceGroup] = []
+        lora_skipped: list[str] = []
+        self.num_waiting_for_remote = 0
         while self.waiting and step.token_budget > 0:
             group = self.waiting.peek()
+            if self.connector is not None and self.connector.waiting_for_remote(group):
+                # WAITING_FOR_REMOTE_KVS: another engine is sending its prefix; it keeps its place.
+                self.num_waiting_for_remote += 1
+                skipped.append(self.waiting.pop())
+                continue
             if self._adapter_over_limit(group, adapters):
                 if group.lora_skips < LORA_MAX_SKIPS:
                     # Its adapter would be one too many: the next requests may go first this
                     # step; it keeps its place, and after LORA_MAX_SKIPS steps nobody passes it.
                     group.lora_skips += 1
                     skipped.append(self.waiting.pop())
+                    lora_skipped.append(group.request_id)
                     continue
                 step.waiting_stop = LeftOut.MAX_LORAS
                 break
@@ -535,7 +544,7 @@ class Scheduler:
                 adapters.add(group.lora_id)
         for group in reversed(skipped):  # back in their places
             self.waiting.prepend(group)
-        step.lora_skipped = [g.request_id for g in skipped]
+        step.lora_skipped = lora_skipped
 
     def _start_load(self, group: SequenceGroup, plan: list[SlotRequest]) -> int:
         """Blocks for the K/V the connector holds past ``group``'s local hits, and the group parked
@@ -665,12 +674,18 @@ class Scheduler:
             for r in plan:
                 end = min(r.num_computed_tokens + r.num_new_tokens, r.seq.num_tokens) // bs
                 start = r.num_computed_tokens // bs
-                if end <= start:
+                n_prompt = len(r.seq.prompt_token_ids)
+                done = bool(group.kv_transfer_params) and \
+                    r.num_computed_tokens < n_prompt <= r.num_computed_tokens + r.num_new_tokens
+                if end <= start and not done:
                     continue
                 hashes = kv.block_hashes(r.seq, group.hash_key)
                 table = kv.block_tables[r.seq.seq_id]
                 for i in range(start, min(end, len(hashes))):
                     self.connector.request_save(table[i].block_id, hashes[i])
+                if done:  # the prompt is computed after this step: all its full blocks
+                    n = n_prompt // bs
+                    self.connector.prompt_done(group, [b.block_id for b in table[:n]], hashes[:n])
 
     def _allocate_lookahead(self, step: _Step) -> None:
         """Best effort, after every admission: slots past the scheduled tokens of each sampling

@@ -71,6 +71,10 @@ class KVConnectorMetadata:
     loads: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
     saves: list[tuple[int, str]] = field(default_factory=list)
     deletes: list[str] = field(default_factory=list)
+    # A load's block bytes when the engine holds them (blocks another engine pushed): name -> bytes.
+    payloads: dict[str, bytes] = field(default_factory=dict)
+    # Blocks to push to another engine after the pass: (address, transfer id, [(block id, name)]).
+    sends: list[tuple[str, str, list[tuple[int, str]]]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

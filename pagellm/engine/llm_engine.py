@@ -16,10 +16,17 @@ from typing import Any, cast
 from pagellm.config import EngineArgs, EngineConfig, resolve_model_source
 from pagellm.core.beam_search import BeamSearchState
 from pagellm.core.kv_cache_manager import KVCacheManager
-from pagellm.core.kv_connector import DiskConnectorScheduler
+from pagellm.core.kv_connector import (
+    DiskConnectorScheduler,
+    KVConnectorScheduler,
+    ReceivedBlocks,
+    TcpConnectorScheduler,
+    check_kv_transfer_params,
+)
 from pagellm.core.scheduler import Scheduler
 from pagellm.core.scheduler_output import SampledToken, SchedulerOutput
 from pagellm.detokenizer import IncrementalDetokenizer, find_stop_string
+from pagellm.engine.kv_receiver import KVReceiver
 from pagellm.engine.lora_manager import LoRAManager
 from pagellm.engine.step_trace import KVState, StepTimes, StepTracer, step_log_line, summarize_step
 from pagellm.executor import PendingOutput, WorkerError, create_executor
@@ -77,13 +84,23 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching,
                                                self.num_cpu_blocks, config.scheduler.watermark)
         lora, kvt = config.lora, config.kv_transfer
-        connector = None
-        if kvt is not None:  # (the only connector today: DiskConnector)
-            connector = DiskConnectorScheduler(kvt.store_dir(self.model_info.kv_fingerprint), self.block_size,
-                                               self.model_info.block_bytes, kvt.max_bytes, kvt.saves, kvt.loads)
+        connector: KVConnectorScheduler | None = None
+        self.kv_receiver: KVReceiver | None = None
+        if kvt is not None and kvt.kv_connector == "DiskConnector":
+            disk = DiskConnectorScheduler(kvt.store_dir(self.model_info.kv_fingerprint), self.block_size,
+                                          self.model_info.block_bytes, kvt.max_bytes, kvt.saves, kvt.loads)
             logger.info("KV transfer: DiskConnector at %s (%s, %d blocks / %.1f MiB on disk, cap %.1f GiB)",
-                        connector.root, kvt.kv_role, len(connector.index.files), connector.index.total_bytes / 2**20,
+                        disk.root, kvt.kv_role, len(disk.index.files), disk.index.total_bytes / 2**20,
                         kvt.max_bytes / 2**30)
+            connector = disk
+        elif kvt is not None:
+            received = ReceivedBlocks(kvt.max_bytes) if kvt.loads else None
+            if received is not None:
+                extra = kvt.kv_connector_extra_config
+                self.kv_receiver = KVReceiver(received, extra.get("host", "127.0.0.1"), extra["port"])
+            connector = TcpConnectorScheduler(self.block_size, received, kvt.timeout_s)
+            logger.info("KV transfer: TcpConnector (%s)%s", kvt.kv_role,
+                        f", receiving at {self.kv_receiver.address}" if self.kv_receiver else "")
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
                                    config.speculative.num_lookahead_tokens if config.speculative else 0,
                                    lora.max_loras if lora.enable_lora else 0, connector,
@@ -192,6 +209,13 @@ class LLMEngine:
         text, ids = self.tokenize_prompt(prompt)
         if cache_salt is None and isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt")  # vLLM passes it inside the prompt dict
+        kv_params = prompt.get("kv_transfer_params") if isinstance(prompt, dict) else None
+        if kv_params is not None:
+            kvt = self.config.kv_transfer
+            if kvt is None or kvt.kv_connector != "TcpConnector":
+                raise ValueError("kv_transfer_params needs an engine with kv_transfer_config "
+                                 '{"kv_connector": "TcpConnector", ...}')
+            check_kv_transfer_params(kv_params)
         if not ids:
             raise ValueError("prompt is empty: at least one token is needed")
         check_token_ids(ids, self.model_info.vocab_size)
@@ -211,6 +235,7 @@ class LLMEngine:
         params = params.clone(eos_token_id=self.tokenizer.eos_token_id)
         seq = Sequence(self.scheduler.new_seq_id(), ids)
         group = SequenceGroup(request_id, [seq], params, arrival_time or time.monotonic(), text, priority, cache_salt)
+        group.kv_transfer_params = kv_params
         if adapter is not None and lora_request is not None:
             group.lora_id, group.lora_fingerprint = lora_request.lora_int_id, adapter.fingerprint
         if beam is not None:
@@ -315,6 +340,9 @@ class LLMEngine:
             except OSError as e:  # a full disk must not keep the workers alive
                 logger.warning("could not write the step trace: %s", e)
         self.executor.shutdown()
+        if self.kv_receiver is not None:
+            self.kv_receiver.shutdown()
+            self.kv_receiver = None
 
     def _die(self, error: BaseException) -> EngineDeadError:
         """Fail every in-flight request (blocks freed), stop the workers, refuse further work."""
@@ -354,6 +382,8 @@ class LLMEngine:
         # do swap-outs or move K/V for a connector.
         if sched_out.is_empty() and not sched_out.finished_seq_ids and sched_out.cache_ops.is_empty() \
                 and sched_out.kv_connector_metadata is None:
+            if self.scheduler.num_waiting_for_remote and not outputs:
+                time.sleep(0.002)  # only requests waiting for K/V from another engine: do not spin
             return StartedStep(sched_out, outputs, None)
         t1 = time.perf_counter()
         try:

@@ -27,7 +27,7 @@ from pagellm.models import get_model_class
 from pagellm.weights import freq_factors, iter_weights, load_model_config
 from pagellm.worker.cache_engine import CacheEngine, KVCacheSpec
 from pagellm.worker.draft_runner import DraftRunner
-from pagellm.worker.kv_connector import DiskConnectorWorker
+from pagellm.worker.kv_connector import DiskConnectorWorker, KVConnectorWorker, TcpConnectorWorker
 from pagellm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -248,10 +248,12 @@ class Worker:
         self.model_runner = ModelRunner(self.model, self.spec.block_size, self.device, self.attn_backend,
                                         self.tp.is_driver)
         self.model_runner.lora = self.model_lora
-        self.kv_connector: DiskConnectorWorker | None = None
+        self.kv_connector: KVConnectorWorker | None = None
         kvt = self.config.kv_transfer
-        if kvt is not None:
+        if kvt is not None and kvt.kv_connector == "DiskConnector":
             self.kv_connector = DiskConnectorWorker(kvt.store_dir(self.kv_fp.hex()), self.kv_fp, self.cache_engine)
+        elif kvt is not None:
+            self.kv_connector = TcpConnectorWorker(self.kv_fp, self.cache_engine, kvt.timeout_s)
         self.draft_cache: CacheEngine | None = None
         if self.draft_model is not None and self.draft_spec is not None:
             self.draft_cache = CacheEngine(self.draft_spec, num_blocks, self.device, num_cpu_blocks)
