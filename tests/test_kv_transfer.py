@@ -326,3 +326,79 @@ def test_kv_transfer_params_errors_name_the_field(model):
         assert not decode.has_unfinished_requests()
     finally:
         decode.shutdown()
+
+
+def test_proxy_serves_the_split_to_the_openai_client(model):
+    """``pagellm proxy`` over a prefill server and a decode server (HTTP on loopback, real
+    engines on threads): the ``openai`` client's greedy completions, streamed and not, equal one
+    engine's; the decode side loaded the prompts' blocks."""
+    import socket
+    import threading
+    import time
+
+    import openai
+    import uvicorn
+
+    from pagellm.engine.async_llm import AsyncLLM
+    from pagellm.entrypoints.disagg_proxy import build_proxy_app
+    from pagellm.entrypoints.openai_server import build_app
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    def serve(app) -> tuple[uvicorn.Server, str]:
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        threading.Thread(target=server.run, daemon=True).start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.05)
+        return server, f"http://127.0.0.1:{port}"
+
+    kv_port = free_port()
+    common = dict(model=model, dtype="float32", block_size=BS, max_num_batched_tokens=128,
+                  long_prefill_token_threshold=64)
+    decode = AsyncLLM.from_engine_args(EngineArgs(**common, kv_transfer_config={
+        "kv_connector": "TcpConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": {"port": kv_port}}))
+    prefill = AsyncLLM.from_engine_args(EngineArgs(**common, kv_transfer_config={
+        "kv_connector": "TcpConnector", "kv_role": "kv_producer"}))
+    servers = []
+    try:
+        (s1, decode_url), (s2, prefill_url) = serve(build_app(decode, "tiny", None)), serve(build_app(prefill, "tiny",
+                                                                                                       None))
+        servers += [s1, s2]
+        s3, proxy_url = serve(build_proxy_app(prefill_url, decode_url, "127.0.0.1", kv_port))
+        servers.append(s3)
+        client = openai.OpenAI(base_url=proxy_url + "/v1", api_key="none", max_retries=0, timeout=60)
+        ps = prompts()[:3]
+        offline = engine(model, None)
+        want = []
+        for i, p in enumerate(ps):
+            offline.add_request(f"o{i}", {"prompt_token_ids": p}, SamplingParams(temperature=0.0, max_tokens=NEW,
+                                                                                 ignore_eos=True))
+        done = run_to_completion(offline)
+        want = [done[f"o{i}"].outputs[0].text for i in range(len(ps))]
+        offline.shutdown()
+        extra = {"ignore_eos": True}
+        got = [client.completions.create(model="tiny", prompt=p, max_tokens=NEW, temperature=0, extra_body=extra)
+               .choices[0].text for p in ps[:2]]
+        stream = client.completions.create(model="tiny", prompt=ps[2], max_tokens=NEW, temperature=0, stream=True,
+                                           extra_body=extra)
+        got.append("".join(c.choices[0].text for c in stream if c.choices))
+        assert got == want
+        assert decode.get_stats_now()["kv_blocks_loaded"] >= 300 // BS
+        assert httpx_get(proxy_url + "/health") == 200
+    finally:
+        for s in servers:
+            s.should_exit = True
+        decode.shutdown()
+        prefill.shutdown()
+
+
+def httpx_get(url: str) -> int:
+    import httpx
+
+    return httpx.get(url, timeout=10).status_code

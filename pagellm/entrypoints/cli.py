@@ -144,6 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_args(bench_sub.add_parser(
         "serve", help="load an OpenAI-compatible server with streaming requests; TTFT / TPOT / ITL / E2E, tok/s",
         description=bench_serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    proxy = sub.add_parser("proxy", help="one OpenAI-compatible endpoint over a prefill and a decode server "
+                                         "(disaggregated prefill/decode with TcpConnector; docs/kv_transfer.md)")
+    proxy.add_argument("--prefill", required=True, help="the prefill server's base URL, e.g. http://10.0.0.1:8100")
+    proxy.add_argument("--decode", required=True, help="the decode server's base URL, e.g. http://10.0.0.2:8200")
+    proxy.add_argument("--decode-kv", required=True, metavar="HOST:PORT",
+                       help="the decode engine's KV receiver (its kv_connector_extra_config host and port), as the "
+                            "prefill engine reaches it")
+    proxy.add_argument("--host", default="127.0.0.1")
+    proxy.add_argument("--port", type=int, default=8000)
     trace = sub.add_parser("trace", help="render a step trace (--trace-out) as one self-contained HTML page")
     trace.add_argument("trace_file", help="Chrome Trace JSON written by --trace-out or fetched from /debug/trace")
     trace.add_argument("-o", "--output", default=None, help="HTML file (default: TRACE_FILE with .html)")
@@ -263,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
 
             trace_html.main(args.trace_file, args.output or args.trace_file.removesuffix(".json") + ".html")
             return 0
+        if args.command == "proxy":
+            from pagellm.entrypoints import disagg_proxy
+
+            return disagg_proxy.main(args)
         if args.command == "bench":
             from pagellm.entrypoints import bench_serve
 

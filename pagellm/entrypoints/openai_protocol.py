@@ -84,6 +84,8 @@ class SamplingBody(BaseModel):
     response_format: ResponseFormat | None = None
     # vLLM's extra body field: StructuredOutputsParams' fields (json, regex, choice, grammar, json_object).
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's extra body field for disaggregated prefill/decode (set by ``pagellm proxy``).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingBody):

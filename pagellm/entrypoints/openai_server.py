@@ -541,6 +541,8 @@ class OpenAIServer:
         ids = prompt.get("prompt_token_ids") or self.tokenizer.encode(prompt["prompt"])
         self._check_token_ids(ids, "prompt")
         prompt = {"prompt": prompt.get("prompt"), "prompt_token_ids": ids}
+        if body.kv_transfer_params is not None:  # disaggregated prefill/decode (``pagellm proxy``)
+            prompt["kv_transfer_params"] = body.kv_transfer_params
         max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default for completions
         params = self._params(body, len(ids), max_tokens, body.logprobs, body.best_of)
         if body.stream and params.best_of and params.best_of > params.n:
@@ -594,6 +596,8 @@ class OpenAIServer:
         mode = tool_calls.resolve(body.tools, body.tool_choice, body.parallel_tool_calls)
         prompt = self._chat_prompt(body.messages, body.add_generation_prompt, mode.tools if mode else None)
         ids = prompt["prompt_token_ids"]
+        if body.kv_transfer_params is not None:
+            prompt["kv_transfer_params"] = body.kv_transfer_params
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top = body.top_logprobs or 0
         if top and not body.logprobs:
