@@ -402,3 +402,54 @@ def httpx_get(url: str) -> int:
     import httpx
 
     return httpx.get(url, timeout=10).status_code
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_other_architectures_restart_and_split(ckpt_root, tmp_path, arch):
+    path = build_tiny_checkpoint(ckpt_root, arch)
+    ps = prompts(seed=1)
+    ref_engine = engine(path, None)
+    want = greedy(ref_engine, ps)
+    ref_engine.shutdown()
+    store = str(tmp_path / "kv")
+    for _ in range(2):  # the second engine loads what the first saved
+        eng = engine(path, store)
+        assert greedy(eng, ps) == want
+        loaded = eng.scheduler.make_stats().kv_blocks_loaded
+        close(eng)
+    assert loaded > 0
+    decode, prefill = tcp_engine(path, "kv_consumer"), tcp_engine(path, "kv_producer")
+    try:
+        _, got = split(prefill, decode, ps, decode.kv_receiver.port)
+        assert {k.replace("d", "r"): v for k, v in got.items()} == want
+        assert decode.scheduler.make_stats().kv_blocks_loaded > 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+@pytest.mark.slow
+def test_smollm2_restart_and_split_equal_one_engine(smollm2_path, tmp_path):
+    """The bundled model in its default numerics (chosen per machine), prompts longer than one
+    step's budget: after a restart with the disk cache, and through the prefill/decode split."""
+    ps = prompts(seed=2)
+    common = dict(dtype="auto", max_num_batched_tokens=128)
+    ref_engine = engine(smollm2_path, None, **common)
+    want = greedy(ref_engine, ps)
+    ref_engine.shutdown()
+    store = str(tmp_path / "kv")
+    for _ in range(2):
+        eng = engine(smollm2_path, store, **common)
+        assert greedy(eng, ps) == want
+        loaded = eng.scheduler.make_stats().kv_blocks_loaded
+        close(eng)
+    assert loaded >= 300 // BS
+    decode, prefill = tcp_engine(smollm2_path, "kv_consumer", **common), tcp_engine(smollm2_path, "kv_producer",
+                                                                                     **common)
+    try:
+        _, got = split(prefill, decode, ps, decode.kv_receiver.port)
+        assert {k.replace("d", "r"): v for k, v in got.items()} == want
+        assert decode.scheduler.make_stats().kv_blocks_loaded >= 300 // BS
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
