@@ -602,6 +602,9 @@ class EngineArgs:
         if self.tensor_parallel_size != 1:
             raise ValueError(f"kv_transfer_config runs with tensor_parallel_size=1 only (got "
                              f"{self.tensor_parallel_size})")
+        if kvt.kv_connector == "TcpConnector" and kvt.loads and self.data_parallel_size != 1:
+            raise ValueError("a TcpConnector consumer listens on one port: data_parallel_size must be 1 (run one "
+                             "decode server per replica instead)")
         spec = SpeculativeConfig.from_any(self.speculative_config)
         if spec is not None and spec.method == "draft_model":
             raise ValueError("kv_transfer_config does not combine with a draft model yet (its K/V are not saved)")

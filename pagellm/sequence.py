@@ -148,6 +148,7 @@ class SequenceGroup:
     lora_skips: int = 0
     # KV transfer: a connector load was tried for this request (at most once).
     kv_load_tried: bool = False
+    kv_transfer_timed_out: bool = False
     # vLLM's ``kv_transfer_params`` (disaggregated prefill/decode; ``core/kv_connector.py``).
     kv_transfer_params: dict[str, Any] | None = None
 

@@ -453,3 +453,39 @@ def test_smollm2_restart_and_split_equal_one_engine(smollm2_path, tmp_path):
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_prefill_side_dying_mid_transfer(model, reference, policy):
+    """The prefill engine's sender gets 5 blocks of each prompt out, then no more and never the
+    "done": the decode side waits its timeout, then uses the blocks that came and recomputes the
+    rest (or, under ``fail``, ends each request with an error); every block free on both sides."""
+    kvt = {"kv_connector": "TcpConnector", "kv_role": "kv_consumer", "kv_load_failure_policy": policy,
+           "kv_connector_extra_config": {"port": 0, "timeout_s": 1.0}}
+    decode = LLMEngine.from_engine_args(EngineArgs(model=model, dtype="float32", block_size=BS,
+                                                   max_num_batched_tokens=128, long_prefill_token_threshold=64,
+                                                   kv_transfer_config=kvt))
+    prefill = tcp_engine(model, "kv_producer")
+    sender = prefill.executor.worker.kv_connector
+    real_put = sender._queue.put
+
+    def dying_put(item, *a, **kw):  # what a sender killed part-way would have got out
+        if item is not None:
+            address, msgs = item
+            item = (address, [m for m in msgs if m[0] == b"block"][:5])
+        return real_put(item, *a, **kw)
+
+    sender._queue.put = dying_put
+    try:
+        ps = prompts()[:4]
+        _, got = split(prefill, decode, ps, decode.kv_receiver.port)
+        stats = decode.scheduler.make_stats()
+        assert decode.scheduler.connector.num_timeouts == len(ps)
+        if policy == "recompute":
+            assert {k.replace("d", "r"): v for k, v in got.items()} == {f"r{i}": reference[f"r{i}"] for i in range(4)}
+            assert stats.kv_blocks_loaded >= 5  # what came was used
+        else:
+            assert all(isinstance(v, str) and "KV connector" in v for v in got.values())
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

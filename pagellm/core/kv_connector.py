@@ -292,13 +292,15 @@ class TcpConnectorScheduler(KVConnectorScheduler):
 
     def waiting_for_remote(self, group: SequenceGroup) -> bool:
         params = group.kv_transfer_params
-        if not params or not params.get("do_remote_prefill") or self.received is None or group.kv_load_tried:
+        if not params or not params.get("do_remote_prefill") or self.received is None or group.kv_load_tried \
+                or group.kv_transfer_timed_out:
             return False
         if self.received.is_done(params["transfer_id"]):
             return False
         if self.clock() - group.arrival_time > self.timeout_s:
             self.num_timeouts += 1
-            group.kv_load_tried = True  # computes its prompt itself from now on
+            self.stats.load_failures += 1
+            group.kv_transfer_timed_out = True  # from now on: the blocks that came, and recompute
             return False
         return True
 

@@ -502,6 +502,9 @@ class Scheduler:
                 self.num_waiting_for_remote += 1
                 skipped.append(self.waiting.pop())
                 continue
+            if group.kv_transfer_timed_out and self.kv_load_failure_policy == "fail":
+                self._fail_load(group)
+                continue
             if self._adapter_over_limit(group, adapters):
                 if group.lora_skips < LORA_MAX_SKIPS:
                     # Its adapter would be one too many: the next requests may go first this
@@ -596,15 +599,18 @@ class Scheduler:
             stats.blocks_loaded += got
             stats.load_failures += asked - got
             stats.requests_loaded += got > 0
-            if got < asked and self.kv_load_failure_policy == "fail":
-                for s in group.seqs:
-                    s.status = SequenceStatus.FINISHED_ABORTED
-                self._release(group)
-                self._load_failed.append(group)
-                continue
             self.waiting.prepend(group)
             self._enqueue_time(group)
+            if got < asked and self.kv_load_failure_policy == "fail":
+                self._fail_load(group)
         self.loading.clear()
+
+    def _fail_load(self, group: SequenceGroup) -> None:
+        """End a request whose K/V did not arrive (policy ``fail``); the engine reports it."""
+        for s in group.seqs:
+            s.status = SequenceStatus.FINISHED_ABORTED
+        self._release(group)
+        self._load_failed.append(group)
 
     def _admissible(self, plan: list[SlotRequest]) -> bool:
         """Whether ``plan`` fits now; trims it to the sequences that fit when nobody is running."""
