@@ -109,13 +109,34 @@ class KVConnectorWorker:
         return None
 
     def save_kv(self, meta: KVConnectorMetadata, out: KVConnectorOutput) -> None:
-        """After the pass: copy out what the metadata asks to keep or send."""
+        """After the pass: copy out what the metadata asks to keep or send, and queue it for the
+        connector's thread (``_queue``, ``_thread``: set up by ``_start_thread``)."""
+
+    def _start_thread(self, target: Any, name: str) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._thread = threading.Thread(target=target, name=name, daemon=True)
+        self._thread.start()
+
+    def _serve_queue(self, handle: Any) -> None:
+        """The thread's loop: ``handle`` each queued item until the ``None`` of ``shutdown``."""
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                handle(item)
+            finally:
+                self._queue.task_done()
 
     def wait_for_save(self) -> None:
-        """Block until every queued save or send is done."""
+        """Block until every queued save, send or delete is done (shutdown, tests)."""
+        self._queue.join()
 
     def shutdown(self) -> None:
-        """Finish queued work and stop threads."""
+        """Finish queued work and stop the thread."""
+        self.wait_for_save()
+        self._queue.put(None)
+        self._thread.join(timeout=10)
 
 
 class DiskConnectorWorker(KVConnectorWorker):
@@ -128,9 +149,7 @@ class DiskConnectorWorker(KVConnectorWorker):
         self._pending: dict[str, bytes] = {}  # name -> file bytes not yet on disk
         self._lock = threading.Lock()
         self._failed_saves: list[str] = []
-        self._queue: queue.Queue[tuple[str, bytes | None] | None] = queue.Queue()
-        self._writer = threading.Thread(target=self._write_loop, name="pagellm-kv-writer", daemon=True)
-        self._writer.start()
+        self._start_thread(lambda: self._serve_queue(self._write), "pagellm-kv-writer")
 
     def save_kv(self, meta: KVConnectorMetadata, out: KVConnectorOutput) -> None:
         """Copy the step's saved blocks out of the cache (now: the blocks may be reused by the
@@ -147,15 +166,6 @@ class DiskConnectorWorker(KVConnectorWorker):
         with self._lock:
             out.failed_saves.extend(self._failed_saves)
             self._failed_saves.clear()
-
-    def wait_for_save(self) -> None:
-        """Block until every queued save and delete is done (shutdown, tests)."""
-        self._queue.join()
-
-    def shutdown(self) -> None:
-        self.wait_for_save()
-        self._queue.put(None)
-        self._writer.join(timeout=10)
 
     # ------------------------------------------------------------------ files
     def _payload(self, meta: KVConnectorMetadata, name: str) -> bytes | None:
@@ -180,36 +190,30 @@ class DiskConnectorWorker(KVConnectorWorker):
             os.unlink(path)
         return None
 
-    def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                name, data = item
-                path = os.path.join(self.root, name)
-                if data is None:
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
-                    continue
-                tmp = f"{path}.{os.getpid()}.tmp"
-                try:
-                    os.makedirs(os.path.dirname(path), exist_ok=True)
-                    with open(tmp, "wb") as f:
-                        f.write(data)
-                    os.replace(tmp, path)
-                except OSError as e:  # disk full, read-only: the block is simply not cached
-                    logger.warning("KV block %s not saved: %s", path, e)
-                    with contextlib.suppress(OSError):
-                        os.unlink(tmp)
-                    with self._lock:
-                        self._failed_saves.append(name)
-                finally:
-                    with self._lock:
-                        if self._pending.get(name) is data:
-                            del self._pending[name]
-            finally:
-                self._queue.task_done()
+    def _write(self, item: tuple[str, bytes | None]) -> None:
+        """A block's file written (temporary + rename), or deleted (``None``)."""
+        name, data = item
+        path = os.path.join(self.root, name)
+        if data is None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as e:  # disk full, read-only: the block is simply not cached
+            logger.warning("KV block %s not saved: %s", path, e)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            with self._lock:
+                self._failed_saves.append(name)
+        finally:
+            with self._lock:
+                if self._pending.get(name) is data:
+                    del self._pending[name]
 
 
 class TcpConnectorWorker(KVConnectorWorker):
@@ -221,9 +225,7 @@ class TcpConnectorWorker(KVConnectorWorker):
     def __init__(self, fingerprint: bytes, cache: CacheEngine, timeout_s: float) -> None:
         super().__init__(fingerprint, cache)
         self.timeout_s = timeout_s
-        self._queue: queue.Queue[tuple[str, list[list[bytes]]] | None] = queue.Queue()
-        self._sender = threading.Thread(target=self._send_loop, name="pagellm-kv-sender", daemon=True)
-        self._sender.start()
+        self._start_thread(self._send_loop, "pagellm-kv-sender")
 
     def save_kv(self, meta: KVConnectorMetadata, out: KVConnectorOutput) -> None:
         for address, transfer_id, items in meta.sends:
@@ -235,41 +237,30 @@ class TcpConnectorWorker(KVConnectorWorker):
             out.blocks_saved += len(items)
             out.bytes_saved += len(items) * self.payload_bytes
 
-    def wait_for_save(self) -> None:
-        self._queue.join()
-
-    def shutdown(self) -> None:
-        self.wait_for_save()
-        self._queue.put(None)
-        self._sender.join(timeout=10)
-
     def _send_loop(self) -> None:
         import zmq
 
         ctx = zmq.Context()
         sockets: dict[str, Any] = {}
+
+        def send(item: tuple[str, list[list[bytes]]]) -> None:
+            address, msgs = item
+            sock = sockets.get(address)
+            if sock is None:
+                sock = sockets[address] = ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
+                sock.setsockopt(zmq.SNDHWM, 256)
+                sock.setsockopt(zmq.LINGER, int(self.timeout_s * 1000))
+                sock.connect(address)
+            try:
+                for parts in msgs:
+                    sock.send_multipart(parts, copy=False)
+            except zmq.Again:
+                logger.warning("KV transfer to %s timed out after %.0f s: the decode side recomputes",
+                               address, self.timeout_s)
+
         try:
-            while True:
-                item = self._queue.get()
-                try:
-                    if item is None:
-                        return
-                    address, msgs = item
-                    sock = sockets.get(address)
-                    if sock is None:
-                        sock = sockets[address] = ctx.socket(zmq.PUSH)
-                        sock.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
-                        sock.setsockopt(zmq.SNDHWM, 256)
-                        sock.setsockopt(zmq.LINGER, int(self.timeout_s * 1000))
-                        sock.connect(address)
-                    try:
-                        for parts in msgs:
-                            sock.send_multipart(parts, copy=False)
-                    except zmq.Again:
-                        logger.warning("KV transfer to %s timed out after %.0f s: the decode side recomputes",
-                                       address, self.timeout_s)
-                finally:
-                    self._queue.task_done()
+            self._serve_queue(send)
         finally:
             for sock in sockets.values():
                 sock.close()
