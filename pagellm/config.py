@@ -171,16 +171,18 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
-    """How many workers run the model: ``tensor_parallel_size`` ranks per engine replica,
+    """How many workers run the model: ``tensor_parallel_size`` ranks per pipeline stage,
+    ``pipeline_parallel_size`` stages (contiguous layers each) per engine replica,
     ``data_parallel_size`` replicas, each rank in-process (``uni``), a local process (``mp``) or a
     Ray actor (``ray``)."""
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: Literal["uni", "mp", "ray"] = "uni"
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -188,18 +190,27 @@ class ParallelConfig:
             raise ValueError(f"distributed_executor_backend must be 'uni', 'mp' or 'ray', "
                              f"got {self.distributed_executor_backend!r}")
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} with data_parallel_size="
-                             f"{self.data_parallel_size} needs workers out of process: "
-                             "distributed_executor_backend 'mp' or 'ray'")
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}, pipeline_parallel_size="
+                             f"{self.pipeline_parallel_size} with data_parallel_size={self.data_parallel_size} "
+                             "needs workers out of process: distributed_executor_backend 'mp' or 'ray'")
+
+    @property
+    def workers_per_engine(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.data_parallel_size
+        return self.workers_per_engine * self.data_parallel_size
+
+    @property
+    def driver_rank(self) -> int:
+        """The rank that samples and answers each step: the last stage's first tensor rank."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
 
     @staticmethod
-    def default_backend(tensor_parallel_size: int, data_parallel_size: int) -> str:
+    def default_backend(tensor_parallel_size: int, data_parallel_size: int, pipeline_parallel_size: int = 1) -> str:
         """vLLM's choice when none is given: in-process for one worker, else local processes."""
-        return "uni" if tensor_parallel_size == 1 and data_parallel_size == 1 else "mp"
+        return "uni" if tensor_parallel_size * data_parallel_size * pipeline_parallel_size == 1 else "mp"
 
 
 @dataclass(frozen=True, slots=True)
@@ -499,6 +510,8 @@ _HELP = {
                           "survives restarts (docs/kv_transfer.md); default: off",
     "tensor_parallel_size": "ranks that split each layer's heads and features (torch.distributed: gloo on CPU, "
                             "nccl on CUDA)",
+    "pipeline_parallel_size": "stages that each run a contiguous share of the layers (and hold only their K/V), "
+                              "hidden states passed stage to stage (mp or ray executor)",
     "data_parallel_size": "independent engine replicas behind one front end, requests sent to the least loaded",
     "distributed_executor_backend": "uni (in-process), mp (a process per rank on this machine) or ray (a Ray actor "
                                     "per rank, any node); default: uni for one worker, else mp",
@@ -541,6 +554,7 @@ class EngineArgs:
     watermark: float = 0.01
     priority_aging_steps: int = 256
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     device: str = "auto"
@@ -581,9 +595,7 @@ class EngineArgs:
                               None if self.swap_space is None else float(self.swap_space),
                               self.num_cpu_blocks_override, self.kv_cache_dtype),  # type: ignore[arg-type]
             scheduler=SchedulerConfig(**sched_kwargs),
-            parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size,
-                                    self.distributed_executor_backend or ParallelConfig.default_backend(
-                                        self.tensor_parallel_size, self.data_parallel_size)),  # type: ignore
+            parallel=self._parallel(),
             device=DeviceConfig(self.device, self.num_threads),  # type: ignore[arg-type]
             structured_outputs=StructuredOutputsConfig.from_any(self.structured_outputs_config),
             speculative=self._speculative(),
@@ -592,6 +604,19 @@ class EngineArgs:
             lora=self._lora(),
             kv_transfer=self._kv_transfer(),
         )
+
+    def _parallel(self) -> ParallelConfig:
+        tp, pp, dp = self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size
+        par = ParallelConfig(tp, dp, self.distributed_executor_backend  # type: ignore[arg-type]
+                             or ParallelConfig.default_backend(tp, dp, pp), pp)
+        if pp > 1:
+            unsupported = {"enable_lora": self.enable_lora, "kv_transfer_config": self.kv_transfer_config,
+                           "speculative_config with a draft model": (SpeculativeConfig.from_any(
+                               self.speculative_config) or SpeculativeConfig()).method == "draft_model"}
+            for name, on in unsupported.items():
+                if on:
+                    raise ValueError(f"pipeline_parallel_size={pp} does not combine with {name} yet")
+        return par
 
     def _kv_transfer(self) -> KVTransferConfig | None:
         kvt = KVTransferConfig.from_any(self.kv_transfer_config)

@@ -87,6 +87,48 @@ def test_tp2_under_chunking_and_swap_preemption_matches_tp1(ckpt_root):
     assert_same(got, want)
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3", "llama-tied"])
+def test_pp2_mp_matches_one_worker(ckpt_root, name):
+    """Two pipeline stages (a layer each), hidden states passed between processes."""
+    path = checkpoint(ckpt_root, name)
+    prompts = random_prompts(6, seed=11, hi=90)
+    assert_same(greedy(path, prompts, pipeline_parallel_size=2), greedy(path, prompts))
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_pp2_under_chunking_and_preemption_matches_one_worker(ckpt_root, mode):
+    path = checkpoint(ckpt_root, "qwen2")
+    prompts = random_prompts(8, seed=5, hi=60)
+    tight = dict(max_num_batched_tokens=16, long_prefill_token_threshold=16, num_gpu_blocks_override=24,
+                 block_size=8, preemption_mode=mode, num_cpu_blocks_override=64)
+    assert_same(greedy(path, prompts, pipeline_parallel_size=2, **tight), greedy(path, prompts, **tight))
+
+
+def test_pp2_tp2_matches_one_worker(ckpt_root):
+    """Four ranks: two stages, each split over two tensor-parallel ranks (uneven shards)."""
+    path = checkpoint(ckpt_root, "llama-uneven")
+    prompts = random_prompts(4, seed=2, hi=60)
+    assert_same(greedy(path, prompts, pipeline_parallel_size=2, tensor_parallel_size=2), greedy(path, prompts))
+
+
+def test_pp_errors_name_the_field(ckpt_root):
+    path = checkpoint(ckpt_root, "llama")
+    before = _children()
+    with pytest.raises(WorkerError, match="exceeds the model's 2 layers"):
+        LLM(path, pipeline_parallel_size=3)
+    assert _wait_gone(list(_children() - before)) == []
+    with pytest.raises(ValueError, match="enable_lora"):
+        EngineArgs(pipeline_parallel_size=2, enable_lora=True).create_engine_config()
+    with pytest.raises(ValueError, match="'mp' or 'ray'"):
+        EngineArgs(pipeline_parallel_size=2, distributed_executor_backend="uni").create_engine_config()
+
+
+@pytest.mark.slow
+def test_pp2_matches_one_worker_on_smollm2(smollm2_path):
+    prompts = random_prompts(4, seed=3, hi=120)
+    assert_same(greedy(smollm2_path, prompts, pipeline_parallel_size=2), greedy(smollm2_path, prompts))
+
+
 @pytest.mark.slow
 def test_tp2_mp_matches_tp1_on_smollm2(smollm2_path):
     prompts = random_prompts(4, seed=3, hi=120)
@@ -281,6 +323,32 @@ def test_tp2_ray_matches_tp1(ray_cluster, ckpt_root, name):
     prompts = random_prompts(6, seed=12, hi=90)
     assert_same(greedy(path, prompts, tensor_parallel_size=2, distributed_executor_backend="ray"),
                 greedy(path, prompts))
+
+
+def test_pp2_ray_matches_one_worker(ray_cluster, ckpt_root):
+    path = checkpoint(ckpt_root, "qwen3")
+    prompts = random_prompts(6, seed=13, hi=90)
+    assert_same(greedy(path, prompts, pipeline_parallel_size=2, distributed_executor_backend="ray"),
+                greedy(path, prompts))
+
+
+def test_worker_killed_mid_pipeline_fails_every_request_and_leaves_no_process(ckpt_root):
+    """The last stage's process is killed while steps run: every request ends with an error (the
+    engine dies with a message naming the rank), and no worker process is left."""
+    path = checkpoint(ckpt_root, "llama")
+    engine = LLMEngine.from_engine_args(EngineArgs(model=path, pipeline_parallel_size=2, dtype="float32",
+                                                   kv_cache_memory="64MiB"))
+    pids = engine.executor.worker_pids()
+    for i, p in enumerate(random_prompts(4, seed=1, hi=60)):
+        engine.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(EngineDeadError, match="rank 1"):
+        for _ in range(1000):
+            engine.step()
+    assert not engine.has_unfinished_requests()
+    engine.shutdown()
+    assert _wait_gone(pids) == []
 
 
 @pytest.mark.slow

@@ -49,12 +49,14 @@ def worker_config(config: EngineConfig, workers_per_machine: int) -> EngineConfi
 
 
 class MultiprocExecutor(Executor):
-    """``tensor_parallel_size`` worker processes on this machine, driven over local sockets."""
+    """``tensor_parallel_size x pipeline_parallel_size`` worker processes on this machine, driven over
+    local sockets."""
 
     backend_name = "mp"
 
     def __init__(self, config: EngineConfig, workers_per_machine: int | None = None) -> None:
-        self.world_size = config.parallel.tensor_parallel_size
+        self.world_size = config.parallel.workers_per_engine
+        self.driver_rank = config.parallel.driver_rank
         wconfig = worker_config(config, workers_per_machine or self.world_size)
         authkey = secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
@@ -149,7 +151,7 @@ class MultiprocExecutor(Executor):
 
     def submit_model(self, scheduler_output: SchedulerOutput) -> PendingOutput:
         self._send_all("execute_model_delta", (self._encoder.encode(scheduler_output),))
-        return PendingOutput(wait=lambda: self._wait_all()[0])
+        return PendingOutput(wait=lambda: self._wait_all()[self.driver_rank])
 
     def check_health(self) -> None:
         """Also notices a worker that died while the engine was idle."""

@@ -73,7 +73,8 @@ class RayExecutor(Executor):
         from ray.util import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.world_size = config.parallel.tensor_parallel_size
+        self.world_size = config.parallel.workers_per_engine
+        self.driver_rank = config.parallel.driver_rank
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init()
@@ -149,7 +150,7 @@ class RayExecutor(Executor):
         self.check_health()
         delta = self._ray.put(self._encoder.encode(scheduler_output))  # serialised once for all ranks
         refs = [a.execute_model_delta.remote(delta) for a in self.actors]
-        return PendingOutput(wait=lambda: self._get(refs)[0])
+        return PendingOutput(wait=lambda: self._get(refs)[self.driver_rank])
 
     def check_health(self) -> None:
         """Also notices an actor that died while the engine was idle (a cheap call to every actor)."""

@@ -81,6 +81,8 @@ def lora_modules(model: nn.Module) -> dict[str, Linear]:
     out: dict[str, Linear] = {}
     layers: nn.ModuleList = model.get_submodule("model.layers")  # type: ignore[assignment]
     for i, layer in enumerate(layers):
+        if isinstance(layer, nn.Identity):  # another pipeline stage's layer
+            continue
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
             module = layer.get_submodule(name)
             assert isinstance(module, Linear)

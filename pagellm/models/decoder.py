@@ -5,7 +5,10 @@ head's q and k before rotary (Qwen3). Projections are fused (``qkv_proj``, ``gat
 ``packed_modules_mapping`` lets HF checkpoints with separate q/k/v and gate/up load unchanged.
 The model sees flat tokens, positions and ``AttentionMetadata`` — never sequences. Under tensor
 parallelism (``layers/parallel.py``) each rank builds the same model over its share of the heads,
-the MLP's intermediate features and the vocabulary.
+the MLP's intermediate features and the vocabulary. Under pipeline parallelism each stage builds
+only its contiguous share of the layers (the others are empty placeholders, their weights never
+read); the first stage embeds, the last normalises and computes logits, and the hidden states and
+residual go from stage to stage.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention import AttentionMetadata
-from pagellm.distributed import TensorParallelGroup
+from pagellm.distributed import PipelineStage, TensorParallelGroup
 from pagellm.layers.activation import SiluAndMul
 from pagellm.layers.linear import Linear
 from pagellm.layers.norm import RMSNorm
@@ -110,23 +113,35 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, freq_factors: torch.Tensor | None,
-                 tp: TensorParallelGroup) -> None:
+                 tp: TensorParallelGroup, pp: PipelineStage) -> None:
         super().__init__()
+        self.pp = pp
+        self.hidden_size = config.hidden_size
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.start, self.end = pp.layer_range(config.num_hidden_layers)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, qk_norm, tp) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, qkv_bias, qk_norm, tp) if self.start <= i < self.end else nn.Identity()
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        attn = self.layers[0].self_attn
+        attn = self.layers[self.start].self_attn
         theta, scaling = rope_parameters(config)
         self.rotary_emb = RotaryEmbedding(attn.head_dim, config.max_position_embeddings, theta, scaling, freq_factors)
 
     def forward(self, input_ids, positions, kv_caches, meta):
-        x = self.embed_tokens(input_ids)
+        """The last stage's final hidden states; ``None`` on the stages before it (theirs went on)."""
+        pp = self.pp
+        if pp.is_first:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            shape = (input_ids.shape[0], self.hidden_size)
+            x, residual = pp.recv([shape, shape], self.embed_tokens.weight.dtype, input_ids.device)
         rope = self.rotary_emb.cos_sin(positions, x.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(self.layers[self.start:self.end], kv_caches, strict=True):
             x, residual = layer(rope, x, residual, kv_cache, meta)
+        if not pp.is_last:
+            pp.send([x, residual])
+            return None
         x, _ = self.norm(x, residual)
         return x
 
@@ -143,12 +158,12 @@ class DecoderForCausalLM(nn.Module):
     }
 
     def __init__(self, config: Any, freq_factors: torch.Tensor | None = None,
-                 tp: TensorParallelGroup | None = None) -> None:
+                 tp: TensorParallelGroup | None = None, pp: PipelineStage | None = None) -> None:
         super().__init__()
         self.config = config
         self.tp = tp = tp or TensorParallelGroup()
         qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.model = DecoderModel(config, qkv_bias, self.qk_norm, freq_factors, tp)
+        self.model = DecoderModel(config, qkv_bias, self.qk_norm, freq_factors, tp, pp or PipelineStage())
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         vocab = self.model.embed_tokens.vocab_range  # the LM head's rows are the embedding's
         self.lm_head = None if self.tie_word_embeddings else ColumnParallelLinear(config.hidden_size, [vocab], False)
@@ -156,7 +171,7 @@ class DecoderForCausalLM(nn.Module):
         self.tied_head: Linear | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor | None:
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -190,9 +205,12 @@ class DecoderForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         unexpected: list[str] = []
+        stage = range(self.model.start, self.model.end)
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
+            if name.startswith("model.layers.") and int(name.split(".")[2]) not in stage:
+                continue  # another pipeline stage's layer
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied checkpoints sometimes store the copy anyway
             target, shard = name, None

@@ -122,6 +122,8 @@ class ModelRunner:
             self.draft.forward(ids_t, pos_t, meta.slot_mapping, decode_lens, decode_tables, chunk_specs,
                                meta.decode_order)
         t2 = time.perf_counter()
+        if hidden is None:  # a pipeline stage before the last: its hidden states went on
+            return None
         if not sample_idx:
             return ModelRunnerOutput(sampled={}, timings=(t1 - t0, t2 - t1, 0.0)) if self.is_driver else None
         logits = self.model.compute_logits(hidden[sample_idx]).float()  # a collective under TP

@@ -15,7 +15,7 @@ import torch
 from pagellm.attention import select_attention_backend
 from pagellm.config import EngineConfig, default_num_threads, resolve_model_source
 from pagellm.core.scheduler_output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
-from pagellm.distributed import init_tensor_parallel
+from pagellm.distributed import init_parallel
 from pagellm.kernels import gemm
 from pagellm.kernels.machine import Numerics, choose_numerics, cpu_info
 from pagellm.layers.custom_op import select_kernels
@@ -74,10 +74,14 @@ class Worker:
             torch.set_num_threads(config.device.num_threads or default_num_threads())
         elif self.device.index is not None:
             torch.cuda.set_device(self.device)
-        self.tp = init_tensor_parallel(rank, config.parallel.tensor_parallel_size, init_method, self.device)
+        par = config.parallel
+        self.tp, self.pp = init_parallel(rank, par.tensor_parallel_size, par.pipeline_parallel_size, init_method,
+                                         self.device)
         if self.tp.world_size > 1:
-            logger.info("tensor-parallel rank %d of %d on %s, all-reduce over %s", rank, self.tp.world_size,
+            logger.info("tensor-parallel rank %d of %d on %s, all-reduce over %s", self.tp.rank, self.tp.world_size,
                         self.device, "shared memory" if self.tp.shm is not None else "torch.distributed")
+        if self.pp.num_stages > 1:
+            logger.info("pipeline stage %d of %d (global rank %d)", self.pp.stage, self.pp.num_stages, rank)
         dtype_name = config.model.dtype
         # On a CPU the model's tensors stay float32 (the fused kernels' dtype) unless a 16-bit model
         # is asked for and no bf16 GEMM kernel runs here; load_model then picks the GEMM numerics.
@@ -97,9 +101,12 @@ class Worker:
         hf_config = load_model_config(source)
         cls = get_model_class(hf_config.architectures[0])
         with torch.device("meta"):
-            model = cls(hf_config, freq_factors(source), tp=self.tp)
+            if self.pp.num_stages > hf_config.num_hidden_layers:
+                raise ValueError(f"pipeline_parallel_size={self.pp.num_stages} exceeds the model's "
+                                 f"{hf_config.num_hidden_layers} layers")
+            model = cls(hf_config, freq_factors(source), tp=self.tp, pp=self.pp)
         model = model.to_empty(device=self.device)
-        model.load_weights(iter_weights(source, hf_config, lazy=self.tp.world_size > 1))
+        model.load_weights(iter_weights(source, hf_config, lazy=self.tp.world_size * self.pp.num_stages > 1))
         return model.to(self.dtype).eval(), hf_config, source
 
     def load_model(self) -> ModelInfo:
@@ -193,7 +200,8 @@ class Worker:
         int8 kernel took."""
         numerics = self.numerics
         if self.cpu_numerics:
-            layer0 = [m.weight for m in model.get_submodule("model.layers.0").modules() if isinstance(m, Linear)]
+            first = model.model.start  # (this pipeline stage's first layer)
+            layer0 = [m.weight for m in model.get_submodule(f"model.layers.{first}").modules() if isinstance(m, Linear)]
             numerics = choose_numerics(self.config.model.dtype, layer0, probe=probe, quantization=quantization)
         packed_int8 = 0
         if self.device.type == "cpu" and hasattr(model, "pack_for_cpu"):
@@ -201,8 +209,9 @@ class Worker:
         return numerics, packed_int8
 
     def _kv_spec(self, model: torch.nn.Module, hf_config: Any, numerics: Numerics) -> KVCacheSpec:
-        attn = model.model.layers[0].self_attn
-        return KVCacheSpec(num_layers=hf_config.num_hidden_layers, num_kv_heads=attn.num_kv_heads,
+        inner = model.model
+        attn = inner.layers[inner.start].self_attn
+        return KVCacheSpec(num_layers=inner.end - inner.start, num_kv_heads=attn.num_kv_heads,
                            head_dim=attn.head_dim, block_size=self.config.cache.block_size,
                            dtype=self._kv_cache_dtype(numerics))
 
@@ -246,7 +255,7 @@ class Worker:
         self.attn_backend = select_attention_backend(self.cache_engine.kv_caches[0][0], self.dtype)
         logger.info("attention backend: %r", self.attn_backend)
         self.model_runner = ModelRunner(self.model, self.spec.block_size, self.device, self.attn_backend,
-                                        self.tp.is_driver)
+                                        self.tp.is_driver and self.pp.is_last)
         self.model_runner.lora = self.model_lora
         self.kv_connector: KVConnectorWorker | None = None
         kvt = self.config.kv_transfer
