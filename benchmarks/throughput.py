@@ -8,9 +8,10 @@ Absolute numbers drift on shared machines: read the ratio, which is measured in 
     python benchmarks/throughput.py                       # W64, pagellm float32 vs HF bfloat16
     python benchmarks/throughput.py --num-requests 16 --skip-hf
     python benchmarks/throughput.py --skip-hf --parallel uni mp mp:tp2 ray:tp2 mp:dp2   # executor overheads
+    python benchmarks/throughput.py --skip-hf --parallel uni mp:pp2            # pipeline stages
 
-``--parallel`` runs pagellm once per ``BACKEND[:tpN][:dpN]`` (distributed executor backend,
-tensor- and data-parallel sizes) and prints each one's ratio to the first, with the extra time
+``--parallel`` runs pagellm once per ``BACKEND[:tpN][:ppN][:dpN]`` (distributed executor backend,
+tensor-, pipeline- and data-parallel sizes) and prints each one's ratio to the first, with the extra time
 per engine step.
 """
 
@@ -25,13 +26,14 @@ from workload import add_workload_args, load_workload, run_all
 
 
 def parse_parallel(spec: str) -> dict:
-    """``mp:tp2:dp1`` -> engine keywords (backend, tensor_parallel_size, data_parallel_size)."""
+    """``mp:tp2:pp2:dp1`` -> engine keywords (backend, tensor/pipeline/data-parallel sizes)."""
     backend, *sizes = spec.split(":")
     kw: dict = {"distributed_executor_backend": backend}
     for s in sizes:
-        if s[:2] not in ("tp", "dp") or not s[2:].isdigit():
-            raise SystemExit(f"--parallel {spec!r}: expected BACKEND[:tpN][:dpN], e.g. mp:tp2")
-        kw["tensor_parallel_size" if s[:2] == "tp" else "data_parallel_size"] = int(s[2:])
+        names = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "dp": "data_parallel_size"}
+        if s[:2] not in names or not s[2:].isdigit():
+            raise SystemExit(f"--parallel {spec!r}: expected BACKEND[:tpN][:ppN][:dpN], e.g. mp:tp2")
+        kw[names[s[:2]]] = int(s[2:])
     return kw
 
 
@@ -48,7 +50,12 @@ def run_pagellm(reqs: list[dict], args: argparse.Namespace, parallel: str = "uni
         result = run_all(llm, SamplingParams, reqs, use_tqdm=not args.quiet)
         stats = llm.llm_engine.get_stats()
         name = pagellm_name(llm) + ("" if parallel == "uni" else f" {parallel}")
-    return {**result, "engine": name, "load": load, "steps": stats["steps"], "preemptions": stats["num_preemptions"]}
+        pp = parse_parallel(parallel).get("pipeline_parallel_size", 1)
+        # Each pipeline stage's first tensor rank: where its step time went.
+        tp = parse_parallel(parallel).get("tensor_parallel_size", 1)
+        stages = llm.llm_engine.executor.collective_rpc("pipeline_timings")[::tp] if pp > 1 else []
+    return {**result, "engine": name, "load": load, "steps": stats["steps"], "preemptions": stats["num_preemptions"],
+            "stages": stages}
 
 
 def pagellm_name(llm) -> str:
@@ -134,7 +141,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--hf-dtype", default="bfloat16")
     ap.add_argument("--hf-batch-size", type=int, default=32)
-    ap.add_argument("--parallel", nargs="+", default=["uni"], metavar="BACKEND[:tpN][:dpN]",
+    ap.add_argument("--parallel", nargs="+", default=["uni"], metavar="BACKEND[:tpN][:ppN][:dpN]",
                     help="executor backend (uni, mp, ray) and parallel sizes; one pagellm run per item")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--quiet", action="store_true")
@@ -168,6 +175,12 @@ def main() -> None:
         per_step = f", {1000 * (r['wall'] - p['wall']) / r['steps']:+.1f} ms per step" \
             if r["steps"] == p["steps"] else ""
         print(f"ratio {r['engine']} / {p['engine']} (total tok/s, same run): {p['wall'] / r['wall']:.2f}x{per_step}")
+        for t in r.get("stages", []):
+            ms = {k: 1000 * t[k] / max(1, t["steps"]) for k in ("step_seconds", "recv_seconds", "send_seconds")}
+            busy = ms["step_seconds"] - ms["recv_seconds"] - ms["send_seconds"]
+            print(f"  stage {t['stage']}: {t['steps']} steps; per step {ms['step_seconds']:.1f} ms in the runner = "
+                  f"{busy:.1f} computing + {ms['recv_seconds']:.1f} waiting for / receiving from the stage before "
+                  f"+ {ms['send_seconds']:.1f} sending")
     if not args.skip_hf:
         print(f"ratio pagellm / HF (total tok/s, same run): {results[-1]['wall'] / p['wall']:.2f}x")
 

@@ -6,6 +6,7 @@ same operations it ran before tensor parallelism existed.
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -78,6 +79,10 @@ class PipelineStage:
         self.num_stages = num_stages
         self.prev_rank = prev_rank
         self.next_rank = next_rank
+        # Seconds spent in send and in recv (waiting for the stage before included): where a
+        # stage's step time goes (benchmarks/throughput.py --parallel mp:pp2).
+        self.send_seconds = 0.0
+        self.recv_seconds = 0.0
 
     @property
     def is_first(self) -> bool:
@@ -93,15 +98,19 @@ class PipelineStage:
         return start, start + size
 
     def send(self, tensors: list[torch.Tensor]) -> None:
+        t0 = time.perf_counter()
         for t in tensors:
             dist.send(t.contiguous(), self.next_rank)
+        self.send_seconds += time.perf_counter() - t0
 
     def recv(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+        t0 = time.perf_counter()
         out = []
         for shape in shapes:
             t = torch.empty(shape, dtype=dtype, device=device)
             dist.recv(t, self.prev_rank)
             out.append(t)
+        self.recv_seconds += time.perf_counter() - t0
         return out
 
 

@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -93,6 +94,7 @@ class Worker:
         self.numerics = Numerics(self.dtype, f"{dtype_name} model")
         self.cache_engine: CacheEngine | None = None
         self.model_runner: ModelRunner | None = None
+        self.step_seconds, self.num_steps = 0.0, 0
 
     def _build_model(self, path: str | None) -> tuple[torch.nn.Module, Any, Any]:
         """``(model, HF config, source)``: built on meta (no random init), materialised
@@ -286,12 +288,21 @@ class Worker:
         transfer = KVConnectorOutput() if meta is not None and connector is not None else None
         if transfer is not None:
             connector.start_load_kv(meta, transfer)  # (blocks of waiting requests: no step reads them)
+        t0 = time.perf_counter()
         out = self.model_runner.execute_model(scheduler_output, self.cache_engine.kv_caches)
+        self.step_seconds += time.perf_counter() - t0
+        self.num_steps += 1
         if transfer is not None:
             connector.save_kv(meta, transfer)
             if out is not None:
                 out.kv_connector_output = transfer
         return out
+
+    def pipeline_timings(self) -> dict[str, float]:
+        """This rank's steps and seconds: in the model runner, and of those in sending to and
+        receiving from (waiting for) the neighbouring pipeline stages."""
+        return {"stage": self.pp.stage, "steps": self.num_steps, "step_seconds": self.step_seconds,
+                "send_seconds": self.pp.send_seconds, "recv_seconds": self.pp.recv_seconds}
 
     def kv_wait_for_save(self) -> None:
         """Until every K/V block the connector queued is on disk."""
