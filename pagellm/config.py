@@ -139,8 +139,13 @@ class SchedulerConfig:
     # Priority policy: a queued request's effective priority improves by one for every this many
     # engine steps it has spent waiting or swapped out (0 = no aging).
     priority_aging_steps: int = 256
+    # Steps in flight at once (vLLM's batch queue): the pipeline's stages, or 2 with
+    # async_scheduling; a request is never in two of them (see scheduler.py).
+    max_concurrent_batches: int = 1
 
     def __post_init__(self) -> None:
+        if self.max_concurrent_batches < 1:
+            raise ValueError(f"max_concurrent_batches must be >= 1, got {self.max_concurrent_batches}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -512,6 +517,8 @@ _HELP = {
                             "nccl on CUDA)",
     "pipeline_parallel_size": "stages that each run a contiguous share of the layers (and hold only their K/V), "
                               "hidden states passed stage to stage (mp or ray executor)",
+    "async_scheduling": "schedule the next step while the current one computes (a batch queue of 2; a request is "
+                        "never in two steps at once)",
     "data_parallel_size": "independent engine replicas behind one front end, requests sent to the least loaded",
     "distributed_executor_backend": "uni (in-process), mp (a process per rank on this machine) or ray (a Ray actor "
                                     "per rank, any node); default: uni for one worker, else mp",
@@ -557,6 +564,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    async_scheduling: bool = False
     device: str = "auto"
     num_threads: int | None = None
     structured_outputs_config: dict | str | None = None
@@ -587,6 +595,7 @@ class EngineArgs:
             preemption_mode=self.preemption_mode,
             watermark=self.watermark,
             priority_aging_steps=self.priority_aging_steps,
+            max_concurrent_batches=self._max_concurrent_batches(),
         )
         return EngineConfig(
             model=ModelConfig(self.model, self.tokenizer, self.dtype, self.seed,  # type: ignore[arg-type]
@@ -604,6 +613,17 @@ class EngineArgs:
             lora=self._lora(),
             kv_transfer=self._kv_transfer(),
         )
+
+    def _max_concurrent_batches(self) -> int:
+        """vLLM's rule: one step per pipeline stage in flight, or 2 with async scheduling."""
+        depth = max(self.pipeline_parallel_size, 2 if self.async_scheduling else 1)
+        if depth > 1 and self.kv_transfer_config is not None:
+            raise ValueError("kv_transfer_config does not combine with async_scheduling or pipeline_parallel_size > 1 "
+                             "yet (loads are answered by the step that carries them)")
+        if depth > 1 and self.data_parallel_size > 1:
+            raise ValueError("async_scheduling and pipeline_parallel_size > 1 do not combine with data_parallel_size "
+                             "> 1 yet")
+        return depth
 
     def _parallel(self) -> ParallelConfig:
         tp, pp, dp = self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size

@@ -22,6 +22,13 @@ holds past the local hits gets blocks for it and waits in ``loading`` (vLLM's
 the blocks, and ``update_kv_transfer`` caches what arrived intact, frees the blocks and puts the
 request back at the head of ``waiting``, where step 4 finds them as ordinary prefix hits.
 
+Batch queue (``max_concurrent_batches`` > 1: pipeline stages, async scheduling): the engine
+schedules a step while earlier ones are still computing. A request with a step in flight is
+skipped by every phase until that step's output is applied (``in_flight``), so no token is ever
+computed on a guess and a stop always lands before the next token; each step takes at most
+``1 / max_concurrent_batches`` of the running requests, so consecutive steps carry different
+micro-batches (vLLM V0's virtual engines) instead of an empty one.
+
 Steps 3 and 4 are skipped in a step whose step 2 preempted anyone: that step had no room, and an
 admission must never push out older work at once.
 
@@ -133,6 +140,8 @@ class Scheduler:
         self.connector = connector
         self.loading: dict[str, SequenceGroup] = {}
         self.kv_load_failure_policy = kv_load_failure_policy
+        # Batch queue: requests in a step whose output is not applied yet.
+        self.in_flight: set[str] = set()
         self._load_failed: list[SequenceGroup] = []
         self.num_waiting_for_remote = 0  # in the last schedule(): requests waiting for pushed K/V
         # Multi-LoRA: at most this many distinct adapters among a step's sequences (0: no LoRA).
@@ -258,6 +267,7 @@ class Scheduler:
             self.waiting.remove(group)
         else:
             self.loading.pop(group.request_id, None)  # (its load, in flight, ends before any reuse)
+        self.in_flight.discard(group.request_id)  # (an in-flight step's writes end before any reuse)
         for seq in group.seqs:
             self.kv_cache_manager.free(seq)  # a no-op for sequences that finished earlier
             if seq.seq_id not in self._finished_seq_ids:
@@ -417,10 +427,19 @@ class Scheduler:
         if not self.waiting:
             return
         best = self.waiting.peek()
-        while self.running and self._outranks(best, self.running[-1]) and not self._fits_now(best):
-            victim = self.running.pop()
-            self._preempt(victim, step.ops)
-            step.forced.append(victim)
+        while (worst := self._worst_running()) is not None and self._outranks(best, worst) \
+                and not self._fits_now(best):
+            self.running.remove(worst)
+            self._preempt(worst, step.ops)
+            step.forced.append(worst)
+
+    def _worst_running(self) -> SequenceGroup | None:
+        """The next preemption victim: the worst running request without a step in flight (one
+        with a step in flight would lose that step's samples, and with them its seeded draws)."""
+        for group in reversed(self.running):
+            if group.request_id not in self.in_flight:
+                return group
+        return None
 
     def _fits_now(self, group: SequenceGroup) -> bool:
         """Whether the best waiting request could be admitted this step as things stand."""
@@ -433,12 +452,20 @@ class Scheduler:
     def _schedule_running(self, step: _Step) -> None:
         """Phase 1: running requests, best first, all of a request's sequences together; when the
         pool runs out of blocks the worst running request is preempted (possibly the one at hand)."""
+        depth = self.config.max_concurrent_batches
+        limit = -(-len(self.running) // depth)  # a micro-batch: this step's share of the running requests
+        taken = 0
         i = 0
         while i < len(self.running) and step.token_budget > 0:
             group = self.running[i]
+            if group.request_id in self.in_flight or taken >= limit:
+                i += 1
+                continue
             plan = self._plan(group, step.token_budget)
             while not self._allocate(plan):
-                victim = self.running.pop()
+                victim = self._worst_running()
+                assert victim is not None  # ``group`` itself at worst
+                self.running.remove(victim)
                 if victim is group and not self.running:
                     # Alone with the whole pool and still out of blocks (forks outgrew it): it
                     # can never go on. End it with what it has instead of recomputing forever.
@@ -449,6 +476,7 @@ class Scheduler:
                 if victim is group:
                     return  # ``group`` preempted itself: nobody after it is left
             step.add(group, plan)
+            taken += 1
             i += 1
 
     def _schedule_swapped(self, step: _Step) -> None:
@@ -457,6 +485,8 @@ class Scheduler:
         self.swapped.sort(key=self._key)
         while self.swapped and step.token_budget > 0:
             group = self.swapped[0]
+            if group.request_id in self.in_flight:
+                break  # swapped out while a step of it computes: back once that step's output is in
             if self.waiting and self._key(self.waiting.peek()) < self._key(group):
                 break  # a better request waits (e.g. the one this step's priority preemption was for)
             if not self._has_seq_room(group):
@@ -497,6 +527,9 @@ class Scheduler:
         self.num_waiting_for_remote = 0
         while self.waiting and step.token_budget > 0:
             group = self.waiting.peek()
+            if group.request_id in self.in_flight:  # preempted while a step of it computes
+                skipped.append(self.waiting.pop())
+                continue
             if self.connector is not None and self.connector.waiting_for_remote(group):
                 # WAITING_FOR_REMOTE_KVS: another engine is sending its prefix; it keeps its place.
                 self.num_waiting_for_remote += 1
@@ -667,6 +700,8 @@ class Scheduler:
         if self.connector is not None:
             self._offer_saves(step)
             out.kv_connector_metadata = self.connector.build_connector_meta()
+        if self.config.max_concurrent_batches > 1:
+            self.in_flight.update(g.request_id for g, _ in step.scheduled)
         self._finished_seq_ids = []
         return out
 
@@ -753,6 +788,8 @@ class Scheduler:
         updated: dict[str, SequenceGroup] = {}
         finished: list[SequenceGroup] = []
         kv = self.kv_cache_manager
+        if self.in_flight:
+            self.in_flight.difference_update(s.request_id for s in scheduler_output.scheduled)
         for sched in scheduler_output.scheduled:
             group = self.requests.get(sched.request_id)
             if group is None:  # aborted after it was scheduled
@@ -853,6 +890,8 @@ class Scheduler:
             raise InvariantError("a request is in two queues")
         if set(all_ids) != set(self.requests):
             raise InvariantError("request map out of sync with queues")
+        if not self.in_flight <= set(self.requests):
+            raise InvariantError("a step in flight holds a request that is gone")
         if self._num_running_seqs() > self.config.max_num_seqs:
             raise InvariantError("more running sequences than max_num_seqs")
         kv = self.kv_cache_manager

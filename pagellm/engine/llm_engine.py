@@ -8,6 +8,7 @@ freed), the workers are shut down and the engine refuses further work.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -111,6 +112,9 @@ class LLMEngine:
             self.lora = LoRAManager(lora.max_loras, lora.max_lora_rank, self.model_info.lora_module_shapes,
                                     self.model_info.num_layers)
         self._detok: dict[int, IncrementalDetokenizer] = {}
+        # The batch queue: steps started and not finished yet (oldest first).
+        self._max_batches = config.scheduler.max_concurrent_batches
+        self._batch_queue: collections.deque[StartedStep] = collections.deque()
         self.iteration_stats = IterationStats()
         # Built on the first constrained request, so an engine that never sees one never imports a
         # grammar library.
@@ -288,7 +292,7 @@ class LLMEngine:
             self._forget(group)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or (
+        return self.scheduler.has_unfinished_requests() or bool(self._batch_queue) or (
             self._structured is not None and self._structured.num_waiting_for_fsm > 0)
 
     def reset_prefix_cache(self) -> bool:
@@ -347,6 +351,7 @@ class LLMEngine:
     def _die(self, error: BaseException) -> EngineDeadError:
         """Fail every in-flight request (blocks freed), stop the workers, refuse further work."""
         self.dead_error = error
+        self._batch_queue.clear()
         groups = self.scheduler.finish_requests(list(self.scheduler.requests), SequenceStatus.FINISHED_ABORTED)
         if self._structured is not None:
             groups += [g for g in self._structured.pending_groups() if self._structured.abort(g.request_id)]
@@ -358,8 +363,24 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; return the outputs of requests that got a token or finished."""
-        return self.finish_step(self.begin_step())
+        """Run one scheduler step; return the outputs of requests that got a token or finished.
+
+        With a batch queue (``max_concurrent_batches`` > 1: pipeline stages, async scheduling)
+        this first schedules and starts steps until that many are in flight (or nothing more can
+        be scheduled), then waits for the oldest: the workers compute one step while the engine
+        schedules the next and applies the last one's outputs."""
+        if self._max_batches == 1:
+            return self.finish_step(self.begin_step())
+        outputs: list[RequestOutput] = []
+        while len(self._batch_queue) < self._max_batches:
+            started = self.begin_step()
+            if started.pending is None:  # nothing (more) to run now
+                outputs += self.finish_step(started)
+                break
+            self._batch_queue.append(started)
+        if self._batch_queue:
+            outputs += self.finish_step(self._batch_queue.popleft())
+        return outputs
 
     def begin_step(self) -> StartedStep:
         """Schedule and start the step on the workers without waiting (``finish_step`` waits);

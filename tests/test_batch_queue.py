@@ -1,0 +1,93 @@
+"""The batch queue (``async_scheduling``; pipeline stages use it too): the engine schedules the
+next step while one computes, a request is never in two steps at once, and every output equals
+the synchronous engine's: greedy tokens under chunked prefill and a tight cache (recompute and
+swap preemption), parallel sampling, beam search, speculative decoding, aborts; invariants after
+every step, every block free at the end."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagellm import LLMEngine, SamplingParams
+from pagellm.config import EngineArgs
+from pagellm.sampling_params import BeamSearchParams
+
+from conftest import run_to_completion
+from test_hf_parity import random_prompts
+
+TIGHT = dict(max_num_batched_tokens=32, long_prefill_token_threshold=16, num_gpu_blocks_override=30, block_size=8,
+             num_cpu_blocks_override=64)
+VARIANTS = {
+    "plain": {},
+    "recompute": dict(TIGHT, preemption_mode="recompute"),
+    "swap": dict(TIGHT, preemption_mode="swap"),
+    "ngram_spec": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+}
+
+
+def run(model: str, async_scheduling: bool, requests, **kw) -> dict:
+    engine = LLMEngine.from_engine_args(EngineArgs(model=model, dtype="float32", async_scheduling=async_scheduling,
+                                                   **kw))
+    try:
+        for rid, prompt, params in requests:
+            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        done = run_to_completion(engine)
+        assert not engine.scheduler.in_flight
+        return {rid: [c.token_ids for c in out.outputs] for rid, out in done.items()}
+    finally:
+        engine.shutdown()
+
+
+def mixed_requests() -> list:
+    prompts = random_prompts(10, seed=21, hi=120)
+    reqs = [(f"g{i}", p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)) for i, p in enumerate(prompts)]
+    reqs.append(("n2", prompts[0], SamplingParams(temperature=0.8, n=2, seed=7, max_tokens=12, ignore_eos=True)))
+    reqs.append(("stop", prompts[1], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[prompts[1][3]])))
+    return reqs
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_async_scheduling_equals_the_synchronous_engine(tiny_llama, variant):
+    reqs = mixed_requests()
+    assert run(tiny_llama, True, reqs, **VARIANTS[variant]) == run(tiny_llama, False, reqs, **VARIANTS[variant])
+
+
+def test_beam_search_under_async_scheduling(tiny_llama):
+    prompt = random_prompts(1, seed=3, lo=20, hi=40)[0]
+    outs = []
+    for flag in (False, True):
+        engine = LLMEngine.from_engine_args(EngineArgs(model=tiny_llama, dtype="float32", async_scheduling=flag))
+        try:
+            engine.add_request("b", {"prompt_token_ids": prompt}, BeamSearchParams(beam_width=3, max_tokens=10))
+            engine.add_request("g", {"prompt_token_ids": prompt[:9]}, SamplingParams(temperature=0, max_tokens=10))
+            done = run_to_completion(engine)
+            outs.append({rid: [c.token_ids for c in o.outputs] for rid, o in done.items()})
+        finally:
+            engine.shutdown()
+    assert outs[0] == outs[1]
+
+
+def test_aborts_while_steps_are_in_flight_free_everything(tiny_llama):
+    engine = LLMEngine.from_engine_args(EngineArgs(model=tiny_llama, dtype="float32", async_scheduling=True))
+    try:
+        for i, p in enumerate(random_prompts(8, seed=4, hi=60)):
+            engine.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.step()
+        engine.step()
+        assert engine.scheduler.in_flight, "nothing was in flight: the test tests nothing"
+        for i in range(0, 8, 2):
+            engine.abort_request(str(i))
+        engine.scheduler.check_invariants()
+        done = run_to_completion(engine)
+        assert sorted(done) == ["1", "3", "5", "7"]
+        assert all(len(o.outputs[0].token_ids) == 50 for o in done.values())
+    finally:
+        engine.shutdown()
+
+
+def test_batch_queue_combinations_refused_clearly():
+    with pytest.raises(ValueError, match="kv_transfer_config"):
+        EngineArgs(async_scheduling=True, kv_transfer_config={"kv_connector_extra_config": {"path": "/tmp/x"}}) \
+            .create_engine_config()
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        EngineArgs(async_scheduling=True, data_parallel_size=2).create_engine_config()
