@@ -9,6 +9,8 @@ Absolute numbers drift on shared machines: read the ratio, which is measured in 
     python benchmarks/throughput.py --num-requests 16 --skip-hf
     python benchmarks/throughput.py --skip-hf --parallel uni mp mp:tp2 ray:tp2 mp:dp2   # executor overheads
     python benchmarks/throughput.py --skip-hf --parallel uni mp:pp2            # pipeline stages
+    python benchmarks/throughput.py --skip-hf --parallel uni uni:async         # async scheduling
+    python benchmarks/throughput.py --skip-hf --parallel uni uni:async --max-num-seqs 1 --num-requests 8
 
 ``--parallel`` runs pagellm once per ``BACKEND[:tpN][:ppN][:dpN]`` (distributed executor backend,
 tensor-, pipeline- and data-parallel sizes) and prints each one's ratio to the first, with the extra time
@@ -30,6 +32,9 @@ def parse_parallel(spec: str) -> dict:
     backend, *sizes = spec.split(":")
     kw: dict = {"distributed_executor_backend": backend}
     for s in sizes:
+        if s == "async":  # the batch queue on one worker (async scheduling)
+            kw["async_scheduling"] = True
+            continue
         names = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "dp": "data_parallel_size"}
         if s[:2] not in names or not s[2:].isdigit():
             raise SystemExit(f"--parallel {spec!r}: expected BACKEND[:tpN][:ppN][:dpN], e.g. mp:tp2")
@@ -141,7 +146,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--hf-dtype", default="bfloat16")
     ap.add_argument("--hf-batch-size", type=int, default=32)
-    ap.add_argument("--parallel", nargs="+", default=["uni"], metavar="BACKEND[:tpN][:ppN][:dpN]",
+    ap.add_argument("--parallel", nargs="+", default=["uni"], metavar="BACKEND[:tpN][:ppN][:dpN][:async]",
                     help="executor backend (uni, mp, ray) and parallel sizes; one pagellm run per item")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--quiet", action="store_true")
