@@ -29,7 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagellm.core.scheduler_output import KVConnectorMetadata, KVConnectorOutput
+from pagellm.core.scheduler_output import KVConnectorMetadata, KVConnectorOutput, block_hash_of
 from pagellm.sequence import Sequence, SequenceGroup
 
 # What a request may carry in ``kv_transfer_params`` (vLLM's field; the proxy fills it).
@@ -51,6 +51,7 @@ def check_kv_transfer_params(params: Any) -> dict[str, Any]:
         raise ValueError("kv_transfer_params with do_remote_decode needs remote_host (str) and remote_port (int)")
     return params
 
+
 FILE_SUFFIX = ".kvblock"
 
 
@@ -64,7 +65,6 @@ class KVTransferStats:
     bytes_loaded: int = 0
     load_seconds: float = 0.0
     load_failures: int = 0  # blocks that were asked for and did not arrive intact
-    requests_loaded: int = 0
 
 
 class KVConnectorScheduler(ABC):
@@ -162,7 +162,7 @@ class DiskConnectorScheduler(KVConnectorScheduler):
                         continue  # temporaries of an interrupted save, strangers
                     try:
                         st = f.stat()
-                        block_hash = bytes.fromhex(f.name[: -len(FILE_SUFFIX)])
+                        block_hash = block_hash_of(f.name)
                     except (OSError, ValueError):
                         continue
                     found.append((st.st_mtime, block_hash, st.st_size))
@@ -209,10 +209,8 @@ class DiskConnectorScheduler(KVConnectorScheduler):
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         super().update_connector_output(output)
-        for name in output.bad_files:  # gone, damaged or foreign: never asked for again
-            self.index.drop(bytes.fromhex(os.path.basename(name)[: -len(FILE_SUFFIX)]))
-        for name in output.failed_saves:
-            self.index.drop(bytes.fromhex(os.path.basename(name)[: -len(FILE_SUFFIX)]))
+        for name in output.bad_files + output.failed_saves:  # gone, damaged, foreign or unwritten
+            self.index.drop(block_hash_of(name))
 
 
 class ReceivedBlocks:
@@ -346,4 +344,4 @@ class TcpConnectorScheduler(KVConnectorScheduler):
         super().update_connector_output(output)
         if self.received is not None:
             for name in output.bad_files:  # foreign (another model or numerics) or damaged in flight
-                self.received.drop(bytes.fromhex(name))
+                self.received.drop(block_hash_of(name))

@@ -23,11 +23,11 @@ the blocks, and ``update_kv_transfer`` caches what arrived intact, frees the blo
 request back at the head of ``waiting``, where step 4 finds them as ordinary prefix hits.
 
 Batch queue (``max_concurrent_batches`` > 1: pipeline stages, async scheduling): the engine
-schedules a step while earlier ones are still computing. A request with a step in flight is
-skipped by every phase until that step's output is applied (``in_flight``), so no token is ever
-computed on a guess and a stop always lands before the next token; each step takes at most
-``1 / max_concurrent_batches`` of the running requests, so consecutive steps carry different
-micro-batches (vLLM V0's virtual engines) instead of an empty one.
+schedules a step while earlier ones are still computing. A request with a step in flight (always
+a running one: preemption never picks it) is skipped until that step's output is applied
+(``in_flight``), so no token is ever computed on a guess and a stop always lands before the next
+token; each step takes at most ``1 / max_concurrent_batches`` of the running requests, so
+consecutive steps carry different micro-batches (vLLM V0's virtual engines) instead of an empty one.
 
 Steps 3 and 4 are skipped in a step whose step 2 preempted anyone: that step had no room, and an
 admission must never push out older work at once.
@@ -399,6 +399,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """One step: priority preemption, running, swapped, waiting (see the module docstring)."""
         self._step += 1
+        self.num_waiting_for_remote = 0
         step = _Step(token_budget=self.config.max_num_batched_tokens)
         self._decisions = StepDecisions(token_budget=step.token_budget) if self.record_decisions else None
         if self.priority_policy:
@@ -485,8 +486,6 @@ class Scheduler:
         self.swapped.sort(key=self._key)
         while self.swapped and step.token_budget > 0:
             group = self.swapped[0]
-            if group.request_id in self.in_flight:
-                break  # swapped out while a step of it computes: back once that step's output is in
             if self.waiting and self._key(self.waiting.peek()) < self._key(group):
                 break  # a better request waits (e.g. the one this step's priority preemption was for)
             if not self._has_seq_room(group):
@@ -524,12 +523,8 @@ class Scheduler:
         adapters = self._running_adapters()
         skipped: list[SequenceGroup] = []
         lora_skipped: list[str] = []
-        self.num_waiting_for_remote = 0
         while self.waiting and step.token_budget > 0:
             group = self.waiting.peek()
-            if group.request_id in self.in_flight:  # preempted while a step of it computes
-                skipped.append(self.waiting.pop())
-                continue
             if self.connector is not None and self.connector.waiting_for_remote(group):
                 # WAITING_FOR_REMOTE_KVS: another engine is sending its prefix; it keeps its place.
                 self.num_waiting_for_remote += 1
@@ -631,7 +626,6 @@ class Scheduler:
             seq.num_computed_tokens = 0
             stats.blocks_loaded += got
             stats.load_failures += asked - got
-            stats.requests_loaded += got > 0
             self.waiting.prepend(group)
             self._enqueue_time(group)
             if got < asked and self.kv_load_failure_policy == "fail":
@@ -890,8 +884,9 @@ class Scheduler:
             raise InvariantError("a request is in two queues")
         if set(all_ids) != set(self.requests):
             raise InvariantError("request map out of sync with queues")
-        if not self.in_flight <= set(self.requests):
-            raise InvariantError("a step in flight holds a request that is gone")
+        if not self.in_flight <= {g.request_id for g in self.running}:
+            # (preemption never picks a request with a step in flight: see _worst_running)
+            raise InvariantError("a request with a step in flight is not running")
         if self._num_running_seqs() > self.config.max_num_seqs:
             raise InvariantError("more running sequences than max_num_seqs")
         kv = self.kv_cache_manager

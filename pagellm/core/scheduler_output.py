@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,11 @@ class CacheOps:
 
     def is_empty(self) -> bool:
         return not (self.swap_out or self.swap_in or self.copy)
+
+
+def block_hash_of(name: str) -> bytes:
+    """The block hash a connector's name for a block stands for (``<hex>`` or ``<dir>/<hex>.<suffix>``)."""
+    return bytes.fromhex(os.path.basename(name).split(".")[0])
 
 
 @dataclass(slots=True)

@@ -553,14 +553,16 @@ class LLMEngine:
     def _finish_ignored(self, group: SequenceGroup) -> RequestOutput:
         logger.warning("request %s needs more KV blocks than the whole pool holds (%d x %d tokens); "
                        "finished without completing", group.request_id, self.num_blocks, self.block_size)
-        group.metrics.finished_time = time.monotonic()
-        out = self._make_output(group)
-        self._forget(group)
-        return out
+        return self._finish_early(group)
 
     def _finish_load_failed(self, group: SequenceGroup) -> RequestOutput:
         error = "its cached prefix could not be loaded by the KV connector (kv_load_failure_policy 'fail')"
         logger.warning("request %s: %s", group.request_id, error)
+        return self._finish_early(group, error)
+
+    def _finish_early(self, group: SequenceGroup, error: str | None = None) -> RequestOutput:
+        """The final output of a request that ended outside a step's output (its sequences' status
+        already set), with ``error`` when it was not served; the engine forgets it."""
         group.metrics.finished_time = time.monotonic()
         out = self._make_output(group)
         out.error = error
@@ -593,11 +595,7 @@ class LLMEngine:
             logger.warning("request %s: %s", group.request_id, error)
             for seq in group.seqs:
                 seq.status = SequenceStatus.FINISHED_ABORTED
-            group.metrics.finished_time = time.monotonic()
-            out = self._make_output(group)
-            out.error = error
-            outputs.append(out)
-            self._forget(group)
+            outputs.append(self._finish_early(group, error))
         if not ready and not failed and so.num_waiting_for_fsm and not self.scheduler.has_unfinished_requests():
             so.wait_any(0.005)  # nothing else to run: wait for a compile instead of spinning
         return outputs

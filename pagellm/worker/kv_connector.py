@@ -29,17 +29,13 @@ from typing import Any
 
 import torch
 
-from pagellm.core.scheduler_output import KVConnectorMetadata, KVConnectorOutput
+from pagellm.core.scheduler_output import KVConnectorMetadata, KVConnectorOutput, block_hash_of
 from pagellm.worker.cache_engine import CacheEngine
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"PAGELLMKV\x01"
 _HEADER = struct.Struct("<10s32s32sQI")  # magic+version, fingerprint, block hash, payload bytes, crc32
-
-
-def _hash_of(name: str) -> bytes:
-    return bytes.fromhex(os.path.basename(name).split(".")[0])
 
 
 class KVConnectorWorker:
@@ -86,7 +82,7 @@ class KVConnectorWorker:
         out = []
         for i, (_, name) in enumerate(items):
             payload = raw[i].tobytes()
-            out.append(_HEADER.pack(MAGIC, self.fingerprint, _hash_of(name), len(payload), zlib.crc32(payload))
+            out.append(_HEADER.pack(MAGIC, self.fingerprint, block_hash_of(name), len(payload), zlib.crc32(payload))
                        + payload)
         return out
 
@@ -96,7 +92,7 @@ class KVConnectorWorker:
             return self._bad(name, "truncated header")
         magic, fingerprint, block_hash, size, crc = _HEADER.unpack_from(data)
         payload = data[_HEADER.size:]
-        if magic != MAGIC or fingerprint != self.fingerprint or block_hash != _hash_of(name):
+        if magic != MAGIC or fingerprint != self.fingerprint or block_hash != block_hash_of(name):
             return self._bad(name, "foreign (another format, model, numerics or block)")
         if size != self.payload_bytes or len(payload) != size:
             return self._bad(name, f"{len(payload)} payload bytes, expected {self.payload_bytes}")
@@ -230,7 +226,7 @@ class TcpConnectorWorker(KVConnectorWorker):
     def save_kv(self, meta: KVConnectorMetadata, out: KVConnectorOutput) -> None:
         for address, transfer_id, items in meta.sends:
             tid = transfer_id.encode()
-            msgs = [[b"block", tid, _hash_of(name), frame] for (_, name), frame in zip(items, self._frames(items),
+            msgs = [[b"block", tid, block_hash_of(name), frame] for (_, name), frame in zip(items, self._frames(items),
                                                                                       strict=True)] if items else []
             msgs.append([b"done", tid, str(len(items)).encode()])
             self._queue.put((address, msgs))

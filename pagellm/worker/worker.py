@@ -95,6 +95,7 @@ class Worker:
         self.cache_engine: CacheEngine | None = None
         self.model_runner: ModelRunner | None = None
         self.step_seconds, self.num_steps = 0.0, 0
+        self.kv_connector: KVConnectorWorker | None = None  # (built with the cache)
 
     def _build_model(self, path: str | None) -> tuple[torch.nn.Module, Any, Any]:
         """``(model, HF config, source)``: built on meta (no random init), materialised
@@ -160,7 +161,7 @@ class Worker:
         parallelism. Two engines agreeing on it compute the same K/V for the same tokens."""
         files = [path] if os.path.isfile(path) else sorted(
             os.path.join(path, f) for f in os.listdir(path) if f.endswith((".safetensors", ".bin", ".gguf")))
-        stats = [(os.path.realpath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+        stats = [(os.path.realpath(f), st.st_size, st.st_mtime_ns) for f in files for st in [os.stat(f)]]
         spec = self.spec
         ident = {"format": 1, "arch": arch, "weights": stats, "numerics": self.numerics.name,
                  "kv_dtype": str(spec.dtype), "block": [spec.num_layers, spec.num_kv_heads, spec.head_dim,
@@ -259,7 +260,6 @@ class Worker:
         self.model_runner = ModelRunner(self.model, self.spec.block_size, self.device, self.attn_backend,
                                         self.tp.is_driver and self.pp.is_last)
         self.model_runner.lora = self.model_lora
-        self.kv_connector: KVConnectorWorker | None = None
         kvt = self.config.kv_transfer
         if kvt is not None and kvt.kv_connector == "DiskConnector":
             self.kv_connector = DiskConnectorWorker(kvt.store_dir(self.kv_fp.hex()), self.kv_fp, self.cache_engine)
@@ -306,11 +306,11 @@ class Worker:
 
     def kv_wait_for_save(self) -> None:
         """Until every K/V block the connector queued is on disk."""
-        if getattr(self, "kv_connector", None) is not None:
+        if self.kv_connector is not None:
             self.kv_connector.wait_for_save()
 
     def shutdown(self) -> None:
         """Finish what must outlive the worker (queued K/V saves)."""
-        if getattr(self, "kv_connector", None) is not None:
+        if self.kv_connector is not None:
             self.kv_connector.shutdown()
             self.kv_connector = None
