@@ -30,7 +30,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, nargs=2, default=[300, 600], metavar=("MIN", "MAX"))
     ap.add_argument("--cache-gib", type=float, default=2.0)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--cache-dtype", choices=("float32", "float16"), default="float32")
+    ap.add_argument("--cache-dtype", choices=("float32", "float16", "int8"), default="float32",
+                    help="int8: a scale per token and KV head after its values (attention/kv_quant.py)")
     ap.add_argument("--hot", action="store_true", help="every decode reads the same blocks (from cache)")
     ap.add_argument("--shared-prefix", type=int, default=0,
                     help="tokens every context starts with, in blocks all decodes share (a prefix-cache hit)")
@@ -41,6 +42,7 @@ def main() -> None:
 
     from pagellm.attention import cpu_kernel
     from pagellm.attention.cpu_paged import CpuPagedAttention
+    from pagellm.attention.kv_quant import cache_head_dim, to_cache
     from pagellm.attention.torch_paged import TorchPagedAttention
 
     if not cpu_kernel.available():
@@ -50,9 +52,11 @@ def main() -> None:
     hq, hkv = args.heads
     d, bs, n_layers = args.head_dim, args.block_size, args.layers
     dtype = getattr(torch, args.cache_dtype)
-    row_bytes = hkv * d * dtype.itemsize
+    row_bytes = hkv * cache_head_dim(d, dtype) * dtype.itemsize
     num_blocks = int(args.cache_gib * 2**30 / (n_layers * 2 * bs * row_bytes))
-    kv = torch.randn(n_layers, 2, num_blocks * bs, hkv, d).to(dtype)  # every page touched before timing
+    kv = torch.empty(n_layers, 2, num_blocks * bs, hkv, cache_head_dim(d, dtype), dtype=dtype)
+    for layer in range(n_layers):  # every page touched before timing (a layer at a time: int8's float temporaries)
+        kv[layer] = to_cache(torch.randn(2, num_blocks * bs, hkv, d), dtype)
     lens = [random.randint(*args.context) for _ in range(args.batch)]
     shared = min(args.shared_prefix, *lens) // bs
     need = shared + sum(-(-n // bs) - shared for n in lens)

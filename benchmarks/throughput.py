@@ -67,7 +67,8 @@ def pagellm_name(llm) -> str:
     """``pagellm (float32)``: the GEMM numerics, with the K/V cache dtype when it differs."""
     info = llm.llm_engine.model_info
     kv = info.kv_cache_dtype
-    return f"pagellm ({info.dtype}{'' if kv in ('auto', info.dtype) else f', {kv} KV'})"
+    same = kv in ("auto", info.dtype) and info.dtype != "int8"  # (int8 GEMMs say nothing of the cache)
+    return f"pagellm ({info.dtype}{'' if same else f', {kv} KV'})"
 
 
 def load_hf_model(model_path: str | None, dtype_name: str):

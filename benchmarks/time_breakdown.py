@@ -83,6 +83,7 @@ def main() -> None:
     add_workload_args(ap)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None, help="gguf: int8 GEMMs over the GGUF blocks")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="K/V cache element type (auto: chosen per machine)")
     ap.add_argument("--torch-profiler", type=int, default=0, metavar="N",
                     help="also print torch.profiler's op table over N steps of each kind")
     ap.add_argument("--no-prefix-caching", action="store_true", help="run with enable_prefix_caching=False")
@@ -94,7 +95,8 @@ def main() -> None:
     from pagellm.config import EngineArgs
 
     engine = LLMEngine.from_engine_args(EngineArgs(model=args.model, dtype=args.dtype, quantization=args.quantization,
-                                                           enable_prefix_caching=not args.no_prefix_caching))
+                                                   kv_cache_dtype=args.kv_cache_dtype,
+                                                   enable_prefix_caching=not args.no_prefix_caching))
     reqs = load_workload(args.workload, args.num_requests)
     for i, r in enumerate(reqs):
         engine.add_request(str(i), {"prompt_token_ids": r["prompt_token_ids"]},

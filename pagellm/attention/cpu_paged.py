@@ -1,8 +1,9 @@
 """The ``"cpu"`` attention backend: the reference backend plus the compiled CPU kernels.
 
 Decided once, at start-up, from the cache and the model dtype (:meth:`CpuPagedAttention.for_cache`):
-which kernels apply here (``cpu_kernel.py``: decode over a float32 or float16 cache, prefill over a
-float32 one with head size 64 on AVX-512; ``cpu_ops.write_kv``: the K/V write). Each step's
+which kernels apply here (``cpu_kernel.py``: decode over a float32, float16 or int8 cache, prefill
+over a float32 or float16 one with head size 64 on AVX-512, an int8 cache's prefill token by token
+through the decode kernel; ``cpu_ops.write_kv``: the K/V write). Each step's
 metadata then names the kernel groups (``DECODE_KERNEL``, ``PREFILL_KERNEL``) and
 ``TorchPagedAttention.forward`` runs them through the methods registered for those kinds. Nothing
 is re-checked per layer except the layout the kernels need.
@@ -26,26 +27,31 @@ class CpuPagedAttention(TorchPagedAttention):
 
     name = "cpu"
 
-    def __init__(self, decode_kernel: bool, prefill_kernel: bool, write_kv_kernel: bool) -> None:
+    def __init__(self, decode_kernel: bool, prefill_kernel: bool, write_kv_kernel: bool,
+                 prefill_as_decodes: bool = False) -> None:
         super().__init__()
         self.decode_kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
         self.write_kv_kernel = write_kv_kernel
+        # An int8 cache: each prefill token attends as the decode kernel would at its position (see
+        # _chunk_groups), so a token's result is the same whether it was decoded or prefilled.
+        self.prefill_as_decodes = prefill_as_decodes and decode_kernel
         self.impls[AttentionKind.DECODE_KERNEL] = self._decode_kernel
         self.impls[AttentionKind.PREFILL_KERNEL] = self._prefill_kernel
 
     def __repr__(self) -> str:
         return (f"CpuPagedAttention(decode_kernel={self.decode_kernel}, prefill_kernel={self.prefill_kernel}, "
-                f"write_kv_kernel={self.write_kv_kernel})")
+                f"write_kv_kernel={self.write_kv_kernel}, prefill_as_decodes={self.prefill_as_decodes})")
 
     @classmethod
     def for_cache(cls, key_cache: torch.Tensor, query_dtype: torch.dtype) -> CpuPagedAttention:
         """The kernels that apply to this cache (``[num_slots, Hkv, D]``) under ``query_dtype``
         queries: they compute in float32 and build on first use (``None`` of them if they cannot)."""
         f32 = query_dtype == torch.float32
+        int8 = key_cache.dtype == torch.int8
         return cls(decode_kernel=f32 and cpu_kernel.usable_for(key_cache),
-                   prefill_kernel=f32 and cpu_kernel.prefill_usable_for(key_cache),
-                   write_kv_kernel=f32 and cpu_ops.writes_kv_into(key_cache))
+                   prefill_kernel=f32 and not int8 and cpu_kernel.prefill_usable_for(key_cache),
+                   write_kv_kernel=f32 and cpu_ops.writes_kv_into(key_cache), prefill_as_decodes=int8)
 
     @property
     def uses_kernels(self) -> bool:
@@ -66,11 +72,26 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def _chunk_groups(self, groups: list[AttentionGroup], start: int, chunks: list[tuple[int, int, list[int]]],
                       block_size: int, device: torch.device) -> int:
-        """All prefill chunks as one ``PREFILL_KERNEL`` group (one task per chunk, KV head and tile)."""
-        if not (self.prefill_kernel and chunks):
+        """All prefill chunks as one ``PREFILL_KERNEL`` group (one task per chunk, KV head and tile),
+        or over an int8 cache as one ``DECODE_KERNEL`` group of one member per query token.
+
+        Why decodes for int8: a value's int8 rounding turns the last bit of difference between two
+        attention kernels' sums into a whole quantization step of the K/V written after it, and a
+        request preempted by recompute prefills the tokens it had decoded. With every token through
+        the decode kernel, its result is the same either way, and the kernel reading a prompt's
+        cache-hot K/V once per token costs about what the prefill kernel does (docs/performance.md).
+        """
+        if not chunks or not (self.prefill_kernel or self.prefill_as_decodes):
             return super()._chunk_groups(groups, start, chunks, block_size, device)
         lens = [num_computed + q_len for num_computed, q_len, _ in chunks]
         table = _padded_block_table(lens, [ids for _, _, ids in chunks], block_size)
+        if self.prefill_as_decodes:
+            q_lens = torch.tensor([q_len for _, q_len, _ in chunks])
+            seq_lens = torch.cat([torch.arange(c + 1, c + q + 1) for c, q, _ in chunks])
+            n = len(seq_lens)
+            groups.append(AttentionGroup(AttentionKind.DECODE_KERNEL, start, start + n, n, 1,
+                                         table.repeat_interleave(q_lens, dim=0), None, seq_lens=seq_lens))
+            return start + n
         # Each chunk's first flat row, then the end of the last.
         bounds = list(accumulate((q_len for _, q_len, _ in chunks), initial=start))
         info = torch.tensor([bounds[:-1], [c[0] for c in chunks], [c[1] for c in chunks]], dtype=torch.long)

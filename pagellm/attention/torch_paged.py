@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from pagellm.attention.kv_quant import as_cached, from_cache, to_cache
 from pagellm.attention.metadata import AttentionGroup, AttentionKind, AttentionMetadata
 
 # Decodes are split into at most this many length-sorted groups: less padding to gather and
@@ -108,9 +109,11 @@ def _cascade_decode(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k
     """
     b, hkv, g, d = q.shape
     assert grp.shared_blocks is not None
-    row = block_size * hkv * d
-    kp = key_cache.view(-1, row).index_select(0, grp.shared_blocks).view(-1, hkv, d).transpose(0, 1)[None].to(q.dtype)
-    vp = value_cache.view(-1, row).index_select(0, grp.shared_blocks).view(-1, hkv, d).transpose(0, 1)[None].to(q.dtype)
+    dc = key_cache.shape[-1]  # (the stored row: d, or d + the scale for an int8 cache)
+    row = block_size * hkv * dc
+    kp = from_cache(key_cache.view(-1, row).index_select(0, grp.shared_blocks).view(-1, hkv, dc), q.dtype)
+    vp = from_cache(value_cache.view(-1, row).index_select(0, grp.shared_blocks).view(-1, hkv, dc), q.dtype)
+    kp, vp = kp.transpose(0, 1)[None], vp.transpose(0, 1)[None]
     q_all = q.permute(1, 0, 2, 3).reshape(1, hkv, b * g, d)
     out_p, lse_p = _attend_with_lse(q_all, kp, vp, None, scale)
     out_p = out_p.view(hkv, b, g, d).permute(1, 0, 2, 3)
@@ -213,8 +216,8 @@ class TorchPagedAttention:
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         """Scatter this step's K/V (``[T, num_kv_heads, head_dim]``) into their cache slots."""
-        key_cache.index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-        value_cache.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+        key_cache.index_copy_(0, slot_mapping, to_cache(key, key_cache.dtype))
+        value_cache.index_copy_(0, slot_mapping, to_cache(value, value_cache.dtype))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -236,10 +239,9 @@ class TorchPagedAttention:
         # 4-D inputs: with 3-D ones CPU SDPA silently takes the slow math kernel.
         qh = query[grp.token_start:grp.token_end].transpose(0, 1)[None]
         kf, vf = key[grp.token_start:grp.token_end], value[grp.token_start:grp.token_end]
-        if key_cache.dtype != query.dtype:
-            # Attend to the K/V as cached (rounded), like chunked and decode steps do, so that
-            # chunking, prefix hits and preemption still cannot change the result.
-            kf, vf = kf.to(key_cache.dtype).to(query.dtype), vf.to(key_cache.dtype).to(query.dtype)
+        # Attend to the K/V as cached (rounded), like chunked and decode steps do, so that
+        # chunking, prefix hits and preemption still cannot change the result.
+        kf, vf = as_cached(kf, key_cache.dtype), as_cached(vf, key_cache.dtype)
         kh = _repeat_kv(kf.transpose(0, 1)[None], g, 1)
         vh = _repeat_kv(vf.transpose(0, 1)[None], g, 1)
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
@@ -258,14 +260,15 @@ class TorchPagedAttention:
             raise ValueError(f"a {grp.kind.name} group needs kv_blocks")
         flat = grp.kv_blocks.reshape(-1)
         kv_len = grp.kv_blocks.shape[1] * block_size
+        dc = key_cache.shape[-1]  # (the stored row: d, or d + the scale for an int8 cache)
         if grp.k_buf is None or grp.v_buf is None or grp.k_buf.dtype != key_cache.dtype:
-            grp.k_buf = key_cache.new_empty(flat.numel(), block_size * hkv * d)
+            grp.k_buf = key_cache.new_empty(flat.numel(), block_size * hkv * dc)
             grp.v_buf = torch.empty_like(grp.k_buf)
-        torch.index_select(key_cache.view(-1, block_size * hkv * d), 0, flat, out=grp.k_buf)
-        torch.index_select(value_cache.view(-1, block_size * hkv * d), 0, flat, out=grp.v_buf)
-        # A 16-bit cache under a wider model is upcast after the gather (attention math stays in the model dtype).
-        k = grp.k_buf.view(b, kv_len, hkv, d).transpose(1, 2).to(query.dtype)
-        v = grp.v_buf.view(b, kv_len, hkv, d).transpose(1, 2).to(query.dtype)
+        torch.index_select(key_cache.view(-1, block_size * hkv * dc), 0, flat, out=grp.k_buf)
+        torch.index_select(value_cache.view(-1, block_size * hkv * dc), 0, flat, out=grp.v_buf)
+        # A narrower cache is widened after the gather (attention math stays in the model dtype).
+        k = from_cache(grp.k_buf.view(b, kv_len, hkv, dc), query.dtype).transpose(1, 2)
+        v = from_cache(grp.v_buf.view(b, kv_len, hkv, dc), query.dtype).transpose(1, 2)
         if ql == 1:
             # Decode: the g query heads of each KV head become g query rows over the same keys.
             qh = q.view(b, hkv, g, d)

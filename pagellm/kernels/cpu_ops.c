@@ -109,6 +109,33 @@ void write_kv_f16(const float *key, int64_t key_stride, const float *value, int6
   }
 }
 
+/* The same into an int8 cache (kv_cache_dtype="int8", attention/kv_quant.py): each head row of D
+ * values becomes D int8 and its float32 scale (D + 4 bytes), scale = max|x| / 127 and q =
+ * round-half-even(x / scale), as to_cache computes it in torch. Portable C (no ISA needed). */
+void write_kv_i8(const float *key, int64_t key_stride, const float *value, int64_t value_stride, int8_t *key_cache,
+                 int8_t *value_cache, const int64_t *slots, int64_t T, int64_t Hkv, int64_t D) {
+  const int64_t row = Hkv * (D + 4);
+#pragma omp parallel for if (T >= 4 * PAR_MIN_ROWS)
+  for (int64_t t = 0; t < T; ++t) {
+    for (int kv = 0; kv < 2; ++kv) {
+      const float *src = kv ? value + t * value_stride : key + t * key_stride;
+      int8_t *dst = (kv ? value_cache : key_cache) + slots[t] * row;
+      for (int64_t h = 0; h < Hkv; ++h, src += D, dst += D + 4) {
+        float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+        for (int64_t i = 0; i < D; ++i) amax = fabsf(src[i]) > amax ? fabsf(src[i]) : amax;
+        const float scale = amax / 127.0f;
+        for (int64_t i = 0; i < D; ++i) {
+          float q = scale > 0.f ? nearbyintf(src[i] / scale) : 0.f;
+          q = q > 127.f ? 127.f : (q < -127.f ? -127.f : q);
+          dst[i] = (int8_t)q;
+        }
+        memcpy(dst + D, &scale, sizeof scale);
+      }
+    }
+  }
+}
+
 /* Greedy sampling's two reductions over logits [R, V] (row stride ld) in one parallel call:
  * idx[r] = the first index of row r's maximum (torch.argmax's choice; torch's CPU argmax is a
  * scalar loop, 3.5 ms for 64 x 49152 here) and lse[r] = log(sum(exp(x - max))) + max, for the

@@ -21,10 +21,11 @@ _SIGNATURES: kernels.Signatures = {
     "silu_and_mul_f32": (None, [_P, _P, _I, _I]),
     "write_kv_f32": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I]),
     "write_kv_f16": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I]),
+    "write_kv_i8": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I]),
     "argmax_logsumexp_f32": (None, [_P, _I, _I, _I, _P, _P]),
     "apply_token_bitmask_f32": (None, [_P, _I, _I, _P, _I, _P, _P, _I]),
 }
-_WRITE_KV = {torch.float32: "write_kv_f32", torch.float16: "write_kv_f16"}
+_WRITE_KV = {torch.float32: "write_kv_f32", torch.float16: "write_kv_f16", torch.int8: "write_kv_i8"}
 
 
 def _lib() -> ctypes.CDLL:
@@ -86,20 +87,23 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """``key_cache[slot_mapping] = key`` (and value) for float32 ``[T, Hkv, D]`` rows with contiguous
-    heads, into a float32 or float16 cache (rounded to nearest)."""
-    t = key.shape[0]
-    row = key_cache[0].numel()
-    k2, v2 = key.reshape(t, row), value.reshape(t, row)  # views: heads are contiguous within a row
+    heads, into a float32 or float16 cache (rounded to nearest) or an int8 one (``kv_quant``'s
+    layout and rounding)."""
+    t, hkv, d = key.shape
+    k2, v2 = key.reshape(t, hkv * d), value.reshape(t, hkv * d)  # views: heads are contiguous within a row
     if key.dtype != torch.float32 or value.dtype != torch.float32:
         raise ValueError("key and value must be float32")
     for c in (key_cache, value_cache):
         if not c.is_contiguous() or c.dtype not in _WRITE_KV or c.dtype != key_cache.dtype:
-            raise ValueError("caches must be contiguous float32 or float16 (both the same)")
+            raise ValueError("caches must be contiguous float32, float16 or int8 (both the same)")
+    if key_cache.shape[1:] != (hkv, d + 4 if key_cache.dtype == torch.int8 else d):  # (+ the scale)
+        raise ValueError(f"cache rows {tuple(key_cache.shape[1:])} do not hold [{hkv}, {d}] {key_cache.dtype} K/V")
     if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
         raise ValueError("slot_mapping must be contiguous int64")
-    getattr(_lib(), _WRITE_KV[key_cache.dtype])(k2.data_ptr(), _rows(k2, "key"), v2.data_ptr(), _rows(v2, "value"),
-                                              key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
-                                              t, row)
+    args = (k2.data_ptr(), _rows(k2, "key"), v2.data_ptr(), _rows(v2, "value"), key_cache.data_ptr(),
+            value_cache.data_ptr(), slot_mapping.data_ptr(), t)
+    fn = getattr(_lib(), _WRITE_KV[key_cache.dtype])
+    fn(*args, hkv, d) if key_cache.dtype == torch.int8 else fn(*args, hkv * d)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int], mask_rows: list[int]) -> None:

@@ -1,5 +1,6 @@
-/* Paged decode attention for CPU, float32: one query token per sequence attends to its cached
- * K/V read straight from the blocks (no gather copy). Built on first use by pagellm/kernels/__init__.py.
+/* Paged decode attention for CPU over a float32, float16 or int8 cache (AVX-512 for the latter two;
+ * an int8 head row ends with its scale, applied to the row's score and softmax weight): one query
+ * token per sequence attends to its cached K/V read straight from the blocks (no gather copy). Built on first use by pagellm/kernels/__init__.py.
  *
  * q, out:        [B, Hq, D]
  * key/value:     [num_slots, Hkv, D]   slot = block_id * block_size + offset
@@ -78,15 +79,27 @@ static inline __attribute__((always_inline)) void task_impl(
 }
 
 #ifdef __AVX512F__
-/* 16 cached values from element offset `off` of a float32 (f16 = 0) or float16 (f16 = 1) cache. */
-static inline __attribute__((always_inline)) __m512 load16(const void *base, int64_t off, const int f16) {
-  return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off)))
-             : _mm512_loadu_ps((const float *)base + off);
+/* 16 cached values from element offset `off` of a float32 (et = ET_F32), float16 (ET_F16) or int8
+ * (ET_I8: the raw integers; the caller applies the row's scale) cache. */
+static inline __attribute__((always_inline)) __m512 load16(const void *base, int64_t off, const int et) {
+  if (et == ET_I8)
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)base + off))));
+  return et == ET_F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off)))
+                      : _mm512_loadu_ps((const float *)base + off);
 }
 
-static inline __attribute__((always_inline)) void prefetch_row(const void *base, int64_t off, const int f16) {
-  const char *p = (const char *)base + off * (f16 ? 2 : 4);
-  for (int c = 0; c < 64 * (f16 ? 2 : 4); c += 64) __builtin_prefetch(p + c);
+/* The float32 scale stored after an int8 head row's 64 values (attention/kv_quant.py). */
+static inline float row_scale(const void *base, int64_t off) {
+  float s;
+  memcpy(&s, (const int8_t *)base + off + 64, sizeof s);
+  return s;
+}
+
+static inline __attribute__((always_inline)) void prefetch_row(const void *base, int64_t off, const int et) {
+  const int size = et == ET_I8 ? 1 : (et == ET_F16 ? 2 : 4);
+  const char *p = (const char *)base + off * size;
+  for (int c = 0; c < 64 * size; c += 64) __builtin_prefetch(p + c);
+  if (et == ET_I8) __builtin_prefetch(p + 67); /* the scale may start the next line */
 }
 
 /* sums[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: a shuffle tree of 30 shuffles and
@@ -111,10 +124,13 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 *v) {
 static inline int64_t prefetch_blocks(int64_t bs) { return bs >= 32 ? 1 : (32 + bs - 1) / bs; }
 
 /* Head size 64, G <= 4 query heads of KV head h: q and the accumulators live in registers.
- * kc/vc are float32 or (f16) float16 caches; the arithmetic is float32 either way. */
+ * kc/vc are float32, float16 or int8 caches (et; a head row is hs elements apart, 64 + the scale's 4
+ * for int8); the arithmetic is float32 either way, an int8 row's scale applied to its score and
+ * to its softmax weight. */
 static inline __attribute__((always_inline)) void task64(
     float *out, const float *qh, const void *kc, const void *vc, const int64_t *bt, int64_t L,
-    const int G, int64_t row, int64_t h, int64_t bs, float scale, float *scores, const int f16) {
+    const int G, int64_t row, int64_t h, int64_t bs, float scale, float *scores, const int et) {
+  const int64_t hs = et == ET_I8 ? 68 : 64;
   __m512 q[4][4];
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < 4; ++c) q[j][c] = _mm512_mul_ps(_mm512_loadu_ps(qh + j * 64 + c * 16), _mm512_set1_ps(scale));
@@ -122,20 +138,22 @@ static inline __attribute__((always_inline)) void task64(
    * of them are folded at once by sum16 (one horizontal reduction per token cost more than the
    * dot products themselves on a core that splits 512-bit shuffles). */
   __m512 part[4][16], mv[4];
+  float ks[16]; /* the int8 rows' scales of the tokens gathered in part */
   for (int j = 0; j < G; ++j) mv[j] = _mm512_set1_ps(-INFINITY);
   int c = 0;   /* tokens gathered in part */
   int64_t t = 0; /* position of part[.][0] */
   const int64_t nb = (L + bs - 1) / bs;
   const int64_t pf = prefetch_blocks(bs);
   for (int64_t b = 0; b < nb; ++b) {
-    const int64_t kb = bt[b] * bs * row + h * 64;
-    const int64_t kn = b + pf < nb ? bt[b + pf] * bs * row + h * 64 : kb;
+    const int64_t kb = bt[b] * bs * row + h * hs;
+    const int64_t kn = b + pf < nb ? bt[b + pf] * bs * row + h * hs : kb;
     const int64_t n = L - b * bs < bs ? L - b * bs : bs;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t k = kb + i * row;
-      prefetch_row(kc, kn + i * row, f16);
-      const __m512 k0 = load16(kc, k, f16), k1 = load16(kc, k + 16, f16), k2 = load16(kc, k + 32, f16),
-                   k3 = load16(kc, k + 48, f16);
+      prefetch_row(kc, kn + i * row, et);
+      const __m512 k0 = load16(kc, k, et), k1 = load16(kc, k + 16, et), k2 = load16(kc, k + 32, et),
+                   k3 = load16(kc, k + 48, et);
+      if (et == ET_I8) ks[c] = row_scale(kc, k);
       for (int j = 0; j < G; ++j) {
         __m512 a = _mm512_mul_ps(q[j][0], k0);
         a = _mm512_fmadd_ps(q[j][1], k1, a);
@@ -146,7 +164,8 @@ static inline __attribute__((always_inline)) void task64(
         const __mmask16 mk = (__mmask16)((1u << c) - 1);
         for (int j = 0; j < G; ++j) {
           for (int z = c; z < 16; ++z) part[j][z] = _mm512_setzero_ps();
-          const __m512 s = sum16(part[j]);
+          __m512 s = sum16(part[j]);
+          if (et == ET_I8) s = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(mk, ks));
           _mm512_mask_storeu_ps(scores + j * L + t, mk, s);
           mv[j] = _mm512_mask_max_ps(mv[j], mk, mv[j], s);
         }
@@ -180,16 +199,17 @@ static inline __attribute__((always_inline)) void task64(
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < 4; ++c) acc[j][c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const int64_t vb = bt[b] * bs * row + h * 64;
-    const int64_t vn = b + pf < nb ? bt[b + pf] * bs * row + h * 64 : vb;
+    const int64_t vb = bt[b] * bs * row + h * hs;
+    const int64_t vn = b + pf < nb ? bt[b + pf] * bs * row + h * hs : vb;
     const int64_t n = L - b * bs < bs ? L - b * bs : bs;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t v = vb + i * row;
-      prefetch_row(vc, vn + i * row, f16);
-      const __m512 v0 = load16(vc, v, f16), v1 = load16(vc, v + 16, f16), v2 = load16(vc, v + 32, f16),
-                   v3 = load16(vc, v + 48, f16);
+      prefetch_row(vc, vn + i * row, et);
+      const __m512 v0 = load16(vc, v, et), v1 = load16(vc, v + 16, et), v2 = load16(vc, v + 32, et),
+                   v3 = load16(vc, v + 48, et);
+      const float vs = et == ET_I8 ? row_scale(vc, v) : 1.f;
       for (int j = 0; j < G; ++j) {
-        const __m512 p = _mm512_set1_ps(scores[j * L + b * bs + i]);
+        const __m512 p = _mm512_set1_ps(et == ET_I8 ? scores[j * L + b * bs + i] * vs : scores[j * L + b * bs + i]);
         acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
         acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
         acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);
@@ -204,33 +224,35 @@ static inline __attribute__((always_inline)) void task64(
 /* One (sequence, KV head) task of the AVX-512 path: query heads in register-sized groups. */
 static inline __attribute__((always_inline)) void task64_groups(
     float *o, const float *qh, const void *kc, const void *vc, const int64_t *bt, int64_t L, int64_t g,
-    int64_t row, int64_t h, int64_t bs, float scale, float *scores, const int f16) {
+    int64_t row, int64_t h, int64_t bs, float scale, float *scores, const int et) {
   for (int64_t j0 = 0; j0 < g; j0 += 4) {
     const int G = g - j0 < 4 ? (int)(g - j0) : 4;
     float *oj = o + j0 * 64;
     const float *qj = qh + j0 * 64;
     switch (G) {
-      case 1: task64(oj, qj, kc, vc, bt, L, 1, row, h, bs, scale, scores, f16); break;
-      case 2: task64(oj, qj, kc, vc, bt, L, 2, row, h, bs, scale, scores, f16); break;
-      case 3: task64(oj, qj, kc, vc, bt, L, 3, row, h, bs, scale, scores, f16); break;
-      default: task64(oj, qj, kc, vc, bt, L, 4, row, h, bs, scale, scores, f16); break;
+      case 1: task64(oj, qj, kc, vc, bt, L, 1, row, h, bs, scale, scores, et); break;
+      case 2: task64(oj, qj, kc, vc, bt, L, 2, row, h, bs, scale, scores, et); break;
+      case 3: task64(oj, qj, kc, vc, bt, L, 3, row, h, bs, scale, scores, et); break;
+      default: task64(oj, qj, kc, vc, bt, L, 4, row, h, bs, scale, scores, et); break;
     }
   }
 }
 
 #endif
 
+/* Whether the float16 and int8 caches' decode path exists here (AVX-512, head size 64). */
 int paged_decode_f16_supported(int64_t D) { return avx512_head64(D); }
 
-/* Every (sequence, KV head) task of one call. f16: the caches hold float16, which only the AVX-512
- * path for head size 64 reads (callers check paged_decode_f16_supported); inlined into each entry
- * point with a constant f16, so the element type costs no branch in the inner loops. */
+/* Every (sequence, KV head) task of one call. et: the caches' element type; float16 and int8 are
+ * read only by the AVX-512 path for head size 64 (callers check paged_decode_f16_supported);
+ * inlined into each entry point with a constant et, so the element type costs no branch in the
+ * inner loops. */
 static inline __attribute__((always_inline)) int decode_all(
     float *out, const float *q, const void *kc, const void *vc, const int64_t *block_tables,
     const int64_t *seq_lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
-    int64_t max_blocks, float scale, const int f16) {
+    int64_t max_blocks, float scale, const int et) {
   const int64_t g = Hq / Hkv;
-  const int64_t row = Hkv * D;
+  const int64_t row = Hkv * (et == ET_I8 ? D + 4 : D);
   /* With enough sequences to keep every thread busy, one thread takes all KV heads of a sequence
    * in turn: their rows share cache lines' neighbours and DRAM pages, and the heads after the
    * first find much of each block already fetched (benchmarks/decode_attention.py, 64 decodes over
@@ -271,11 +293,11 @@ static inline __attribute__((always_inline)) int decode_all(
       const int64_t *bt = block_tables + b * max_blocks;
 #ifdef __AVX512F__
       if (D == 64) {
-        task64_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, f16);
+        task64_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et);
         continue;
       }
 #endif
-      if (f16) continue; /* unreachable: no portable float16 path */
+      if (et != ET_F32) continue; /* unreachable: no portable float16 or int8 path */
       const float *kf = (const float *)kc, *vf = (const float *)vc;
       if (D == 64)
         task_impl(o, qh, kf, vf, bt, L, g, row, h, 64, block_size, scale, scores, acc);
@@ -294,7 +316,7 @@ static inline __attribute__((always_inline)) int decode_all(
 int paged_decode_f32(float *out, const float *q, const float *kc, const float *vc,
                       const int64_t *block_tables, const int64_t *seq_lens, int64_t B, int64_t Hq,
                       int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, float scale) {
-  return decode_all(out, q, kc, vc, block_tables, seq_lens, B, Hq, Hkv, D, block_size, max_blocks, scale, 0);
+  return decode_all(out, q, kc, vc, block_tables, seq_lens, B, Hq, Hkv, D, block_size, max_blocks, scale, ET_F32);
 }
 
 /* Decode attention over a float16 cache (kv_cache_dtype="float16"). Always exported, so the
@@ -302,5 +324,12 @@ int paged_decode_f32(float *out, const float *q, const float *kc, const float *v
 int paged_decode_f16(float *out, const float *q, const uint16_t *kc, const uint16_t *vc,
                       const int64_t *block_tables, const int64_t *seq_lens, int64_t B, int64_t Hq,
                       int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, float scale) {
-  return decode_all(out, q, kc, vc, block_tables, seq_lens, B, Hq, Hkv, D, block_size, max_blocks, scale, 1);
+  return decode_all(out, q, kc, vc, block_tables, seq_lens, B, Hq, Hkv, D, block_size, max_blocks, scale, ET_F16);
+}
+
+/* Decode attention over an int8 cache (kv_cache_dtype="int8"; rows of D + 4 elements). */
+int paged_decode_i8(float *out, const float *q, const int8_t *kc, const int8_t *vc, const int64_t *block_tables,
+                    const int64_t *seq_lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
+                    int64_t max_blocks, float scale) {
+  return decode_all(out, q, kc, vc, block_tables, seq_lens, B, Hq, Hkv, D, block_size, max_blocks, scale, ET_I8);
 }

@@ -5,6 +5,10 @@
 #include <stdint.h>
 #include <string.h>
 
+/* A paged K/V cache's element type (the attention kernels' `et`): int8 head rows end with their
+ * float32 scale (pagellm/attention/kv_quant.py). */
+enum { ET_F32 = 0, ET_F16 = 1, ET_I8 = 2 };
+
 /* exp(x) in float32 to ~2 ulp: Cephes' expf. x = n ln2 + r with |r| <= ln2/2, a degree-6
  * polynomial for exp(r), times 2^n. One set of constants for the scalar version (written so the
  * compiler vectorises it; glibc's expf is a scalar call without -ffast-math) and exp512 below. */

@@ -1,7 +1,9 @@
 """The paged KV cache tensors of one worker and the block copies the scheduler asks for.
 
-One tensor ``[num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]`` holds every
-layer's K and V; layer ``i`` reads ``kv[i, 0]`` / ``kv[i, 1]`` as flat slot arrays.
+One tensor ``[num_layers, 2, num_blocks * block_size, num_kv_heads, cache_head_dim]`` holds every
+layer's K and V; layer ``i`` reads ``kv[i, 0]`` / ``kv[i, 1]`` as flat slot arrays. ``cache_head_dim``
+is ``head_dim``, or ``head_dim + 4`` for an int8 cache (each head row carries its scale:
+``attention/kv_quant.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import mmap
 from dataclasses import dataclass
 
 import torch
+
+from pagellm.attention.kv_quant import cache_head_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,8 +29,13 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @property
+    def cache_head_dim(self) -> int:
+        """Elements of one cached head row (with its scale, for an int8 cache)."""
+        return cache_head_dim(self.head_dim, self.dtype)
+
+    @property
     def block_bytes(self) -> int:
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.cache_head_dim * self.dtype.itemsize
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -61,12 +70,12 @@ class CacheEngine:
         self.spec = spec
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
-        shape = (spec.num_layers, 2, num_blocks * spec.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.num_layers, 2, num_blocks * spec.block_size, spec.num_kv_heads, spec.cache_head_dim)
         # Zeroed: attention gathers whole blocks and masks the unused tail slots, but a masked key
         # still multiplies its value by 0, so every slot must hold a finite number from the start.
         self.kv = _zeros(shape, spec.dtype, device)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(spec.num_layers)]
-        cpu_shape = (spec.num_layers, 2, num_cpu_blocks * spec.block_size, spec.num_kv_heads, spec.head_dim)
+        cpu_shape = (spec.num_layers, 2, num_cpu_blocks * spec.block_size, spec.num_kv_heads, spec.cache_head_dim)
         self.cpu_kv = _zeros(cpu_shape, spec.dtype, torch.device("cpu"))
         if device.type == "cuda" and num_cpu_blocks:
             self.cpu_kv = self.cpu_kv.pin_memory()

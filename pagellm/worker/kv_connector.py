@@ -48,7 +48,7 @@ class KVConnectorWorker:
         self.cache = cache
         spec = cache.spec
         self.payload_bytes = spec.block_bytes
-        self._block_shape = (spec.num_layers, 2, spec.block_size * spec.num_kv_heads * spec.head_dim)
+        self._block_shape = (spec.num_layers, 2, spec.block_size * spec.num_kv_heads * spec.cache_head_dim)
 
     def start_load_kv(self, meta: KVConnectorMetadata, out: KVConnectorOutput) -> None:
         """Fill each loading request's blocks, in order, stopping at its first bad block."""

@@ -220,10 +220,12 @@ class Worker:
 
     def _kv_cache_dtype(self, numerics: Numerics) -> torch.dtype:
         """``auto``: the model's dtype; with bfloat16 (or int8) GEMMs on a CPU, float16 (16-bit like the
-        weights, read directly by the attention kernels, more exact than bfloat16's 8-bit mantissa)."""
+        weights, read directly by the attention kernels, more exact than bfloat16's 8-bit mantissa).
+        ``int8`` stays opt-in: it passes the quality gate, but on top of int8 GEMMs it adds
+        divergence for a gain within noise on W64 (docs/performance.md)."""
         kv = self.config.cache.kv_cache_dtype
         if kv != "auto":
-            return _DTYPES[kv]
+            return torch.int8 if kv == "int8" else _DTYPES[kv]
         sixteen = numerics.int8 or numerics.compute_dtype == torch.bfloat16
         return torch.float16 if self.cpu_numerics and sixteen else self.dtype
 
