@@ -12,6 +12,7 @@ import random
 import shutil
 
 import pytest
+import torch
 
 from pagellm import LLMEngine, SamplingParams
 from pagellm.config import EngineArgs, KVTransferConfig
@@ -98,6 +99,21 @@ def test_restart_loads_the_saved_prefix_and_greedy_tokens_are_unchanged(model, r
     assert stats.kv_load_failures == 0
     # Every loaded token counts as a prefix hit: the shared 18 blocks, for the first request at least.
     assert stats.prefix_cache_hits >= (300 // BS) * BS
+    close(second)
+
+
+def test_int8_cache_blocks_are_saved_and_loaded_whole(model, tmp_path):
+    """An int8 cache's blocks carry each row's scale inside them (kv_cache_dtype="int8"): a restart
+    loads them and gives the tokens the first engine gave."""
+    store = str(tmp_path / "kv")
+    first = engine(model, store, kv_cache_dtype="int8")
+    assert first.executor.worker.cache_engine.kv.dtype == torch.int8
+    want = greedy(first, prompts())
+    close(first)
+    second = engine(model, store, kv_cache_dtype="int8")
+    assert greedy(second, prompts()) == want
+    stats = second.scheduler.make_stats()
+    assert stats.kv_blocks_loaded >= 300 // BS and stats.kv_load_failures == 0
     close(second)
 
 
