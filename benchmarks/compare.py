@@ -43,14 +43,12 @@ def _run_pagellm(args: argparse.Namespace, reqs: list[dict]) -> dict:
 
     from throughput import pagellm_name
 
+    block = {"block_size": args.block_size} if args.block_size else {}  # (else the engine's default)
     llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-              block_size=args.block_size)
+              **block)
     llm.generate([{"prompt_token_ids": reqs[0]["prompt_token_ids"][:8]}], SamplingParams(max_tokens=2),
                  use_tqdm=False)  # first call builds the C kernels if the cache is cold
-    name = pagellm_name(llm)
-    if args.block_size != 16:  # (16 is the default)
-        name = f"{name[:-1]}, block {args.block_size})"
-    result = {"engine": name, "startup": time.perf_counter() - T_START}
+    result = {"engine": pagellm_name(llm), "startup": time.perf_counter() - T_START}
     if args.mode == "throughput":
         return {**result, **run_all(llm, SamplingParams, reqs)}
     return {**result, **llm_latency(llm, SamplingParams, reqs, args.latency_requests)}
@@ -192,7 +190,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="pagellm dtype (auto: float32 or bfloat16 GEMMs, per machine)")
     ap.add_argument("--quantization", default=None, help="gguf: int8 GEMMs over the GGUF blocks")
     ap.add_argument("--kv-cache-dtype", default="auto", help="pagellm K/V cache dtype (auto = the model's)")
-    ap.add_argument("--block-size", type=int, default=16, help="pagellm KV block size")
+    ap.add_argument("--block-size", type=int, default=None, help="pagellm KV block size (default: the engine's)")
     ap.add_argument("--mode", choices=("throughput", "latency", "both"), default="both")
     ap.add_argument("--latency-requests", type=int, default=4)
     ap.add_argument("--hf-dtype", default="bfloat16")
@@ -220,10 +218,11 @@ def main() -> None:
     modes = ("throughput", "latency") if args.mode == "both" else (args.mode,)
     common = ["--workload", args.workload] + (["--num-requests", str(args.num_requests)] if args.num_requests else [])
     own = [sys.executable, os.path.abspath(__file__), *common, "--dtype", args.dtype,
-           "--kv-cache-dtype", args.kv_cache_dtype, "--block-size", str(args.block_size),
+           "--kv-cache-dtype", args.kv_cache_dtype,
            "--latency-requests", str(args.latency_requests), "--hf-dtype", args.hf_dtype,
            "--hf-batch-size", str(args.hf_batch_size)] + (["--model", args.model] if args.model else []) \
-        + (["--quantization", args.quantization] if args.quantization else [])
+        + (["--quantization", args.quantization] if args.quantization else []) \
+        + (["--block-size", str(args.block_size)] if args.block_size else [])
     engines: list[tuple[str, list[str]]] = [("pagellm", [*own, "--run-engine", "pagellm"])]
     if not args.skip_hf:
         engines.append(("hf", [*own, "--run-engine", "hf"]))

@@ -64,11 +64,17 @@ def run_pagellm(reqs: list[dict], args: argparse.Namespace, parallel: str = "uni
 
 
 def pagellm_name(llm) -> str:
-    """``pagellm (float32)``: the GEMM numerics, with the K/V cache dtype when it differs."""
+    """``pagellm (float32)``: the GEMM numerics, with the K/V cache dtype when it differs and the
+    block size when it is not the default."""
+    from pagellm.config import CacheConfig
+
     info = llm.llm_engine.model_info
     kv = info.kv_cache_dtype
     same = kv in ("auto", info.dtype) and info.dtype != "int8"  # (int8 GEMMs say nothing of the cache)
-    return f"pagellm ({info.dtype}{'' if same else f', {kv} KV'})"
+    block = llm.llm_engine.block_size
+    default_block = CacheConfig.__dataclass_fields__["block_size"].default
+    return (f"pagellm ({info.dtype}{'' if same else f', {kv} KV'}"
+            f"{'' if block == default_block else f', block {block}'})")
 
 
 def load_hf_model(model_path: str | None, dtype_name: str):

@@ -48,10 +48,10 @@ class CpuPagedAttention(TorchPagedAttention):
         """The kernels that apply to this cache (``[num_slots, Hkv, D]``) under ``query_dtype``
         queries: they compute in float32 and build on first use (``None`` of them if they cannot)."""
         f32 = query_dtype == torch.float32
-        int8 = key_cache.dtype == torch.int8
         return cls(decode_kernel=f32 and cpu_kernel.usable_for(key_cache),
-                   prefill_kernel=f32 and not int8 and cpu_kernel.prefill_usable_for(key_cache),
-                   write_kv_kernel=f32 and cpu_ops.writes_kv_into(key_cache), prefill_as_decodes=int8)
+                   prefill_kernel=f32 and cpu_kernel.prefill_usable_for(key_cache),  # (never for int8)
+                   write_kv_kernel=f32 and cpu_ops.writes_kv_into(key_cache),
+                   prefill_as_decodes=key_cache.dtype == torch.int8)
 
     @property
     def uses_kernels(self) -> bool:

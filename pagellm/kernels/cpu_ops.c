@@ -76,9 +76,11 @@ void silu_and_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I) {
   }
 }
 
-/* Scatter this step's K and V rows ([T, row] with row strides) into their cache slots. */
+/* Scatter this step's K and V rows ([T, Hkv * D] with row strides) into their cache slots. Every
+ * write_kv_* takes the same arguments, whatever the cache holds. */
 void write_kv_f32(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
-                  float *key_cache, float *value_cache, const int64_t *slots, int64_t T, int64_t row) {
+                  float *key_cache, float *value_cache, const int64_t *slots, int64_t T, int64_t Hkv, int64_t D) {
+  const int64_t row = Hkv * D;
 #pragma omp parallel for if (T >= 4 * PAR_MIN_ROWS)
   for (int64_t t = 0; t < T; ++t) {
     memcpy(key_cache + slots[t] * row, key + t * key_stride, sizeof(float) * row);
@@ -89,7 +91,9 @@ void write_kv_f32(const float *key, int64_t key_stride, const float *value, int6
 /* The same into a float16 cache (kv_cache_dtype="float16"): round to nearest even, as torch's
  * .to(torch.float16). */
 void write_kv_f16(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
-                  uint16_t *key_cache, uint16_t *value_cache, const int64_t *slots, int64_t T, int64_t row) {
+                  uint16_t *key_cache, uint16_t *value_cache, const int64_t *slots, int64_t T, int64_t Hkv,
+                  int64_t D) {
+  const int64_t row = Hkv * D;
 #pragma omp parallel for if (T >= 4 * PAR_MIN_ROWS)
   for (int64_t t = 0; t < T; ++t) {
     for (int kv = 0; kv < 2; ++kv) {

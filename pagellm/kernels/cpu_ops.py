@@ -19,8 +19,8 @@ _SIGNATURES: kernels.Signatures = {
     "rms_norm_f32": (None, [_P, _I, _P, _P, _P, _I, _I, _F]),
     "rotary_f32": (None, [_P, _I, _P, _P, _I, _I, _I]),
     "silu_and_mul_f32": (None, [_P, _P, _I, _I]),
-    "write_kv_f32": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I]),
-    "write_kv_f16": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I]),
+    "write_kv_f32": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I]),
+    "write_kv_f16": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I]),
     "write_kv_i8": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I]),
     "argmax_logsumexp_f32": (None, [_P, _I, _I, _I, _P, _P]),
     "apply_token_bitmask_f32": (None, [_P, _I, _I, _P, _I, _P, _P, _I]),
@@ -100,10 +100,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
         raise ValueError(f"cache rows {tuple(key_cache.shape[1:])} do not hold [{hkv}, {d}] {key_cache.dtype} K/V")
     if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
         raise ValueError("slot_mapping must be contiguous int64")
-    args = (k2.data_ptr(), _rows(k2, "key"), v2.data_ptr(), _rows(v2, "value"), key_cache.data_ptr(),
-            value_cache.data_ptr(), slot_mapping.data_ptr(), t)
-    fn = getattr(_lib(), _WRITE_KV[key_cache.dtype])
-    fn(*args, hkv, d) if key_cache.dtype == torch.int8 else fn(*args, hkv * d)
+    getattr(_lib(), _WRITE_KV[key_cache.dtype])(k2.data_ptr(), _rows(k2, "key"), v2.data_ptr(), _rows(v2, "value"),
+                                              key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
+                                              t, hkv, d)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int], mask_rows: list[int]) -> None:

@@ -130,7 +130,7 @@ static inline int64_t prefetch_blocks(int64_t bs) { return bs >= 32 ? 1 : (32 + 
 static inline __attribute__((always_inline)) void task64(
     float *out, const float *qh, const void *kc, const void *vc, const int64_t *bt, int64_t L,
     const int G, int64_t row, int64_t h, int64_t bs, float scale, float *scores, const int et) {
-  const int64_t hs = et == ET_I8 ? 68 : 64;
+  const int64_t hs = et == ET_I8 ? 64 + 4 : 64; /* an int8 row's values, then its float32 scale */
   __m512 q[4][4];
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < 4; ++c) q[j][c] = _mm512_mul_ps(_mm512_loadu_ps(qh + j * 64 + c * 16), _mm512_set1_ps(scale));
@@ -207,9 +207,9 @@ static inline __attribute__((always_inline)) void task64(
       prefetch_row(vc, vn + i * row, et);
       const __m512 v0 = load16(vc, v, et), v1 = load16(vc, v + 16, et), v2 = load16(vc, v + 32, et),
                    v3 = load16(vc, v + 48, et);
-      const float vs = et == ET_I8 ? row_scale(vc, v) : 1.f;
+      const float vs = et == ET_I8 ? row_scale(vc, v) : 1.f; /* (x * 1.f is x: other caches unchanged) */
       for (int j = 0; j < G; ++j) {
-        const __m512 p = _mm512_set1_ps(et == ET_I8 ? scores[j * L + b * bs + i] * vs : scores[j * L + b * bs + i]);
+        const __m512 p = _mm512_set1_ps(scores[j * L + b * bs + i] * vs);
         acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
         acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
         acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);
