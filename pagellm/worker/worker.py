@@ -28,6 +28,7 @@ from pagellm.models import get_model_class
 from pagellm.weights import freq_factors, iter_weights, load_model_config
 from pagellm.worker.cache_engine import CacheEngine, KVCacheSpec
 from pagellm.worker.draft_runner import DraftRunner
+from pagellm.worker.host_malloc import tune_malloc
 from pagellm.worker.kv_connector import DiskConnectorWorker, KVConnectorWorker, TcpConnectorWorker
 from pagellm.worker.model_runner import ModelRunner
 
@@ -73,6 +74,7 @@ class Worker:
             else torch.device(dev)
         if self.device.type == "cpu":
             torch.set_num_threads(config.device.num_threads or default_num_threads())
+            tune_malloc()  # activations reuse freed memory instead of page-faulting it in every layer
         elif self.device.index is not None:
             torch.cuda.set_device(self.device)
         par = config.parallel
