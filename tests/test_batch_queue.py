@@ -1,18 +1,20 @@
 """The batch queue (``async_scheduling``; pipeline stages use it too): the engine schedules the
 next step while one computes, a request is never in two steps at once, and every output equals
 the synchronous engine's: greedy tokens under chunked prefill and a tight cache (recompute and
-swap preemption), parallel sampling, beam search, speculative decoding, aborts; invariants after
-every step, every block free at the end."""
+swap preemption), parallel sampling, beam search, speculative decoding, structured output, LoRA,
+aborts; invariants after every step, every block free at the end."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from pagellm import LLMEngine, SamplingParams
+from pagellm import LLM, LLMEngine, LoRARequest, SamplingParams
 from pagellm.config import EngineArgs
 from pagellm.sampling_params import BeamSearchParams
 
-from conftest import run_to_completion
+from conftest import build_tiny_checkpoint, run_to_completion
 from test_hf_parity import random_prompts
 
 TIGHT = dict(max_num_batched_tokens=32, long_prefill_token_threshold=16, num_gpu_blocks_override=30, block_size=8,
@@ -91,3 +93,56 @@ def test_batch_queue_combinations_refused_clearly():
             .create_engine_config()
     with pytest.raises(ValueError, match="data_parallel_size"):
         EngineArgs(async_scheduling=True, data_parallel_size=2).create_engine_config()
+
+
+def test_structured_output_under_async_scheduling(tiny_llama):
+    """The grammar's bitmask for a request's next token needs its last token: with steps in flight
+    the request is never in two of them, so the masks and the greedy outputs are the synchronous
+    engine's, also under a tight cache with recompute."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from test_structured_output import PERSON, PROMPTS, _params
+
+    def outputs(async_scheduling: bool, **kw) -> list[list[int]]:
+        llm = LLM(tiny_llama, kv_cache_memory="16MiB", max_model_len=512, async_scheduling=async_scheduling, **kw)
+        with llm:
+            outs = llm.generate(PROMPTS, _params(json=PERSON), use_tqdm=False)
+            eng = llm.llm_engine
+            assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_blocks
+            assert eng.structured_outputs.num_constrained == 0
+        for o in outs:
+            jsonschema.validate(json.loads(o.outputs[0].text), PERSON)
+        return [o.outputs[0].token_ids for o in outs]
+
+    ref = outputs(False)
+    assert outputs(True) == ref
+    assert outputs(True, num_gpu_blocks_override=12, block_size=16, preemption_mode="recompute",
+                   max_num_batched_tokens=13, long_prefill_token_threshold=0) == ref
+
+
+def test_lora_under_async_scheduling(ckpt_root):
+    """Adapters' rows in a step are that step's: with two steps in flight each request keeps its
+    adapter, and every output equals the synchronous engine's (tight cache with swap too)."""
+    pytest.importorskip("peft")
+    from test_lora import ALL, make_adapter
+
+    path = build_tiny_checkpoint(ckpt_root, "llama")
+    adapters = [LoRARequest("qv", 1, make_adapter(path, f"{path}-lora-qv", 1, ["q_proj", "v_proj"])),
+                LoRARequest("all", 2, make_adapter(path, f"{path}-lora-all", 2, ALL, r=4, rslora=True)), None]
+    prompts = random_prompts(9, seed=13, hi=70)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    def outputs(async_scheduling: bool, **kw) -> dict:
+        engine = LLMEngine.from_engine_args(EngineArgs(model=path, dtype="float32", enable_lora=True, max_loras=2,
+                                                       async_scheduling=async_scheduling, **kw))
+        try:
+            for i, p in enumerate(prompts):
+                engine.add_request(str(i), {"prompt_token_ids": p}, params, lora_request=adapters[i % 3])
+            done = run_to_completion(engine)
+            assert not engine.scheduler.in_flight
+            return {rid: o.outputs[0].token_ids for rid, o in done.items()}
+        finally:
+            engine.shutdown()
+
+    ref = outputs(False)
+    assert outputs(True) == ref
+    assert outputs(True, **dict(TIGHT, preemption_mode="swap")) == ref

@@ -130,6 +130,18 @@ def test_pp2_matches_one_worker_on_smollm2(smollm2_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_pp2_tp2_on_smollm2_under_chunking_and_preemption_matches_one_worker(smollm2_path, mode):
+    """The real model in four ranks (two stages of two tensor-parallel shards) under chunks of 32
+    tokens and a cache too small for every sequence at once."""
+    prompts = random_prompts(5, seed=8, hi=90)
+    tight = dict(max_num_batched_tokens=32, long_prefill_token_threshold=32, num_gpu_blocks_override=20,
+                 block_size=16, preemption_mode=mode, num_cpu_blocks_override=64)
+    assert_same(greedy(smollm2_path, prompts, pipeline_parallel_size=2, tensor_parallel_size=2, **tight),
+                greedy(smollm2_path, prompts, **tight))
+
+
+@pytest.mark.slow
 def test_tp2_mp_matches_tp1_on_smollm2(smollm2_path):
     prompts = random_prompts(4, seed=3, hi=120)
     assert_same(greedy(smollm2_path, prompts, tensor_parallel_size=2), greedy(smollm2_path, prompts))
@@ -330,6 +342,23 @@ def test_pp2_ray_matches_one_worker(ray_cluster, ckpt_root):
     prompts = random_prompts(6, seed=13, hi=90)
     assert_same(greedy(path, prompts, pipeline_parallel_size=2, distributed_executor_backend="ray"),
                 greedy(path, prompts))
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_pp2_ray_under_chunking_and_preemption_matches_one_worker(ray_cluster, ckpt_root, mode):
+    path = checkpoint(ckpt_root, "qwen2")
+    prompts = random_prompts(8, seed=5, hi=60)
+    tight = dict(max_num_batched_tokens=16, long_prefill_token_threshold=16, num_gpu_blocks_override=24,
+                 block_size=8, preemption_mode=mode, num_cpu_blocks_override=64)
+    assert_same(greedy(path, prompts, pipeline_parallel_size=2, distributed_executor_backend="ray", **tight),
+                greedy(path, prompts, **tight))
+
+
+@pytest.mark.slow
+def test_pp2_ray_matches_one_worker_on_smollm2(ray_cluster, smollm2_path):
+    prompts = random_prompts(4, seed=3, hi=120)
+    assert_same(greedy(smollm2_path, prompts, pipeline_parallel_size=2, distributed_executor_backend="ray"),
+                greedy(smollm2_path, prompts))
 
 
 def test_worker_killed_mid_pipeline_fails_every_request_and_leaves_no_process(ckpt_root):
