@@ -121,6 +121,41 @@ def test_int8_gemm_equals_the_rounded_product_and_is_batch_invariant(bits):
     assert gemm_int8.pack(w) is None
 
 
+def test_long_prefill_through_the_int8_mlp_in_slices_gives_the_same_bits(monkeypatch):
+    """``MLP.forward`` slices more than MLP_CHUNK_MIN_ROWS rows over the int8 kernels (cache-sized
+    passes): the output is the unsliced pass's bit for bit, and a row's is its own alone. Over
+    float32 weights (MKL for large batches) it never slices."""
+    require_int8_kernel()
+    from types import SimpleNamespace
+
+    from pagellm.distributed import TensorParallelGroup
+    from pagellm.models import decoder
+
+    torch.manual_seed(1)
+    config = SimpleNamespace(hidden_size=64, intermediate_size=96)
+    mlp = decoder.MLP(config, TensorParallelGroup())
+    with torch.no_grad():
+        for lin in (mlp.gate_up_proj, mlp.down_proj):
+            lin.weight.copy_(round_to_gguf_blocks(torch.randn_like(lin.weight) * 0.1, 4))
+            assert lin.pack_for_cpu(int8=True) and lin.packed_i8 is not None
+    sliced: list[int] = []
+    real = mlp._forward
+    monkeypatch.setattr(mlp, "_forward", lambda x: sliced.append(x.shape[0]) or real(x))
+    x = torch.randn(decoder.MLP_CHUNK_MIN_ROWS + 77, 64)
+    with torch.inference_mode():
+        y = mlp(x)
+        assert sliced == [decoder.MLP_CHUNK_ROWS] * (len(x) // decoder.MLP_CHUNK_ROWS) + [len(x) % decoder.MLP_CHUNK_ROWS]
+        assert torch.equal(y, real(x))
+        assert torch.equal(y[300:301], real(x[300:301]))
+        sliced.clear()
+        mlp(x[:decoder.MLP_CHUNK_MIN_ROWS])
+        assert sliced == [decoder.MLP_CHUNK_MIN_ROWS]
+        plain = decoder.MLP(config, TensorParallelGroup())
+        plain.gate_up_proj.pack_for_cpu()
+        plain.down_proj.pack_for_cpu()
+        assert not plain._sliceable()
+
+
 def test_int8_needs_gguf_blocks_and_the_kernel(ckpt_root, monkeypatch):
     path = build_tiny_checkpoint(ckpt_root, "llama")
     with pytest.raises(ValueError, match="quantization must be one of"):

@@ -77,6 +77,13 @@ class Attention(nn.Module):
         return self.o_proj(o)
 
 
+# Rows per slice of a long prefill through the MLP (``MLP.forward``): 128 rows of SmolLM2's gate/up
+# output are 1.5 MiB, within a 2 MiB L2; 64-192 measured close, 128 best; at 512 rows and fewer
+# slicing gains nothing (measured), so those run whole.
+MLP_CHUNK_ROWS = 128
+MLP_CHUNK_MIN_ROWS = 512
+
+
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
 
@@ -89,6 +96,21 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(part, config.hidden_size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > MLP_CHUNK_MIN_ROWS and self._sliceable():
+            # A long prefill in slices whose gate/up output stays in cache for SiLU*mul and the
+            # down projection (2048 rows of SmolLM2 write and re-read 25 MiB otherwise).
+            return torch.cat([self._forward(c) for c in x.split(MLP_CHUNK_ROWS)])
+        return self._forward(x)
+
+    def _sliceable(self) -> bool:
+        """Only over the int8 kernels: every batch size runs through them, so a row's output is the
+        same bits sliced or not, and they gain (the 30 MLPs 1.18x at 1024 rows, 1.28x at 2048; the
+        bfloat16 kernel 0.96-0.99x, float32 hands large batches to MKL). Not with adapters, whose
+        rows are mapped over the whole step."""
+        g, d = self.gate_up_proj, self.down_proj
+        return g.packed_i8 is not None and d.packed_i8 is not None and g.lora is None and d.lora is None
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
