@@ -92,8 +92,8 @@ def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, cache_d
         seqs.append((num_computed, n, blocks, k_all, v_all, torch.randn(n, hq, d)))
     decodes = [s for s in seqs if s[1] == 1 and s[0] > 0]
     chunks = [s for s in seqs if not (s[1] == 1 and s[0] > 0)]
-    # An int8 cache's prefill tokens take the decode kernel, one member each (cpu_paged.py).
-    as_decodes = decode_kernel and cache_dtype == torch.int8
+    # A 16-bit or int8 cache's prefill tokens take the decode kernel, one member each (cpu_paged.py).
+    as_decodes = decode_kernel and cache_dtype != torch.float32
     prefill_kernel = decode_kernel and d == 64 and not as_decodes
     # The backend the engine would choose for this cache: the reference, or the kernels that apply.
     backend = CpuPagedAttention.for_cache(key_cache, torch.float32) if decode_kernel else TorchPagedAttention()

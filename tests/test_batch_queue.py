@@ -146,3 +146,27 @@ def test_lora_under_async_scheduling(ckpt_root):
     ref = outputs(False)
     assert outputs(True) == ref
     assert outputs(True, **dict(TIGHT, preemption_mode="swap")) == ref
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_async_scheduling_on_smollm2_under_a_tight_cache(smollm2_path, mode):
+    """The real model in its default numerics (chosen per machine; every kernel batch invariant),
+    chunked prefill and a cache too small for every sequence at once: async equals synchronous."""
+    prompts = random_prompts(6, seed=9, hi=100)
+    reqs = [(str(i), p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)) for i, p in enumerate(prompts)]
+    tight = dict(max_num_batched_tokens=48, long_prefill_token_threshold=32, num_gpu_blocks_override=24,
+                 block_size=16, preemption_mode=mode, num_cpu_blocks_override=64)
+
+    def outputs(async_scheduling: bool) -> dict:
+        engine = LLMEngine.from_engine_args(EngineArgs(model=smollm2_path, async_scheduling=async_scheduling, **tight))
+        try:
+            for rid, prompt, params in reqs:
+                engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+            done = run_to_completion(engine)
+            assert engine.get_stats()["num_preemptions"] > 0, "the cache was not tight: the test tests less"
+            return {rid: o.outputs[0].token_ids for rid, o in done.items()}
+        finally:
+            engine.shutdown()
+
+    assert outputs(True) == outputs(False)

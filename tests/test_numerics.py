@@ -144,7 +144,8 @@ def test_long_prefill_through_the_int8_mlp_in_slices_gives_the_same_bits(monkeyp
     x = torch.randn(decoder.MLP_CHUNK_MIN_ROWS + 77, 64)
     with torch.inference_mode():
         y = mlp(x)
-        assert sliced == [decoder.MLP_CHUNK_ROWS] * (len(x) // decoder.MLP_CHUNK_ROWS) + [len(x) % decoder.MLP_CHUNK_ROWS]
+        rows = decoder.MLP_CHUNK_ROWS
+        assert sliced == [rows] * (len(x) // rows) + [len(x) % rows]
         assert torch.equal(y, real(x))
         assert torch.equal(y[300:301], real(x[300:301]))
         sliced.clear()

@@ -134,11 +134,12 @@ def test_narrow_kv_cache_outputs_do_not_depend_on_scheduling(baseline, arch, kv)
 
 
 @pytest.mark.slow
-def test_smollm2_int8_kv_cache_outputs_do_not_depend_on_scheduling():
-    """The same through the int8 attention kernels (head size 64: SmolLM2, where the machine has
-    AVX-512) under the default GEMMs."""
+@pytest.mark.parametrize("kv", ["float16", "int8"])
+def test_smollm2_narrow_kv_cache_outputs_do_not_depend_on_scheduling(kv):
+    """The same through the 16-bit and int8 attention kernels (head size 64: SmolLM2, where the
+    machine has AVX-512) under the default GEMMs."""
     prompts = random_prompts(8, seed=11, lo=5, hi=120)
-    kwargs = {"kv_cache_dtype": "int8"}
+    kwargs = {"kv_cache_dtype": kv}
     ref, engine = engine_greedy(None, prompts, MAX_TOKENS, **kwargs)
     worker = engine.executor.worker
     assert getattr(worker.attn_backend, "decode_kernel", False) == cpu_kernel.usable_for(worker.cache_engine.kv[0, 0])

@@ -91,22 +91,20 @@ static inline void scores_tile(float *st, int64_t rp, const float *qt, int64_t r
 }
 
 /* o[r0 .. r0 + 4) (+)= sum over keys j0 .. j1 of St[j][r] * V[j]. */
-/* 16 cache values at element offset off: float32, or float16 widened (exactly) to float32. */
-static inline __attribute__((always_inline)) __m512 load_kv16(const void *base, int64_t off, const int f16) {
-  if (f16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off)));
-  return _mm512_loadu_ps((const float *)base + off);
+/* 16 cache values at element offset off. */
+static inline __attribute__((always_inline)) __m512 load_kv16(const float *base, int64_t off) {
+  return _mm512_loadu_ps(base + off);
 }
 
 static inline __attribute__((always_inline)) void pv_tile(float *o, const float *st, int64_t rp, int64_t r0,
-                                                          const void *vc, const int64_t *koff, int64_t j0, int64_t j1,
-                                                          const int f16) {
+                                                          const float *vc, const int64_t *koff, int64_t j0, int64_t j1) {
   __m512 a[4][4];
   for (int r = 0; r < 4; ++r)
     for (int c = 0; c < 4; ++c)
       a[r][c] = j0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(o + (r0 + r) * D + c * 16);
   for (int64_t j = j0; j < j1; ++j) {
-    const __m512 v0 = load_kv16(vc, koff[j], f16), v1 = load_kv16(vc, koff[j] + 16, f16),
-                 v2 = load_kv16(vc, koff[j] + 32, f16), v3 = load_kv16(vc, koff[j] + 48, f16);
+    const __m512 v0 = load_kv16(vc, koff[j]), v1 = load_kv16(vc, koff[j] + 16), v2 = load_kv16(vc, koff[j] + 32),
+                 v3 = load_kv16(vc, koff[j] + 48);
     const float *p = st + j * rp + r0;
     for (int r = 0; r < 4; ++r) {
       const __m512 pr = _mm512_set1_ps(p[r]);
@@ -127,9 +125,9 @@ static inline __mmask16 sees(int64_t j, __m512i pv, __m512i pv2) {
 }
 
 static inline __attribute__((always_inline)) int run_task(
-    Scratch *s, const Task *tk, float *out, int64_t out_stride, const float *q, int64_t q_stride, const void *kc,
-    const void *vc, const int64_t *bt, int64_t ts, int64_t nc, int64_t h, int64_t g, int64_t Hkv, int64_t bs,
-    float scale, const int f16) {
+    Scratch *s, const Task *tk, float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *kc,
+    const float *vc, const int64_t *bt, int64_t ts, int64_t nc, int64_t h, int64_t g, int64_t Hkv, int64_t bs,
+    float scale) {
   const int64_t R = tk->nt * g, rp = (R + 31) / 32 * 32;
   const int64_t L = nc + tk->t0 + tk->nt; /* keys the last token attends to */
   const int64_t lk = (L + KEYS - 1) / KEYS * KEYS;
@@ -137,7 +135,7 @@ static inline __attribute__((always_inline)) int run_task(
   const int64_t row = Hkv * D;
   for (int64_t j = 0; j < L; ++j) {
     s->koff[j] = (bt[j / bs] * bs + j % bs) * row + h * D;
-    for (int c = 0; c < 4; ++c) _mm512_store_ps(s->kb + j * D + c * 16, load_kv16(kc, s->koff[j] + c * 16, f16));
+    for (int c = 0; c < 4; ++c) _mm512_store_ps(s->kb + j * D + c * 16, load_kv16(kc, s->koff[j] + c * 16));
   }
   memset(s->kb + L * D, 0, sizeof(float) * D * (lk - L));
   /* rows r = t * g + i: token t0 + t, query head h * g + i; padding rows repeat the last row's
@@ -187,7 +185,7 @@ static inline __attribute__((always_inline)) int run_task(
     for (int64_t r0 = 0; r0 < r4; r0 += 4) {
       const int64_t nk = s->pos[r0 + 3] + 1;
       if (nk <= j0) continue;
-      pv_tile(s->o, s->st, rp, r0, vc, s->koff, j0, nk < j0 + PV_KEYS ? nk : j0 + PV_KEYS, f16);
+      pv_tile(s->o, s->st, rp, r0, vc, s->koff, j0, nk < j0 + PV_KEYS ? nk : j0 + PV_KEYS);
     }
   }
   for (int64_t r = 0; r < R; ++r) {
@@ -209,11 +207,13 @@ static int64_t tile_tokens(int64_t L, int64_t q_len, int64_t g) {
 }
 #endif
 
-/* 0, or -1 when scratch memory could not be allocated (out is then not valid). */
-static inline __attribute__((always_inline)) int prefill_all(
-    float *out, int64_t out_stride, const float *q, int64_t q_stride, const void *kc, const void *vc,
-    const int64_t *block_tables, int64_t max_blocks, const int64_t *token_starts, const int64_t *num_computed,
-    const int64_t *q_lens, int64_t C, int64_t Hq, int64_t Hkv, int64_t block_size, float scale, const int f16) {
+/* The exported entry point, over a float32 cache (a 16-bit or int8 cache's chunks take the decode
+ * kernel token by token: pagellm/attention/cpu_paged.py). 0, or -1 when scratch memory could not be
+ * allocated (out is then not valid). */
+int paged_prefill_f32(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *kc,
+                      const float *vc, const int64_t *block_tables, int64_t max_blocks, const int64_t *token_starts,
+                      const int64_t *num_computed, const int64_t *q_lens, int64_t C, int64_t Hq, int64_t Hkv,
+                      int64_t block_size, float scale) {
 #ifdef __AVX512F__
   const int64_t g = Hq / Hkv;
   int64_t n = 0;
@@ -244,7 +244,7 @@ static inline __attribute__((always_inline)) int prefill_all(
     for (int64_t i = 0; i < n; ++i) {
       const int64_t c = tasks[i].c;
       if (!run_task(&s, &tasks[i], out, out_stride, q, q_stride, kc, vc, block_tables + c * max_blocks,
-                    token_starts[c], num_computed[c], tasks[i].h, g, Hkv, block_size, scale, f16)) {
+                    token_starts[c], num_computed[c], tasks[i].h, g, Hkv, block_size, scale)) {
 #pragma omp atomic write
         failed = 1;
       }
@@ -256,19 +256,8 @@ static inline __attribute__((always_inline)) int prefill_all(
 #else
   (void)out, (void)out_stride, (void)q, (void)q_stride, (void)kc, (void)vc, (void)block_tables;
   (void)max_blocks, (void)token_starts, (void)num_computed, (void)q_lens, (void)C, (void)Hq, (void)Hkv;
-  (void)block_size, (void)scale, (void)f16;
+  (void)block_size, (void)scale;
   return -1; /* never called: paged_prefill_supported() is 0 without AVX-512 */
 #endif
 }
 
-/* The exported entry points: over a float32 cache, and over a float16 one (kv_cache_dtype="float16";
- * K/V widened exactly as they are read). */
-#define PREFILL_ENTRY(name, T, f16)                                                                                  \
-  int name(float *out, int64_t out_stride, const float *q, int64_t q_stride, const T *kc, const T *vc,              \
-           const int64_t *block_tables, int64_t max_blocks, const int64_t *token_starts, const int64_t *num_computed, \
-           const int64_t *q_lens, int64_t C, int64_t Hq, int64_t Hkv, int64_t block_size, float scale) {           \
-    return prefill_all(out, out_stride, q, q_stride, kc, vc, block_tables, max_blocks, token_starts, num_computed, \
-                       q_lens, C, Hq, Hkv, block_size, scale, f16);                                                 \
-  }
-PREFILL_ENTRY(paged_prefill_f32, float, 0)
-PREFILL_ENTRY(paged_prefill_f16, uint16_t, 1)
