@@ -239,6 +239,45 @@ def test_exit_on_engine_death_exits_non_zero(tiny_llama):
 
 
 
+@pytest.mark.parametrize("servers", [1, 2])
+def test_ctrl_c_stops_every_process_cleanly(tiny_llama, servers):
+    """Ctrl-C in a terminal signals the whole process group: the server, its engine core and its
+    API servers stop in order, exit 0, and print no traceback."""
+    import subprocess
+    import sys
+
+    from test_server import _free_port
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", tiny_llama, "--port", str(port),
+           "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--api-server-count", str(servers)]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", server)
+        children = _children(server.pid)
+        assert children, "no engine core or API server process"
+        os.killpg(server.pid, signal.SIGINT)
+        _, err = server.communicate(timeout=60)
+        assert server.returncode == 0, err[-2000:]
+        assert "Traceback" not in err, err[-3000:]
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{pid}") and "zombie" not in _status(pid) for pid in children):
+            assert time.monotonic() < deadline, "a child process outlived the server"
+            time.sleep(0.1)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+def _status(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return f.read().lower()
+    except OSError:
+        return "zombie"
+
+
 def _stream_lines(url: str, body: dict, out: list[str]) -> None:
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:

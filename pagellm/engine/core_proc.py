@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import pickle
 import shutil
+import signal
 import tempfile
 import threading
 from collections import defaultdict
@@ -78,6 +79,9 @@ def run_engine_core(engine_args: EngineArgs, chat_template: str | None, input_ad
     from pagellm.engine.data_parallel import create_engine
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # Ctrl-C in a terminal reaches the whole process group: the front end stops this core in
+    # order (a "shutdown" message; the step in progress finishes), SIGTERM or its exit otherwise.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
     outs = []
     for addr in output_addrs:

@@ -730,6 +730,8 @@ def serve(engine: EngineClient, model_name: str, host: str = "127.0.0.1", port: 
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind((host, port))
             server.run(sockets=[sock])
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn shut down gracefully, then re-raised the signal
+        pass
     finally:
         engine.shutdown()
     if died.is_set():
