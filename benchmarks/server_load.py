@@ -44,18 +44,18 @@ def metric(text: str, name: str) -> float:
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    import httpx
+    from pagellm.entrypoints.bench_serve import client_session
 
     rng = random.Random(args.seed)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=600, limits=limits) as http:
+    async with client_session(args.base_url, headers) as http:
         t0 = time.perf_counter()
         results = await asyncio.gather(*(client(http, "/v1/completions", i, args, rng) for i in range(args.clients)))
         wall = time.perf_counter() - t0
         deadline = time.monotonic() + 30
         while True:  # aborts land within a step; give the engine a moment
-            text = (await http.get("/metrics")).text
+            async with http.get("/metrics") as resp:
+                text = await resp.text()
             running = metric(text, "pagellm:num_requests_running") + metric(text, "pagellm:num_requests_waiting")
             usage = metric(text, "pagellm:kv_cache_usage_perc")
             if (running == 0 and usage == 0) or time.monotonic() > deadline:

@@ -16,6 +16,7 @@ import asyncio
 import os
 import random
 import time
+from typing import Any
 
 
 def rss_kib(pid: int) -> int:
@@ -47,9 +48,7 @@ def pct(values: list[float], p: float) -> float:
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    import httpx
-
-    from pagellm.entrypoints.bench_serve import RequestResult, stream_request
+    from pagellm.entrypoints.bench_serve import RequestResult, client_session, stream_request
 
     rng = random.Random(args.seed)
     url = args.base_url.rstrip("/") + "/v1/completions"
@@ -58,7 +57,7 @@ async def main_async(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     end = start + args.minutes * 60
 
-    async def one(client: httpx.AsyncClient) -> None:
+    async def one(client: Any) -> None:
         payload = {"prompt": [rng.randrange(1000, 20000) for _ in range(args.input_len)],
                    "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True, "stream": True,
                    "stream_options": {"include_usage": True}}
@@ -66,8 +65,7 @@ async def main_async(args: argparse.Namespace) -> None:
         results.append((time.perf_counter(), r))
 
     windows = []
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    async with client_session() as client:
         next_window = start + args.window
         while time.perf_counter() < end:
             await asyncio.sleep(rng.expovariate(args.rate))
