@@ -1,4 +1,5 @@
-"""Prefill attention of one step: the compiled prefill kernel against the pure PyTorch path (SDPA).
+"""Prefill attention of one step: the compiled prefill kernel against the pure PyTorch path (SDPA)
+and against the decode kernel taking each prompt token as a member (what an int8 cache does).
 
 A step of prefill chunks, each ``(cached tokens, new tokens)``, with blocks scattered at random
 over the cache; one "step" runs the attention of every layer (``torch_paged.forward``, K/V write
@@ -25,6 +26,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=292, help="new tokens per chunk")
     ap.add_argument("--cached", type=int, default=0, help="cached tokens before each chunk")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--cache-dtype", choices=("float32", "float16"), default="float32")
     add_shape_args(ap)
     args = ap.parse_args()
 
@@ -33,7 +35,9 @@ def main() -> None:
     from pagellm.attention.cpu_paged import CpuPagedAttention
     from pagellm.attention.torch_paged import TorchPagedAttention
 
-    if not CpuPagedAttention.for_cache(torch.empty(1, args.heads[1], args.head_dim), torch.float32).prefill_kernel:
+    dtype = getattr(torch, args.cache_dtype)
+    if not CpuPagedAttention.for_cache(torch.empty(1, args.heads[1], args.head_dim, dtype=dtype),
+                                       torch.float32).prefill_kernel:
         raise SystemExit("the prefill kernel cannot run here (no compiler, no AVX-512, head size != 64, "
                          "or PAGELLM_CPU_KERNELS=0)")
     random.seed(0)
@@ -42,7 +46,7 @@ def main() -> None:
     d, bs, n_layers = args.head_dim, args.block_size, args.layers
     per_seq = -(-(args.cached + args.new) // bs)
     num_blocks = per_seq * args.chunks * 2
-    kv = torch.randn(n_layers, 2, num_blocks * bs, hkv, d)
+    kv = torch.randn(n_layers, 2, num_blocks * bs, hkv, d).to(dtype)
     free = random.sample(range(num_blocks), num_blocks)
     chunks = [(args.cached, args.new, [free.pop() for _ in range(per_seq)]) for _ in range(args.chunks)]
     t = args.chunks * args.new
@@ -50,14 +54,16 @@ def main() -> None:
     q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=1))
     slots = torch.tensor([ids[p // bs] * bs + p % bs for c, n, ids in chunks for p in range(c, c + n)])
 
-    def step_fn(kernel: bool):
-        backend = CpuPagedAttention(decode_kernel=False, prefill_kernel=True, write_kv_kernel=False) if kernel \
-            else TorchPagedAttention()
+    def step_fn(backend: TorchPagedAttention):
         meta = backend.build_metadata([], [], chunks, bs, torch.device("cpu"))
         meta.slot_mapping = slots
         return attention_step(q, k, v, kv, meta, d ** -0.5)
 
-    steps = {"pure PyTorch (SDPA)": step_fn(False), "prefill kernel": step_fn(True)}
+    steps = {"pure PyTorch (SDPA)": step_fn(TorchPagedAttention()),
+             "prefill kernel": step_fn(CpuPagedAttention(decode_kernel=False, prefill_kernel=True,
+                                                         write_kv_kernel=False)),
+             "decode kernel per token": step_fn(CpuPagedAttention(decode_kernel=True, prefill_kernel=False,
+                                                                  write_kv_kernel=False, prefill_as_decodes=True))}
     with torch.inference_mode():
         best = interleaved_best(steps, args.repeats)
     # q.k and p.v: 2 x 2 x D flops per (query head, visible key) pair.

@@ -92,8 +92,8 @@ def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, cache_d
         seqs.append((num_computed, n, blocks, k_all, v_all, torch.randn(n, hq, d)))
     decodes = [s for s in seqs if s[1] == 1 and s[0] > 0]
     chunks = [s for s in seqs if not (s[1] == 1 and s[0] > 0)]
-    # A 16-bit or int8 cache's prefill tokens take the decode kernel, one member each (cpu_paged.py).
-    as_decodes = decode_kernel and cache_dtype != torch.float32
+    # An int8 cache's prefill tokens take the decode kernel, one member each (cpu_paged.py).
+    as_decodes = decode_kernel and cache_dtype == torch.int8
     prefill_kernel = decode_kernel and d == 64 and not as_decodes
     # The backend the engine would choose for this cache: the reference, or the kernels that apply.
     backend = CpuPagedAttention.for_cache(key_cache, torch.float32) if decode_kernel else TorchPagedAttention()
@@ -152,6 +152,40 @@ def test_prefill_kernel_over_long_contexts(hq, hkv):
     meta.slot_mapping = torch.tensor([b[p // bs] * bs + p % bs for c, n, b in chunks for p in range(c, c + n)])
     out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), key_cache, value_cache, meta, d ** -0.5)
     torch.testing.assert_close(out, torch.cat(refs), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_prefill_kernel_gives_the_decode_kernels_bits(cache_dtype):
+    """A prompt token through the prefill kernel and the same token through the decode kernel give
+    the same bits (a request preempted by recompute prefills tokens it had decoded, and a cached
+    answer repeated in a prompt was decoded): fresh chunks, chunks after thousands of cached
+    tokens, one-token chunks, grouped-query heads."""
+    probe = CpuPagedAttention.for_cache(torch.empty(1, 3, 64, dtype=cache_dtype), torch.float32)
+    require_cpu_kernel(lambda: probe.prefill_kernel)
+    torch.manual_seed(3)
+    hq, hkv, d, bs, num_blocks = 9, 3, 64, 16, 400
+    key_cache = torch.randn(num_blocks * bs, hkv, d).to(cache_dtype)
+    value_cache = torch.randn(num_blocks * bs, hkv, d).to(cache_dtype)
+    free = torch.randperm(num_blocks).tolist()
+    chunks, slots, qs, ks, vs = [], [], [], [], []
+    for num_computed, n in [(0, 37), (100, 50), (333, 1), (5, 300), (2500, 64)]:
+        blocks = [free.pop() for _ in range(-(-(num_computed + n) // bs))]
+        chunks.append((num_computed, n, blocks))
+        slots += [blocks[p // bs] * bs + p % bs for p in range(num_computed, num_computed + n)]
+        qs.append(torch.randn(n, hq, d))
+        ks.append(torch.randn(n, hkv, d).to(cache_dtype).float())
+        vs.append(torch.randn(n, hkv, d).to(cache_dtype).float())
+    outs = []
+    for as_decodes in (False, True):
+        backend = CpuPagedAttention(decode_kernel=True, prefill_kernel=not as_decodes, write_kv_kernel=True,
+                                    prefill_as_decodes=as_decodes)
+        meta = backend.build_metadata([], [], chunks, bs, torch.device("cpu"))
+        kind = AttentionKind.DECODE_KERNEL if as_decodes else AttentionKind.PREFILL_KERNEL
+        assert [g.kind for g in meta.groups] == [kind]
+        meta.slot_mapping = torch.tensor(slots)
+        outs.append(backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), key_cache.clone(),
+                                    value_cache.clone(), meta, d ** -0.5))
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_backend_is_chosen_once_per_cache(monkeypatch):

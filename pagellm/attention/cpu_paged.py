@@ -1,10 +1,10 @@
 """The ``"cpu"`` attention backend: the reference backend plus the compiled CPU kernels.
 
 Decided once, at start-up, from the cache and the model dtype (:meth:`CpuPagedAttention.for_cache`):
-which kernels apply here (``cpu_kernel.py``: decode over a float32, float16 or int8 cache, prefill
-over a float32 one with head size 64 on AVX-512, a 16-bit or int8 cache's prefill token by token
-through the decode kernel; ``cpu_ops.write_kv``: the K/V write). Each step's
-metadata then names the kernel groups (``DECODE_KERNEL``, ``PREFILL_KERNEL``) and
+which kernels apply here (``cpu_kernel.py``: decode over a float32, float16 or int8 cache; prefill
+over a float32 or float16 one with head size 64 on AVX-512, summing as the decode kernel does; an
+int8 cache's prefill token by token through the decode kernel; ``cpu_ops.write_kv``: the K/V
+write). Each step's metadata then names the kernel groups (``DECODE_KERNEL``, ``PREFILL_KERNEL``) and
 ``TorchPagedAttention.forward`` runs them through the methods registered for those kinds. Nothing
 is re-checked per layer except the layout the kernels need.
 """
@@ -33,13 +33,9 @@ class CpuPagedAttention(TorchPagedAttention):
         self.decode_kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
         self.write_kv_kernel = write_kv_kernel
-        # A 16-bit or int8 cache (the fast numerics, whose GEMMs are batch invariant): each prefill
-        # token attends as the decode kernel would at its position (see _chunk_groups), so a token's
-        # result is the same whether it was decoded or prefilled. A request preempted by recompute
-        # prefills tokens it had decoded; the two kernels' sums differ in the last bit, enough to
-        # flip a greedy token of SmolLM2 (async vs synchronous scheduling under a tight cache).
-        # Costs ~0.4 s of prefill attention on W64. A float32 cache (the HF-exact oracle, MKL
-        # GEMMs for large batches anyway) keeps the prefill kernel.
+        # An int8 cache: each prefill token attends through the decode kernel at its position (see
+        # _chunk_groups). The prefill kernel sums as the decode kernel does, so over a float32 or
+        # float16 cache a token's result is the same bits either way; it has no int8 path.
         self.prefill_as_decodes = prefill_as_decodes and decode_kernel
         self.impls[AttentionKind.DECODE_KERNEL] = self._decode_kernel
         self.impls[AttentionKind.PREFILL_KERNEL] = self._prefill_kernel
@@ -53,11 +49,10 @@ class CpuPagedAttention(TorchPagedAttention):
         """The kernels that apply to this cache (``[num_slots, Hkv, D]``) under ``query_dtype``
         queries: they compute in float32 and build on first use (``None`` of them if they cannot)."""
         f32 = query_dtype == torch.float32
-        as_decodes = key_cache.dtype != torch.float32  # (see __init__)
         return cls(decode_kernel=f32 and cpu_kernel.usable_for(key_cache),
-                   prefill_kernel=f32 and not as_decodes and cpu_kernel.prefill_usable_for(key_cache),
+                   prefill_kernel=f32 and cpu_kernel.prefill_usable_for(key_cache),  # (never for int8)
                    write_kv_kernel=f32 and cpu_ops.writes_kv_into(key_cache),
-                   prefill_as_decodes=as_decodes)
+                   prefill_as_decodes=key_cache.dtype == torch.int8)
 
     @property
     def uses_kernels(self) -> bool:
@@ -79,14 +74,14 @@ class CpuPagedAttention(TorchPagedAttention):
     def _chunk_groups(self, groups: list[AttentionGroup], start: int, chunks: list[tuple[int, int, list[int]]],
                       block_size: int, device: torch.device) -> int:
         """All prefill chunks as one ``PREFILL_KERNEL`` group (one task per chunk, KV head and tile),
-        or over a 16-bit or int8 cache as one ``DECODE_KERNEL`` group of one member per query token.
+        or over an int8 cache as one ``DECODE_KERNEL`` group of one member per query token.
 
-        Why decodes there: a request preempted by recompute prefills the tokens it had decoded, and
-        the last bit of difference between two attention kernels' sums is enough to flip a greedy
-        token (a value's int8 rounding even turns it into a whole quantization step of the K/V
-        written after it). With every token through the decode kernel, its result is the same
-        either way; the kernel reading a prompt's cache-hot K/V once per token costs about 1.3x the
-        prefill kernel's attention time (docs/performance.md).
+        Why one kernel's arithmetic: a request preempted by recompute prefills the tokens it had
+        decoded, and a prompt that repeats an earlier answer finds it decoded in the prefix cache
+        or prefills it; a last-bit difference between two kernels' sums flipped a greedy token of
+        SmolLM2 (async vs synchronous scheduling under a tight cache). The prefill kernel sums
+        every score and softmax denominator in the decode kernel's order (tested bit for bit);
+        it has no int8 path, so an int8 cache's prefill goes through the decode kernel itself.
         """
         if not chunks or not (self.prefill_kernel or self.prefill_as_decodes):
             return super()._chunk_groups(groups, start, chunks, block_size, device)

@@ -193,7 +193,7 @@ static inline __attribute__((always_inline)) void task64(
       _mm512_mask_storeu_ps(sj + t, mk, e);
       sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mk, e));
     }
-    inv[j] = 1.f / _mm512_reduce_add_ps(sum);
+    inv[j] = 1.f / hsum512(sum);
   }
   __m512 acc[4][4];
   for (int j = 0; j < G; ++j)

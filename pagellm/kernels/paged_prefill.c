@@ -1,5 +1,5 @@
-/* Paged prefill attention for CPU: every prefill chunk of a step, float32 cache, head size 64
- * (AVX-512). Each query token attends causally to its sequence's cached K/V, read straight from
+/* Paged prefill attention for CPU: every prefill chunk of a step, float32 or float16 cache, head
+ * size 64 (AVX-512). Each query token attends causally to its sequence's cached K/V, read straight from
  * the blocks (the chunk's own K/V were written there first), so a chunk that starts after cached
  * tokens (prefix-cache hit, chunked prefill) needs no gather and no mask tensor.
  *
@@ -15,9 +15,11 @@
  * the vector lanes throughout: q is transposed once per task (Qt[d][row], pre-scaled), the
  * scores are computed key-major (St[key][row]: a key's element broadcast against 32 rows of Qt),
  * the softmax runs down the keys 16 rows at a time, and P V accumulates 4 rows x 64 dims in
- * registers over 128-key slices of V that stay in L1. No K transpose is needed. Each output is
- * the same in-order sum over d and then over keys whatever the tiling, so a token's result does
- * not depend on how its prompt was chunked or batched.
+ * registers over 128-key slices of V that stay in L1. No K transpose is needed. Every sum runs in
+ * the decode kernel's order (paged_decode.c): a score as its 16 partial sums folded by sum16's
+ * tree, the softmax denominator as 16 running sums added by hsum512's, P V key by key. So a
+ * token's result is the same bits whether it was decoded or prefilled, and whatever the chunking
+ * or batching (a request preempted by recompute prefills the tokens it had decoded).
  */
 #include <math.h>
 #include <omp.h>
@@ -33,7 +35,7 @@ int paged_prefill_supported(int64_t D) { return avx512_head64(D); }
 
 #ifdef __AVX512F__
 #define D 64
-#define KEYS 12     /* keys per score micro-tile (x 32 rows: 24 accumulators) */
+#define KEYS 8      /* keys per score micro-tile (x 32 rows) */
 #define PV_KEYS 128 /* keys per P V slice: 32 KiB of V, reused from L1 by every 4-row block */
 #define ST_FLOATS (1 << 16) /* score buffer target per task (256 KiB, L2): sets the token tile */
 
@@ -71,40 +73,68 @@ static int scratch_reserve(Scratch *s, int64_t rows, int64_t keys) {
 }
 
 /* St[j][r0 .. r0 + 32) for keys j0 .. j0 + KEYS of kb (the task's keys, contiguous; rows past the
- * last key are zero). */
+ * last key are zero). Each score is summed exactly as the decode kernel sums it (paged_decode.c
+ * task64 and sum16): 16 partial sums p_l = q_l k_l + q_{l+16} k_{l+16} + q_{l+32} k_{l+32} +
+ * q_{l+48} k_{l+48} (a product, then three fused multiply-adds), folded as
+ * x_c = (p_4c + p_4c+2) + (p_4c+1 + p_4c+3) and score = (x_0 + x_1) + (x_2 + x_3). */
 static inline void scores_tile(float *st, int64_t rp, const float *qt, int64_t r0, const float *kb, int64_t j0) {
   const float *k = kb + j0 * D;
-  __m512 a[KEYS][2];
-  for (int jj = 0; jj < KEYS; ++jj) a[jj][0] = a[jj][1] = _mm512_setzero_ps();
-  for (int d = 0; d < D; ++d) {
-    const __m512 qa = _mm512_load_ps(qt + d * rp + r0), qb = _mm512_load_ps(qt + d * rp + r0 + 16);
-    for (int jj = 0; jj < KEYS; ++jj) {
-      const __m512 kv = _mm512_set1_ps(k[jj * D + d]);
-      a[jj][0] = _mm512_fmadd_ps(qa, kv, a[jj][0]);
-      a[jj][1] = _mm512_fmadd_ps(qb, kv, a[jj][1]);
+  __m512 x2[KEYS][2]; /* x_2, kept until x_3 is there */
+  for (int c = 0; c < 4; ++c) {
+    __m512 e[2][KEYS][2]; /* p_4c + p_4c+2, p_4c+1 + p_4c+3; per key and 16-row half */
+    for (int m = 0; m < 4; ++m) {
+      const int l = 4 * c + m;
+      __m512 qa[4], qb[4];
+      for (int i = 0; i < 4; ++i) {
+        qa[i] = _mm512_load_ps(qt + (l + 16 * i) * rp + r0);
+        qb[i] = _mm512_load_ps(qt + (l + 16 * i) * rp + r0 + 16);
+      }
+      for (int jj = 0; jj < KEYS; ++jj) {
+        const float *kj = k + jj * D + l;
+        const __m512 k0 = _mm512_set1_ps(kj[0]);
+        __m512 pa = _mm512_mul_ps(qa[0], k0), pb = _mm512_mul_ps(qb[0], k0);
+        for (int i = 1; i < 4; ++i) {
+          const __m512 ki = _mm512_set1_ps(kj[16 * i]);
+          pa = _mm512_fmadd_ps(qa[i], ki, pa);
+          pb = _mm512_fmadd_ps(qb[i], ki, pb);
+        }
+        if (m < 2) {
+          e[m][jj][0] = pa, e[m][jj][1] = pb;
+        } else {
+          e[m - 2][jj][0] = _mm512_add_ps(e[m - 2][jj][0], pa);
+          e[m - 2][jj][1] = _mm512_add_ps(e[m - 2][jj][1], pb);
+        }
+      }
     }
-  }
-  for (int jj = 0; jj < KEYS; ++jj) {
-    _mm512_store_ps(st + (j0 + jj) * rp + r0, a[jj][0]);
-    _mm512_store_ps(st + (j0 + jj) * rp + r0 + 16, a[jj][1]);
+    for (int jj = 0; jj < KEYS; ++jj)
+      for (int h = 0; h < 2; ++h) {
+        float *dst = st + (j0 + jj) * rp + r0 + 16 * h;
+        const __m512 x = _mm512_add_ps(e[0][jj][h], e[1][jj][h]);
+        if (c == 0) _mm512_store_ps(dst, x);                                      /* x_0 */
+        else if (c == 1) _mm512_store_ps(dst, _mm512_add_ps(_mm512_load_ps(dst), x)); /* x_0 + x_1 */
+        else if (c == 2) x2[jj][h] = x;
+        else _mm512_store_ps(dst, _mm512_add_ps(_mm512_load_ps(dst), _mm512_add_ps(x2[jj][h], x)));
+      }
   }
 }
 
 /* o[r0 .. r0 + 4) (+)= sum over keys j0 .. j1 of St[j][r] * V[j]. */
-/* 16 cache values at element offset off. */
-static inline __attribute__((always_inline)) __m512 load_kv16(const float *base, int64_t off) {
-  return _mm512_loadu_ps(base + off);
+/* 16 cache values at element offset off: float32, or float16 widened (exactly) to float32. */
+static inline __attribute__((always_inline)) __m512 load_kv16(const void *base, int64_t off, const int f16) {
+  if (f16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off)));
+  return _mm512_loadu_ps((const float *)base + off);
 }
 
 static inline __attribute__((always_inline)) void pv_tile(float *o, const float *st, int64_t rp, int64_t r0,
-                                                          const float *vc, const int64_t *koff, int64_t j0, int64_t j1) {
+                                                          const void *vc, const int64_t *koff, int64_t j0, int64_t j1,
+                                                          const int f16) {
   __m512 a[4][4];
   for (int r = 0; r < 4; ++r)
     for (int c = 0; c < 4; ++c)
       a[r][c] = j0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(o + (r0 + r) * D + c * 16);
   for (int64_t j = j0; j < j1; ++j) {
-    const __m512 v0 = load_kv16(vc, koff[j]), v1 = load_kv16(vc, koff[j] + 16), v2 = load_kv16(vc, koff[j] + 32),
-                 v3 = load_kv16(vc, koff[j] + 48);
+    const __m512 v0 = load_kv16(vc, koff[j], f16), v1 = load_kv16(vc, koff[j] + 16, f16),
+                 v2 = load_kv16(vc, koff[j] + 32, f16), v3 = load_kv16(vc, koff[j] + 48, f16);
     const float *p = st + j * rp + r0;
     for (int r = 0; r < 4; ++r) {
       const __m512 pr = _mm512_set1_ps(p[r]);
@@ -125,9 +155,9 @@ static inline __mmask16 sees(int64_t j, __m512i pv, __m512i pv2) {
 }
 
 static inline __attribute__((always_inline)) int run_task(
-    Scratch *s, const Task *tk, float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *kc,
-    const float *vc, const int64_t *bt, int64_t ts, int64_t nc, int64_t h, int64_t g, int64_t Hkv, int64_t bs,
-    float scale) {
+    Scratch *s, const Task *tk, float *out, int64_t out_stride, const float *q, int64_t q_stride, const void *kc,
+    const void *vc, const int64_t *bt, int64_t ts, int64_t nc, int64_t h, int64_t g, int64_t Hkv, int64_t bs,
+    float scale, const int f16) {
   const int64_t R = tk->nt * g, rp = (R + 31) / 32 * 32;
   const int64_t L = nc + tk->t0 + tk->nt; /* keys the last token attends to */
   const int64_t lk = (L + KEYS - 1) / KEYS * KEYS;
@@ -135,7 +165,7 @@ static inline __attribute__((always_inline)) int run_task(
   const int64_t row = Hkv * D;
   for (int64_t j = 0; j < L; ++j) {
     s->koff[j] = (bt[j / bs] * bs + j % bs) * row + h * D;
-    for (int c = 0; c < 4; ++c) _mm512_store_ps(s->kb + j * D + c * 16, load_kv16(kc, s->koff[j] + c * 16));
+    for (int c = 0; c < 4; ++c) _mm512_store_ps(s->kb + j * D + c * 16, load_kv16(kc, s->koff[j] + c * 16, f16));
   }
   memset(s->kb + L * D, 0, sizeof(float) * D * (lk - L));
   /* rows r = t * g + i: token t0 + t, query head h * g + i; padding rows repeat the last row's
@@ -171,13 +201,18 @@ static inline __attribute__((always_inline)) int run_task(
     const int64_t nk = s->pos[r0 + 15] + 1;
     __m512 m = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < nk; ++j) m = _mm512_mask_max_ps(m, sees(j, pv, pv2), m, _mm512_load_ps(s->st + j * rp + r0));
-    __m512 sum = _mm512_setzero_ps();
+    /* The decode kernel's order: sixteen running sums (key j into sum j % 16), then hsum512's tree. */
+    __m512 sum[16];
+    for (int i = 0; i < 16; ++i) sum[i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < nk; ++j) {
       const __m512 e = _mm512_maskz_mov_ps(sees(j, pv, pv2), exp512(_mm512_sub_ps(_mm512_load_ps(s->st + j * rp + r0), m)));
       _mm512_store_ps(s->st + j * rp + r0, e);
-      sum = _mm512_add_ps(sum, e);
+      sum[j & 15] = _mm512_add_ps(sum[j & 15], e);
     }
-    _mm512_storeu_ps(s->inv + r0, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
+    for (int i = 0; i < 8; ++i) sum[i] = _mm512_add_ps(sum[i + 8], sum[i]);
+    for (int i = 0; i < 4; ++i) sum[i] = _mm512_add_ps(sum[i + 4], sum[i]);
+    const __m512 total = _mm512_add_ps(_mm512_add_ps(sum[0], sum[2]), _mm512_add_ps(sum[1], sum[3]));
+    _mm512_storeu_ps(s->inv + r0, _mm512_div_ps(_mm512_set1_ps(1.f), total));
   }
   /* P V over 128-key slices; a 4-row block stops at the keys its last row sees. */
   const int64_t r4 = (R + 3) / 4 * 4;
@@ -185,7 +220,7 @@ static inline __attribute__((always_inline)) int run_task(
     for (int64_t r0 = 0; r0 < r4; r0 += 4) {
       const int64_t nk = s->pos[r0 + 3] + 1;
       if (nk <= j0) continue;
-      pv_tile(s->o, s->st, rp, r0, vc, s->koff, j0, nk < j0 + PV_KEYS ? nk : j0 + PV_KEYS);
+      pv_tile(s->o, s->st, rp, r0, vc, s->koff, j0, nk < j0 + PV_KEYS ? nk : j0 + PV_KEYS, f16);
     }
   }
   for (int64_t r = 0; r < R; ++r) {
@@ -207,13 +242,11 @@ static int64_t tile_tokens(int64_t L, int64_t q_len, int64_t g) {
 }
 #endif
 
-/* The exported entry point, over a float32 cache (a 16-bit or int8 cache's chunks take the decode
- * kernel token by token: pagellm/attention/cpu_paged.py). 0, or -1 when scratch memory could not be
- * allocated (out is then not valid). */
-int paged_prefill_f32(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *kc,
-                      const float *vc, const int64_t *block_tables, int64_t max_blocks, const int64_t *token_starts,
-                      const int64_t *num_computed, const int64_t *q_lens, int64_t C, int64_t Hq, int64_t Hkv,
-                      int64_t block_size, float scale) {
+/* 0, or -1 when scratch memory could not be allocated (out is then not valid). */
+static inline __attribute__((always_inline)) int prefill_all(
+    float *out, int64_t out_stride, const float *q, int64_t q_stride, const void *kc, const void *vc,
+    const int64_t *block_tables, int64_t max_blocks, const int64_t *token_starts, const int64_t *num_computed,
+    const int64_t *q_lens, int64_t C, int64_t Hq, int64_t Hkv, int64_t block_size, float scale, const int f16) {
 #ifdef __AVX512F__
   const int64_t g = Hq / Hkv;
   int64_t n = 0;
@@ -244,7 +277,7 @@ int paged_prefill_f32(float *out, int64_t out_stride, const float *q, int64_t q_
     for (int64_t i = 0; i < n; ++i) {
       const int64_t c = tasks[i].c;
       if (!run_task(&s, &tasks[i], out, out_stride, q, q_stride, kc, vc, block_tables + c * max_blocks,
-                    token_starts[c], num_computed[c], tasks[i].h, g, Hkv, block_size, scale)) {
+                    token_starts[c], num_computed[c], tasks[i].h, g, Hkv, block_size, scale, f16)) {
 #pragma omp atomic write
         failed = 1;
       }
@@ -256,8 +289,19 @@ int paged_prefill_f32(float *out, int64_t out_stride, const float *q, int64_t q_
 #else
   (void)out, (void)out_stride, (void)q, (void)q_stride, (void)kc, (void)vc, (void)block_tables;
   (void)max_blocks, (void)token_starts, (void)num_computed, (void)q_lens, (void)C, (void)Hq, (void)Hkv;
-  (void)block_size, (void)scale;
+  (void)block_size, (void)scale, (void)f16;
   return -1; /* never called: paged_prefill_supported() is 0 without AVX-512 */
 #endif
 }
 
+/* The exported entry points: over a float32 cache, and over a float16 one (kv_cache_dtype="float16";
+ * K/V widened exactly as they are read). */
+#define PREFILL_ENTRY(name, T, f16)                                                                                  \
+  int name(float *out, int64_t out_stride, const float *q, int64_t q_stride, const T *kc, const T *vc,              \
+           const int64_t *block_tables, int64_t max_blocks, const int64_t *token_starts, const int64_t *num_computed, \
+           const int64_t *q_lens, int64_t C, int64_t Hq, int64_t Hkv, int64_t block_size, float scale) {           \
+    return prefill_all(out, out_stride, q, q_stride, kc, vc, block_tables, max_blocks, token_starts, num_computed, \
+                       q_lens, C, Hq, Hkv, block_size, scale, f16);                                                 \
+  }
+PREFILL_ENTRY(paged_prefill_f32, float, 0)
+PREFILL_ENTRY(paged_prefill_f16, uint16_t, 1)

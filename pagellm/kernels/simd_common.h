@@ -56,6 +56,17 @@ static inline int avx512_head64(int64_t D) {
 #ifdef __AVX512F__
 #include <immintrin.h>
 
+/* The sum of x's 16 lanes in a fixed order, GCC's _mm512_reduce_add_ps spelled out: lanes i + 8,
+ * then i + 4, then (0 + 2) + (1 + 3). The decode kernel's softmax denominator; the prefill kernel
+ * adds its sixteen running sums in the same order, so both give the same bits on any compiler. */
+static inline float hsum512(__m512 x) {
+  const __m256 a = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)),
+                                 _mm512_castps512_ps256(x));
+  const __m128 b = _mm_add_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
+  const __m128 c = _mm_add_ps(b, _mm_shuffle_ps(b, b, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(c) + _mm_cvtss_f32(_mm_shuffle_ps(c, c, 1));
+}
+
 /* exp_f32 for 16 floats (the same constants), 2^n by scalef. */
 static inline __m512 exp512(__m512 x) {
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(EXP_HI)), _mm512_set1_ps(EXP_LO));
