@@ -1,5 +1,5 @@
 """Prefill attention of one step: the compiled prefill kernel against the pure PyTorch path (SDPA)
-and against the decode kernel taking each prompt token as a member (what an int8 cache does).
+and against decoding each prompt token (the decode kernel, one member per token: the same bits).
 
 A step of prefill chunks, each ``(cached tokens, new tokens)``, with blocks scattered at random
 over the cache; one "step" runs the attention of every layer (``torch_paged.forward``, K/V write
@@ -26,17 +26,18 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=292, help="new tokens per chunk")
     ap.add_argument("--cached", type=int, default=0, help="cached tokens before each chunk")
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--cache-dtype", choices=("float32", "float16"), default="float32")
+    ap.add_argument("--cache-dtype", choices=("float32", "float16", "int8"), default="float32")
     add_shape_args(ap)
     args = ap.parse_args()
 
     import torch
 
     from pagellm.attention.cpu_paged import CpuPagedAttention
+    from pagellm.attention.kv_quant import cache_head_dim, to_cache
     from pagellm.attention.torch_paged import TorchPagedAttention
 
     dtype = getattr(torch, args.cache_dtype)
-    if not CpuPagedAttention.for_cache(torch.empty(1, args.heads[1], args.head_dim, dtype=dtype),
+    if not CpuPagedAttention.for_cache(torch.empty(1, args.heads[1], cache_head_dim(args.head_dim, dtype), dtype=dtype),
                                        torch.float32).prefill_kernel:
         raise SystemExit("the prefill kernel cannot run here (no compiler, no AVX-512, head size != 64, "
                          "or PAGELLM_CPU_KERNELS=0)")
@@ -46,7 +47,7 @@ def main() -> None:
     d, bs, n_layers = args.head_dim, args.block_size, args.layers
     per_seq = -(-(args.cached + args.new) // bs)
     num_blocks = per_seq * args.chunks * 2
-    kv = torch.randn(n_layers, 2, num_blocks * bs, hkv, d).to(dtype)
+    kv = to_cache(torch.randn(n_layers, 2, num_blocks * bs, hkv, d), dtype)
     free = random.sample(range(num_blocks), num_blocks)
     chunks = [(args.cached, args.new, [free.pop() for _ in range(per_seq)]) for _ in range(args.chunks)]
     t = args.chunks * args.new
@@ -54,16 +55,23 @@ def main() -> None:
     q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=1))
     slots = torch.tensor([ids[p // bs] * bs + p % bs for c, n, ids in chunks for p in range(c, c + n)])
 
-    def step_fn(backend: TorchPagedAttention):
-        meta = backend.build_metadata([], [], chunks, bs, torch.device("cpu"))
-        meta.slot_mapping = slots
-        return attention_step(q, k, v, kv, meta, d ** -0.5)
+    def step_fn(backend: TorchPagedAttention, as_decodes: bool = False):
+        if not as_decodes:
+            meta = backend.build_metadata([], [], chunks, bs, torch.device("cpu"))
+            meta.slot_mapping = slots
+            return attention_step(q, k, v, kv, meta, d ** -0.5)
+        # Every prompt token as a decode of its own position (its result: the same bits).
+        lens = [p + 1 for c, n, _ in chunks for p in range(c, c + n)]
+        meta = backend.build_metadata(lens, [ids for c, n, ids in chunks for _ in range(n)], [], bs,
+                                      torch.device("cpu"))
+        order = torch.tensor(meta.decode_order)
+        meta.slot_mapping = slots[order]
+        return attention_step(q[order], k[order], v[order], kv, meta, d ** -0.5)
 
+    kernels = CpuPagedAttention(decode_kernel=True, prefill_kernel=True, write_kv_kernel=False)
     steps = {"pure PyTorch (SDPA)": step_fn(TorchPagedAttention()),
-             "prefill kernel": step_fn(CpuPagedAttention(decode_kernel=False, prefill_kernel=True,
-                                                         write_kv_kernel=False)),
-             "decode kernel per token": step_fn(CpuPagedAttention(decode_kernel=True, prefill_kernel=False,
-                                                                  write_kv_kernel=False, prefill_as_decodes=True))}
+             "prefill kernel": step_fn(kernels),
+             "decode kernel per token": step_fn(kernels, as_decodes=True)}
     with torch.inference_mode():
         best = interleaved_best(steps, args.repeats)
     # q.k and p.v: 2 x 2 x D flops per (query head, visible key) pair.

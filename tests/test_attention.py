@@ -92,20 +92,16 @@ def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, cache_d
         seqs.append((num_computed, n, blocks, k_all, v_all, torch.randn(n, hq, d)))
     decodes = [s for s in seqs if s[1] == 1 and s[0] > 0]
     chunks = [s for s in seqs if not (s[1] == 1 and s[0] > 0)]
-    # An int8 cache's prefill tokens take the decode kernel, one member each (cpu_paged.py).
-    as_decodes = decode_kernel and cache_dtype == torch.int8
-    prefill_kernel = decode_kernel and d == 64 and not as_decodes
+    prefill_kernel = decode_kernel and d == 64
     # The backend the engine would choose for this cache: the reference, or the kernels that apply.
     backend = CpuPagedAttention.for_cache(key_cache, torch.float32) if decode_kernel else TorchPagedAttention()
     assert getattr(backend, "decode_kernel", False) == decode_kernel
     assert getattr(backend, "prefill_kernel", False) == prefill_kernel, "no prefill kernel (AVX-512?)"
-    assert getattr(backend, "prefill_as_decodes", False) == as_decodes
     meta = backend.build_metadata([c + 1 for c, *_ in decodes], [b for _, _, b, *_ in decodes],
                                   [(c, n, b) for c, n, b, *_ in chunks], block_size, torch.device("cpu"))
     assert meta.backend is backend
     assert any(g.kind == AttentionKind.PREFILL_KERNEL for g in meta.groups) == prefill_kernel
-    assert any(g.kind == AttentionKind.DECODE_KERNEL for g in meta.groups) == (
-        decode_kernel and (bool(decodes) or as_decodes))
+    assert any(g.kind == AttentionKind.DECODE_KERNEL for g in meta.groups) == (decode_kernel and bool(decodes))
     assert sorted(meta.decode_order) == list(range(len(decodes)))
     if not decode_kernel and sum(s[2][:1] == shared_blocks[:1] for s in decodes) > 1 and shared_len >= 4:
         assert any(g.kind == AttentionKind.CASCADE_DECODE for g in meta.groups), "sharing decodes must cascade"
@@ -154,38 +150,40 @@ def test_prefill_kernel_over_long_contexts(hq, hkv):
     torch.testing.assert_close(out, torch.cat(refs), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.int8])
 def test_prefill_kernel_gives_the_decode_kernels_bits(cache_dtype):
-    """A prompt token through the prefill kernel and the same token through the decode kernel give
-    the same bits (a request preempted by recompute prefills tokens it had decoded, and a cached
-    answer repeated in a prompt was decoded): fresh chunks, chunks after thousands of cached
-    tokens, one-token chunks, grouped-query heads."""
-    probe = CpuPagedAttention.for_cache(torch.empty(1, 3, 64, dtype=cache_dtype), torch.float32)
-    require_cpu_kernel(lambda: probe.prefill_kernel)
+    """Prompt tokens through the prefill kernel and the same tokens decoded one by one give the same
+    bits (a request preempted by recompute prefills tokens it had decoded, and a cached answer
+    repeated in a prompt was decoded): fresh chunks, chunks after thousands of cached tokens,
+    one-token chunks, grouped-query heads, every cache type."""
+    backend = CpuPagedAttention.for_cache(torch.empty(1, 3, cache_head_dim(64, cache_dtype), dtype=cache_dtype),
+                                          torch.float32)
+    require_cpu_kernel(lambda: backend.prefill_kernel and backend.decode_kernel)
     torch.manual_seed(3)
     hq, hkv, d, bs, num_blocks = 9, 3, 64, 16, 400
-    key_cache = torch.randn(num_blocks * bs, hkv, d).to(cache_dtype)
-    value_cache = torch.randn(num_blocks * bs, hkv, d).to(cache_dtype)
+    key_cache = to_cache(torch.randn(num_blocks * bs, hkv, d), cache_dtype)
+    value_cache = to_cache(torch.randn(num_blocks * bs, hkv, d), cache_dtype)
     free = torch.randperm(num_blocks).tolist()
-    chunks, slots, qs, ks, vs = [], [], [], [], []
+    chunks, tokens = [], []  # tokens: (position + 1, block ids, slot) of every query row
     for num_computed, n in [(0, 37), (100, 50), (333, 1), (5, 300), (2500, 64)]:
         blocks = [free.pop() for _ in range(-(-(num_computed + n) // bs))]
         chunks.append((num_computed, n, blocks))
-        slots += [blocks[p // bs] * bs + p % bs for p in range(num_computed, num_computed + n)]
-        qs.append(torch.randn(n, hq, d))
-        ks.append(torch.randn(n, hkv, d).to(cache_dtype).float())
-        vs.append(torch.randn(n, hkv, d).to(cache_dtype).float())
-    outs = []
-    for as_decodes in (False, True):
-        backend = CpuPagedAttention(decode_kernel=True, prefill_kernel=not as_decodes, write_kv_kernel=True,
-                                    prefill_as_decodes=as_decodes)
-        meta = backend.build_metadata([], [], chunks, bs, torch.device("cpu"))
-        kind = AttentionKind.DECODE_KERNEL if as_decodes else AttentionKind.PREFILL_KERNEL
-        assert [g.kind for g in meta.groups] == [kind]
-        meta.slot_mapping = torch.tensor(slots)
-        outs.append(backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), key_cache.clone(),
-                                    value_cache.clone(), meta, d ** -0.5))
-    assert torch.equal(outs[0], outs[1])
+        tokens += [(p + 1, blocks, blocks[p // bs] * bs + p % bs) for p in range(num_computed, num_computed + n)]
+    q, k, v = torch.randn(len(tokens), hq, d), torch.randn(len(tokens), hkv, d), torch.randn(len(tokens), hkv, d)
+
+    meta = backend.build_metadata([], [], chunks, bs, torch.device("cpu"))
+    assert [g.kind for g in meta.groups] == [AttentionKind.PREFILL_KERNEL]
+    meta.slot_mapping = torch.tensor([slot for *_, slot in tokens])
+    prefilled = backend.forward(q, k, v, key_cache.clone(), value_cache.clone(), meta, d ** -0.5)
+
+    meta = backend.build_metadata([n for n, *_ in tokens], [b for _, b, _ in tokens], [], bs, torch.device("cpu"))
+    assert {g.kind for g in meta.groups} == {AttentionKind.DECODE_KERNEL}
+    order = torch.tensor(meta.decode_order)  # the decode rows in the backend's order
+    meta.slot_mapping = torch.tensor([tokens[i][2] for i in meta.decode_order])
+    decoded = torch.empty_like(prefilled)
+    decoded[order] = backend.forward(q[order], k[order], v[order], key_cache.clone(), value_cache.clone(), meta,
+                                     d ** -0.5)
+    assert torch.equal(prefilled, decoded)
 
 
 def test_backend_is_chosen_once_per_cache(monkeypatch):

@@ -93,15 +93,15 @@ _PREFILL_ARGS = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _PREFILL_SIGNATURES: kernels.Signatures = {
     "paged_prefill_f32": (ctypes.c_int, _PREFILL_ARGS),
     "paged_prefill_f16": (ctypes.c_int, _PREFILL_ARGS),
+    "paged_prefill_i8": (ctypes.c_int, _PREFILL_ARGS),
     "paged_prefill_supported": (ctypes.c_int, [ctypes.c_int64]),
 }
-_PREFILL = {torch.float32: "paged_prefill_f32", torch.float16: "paged_prefill_f16"}
+_PREFILL = {torch.float32: "paged_prefill_f32", torch.float16: "paged_prefill_f16", torch.int8: "paged_prefill_i8"}
 
 
 def prefill_usable_for(key_cache: torch.Tensor) -> bool:
     """Whether prefill chunks over this cache (``[num_slots, Hkv, D]``) can take the prefill kernel:
-    a float32 or float16 CPU cache with head size 64 on an AVX-512 machine (an int8 cache's
-    chunks take the decode kernel, token by token: ``cpu_paged.py``)."""
+    a float32, float16 or int8 CPU cache with head size 64 on an AVX-512 machine."""
     if key_cache.device.type != "cpu" or key_cache.dtype not in _PREFILL:
         return False
     lib = kernels.load("paged_prefill", _PREFILL_SIGNATURES)
@@ -129,7 +129,7 @@ def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: t
         raise ValueError("out must be float32 [T, Hq * D] with contiguous rows")
     for x, name in ((key_cache, "key_cache"), (value_cache, "value_cache")):
         if x.dtype != key_cache.dtype or x.dtype not in _PREFILL or not x.is_contiguous():
-            raise ValueError(f"{name} must be contiguous float32 or float16 (both caches the same)")
+            raise ValueError(f"{name} must be contiguous float32, float16 or int8 (both caches the same)")
     if not prefill_usable_for(key_cache):
         raise ValueError(f"no prefill kernel for head size {d} on this machine")
     for x, name in ((block_tables, "block_tables"), (token_starts, "token_starts"), (num_computed, "num_computed"),

@@ -2,9 +2,8 @@
 
 Decided once, at start-up, from the cache and the model dtype (:meth:`CpuPagedAttention.for_cache`):
 which kernels apply here (``cpu_kernel.py``: decode over a float32, float16 or int8 cache; prefill
-over a float32 or float16 one with head size 64 on AVX-512, summing as the decode kernel does; an
-int8 cache's prefill token by token through the decode kernel; ``cpu_ops.write_kv``: the K/V
-write). Each step's metadata then names the kernel groups (``DECODE_KERNEL``, ``PREFILL_KERNEL``) and
+over the same with head size 64 on AVX-512, summing as the decode kernel does; ``cpu_ops.write_kv``:
+the K/V write). Each step's metadata then names the kernel groups (``DECODE_KERNEL``, ``PREFILL_KERNEL``) and
 ``TorchPagedAttention.forward`` runs them through the methods registered for those kinds. Nothing
 is re-checked per layer except the layout the kernels need.
 """
@@ -27,22 +26,17 @@ class CpuPagedAttention(TorchPagedAttention):
 
     name = "cpu"
 
-    def __init__(self, decode_kernel: bool, prefill_kernel: bool, write_kv_kernel: bool,
-                 prefill_as_decodes: bool = False) -> None:
+    def __init__(self, decode_kernel: bool, prefill_kernel: bool, write_kv_kernel: bool) -> None:
         super().__init__()
         self.decode_kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
         self.write_kv_kernel = write_kv_kernel
-        # An int8 cache: each prefill token attends through the decode kernel at its position (see
-        # _chunk_groups). The prefill kernel sums as the decode kernel does, so over a float32 or
-        # float16 cache a token's result is the same bits either way; it has no int8 path.
-        self.prefill_as_decodes = prefill_as_decodes and decode_kernel
         self.impls[AttentionKind.DECODE_KERNEL] = self._decode_kernel
         self.impls[AttentionKind.PREFILL_KERNEL] = self._prefill_kernel
 
     def __repr__(self) -> str:
         return (f"CpuPagedAttention(decode_kernel={self.decode_kernel}, prefill_kernel={self.prefill_kernel}, "
-                f"write_kv_kernel={self.write_kv_kernel}, prefill_as_decodes={self.prefill_as_decodes})")
+                f"write_kv_kernel={self.write_kv_kernel})")
 
     @classmethod
     def for_cache(cls, key_cache: torch.Tensor, query_dtype: torch.dtype) -> CpuPagedAttention:
@@ -50,9 +44,8 @@ class CpuPagedAttention(TorchPagedAttention):
         queries: they compute in float32 and build on first use (``None`` of them if they cannot)."""
         f32 = query_dtype == torch.float32
         return cls(decode_kernel=f32 and cpu_kernel.usable_for(key_cache),
-                   prefill_kernel=f32 and cpu_kernel.prefill_usable_for(key_cache),  # (never for int8)
-                   write_kv_kernel=f32 and cpu_ops.writes_kv_into(key_cache),
-                   prefill_as_decodes=key_cache.dtype == torch.int8)
+                   prefill_kernel=f32 and cpu_kernel.prefill_usable_for(key_cache),
+                   write_kv_kernel=f32 and cpu_ops.writes_kv_into(key_cache))
 
     @property
     def uses_kernels(self) -> bool:
@@ -73,27 +66,18 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def _chunk_groups(self, groups: list[AttentionGroup], start: int, chunks: list[tuple[int, int, list[int]]],
                       block_size: int, device: torch.device) -> int:
-        """All prefill chunks as one ``PREFILL_KERNEL`` group (one task per chunk, KV head and tile),
-        or over an int8 cache as one ``DECODE_KERNEL`` group of one member per query token.
+        """All prefill chunks as one ``PREFILL_KERNEL`` group (one task per chunk, KV head and tile).
 
-        Why one kernel's arithmetic: a request preempted by recompute prefills the tokens it had
-        decoded, and a prompt that repeats an earlier answer finds it decoded in the prefix cache
-        or prefills it; a last-bit difference between two kernels' sums flipped a greedy token of
-        SmolLM2 (async vs synchronous scheduling under a tight cache). The prefill kernel sums
-        every score and softmax denominator in the decode kernel's order (tested bit for bit);
-        it has no int8 path, so an int8 cache's prefill goes through the decode kernel itself.
+        The prefill kernel sums every score, softmax denominator and weighted value in the decode
+        kernel's order (tested bit for bit), so a token's result is the same whether it was decoded
+        or prefilled: a request preempted by recompute prefills the tokens it had decoded, and a
+        prompt that repeats an earlier answer finds it decoded in the prefix cache or prefills it
+        (a last-bit difference between the kernels once flipped a greedy token of SmolLM2).
         """
-        if not chunks or not (self.prefill_kernel or self.prefill_as_decodes):
+        if not chunks or not self.prefill_kernel:
             return super()._chunk_groups(groups, start, chunks, block_size, device)
         lens = [num_computed + q_len for num_computed, q_len, _ in chunks]
         table = _padded_block_table(lens, [ids for _, _, ids in chunks], block_size)
-        if self.prefill_as_decodes:
-            q_lens = torch.tensor([q_len for _, q_len, _ in chunks])
-            seq_lens = torch.cat([torch.arange(c + 1, c + q + 1) for c, q, _ in chunks])
-            n = len(seq_lens)
-            groups.append(AttentionGroup(AttentionKind.DECODE_KERNEL, start, start + n, n, 1,
-                                         table.repeat_interleave(q_lens, dim=0), None, seq_lens=seq_lens))
-            return start + n
         # Each chunk's first flat row, then the end of the last.
         bounds = list(accumulate((q_len for _, q_len, _ in chunks), initial=start))
         info = torch.tensor([bounds[:-1], [c[0] for c in chunks], [c[1] for c in chunks]], dtype=torch.long)

@@ -79,22 +79,6 @@ static inline __attribute__((always_inline)) void task_impl(
 }
 
 #ifdef __AVX512F__
-/* 16 cached values from element offset `off` of a float32 (et = ET_F32), float16 (ET_F16) or int8
- * (ET_I8: the raw integers; the caller applies the row's scale) cache. */
-static inline __attribute__((always_inline)) __m512 load16(const void *base, int64_t off, const int et) {
-  if (et == ET_I8)
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)base + off))));
-  return et == ET_F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off)))
-                      : _mm512_loadu_ps((const float *)base + off);
-}
-
-/* The float32 scale stored after an int8 head row's 64 values (attention/kv_quant.py). */
-static inline float row_scale(const void *base, int64_t off) {
-  float s;
-  memcpy(&s, (const int8_t *)base + off + 64, sizeof s);
-  return s;
-}
-
 static inline __attribute__((always_inline)) void prefetch_row(const void *base, int64_t off, const int et) {
   const int size = et == ET_I8 ? 1 : (et == ET_F16 ? 2 : 4);
   const char *p = (const char *)base + off * size;

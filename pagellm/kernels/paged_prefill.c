@@ -44,7 +44,7 @@ typedef struct {
 } Task;
 
 typedef struct {
-  float *qt, *st, *o, *inv, *kb;
+  float *qt, *st, *o, *inv, *kb, *ks, *vs; /* ks, vs: an int8 cache's row scales, per key */
   int64_t *pos, *koff;
   int64_t cap_rows, cap_keys;
 } Scratch;
@@ -62,12 +62,14 @@ static int scratch_reserve(Scratch *s, int64_t rows, int64_t keys) {
     if (!s->qt || !s->o || !s->inv || !s->pos) s->cap_rows = 0;
   }
   if (keys > s->cap_keys && s->cap_rows) {
-    free(s->st), free(s->koff), free(s->kb);
+    free(s->st), free(s->koff), free(s->kb), free(s->ks), free(s->vs);
     s->cap_keys = keys;
     s->st = (float *)aligned_alloc(64, sizeof(float) * keys * s->cap_rows);
     s->koff = (int64_t *)malloc(sizeof(int64_t) * keys);
     s->kb = (float *)aligned_alloc(64, sizeof(float) * D * keys);
-    if (!s->st || !s->koff || !s->kb) s->cap_keys = 0;
+    s->ks = (float *)malloc(sizeof(float) * keys);
+    s->vs = (float *)malloc(sizeof(float) * keys);
+    if (!s->st || !s->koff || !s->kb || !s->ks || !s->vs) s->cap_keys = 0;
   }
   return s->cap_rows >= rows && s->cap_keys >= keys;
 }
@@ -76,8 +78,11 @@ static int scratch_reserve(Scratch *s, int64_t rows, int64_t keys) {
  * last key are zero). Each score is summed exactly as the decode kernel sums it (paged_decode.c
  * task64 and sum16): 16 partial sums p_l = q_l k_l + q_{l+16} k_{l+16} + q_{l+32} k_{l+32} +
  * q_{l+48} k_{l+48} (a product, then three fused multiply-adds), folded as
- * x_c = (p_4c + p_4c+2) + (p_4c+1 + p_4c+3) and score = (x_0 + x_1) + (x_2 + x_3). */
-static inline void scores_tile(float *st, int64_t rp, const float *qt, int64_t r0, const float *kb, int64_t j0) {
+ * x_c = (p_4c + p_4c+2) + (p_4c+1 + p_4c+3) and score = (x_0 + x_1) + (x_2 + x_3), times the key
+ * row's scale over an int8 cache. */
+static inline __attribute__((always_inline)) void scores_tile(float *st, int64_t rp, const float *qt, int64_t r0,
+                                                              const float *kb, const float *ks, int64_t j0,
+                                                              const int et) {
   const float *k = kb + j0 * D;
   __m512 x2[KEYS][2]; /* x_2, kept until x_3 is there */
   for (int c = 0; c < 4; ++c) {
@@ -113,31 +118,30 @@ static inline void scores_tile(float *st, int64_t rp, const float *qt, int64_t r
         if (c == 0) _mm512_store_ps(dst, x);                                      /* x_0 */
         else if (c == 1) _mm512_store_ps(dst, _mm512_add_ps(_mm512_load_ps(dst), x)); /* x_0 + x_1 */
         else if (c == 2) x2[jj][h] = x;
-        else _mm512_store_ps(dst, _mm512_add_ps(_mm512_load_ps(dst), _mm512_add_ps(x2[jj][h], x)));
+        else {
+          __m512 score = _mm512_add_ps(_mm512_load_ps(dst), _mm512_add_ps(x2[jj][h], x));
+          if (et == ET_I8) score = _mm512_mul_ps(score, _mm512_set1_ps(ks[j0 + jj])); /* the key's scale */
+          _mm512_store_ps(dst, score);
+        }
       }
   }
 }
 
 /* o[r0 .. r0 + 4) (+)= sum over keys j0 .. j1 of St[j][r] * V[j]. */
-/* 16 cache values at element offset off: float32, or float16 widened (exactly) to float32. */
-static inline __attribute__((always_inline)) __m512 load_kv16(const void *base, int64_t off, const int f16) {
-  if (f16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off)));
-  return _mm512_loadu_ps((const float *)base + off);
-}
-
 static inline __attribute__((always_inline)) void pv_tile(float *o, const float *st, int64_t rp, int64_t r0,
-                                                          const void *vc, const int64_t *koff, int64_t j0, int64_t j1,
-                                                          const int f16) {
+                                                          const void *vc, const int64_t *koff, const float *vs,
+                                                          int64_t j0, int64_t j1, const int et) {
   __m512 a[4][4];
   for (int r = 0; r < 4; ++r)
     for (int c = 0; c < 4; ++c)
       a[r][c] = j0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(o + (r0 + r) * D + c * 16);
   for (int64_t j = j0; j < j1; ++j) {
-    const __m512 v0 = load_kv16(vc, koff[j], f16), v1 = load_kv16(vc, koff[j] + 16, f16),
-                 v2 = load_kv16(vc, koff[j] + 32, f16), v3 = load_kv16(vc, koff[j] + 48, f16);
+    const __m512 v0 = load16(vc, koff[j], et), v1 = load16(vc, koff[j] + 16, et), v2 = load16(vc, koff[j] + 32, et),
+                 v3 = load16(vc, koff[j] + 48, et);
     const float *p = st + j * rp + r0;
+    const float vsj = et == ET_I8 ? vs[j] : 1.f; /* an int8 V row's scale, on each weight as decode does */
     for (int r = 0; r < 4; ++r) {
-      const __m512 pr = _mm512_set1_ps(p[r]);
+      const __m512 pr = _mm512_set1_ps(p[r] * vsj);
       a[r][0] = _mm512_fmadd_ps(pr, v0, a[r][0]);
       a[r][1] = _mm512_fmadd_ps(pr, v1, a[r][1]);
       a[r][2] = _mm512_fmadd_ps(pr, v2, a[r][2]);
@@ -157,15 +161,17 @@ static inline __mmask16 sees(int64_t j, __m512i pv, __m512i pv2) {
 static inline __attribute__((always_inline)) int run_task(
     Scratch *s, const Task *tk, float *out, int64_t out_stride, const float *q, int64_t q_stride, const void *kc,
     const void *vc, const int64_t *bt, int64_t ts, int64_t nc, int64_t h, int64_t g, int64_t Hkv, int64_t bs,
-    float scale, const int f16) {
+    float scale, const int et) {
   const int64_t R = tk->nt * g, rp = (R + 31) / 32 * 32;
   const int64_t L = nc + tk->t0 + tk->nt; /* keys the last token attends to */
   const int64_t lk = (L + KEYS - 1) / KEYS * KEYS;
   if (!scratch_reserve(s, rp, lk)) return 0;
-  const int64_t row = Hkv * D;
+  const int64_t hs = et == ET_I8 ? D + 4 : D; /* an int8 row's values, then its float32 scale */
+  const int64_t row = Hkv * hs;
   for (int64_t j = 0; j < L; ++j) {
-    s->koff[j] = (bt[j / bs] * bs + j % bs) * row + h * D;
-    for (int c = 0; c < 4; ++c) _mm512_store_ps(s->kb + j * D + c * 16, load_kv16(kc, s->koff[j] + c * 16, f16));
+    s->koff[j] = (bt[j / bs] * bs + j % bs) * row + h * hs;
+    for (int c = 0; c < 4; ++c) _mm512_store_ps(s->kb + j * D + c * 16, load16(kc, s->koff[j] + c * 16, et));
+    if (et == ET_I8) s->ks[j] = row_scale(kc, s->koff[j]), s->vs[j] = row_scale(vc, s->koff[j]);
   }
   memset(s->kb + L * D, 0, sizeof(float) * D * (lk - L));
   /* rows r = t * g + i: token t0 + t, query head h * g + i; padding rows repeat the last row's
@@ -192,7 +198,7 @@ static inline __attribute__((always_inline)) int run_task(
   /* Scores: each 32-row group only up to the keys its last row sees. */
   for (int64_t r0 = 0; r0 < rp; r0 += 32) {
     const int64_t nk = s->pos[r0 + 31] + 1;
-    for (int64_t j0 = 0; j0 < nk; j0 += KEYS) scores_tile(s->st, rp, s->qt, r0, s->kb, j0);
+    for (int64_t j0 = 0; j0 < nk; j0 += KEYS) scores_tile(s->st, rp, s->qt, r0, s->kb, s->ks, j0, et);
   }
   /* Softmax down the keys, 16 rows per vector; masked (future) keys become exact zeros. */
   for (int64_t r0 = 0; r0 < rp; r0 += 16) {
@@ -220,7 +226,7 @@ static inline __attribute__((always_inline)) int run_task(
     for (int64_t r0 = 0; r0 < r4; r0 += 4) {
       const int64_t nk = s->pos[r0 + 3] + 1;
       if (nk <= j0) continue;
-      pv_tile(s->o, s->st, rp, r0, vc, s->koff, j0, nk < j0 + PV_KEYS ? nk : j0 + PV_KEYS, f16);
+      pv_tile(s->o, s->st, rp, r0, vc, s->koff, s->vs, j0, nk < j0 + PV_KEYS ? nk : j0 + PV_KEYS, et);
     }
   }
   for (int64_t r = 0; r < R; ++r) {
@@ -246,7 +252,7 @@ static int64_t tile_tokens(int64_t L, int64_t q_len, int64_t g) {
 static inline __attribute__((always_inline)) int prefill_all(
     float *out, int64_t out_stride, const float *q, int64_t q_stride, const void *kc, const void *vc,
     const int64_t *block_tables, int64_t max_blocks, const int64_t *token_starts, const int64_t *num_computed,
-    const int64_t *q_lens, int64_t C, int64_t Hq, int64_t Hkv, int64_t block_size, float scale, const int f16) {
+    const int64_t *q_lens, int64_t C, int64_t Hq, int64_t Hkv, int64_t block_size, float scale, const int et) {
 #ifdef __AVX512F__
   const int64_t g = Hq / Hkv;
   int64_t n = 0;
@@ -277,31 +283,33 @@ static inline __attribute__((always_inline)) int prefill_all(
     for (int64_t i = 0; i < n; ++i) {
       const int64_t c = tasks[i].c;
       if (!run_task(&s, &tasks[i], out, out_stride, q, q_stride, kc, vc, block_tables + c * max_blocks,
-                    token_starts[c], num_computed[c], tasks[i].h, g, Hkv, block_size, scale, f16)) {
+                    token_starts[c], num_computed[c], tasks[i].h, g, Hkv, block_size, scale, et)) {
 #pragma omp atomic write
         failed = 1;
       }
     }
-    free(s.qt), free(s.st), free(s.o), free(s.inv), free(s.pos), free(s.koff), free(s.kb);
+    free(s.qt), free(s.st), free(s.o), free(s.inv), free(s.pos), free(s.koff), free(s.kb), free(s.ks), free(s.vs);
   }
   free(tasks);
   return failed ? -1 : 0;
 #else
   (void)out, (void)out_stride, (void)q, (void)q_stride, (void)kc, (void)vc, (void)block_tables;
   (void)max_blocks, (void)token_starts, (void)num_computed, (void)q_lens, (void)C, (void)Hq, (void)Hkv;
-  (void)block_size, (void)scale, (void)f16;
+  (void)block_size, (void)scale, (void)et;
   return -1; /* never called: paged_prefill_supported() is 0 without AVX-512 */
 #endif
 }
 
-/* The exported entry points: over a float32 cache, and over a float16 one (kv_cache_dtype="float16";
- * K/V widened exactly as they are read). */
-#define PREFILL_ENTRY(name, T, f16)                                                                                  \
+/* The exported entry points: over a float32 cache, a float16 one (kv_cache_dtype="float16") and an
+ * int8 one (kv_cache_dtype="int8": rows of 64 values and their float32 scale); K/V widened exactly
+ * as they are read, an int8 row's scale applied where the decode kernel applies it. */
+#define PREFILL_ENTRY(name, T, et)                                                                                   \
   int name(float *out, int64_t out_stride, const float *q, int64_t q_stride, const T *kc, const T *vc,              \
            const int64_t *block_tables, int64_t max_blocks, const int64_t *token_starts, const int64_t *num_computed, \
            const int64_t *q_lens, int64_t C, int64_t Hq, int64_t Hkv, int64_t block_size, float scale) {           \
     return prefill_all(out, out_stride, q, q_stride, kc, vc, block_tables, max_blocks, token_starts, num_computed, \
-                       q_lens, C, Hq, Hkv, block_size, scale, f16);                                                 \
+                       q_lens, C, Hq, Hkv, block_size, scale, et);                                                  \
   }
-PREFILL_ENTRY(paged_prefill_f32, float, 0)
-PREFILL_ENTRY(paged_prefill_f16, uint16_t, 1)
+PREFILL_ENTRY(paged_prefill_f32, float, ET_F32)
+PREFILL_ENTRY(paged_prefill_f16, uint16_t, ET_F16)
+PREFILL_ENTRY(paged_prefill_i8, int8_t, ET_I8)
