@@ -39,6 +39,7 @@ from pagellm.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagellm.spec_decode.manager import SpecDecodeManager
 from pagellm.structured_output.manager import StructuredOutputManager
 from pagellm.tokenizer import Tokenizer, check_token_ids
+from pagellm.utils import gc_paused_then_frozen, gc_unfreeze
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,11 @@ class LLMEngine:
                  workers_per_machine: int | None = None, tokenizer: Tokenizer | None = None) -> None:
         """``workers_per_machine`` and ``tokenizer`` are for data-parallel replicas: how many
         workers share this machine's cores, and the tokenizer they share."""
+        with gc_paused_then_frozen():  # the start-up heap, out of every later collection's walk
+            self._start(config, chat_template, workers_per_machine, tokenizer)
+
+    def _start(self, config: EngineConfig, chat_template: str | None, workers_per_machine: int | None,
+               tokenizer: Tokenizer | None) -> None:
         self.config = config
         self.source = resolve_model_source(config.model.model)
         self.dead_error: BaseException | None = None
@@ -347,6 +353,7 @@ class LLMEngine:
         if self.kv_receiver is not None:
             self.kv_receiver.shutdown()
             self.kv_receiver = None
+        gc_unfreeze()
 
     def _die(self, error: BaseException) -> EngineDeadError:
         """Fail every in-flight request (blocks freed), stop the workers, refuse further work."""
