@@ -10,6 +10,7 @@ import os
 import pathlib
 import random
 import shutil
+import time
 
 import pytest
 import torch
@@ -484,14 +485,28 @@ def test_a_prefill_side_dying_mid_transfer(model, reference, policy):
     prefill = tcp_engine(model, "kv_producer")
     sender = prefill.executor.worker.kv_connector
     real_put = sender._queue.put
+    sent: list[bytes] = []
 
     def dying_put(item, *a, **kw):  # what a sender killed part-way would have got out
         if item is not None:
             address, msgs = item
             item = (address, [m for m in msgs if m[0] == b"block"][:5])
+            sent.extend(bytes(m[2]) for m in item[1])
         return real_put(item, *a, **kw)
 
     sender._queue.put = dying_put
+    # The decode side's timeout runs out once the prefill side is done and every block it sent has
+    # arrived, not after 1 s of wall time: on a loaded machine the prefill alone can take longer.
+    received = decode.scheduler.connector.received
+
+    def clock() -> float:
+        done = not prefill.has_unfinished_requests()
+        arrived = done and bool(sent) and all(h in received for h in sent)
+        if done and not arrived:
+            time.sleep(0.001)  # the receiver's thread is still taking them in
+        return time.monotonic() + (2.0 if arrived else -1e9)
+
+    decode.scheduler.connector.clock = clock
     try:
         ps = prompts()[:4]
         _, got = split(prefill, decode, ps, decode.kv_receiver.port)

@@ -413,10 +413,13 @@ def test_auto_tool_choice_serves_text_with_a_tagged_grammar(server):
 def test_constrained_through_worker_processes_and_replicas(tiny_llama, parallel):
     """The bitmask travels to mp workers in the step's diff (tensor parallel: rank 0 samples) and
     each data-parallel replica compiles its own requests: the same greedy outputs as one worker."""
-    ref_llm = LLM(tiny_llama, kv_cache_memory="16MiB", max_model_len=512)
+    # float32: tensor parallel splits reductions, and where ``auto`` picks bfloat16 GEMMs (per
+    # machine) their rounding magnifies the new order enough to flip a random model's near-ties.
+    kw = dict(kv_cache_memory="16MiB", max_model_len=512, dtype="float32")
+    ref_llm = LLM(tiny_llama, **kw)
     ref = [o.outputs[0].token_ids for o in ref_llm.generate(PROMPTS, _params(json=PERSON), use_tqdm=False)]
     ref_llm.llm_engine.shutdown()
-    llm = LLM(tiny_llama, kv_cache_memory="16MiB", max_model_len=512, distributed_executor_backend="mp", **parallel)
+    llm = LLM(tiny_llama, distributed_executor_backend="mp", **kw, **parallel)
     with llm:
         outs = llm.generate(PROMPTS, _params(json=PERSON), use_tqdm=False)
         with pytest.raises(ValueError, match="structured_outputs.regex"):
