@@ -208,7 +208,9 @@ int gemm_packed_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const uin
   int8_t *xq = (int8_t *)malloc((size_t)(M ? M : 1) * (K + 8 * B));
   if (xq == NULL) return -1;
   float *dx = (float *)(xq + M * K), *sx = dx + M * B; /* K is a multiple of 32: aligned for floats */
-#pragma omp parallel for schedule(static) if (M * K >= 65536)
+  /* Rows are independent, so splitting them never changes a bit; from 8192 values (a 64-row decode
+   * step at K = 576 is 36,864) the second thread pays for the parallel region. */
+#pragma omp parallel for schedule(static) if (M * K >= 8192)
   for (int64_t m = 0; m < M; ++m) quantize_row(x + m * ldx, xq + m * K, dx + m * B, sx + m * B, K);
   /* Row blocks whose quantized x stays in L2 while every panel streams past it. */
   const int64_t rows = 256 / MRQ * MRQ;
