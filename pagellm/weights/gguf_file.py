@@ -6,8 +6,11 @@ llama.cpp's converter permutes the rows of Llama's q/k projections (interleaved 
 
 from __future__ import annotations
 
+import math
 import re
+import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -32,18 +35,126 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
 _BLK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-@lru_cache(maxsize=2)
-def _reader(path: str):
+@dataclass(slots=True)
+class GGUFTensor:
+    """One tensor of a GGUF file, as ``gguf.ReaderTensor`` has it: ``shape`` as stored (innermost
+    first), ``data`` a read-only view of the file (bytes per row for block-quantized types)."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+@dataclass(slots=True)
+class GGUFIndex:
+    """A GGUF file's metadata (``fields``: plain Python values; arrays as lists or numpy arrays)
+    and its tensors, read straight from the header.
+
+    ``gguf.GGUFReader`` builds a numpy view for every part of every metadata value: SmolLM2's
+    ~98,000 tokenizer strings cost it 2.4 s of start-up on a 2.6 GHz EPYC, this ~0.1 s. Files
+    it does not expect (big-endian, an unknown value type) go to ``gguf.GGUFReader``."""
+
+    fields: dict[str, Any]
+    tensors: list[GGUFTensor]
+
+
+_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
+            12: "<f8"}
+_STRING, _ARRAY = 8, 9
+
+
+class _Unsupported(ValueError):
+    pass
+
+
+def _parse_header(mm: np.ndarray) -> GGUFIndex:
     import gguf
 
-    return gguf.GGUFReader(path)
+    buf = memoryview(mm)
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError("not a GGUF file (bad magic)")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version not in (2, 3):
+        raise _Unsupported(f"GGUF version {version}")  # also a big-endian file's byte-swapped version
+    offs = 24
+
+    def string() -> str:
+        nonlocal offs
+        (n,) = struct.unpack_from("<Q", buf, offs)
+        offs += 8 + n
+        return bytes(buf[offs - n:offs]).decode("utf-8", errors="replace")
+
+    def value(vtype: int) -> Any:
+        nonlocal offs
+        if vtype == _STRING:
+            return string()
+        if vtype == _ARRAY:
+            etype, n = struct.unpack_from("<IQ", buf, offs)
+            offs += 12
+            if etype in _SCALARS:
+                dt = np.dtype(_SCALARS[etype])
+                arr = np.frombuffer(buf, dtype=dt, count=n, offset=offs)
+                offs += n * dt.itemsize
+                return arr
+            return [value(etype) for _ in range(n)]
+        if vtype not in _SCALARS:
+            raise _Unsupported(f"GGUF value type {vtype}")
+        dt = np.dtype(_SCALARS[vtype])
+        v = np.frombuffer(buf, dtype=dt, count=1, offset=offs)[0].item()
+        offs += dt.itemsize
+        return v
+
+    fields: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = string()
+        (vtype,) = struct.unpack_from("<I", buf, offs)
+        offs += 4
+        fields[key] = value(vtype)
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        (n_dims,) = struct.unpack_from("<I", buf, offs)
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, offs + 4)
+        ttype, rel = struct.unpack_from("<IQ", buf, offs + 4 + 8 * n_dims)
+        offs += 4 + 8 * n_dims + 12
+        infos.append((name, dims, gguf.GGMLQuantizationType(ttype), rel))
+    align = int(fields.get("general.alignment", 32))
+    start = -(-offs // align) * align
+    q = gguf.GGMLQuantizationType
+    plain = {q.F32: np.float32, q.F16: np.float16, q.F64: np.float64, q.I8: np.int8, q.I16: np.int16,
+             q.I32: np.int32, q.I64: np.int64}
+    tensors = []
+    for name, dims, ttype, rel in infos:
+        np_dims = tuple(reversed(dims))
+        if ttype not in gguf.GGML_QUANT_SIZES:
+            raise _Unsupported(f"GGUF tensor type {ttype.name}")
+        block, type_size = gguf.GGML_QUANT_SIZES[ttype]
+        nbytes = math.prod(dims) * type_size // block
+        raw = mm[start + rel:start + rel + nbytes]
+        if ttype in plain:
+            data = raw.view(plain[ttype]).reshape(np_dims)
+        else:  # blocks: bytes per row, as gguf.dequantize takes them
+            data = raw.reshape(gguf.quant_shape_to_byte_shape(np_dims, ttype))
+        tensors.append(GGUFTensor(name, ttype, tuple(dims), data))
+    return GGUFIndex(fields, tensors)
 
 
-def _field(reader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+@lru_cache(maxsize=2)
+def _reader(path: str) -> GGUFIndex:
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    try:
+        return _parse_header(mm)
+    except (_Unsupported, struct.error):
+        import gguf
+
+        r = gguf.GGUFReader(path)
+        return GGUFIndex({k: f.contents() for k, f in r.fields.items()},
+                         [GGUFTensor(t.name, t.tensor_type, tuple(int(d) for d in t.shape), t.data) for t in r.tensors])
+
+
+def _field(reader: GGUFIndex, key: str, default: Any = None) -> Any:
+    return reader.fields.get(key, default)
 
 
 def gguf_architecture(path: str) -> str:
@@ -62,9 +173,7 @@ def gguf_config(path: str):
     p = f"{arch}."
     n_heads = int(_field(r, p + "attention.head_count"))
     hidden = int(_field(r, p + "embedding_length"))
-    # Only the count: decoding the ~50k token strings (``contents()``) would cost seconds.
-    tokens_field = r.fields.get("tokenizer.ggml.tokens")
-    n_tokens = len(tokens_field.data) if tokens_field is not None else 0
+    n_tokens = len(r.fields.get("tokenizer.ggml.tokens", ()))
     names = {t.name for t in r.tensors}
     kwargs: dict[str, Any] = dict(
         hidden_size=hidden,
