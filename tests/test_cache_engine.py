@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import resource
+import time
 
+import pytest
 import torch
 
-from pagellm.worker.cache_engine import CacheEngine, KVCacheSpec
+from pagellm.worker.cache_engine import CacheEngine, HostKVMemory, KVCacheSpec
 
 
 def _minor_faults_writing(t: torch.Tensor) -> int:
@@ -25,3 +27,35 @@ def test_device_cache_is_faulted_in_at_start_up_and_swap_pool_is_not():
     assert _minor_faults_writing(cache.kv) <= 2
     # The swap pool pays on first touch, as it always did.
     assert _minor_faults_writing(cache.cpu_kv) >= 16
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_memory_faulted_in_while_the_model_loads(wait):
+    """The worker maps its KV budget before loading the model; a thread faults it in meanwhile.
+    Taken after the thread finished or while it runs (then torch faults in the rest): zeroed,
+    every page present, shaped as the cache."""
+    spec = KVCacheSpec(num_layers=2, block_size=16, num_kv_heads=4, head_dim=64, dtype=torch.float32)
+    memory = HostKVMemory(96 * 2**20)  # (more than the cache: a budget is rounded down to blocks)
+    if wait:
+        memory._thread.join()
+        assert memory._done == memory.nbytes
+    cache = CacheEngine(spec, num_blocks=512, device=torch.device("cpu"), memory=memory)
+    assert cache.kv.shape == (2, 2, 512 * 16, 4, 64) and cache.kv.count_nonzero() == 0
+    assert _minor_faults_writing(cache.kv) <= 2
+    assert not memory._thread.is_alive()
+
+
+def test_memory_smaller_than_the_cache_is_an_error():
+    spec = KVCacheSpec(num_layers=2, block_size=16, num_kv_heads=4, head_dim=64, dtype=torch.float32)
+    with pytest.raises(ValueError, match="needs 33554432 bytes; 1048576 were mapped"):
+        CacheEngine(spec, num_blocks=512, device=torch.device("cpu"), memory=HostKVMemory(2**20))
+
+
+def test_faulting_in_pauses_while_gemms_are_timed():
+    memory = HostKVMemory(256 * 2**20)
+    with memory.paused():
+        done = memory._done
+        time.sleep(0.3)  # (a chunk of 64 MiB takes well under this when it runs)
+        assert memory._done == done and not memory._busy
+    memory._thread.join()
+    assert memory._done == memory.nbytes

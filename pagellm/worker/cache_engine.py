@@ -12,9 +12,12 @@ import contextlib
 import logging
 import math
 import mmap
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagellm.attention.kv_quant import cache_head_dim
@@ -42,7 +45,85 @@ class KVCacheSpec:
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.cache_head_dim * self.dtype.itemsize
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, prefault: bool = False) -> torch.Tensor:
+def _anonymous_map(nbytes: int) -> mmap.mmap:
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux only
+        with contextlib.suppress(OSError):  # THP compiled out or disabled: 4 KiB pages, still correct
+            buf.madvise(mmap.MADV_HUGEPAGE)
+    return buf
+
+
+class HostKVMemory:
+    """The device KV cache's memory on a CPU, mapped and faulted in ahead of time: the worker
+    creates it before it loads the model, and a thread touches its pages meanwhile (numpy releases
+    the GIL; the model's loading is mostly one thread, so the other core is free). ``take`` stops
+    the thread and faults in what is left from torch's threads. SmolLM2 on a 2.6 GHz EPYC: the
+    2 GiB that took 2.5 s of start-up after loading mostly fault in during it."""
+
+    _CHUNK = 64 * 2**20
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._buf = _anonymous_map(nbytes)
+        self._done = 0  # bytes faulted in, a multiple of _CHUNK (so of the page size)
+        self._cond = threading.Condition()
+        self._stopped = self._paused = self._busy = False
+        self._start = time.perf_counter()
+        self._thread = threading.Thread(target=self._touch, name="pagellm-kv-prefault", daemon=True)
+        self._thread.start()
+
+    def _touch(self) -> None:
+        pages = np.frombuffer(self._buf, dtype=np.uint8)
+        for off in range(0, self.nbytes, self._CHUNK):
+            with self._cond:
+                while self._paused and not self._stopped:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                self._busy = True
+            pages[off:off + self._CHUNK:mmap.PAGESIZE] = 0
+            with self._cond:
+                self._busy = False
+                self._done = min(off + self._CHUNK, self.nbytes)
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No faulting in meanwhile (from the end of the chunk under way): for timing GEMMs."""
+        with self._cond:
+            self._paused = True
+            while self._busy:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._paused = False
+                self._cond.notify_all()
+
+    def stop(self) -> None:
+        """Stop faulting in (also for a model that failed to load: its budget is not needed)."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` as a zeroed uint8 tensor, every page of them present."""
+        if nbytes > self.nbytes:
+            raise ValueError(f"the KV cache needs {nbytes} bytes; {self.nbytes} were mapped")
+        self.stop()
+        ahead = self._done
+        raw = torch.frombuffer(self._buf, dtype=torch.uint8)[:nbytes]
+        if ahead < nbytes:
+            raw[ahead:][::mmap.PAGESIZE].zero_()  # torch splits the strided fill between its threads
+        logger.info("KV cache: %.2f GiB faulted in at start-up, %.2f of them while the model loaded (%.2f s in all)",
+                    nbytes / 2**30, min(ahead, nbytes) / 2**30, time.perf_counter() - self._start)
+        return raw
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, prefault: bool = False,
+           memory: HostKVMemory | None = None) -> torch.Tensor:
     """``torch.zeros``, but on CPU from a fresh anonymous mapping: the OS zero-fills pages on first
     touch (``torch.zeros`` would write every byte a second time).
 
@@ -53,17 +134,16 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pre
     ``prefault`` touches one byte per 4 KiB now, from every thread, so the zero-filling (and any
     compaction the kernel needs to find huge pages) happens at start-up, as vLLM's zeroed cache
     does, instead of inside the first steps that reach each block (W64: 4-5 % of the run's CPU
-    time in ``clear_page``). The swap pool stays lazy: most runs never swap.
+    time in ``clear_page``). The swap pool stays lazy: most runs never swap. ``memory``: a
+    ``HostKVMemory`` mapped (and mostly faulted in) earlier, used instead of a new mapping.
     """
     if device.type != "cpu" or not math.prod(shape):  # (an empty buffer cannot be viewed as float)
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux only
-        with contextlib.suppress(OSError):  # THP compiled out or disabled: 4 KiB pages, still correct
-            buf.madvise(mmap.MADV_HUGEPAGE)
-    # frombuffer keeps `buf` alive as long as the tensor (and its views) live.
-    raw = torch.frombuffer(buf, dtype=torch.uint8)
+    if memory is not None:
+        return memory.take(nbytes).view(dtype).view(shape)
+    # frombuffer keeps the mapping alive as long as the tensor (and its views) live.
+    raw = torch.frombuffer(_anonymous_map(nbytes), dtype=torch.uint8)
     if prefault:
         start = time.perf_counter()
         raw[::mmap.PAGESIZE].zero_()  # torch splits the strided fill between its threads
@@ -80,14 +160,15 @@ class CacheEngine:
     same accounting and copies everywhere.
     """
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device, num_cpu_blocks: int = 0) -> None:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device, num_cpu_blocks: int = 0,
+                 memory: HostKVMemory | None = None) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
         shape = (spec.num_layers, 2, num_blocks * spec.block_size, spec.num_kv_heads, spec.cache_head_dim)
         # Zeroed: attention gathers whole blocks and masks the unused tail slots, but a masked key
         # still multiplies its value by 0, so every slot must hold a finite number from the start.
-        self.kv = _zeros(shape, spec.dtype, device, prefault=True)
+        self.kv = _zeros(shape, spec.dtype, device, prefault=True, memory=memory)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(spec.num_layers)]
         cpu_shape = (spec.num_layers, 2, num_cpu_blocks * spec.block_size, spec.num_kv_heads, spec.cache_head_dim)
         self.cpu_kv = _zeros(cpu_shape, spec.dtype, torch.device("cpu"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -26,7 +27,7 @@ from pagellm.lora.layers import ModelLoRA, module_shapes
 from pagellm.lora_request import AdapterSpec
 from pagellm.models import get_model_class
 from pagellm.weights import freq_factors, iter_weights, load_model_config
-from pagellm.worker.cache_engine import CacheEngine, KVCacheSpec
+from pagellm.worker.cache_engine import CacheEngine, HostKVMemory, KVCacheSpec
 from pagellm.worker.draft_runner import DraftRunner
 from pagellm.worker.host_malloc import tune_malloc
 from pagellm.worker.kv_connector import DiskConnectorWorker, KVConnectorWorker, TcpConnectorWorker
@@ -98,6 +99,7 @@ class Worker:
         self.model_runner: ModelRunner | None = None
         self.step_seconds, self.num_steps = 0.0, 0
         self.kv_connector: KVConnectorWorker | None = None  # (built with the cache)
+        self._kv_memory: HostKVMemory | None = None
 
     def _build_model(self, path: str | None) -> tuple[torch.nn.Module, Any, Any]:
         """``(model, HF config, source)``: built on meta (no random init), materialised
@@ -115,9 +117,22 @@ class Worker:
         return model.to(self.dtype).eval(), hf_config, source
 
     def load_model(self) -> ModelInfo:
-        model, hf_config, source = self._build_model(self.config.model.model)
+        cache = self.config.cache
+        # A byte budget bounds the KV cache before the model's shapes are known: map it now and
+        # fault it in while the model loads (initialize_cache takes it).
+        self._kv_memory = HostKVMemory(cache.kv_cache_memory) \
+            if self.device.type == "cpu" and cache.num_gpu_blocks_override is None else None
+        try:
+            model, hf_config, source = self._build_model(self.config.model.model)
+        except BaseException:
+            if self._kv_memory is not None:
+                self._kv_memory.stop()
+            raise
         arch = hf_config.architectures[0]
-        self.numerics, packed_int8 = self._numerics_for(model, self.tp.world_size == 1, self.config.model.quantization)
+        # (Paused: the numerics may be chosen by timing GEMMs, which must have both cores.)
+        with self._kv_memory.paused() if self._kv_memory is not None else contextlib.nullcontext():
+            self.numerics, packed_int8 = self._numerics_for(model, self.tp.world_size == 1,
+                                                            self.config.model.quantization)
         if self.cpu_numerics:
             logger.info("numerics: %s GEMMs (float32 between them): %s [%s]", self.numerics.name, self.numerics.reason,
                         cpu_info().summary())
@@ -257,7 +272,10 @@ class Worker:
         return n, n_cpu
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
-        self.cache_engine = CacheEngine(self.spec, num_blocks, self.device, num_cpu_blocks)
+        memory, self._kv_memory = self._kv_memory, None
+        if memory is not None and num_blocks * self.spec.block_bytes > memory.nbytes:
+            memory = None  # (more blocks than the budget: a caller's choice; a fresh mapping)
+        self.cache_engine = CacheEngine(self.spec, num_blocks, self.device, num_cpu_blocks, memory)
         # Chosen once for this cache and model dtype: which attention kernels apply here.
         self.attn_backend = select_attention_backend(self.cache_engine.kv_caches[0][0], self.dtype)
         logger.info("attention backend: %r", self.attn_backend)
