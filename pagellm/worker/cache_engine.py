@@ -53,6 +53,11 @@ def _anonymous_map(nbytes: int) -> mmap.mmap:
     return buf
 
 
+def _fault_in(raw: torch.Tensor) -> None:
+    """Touch one byte per page of ``raw`` (uint8): torch splits the strided fill between its threads."""
+    raw[::mmap.PAGESIZE].zero_()
+
+
 class HostKVMemory:
     """The device KV cache's memory on a CPU, mapped and faulted in ahead of time: the worker
     creates it before it loads the model, and a thread touches its pages meanwhile (numpy releases
@@ -116,7 +121,7 @@ class HostKVMemory:
         ahead = self._done
         raw = torch.frombuffer(self._buf, dtype=torch.uint8)[:nbytes]
         if ahead < nbytes:
-            raw[ahead:][::mmap.PAGESIZE].zero_()  # torch splits the strided fill between its threads
+            _fault_in(raw[ahead:])
         logger.info("KV cache: %.2f GiB faulted in at start-up, %.2f of them while the model loaded (%.2f s in all)",
                     nbytes / 2**30, min(ahead, nbytes) / 2**30, time.perf_counter() - self._start)
         return raw
@@ -146,7 +151,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pre
     raw = torch.frombuffer(_anonymous_map(nbytes), dtype=torch.uint8)
     if prefault:
         start = time.perf_counter()
-        raw[::mmap.PAGESIZE].zero_()  # torch splits the strided fill between its threads
+        _fault_in(raw)
         logger.info("KV cache: %.2f GiB faulted in at start-up in %.2f s", nbytes / 2**30, time.perf_counter() - start)
     return raw.view(dtype).view(shape)
 
