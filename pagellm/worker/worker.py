@@ -274,7 +274,8 @@ class Worker:
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         memory, self._kv_memory = self._kv_memory, None
         if memory is not None and num_blocks * self.spec.block_bytes > memory.nbytes:
-            memory = None  # (more blocks than the budget: a caller's choice; a fresh mapping)
+            memory.stop()  # (more blocks than the budget, a caller's choice: a fresh mapping; this one
+            memory = None  # must not go on faulting in memory nothing will use)
         self.cache_engine = CacheEngine(self.spec, num_blocks, self.device, num_cpu_blocks, memory)
         # Chosen once for this cache and model dtype: which attention kernels apply here.
         self.attn_backend = select_attention_backend(self.cache_engine.kv_caches[0][0], self.dtype)
