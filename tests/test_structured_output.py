@@ -438,3 +438,25 @@ def test_malformed_tool_history_is_a_400(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=NAME, messages=bad, max_tokens=4)
     assert e.value.body["param"] == "messages[1].tool_calls"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_length_bounded_strings_reject_raw_control_characters(tiny_llama, backend):
+    """JSON strings may not hold raw U+0000-U+001F (RFC 8259); xgrammar 0.2.8's rule for a string
+    with maxLength let them through, and a random model wrote one: json.loads rejected the text."""
+    from pagellm.config import resolve_model_source
+    from pagellm.structured_output.backend import create_backend
+    from pagellm.tokenizer import Tokenizer
+
+    tok = Tokenizer(resolve_model_source(tiny_llama))
+    schema = {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2}
+    backend_ = create_backend(backend, tok.hf, len(tok.hf), tok.eos_token_id)
+    grammar = backend_.compile(StructuredOutputsParams(json=schema))
+
+    def accepts(text: str) -> bool:
+        m = grammar.new_matcher()
+        return all(m.accept_token(t) for t in tok.encode(text, add_special_tokens=False) + [tok.eos_token_id])
+
+    assert accepts('["ab","c"]')
+    assert not accepts('["a\x0eb"]')
+    assert not accepts('["a\x01"]')

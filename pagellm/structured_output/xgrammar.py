@@ -44,6 +44,17 @@ class _XgrammarGrammar(CompiledGrammar):
         return _XgrammarMatcher(xgr.GrammarMatcher(self.compiled))
 
 
+# xgrammar 0.2.8 writes a string with minLength / maxLength as a count of `[^"\\\r\n]`, which lets
+# raw control characters through (invalid JSON: a random model wrote "\x0e" there); its unbounded
+# string rule excludes them, as RFC 8259 does. Same class, control characters excluded.
+_BOUNDED_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\\\r\\n]'
+
+
+def _escape_controls_in_bounded_strings(ebnf: str) -> str:
+    return ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+
+
 class XgrammarBackend(StructuredOutputBackend):
     name = "xgrammar"
 
@@ -61,7 +72,8 @@ class XgrammarBackend(StructuredOutputBackend):
             # without whitespace is ", " and ": ").
             seps = None if flexible else (",", ":")
             if kind == "json":
-                compiled = self.compiler.compile_json_schema(spec, any_whitespace=flexible, separators=seps)
+                grammar = xgr.Grammar.from_json_schema(spec, any_whitespace=flexible, separators=seps)
+                compiled = self.compiler.compile_grammar(_escape_controls_in_bounded_strings(str(grammar)))
             elif kind == "json_object":
                 compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=flexible,
                                                              separators=seps)
