@@ -494,3 +494,43 @@ def test_langchain_chat_openai_against_the_server(served, client):
     assert "".join(c.content for c in chunks) == ref.choices[0].message.content
     assert sum(c.usage_metadata["output_tokens"] for c in chunks if c.usage_metadata) == 8
     _idle(engine)
+
+
+def test_stream_polls_for_a_disconnect_at_most_once_per_interval(monkeypatch):
+    """``_stream``'s fallback: ``Request.is_disconnected`` is asked only once ``DISCONNECT_POLL_S``
+    has passed (each call costs a cancel scope), and a disconnect it sees ends the stream and
+    closes the engine's output stream (which aborts the request)."""
+    import asyncio
+    import types
+
+    from pagellm.entrypoints import openai_server
+
+    class FakeRequest:
+        def __init__(self, gone_after: int) -> None:
+            self.calls, self.gone_after = 0, gone_after
+
+        async def is_disconnected(self) -> bool:
+            self.calls += 1
+            return self.calls > self.gone_after
+
+    closed = []
+
+    async def outputs():
+        try:
+            for i in range(10):
+                yield types.SimpleNamespace(finished=False, i=i)
+        finally:
+            closed.append(True)
+
+    server = types.SimpleNamespace(_record=lambda out: None)
+
+    async def run(request: FakeRequest) -> list[int]:
+        return [o.i async for o in openai_server.OpenAIServer._stream(server, outputs(), "r", request)]
+
+    monkeypatch.setattr(openai_server, "DISCONNECT_POLL_S", 3600.0)
+    quiet = FakeRequest(gone_after=0)
+    assert asyncio.run(run(quiet)) == list(range(10)) and quiet.calls == 0 and closed == [True]
+    monkeypatch.setattr(openai_server, "DISCONNECT_POLL_S", 0.0)
+    closed.clear()
+    gone = FakeRequest(gone_after=3)
+    assert asyncio.run(run(gone)) == [0, 1, 2] and gone.calls == 4 and closed == [True]
