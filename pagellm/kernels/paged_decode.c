@@ -9,7 +9,7 @@
  *
  * One task per (sequence, KV head): its g = Hq / Hkv query heads share every K/V row loaded.
  * Two passes (scores, then a weighted sum of V) with an exact softmax in between. The next
- * block's rows are prefetched while this one is read (blocks are scattered, so the hardware
+ * block's rows are prefetched into L2 while this one is read (blocks are scattered, so the hardware
  * prefetcher cannot guess them: 1.3-1.5x on 64 decodes), and the head size is a compile-time
  * constant for the common 64 and 128 so the dot products vectorize fully.
  */
@@ -35,7 +35,7 @@ static inline __attribute__((always_inline)) void task_impl(
     const int64_t n = L - t0 < block_size ? L - t0 : block_size;
     const float *kn = t0 + block_size < L ? kc + bt[t0 / block_size + 1] * block_size * row + h * D : kb;
     for (int64_t i = 0; i < n; ++i) {
-      for (int64_t c = 0; c < D; c += 16) __builtin_prefetch(kn + i * row + c);
+      for (int64_t c = 0; c < D; c += 16) __builtin_prefetch(kn + i * row + c, 0, 2); /* into L2: prefetch_row */
       const float *k = kb + i * row;
       for (int64_t j = 0; j < g; ++j) {
         const float *qj = qh + j * D;
@@ -64,7 +64,7 @@ static inline __attribute__((always_inline)) void task_impl(
     const int64_t n = L - t0 < block_size ? L - t0 : block_size;
     const float *vn = t0 + block_size < L ? vc + bt[t0 / block_size + 1] * block_size * row + h * D : vb;
     for (int64_t i = 0; i < n; ++i) {
-      for (int64_t c = 0; c < D; c += 16) __builtin_prefetch(vn + i * row + c);
+      for (int64_t c = 0; c < D; c += 16) __builtin_prefetch(vn + i * row + c, 0, 2); /* into L2: prefetch_row */
       const float *v = vb + i * row;
       for (int64_t j = 0; j < g; ++j) {
         const float p = scores[j * L + t0 + i];
