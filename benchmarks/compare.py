@@ -206,12 +206,12 @@ def _range(values: list[float]) -> str:
     return f"{min(values):.1f}-{max(values):.1f} ({', '.join(f'{v:.1f}' for v in values)})"
 
 
-def _print_round_ratios(runs: list[dict], mode: str, metric: str, keys: list[str]) -> None:
+def _print_round_ratios(runs: list[dict], mode: str, keys: list[str]) -> None:
     """pagellm / each other engine, round by round (both measured minutes apart)."""
     by_round: dict[int, dict[str, float]] = {}
     for r in runs:
         if r["mode"] == mode:
-            by_round.setdefault(r["round"], {})[r["key"]] = r[metric]
+            by_round.setdefault(r["round"], {})[r["key"]] = r[_METRIC[mode]]
     for key in keys[1:]:
         ratios = [f"{v['pagellm'] / v[key]:.2f}x" for _, v in sorted(by_round.items())]
         print(f"  pagellm / {key}, round by round: {', '.join(ratios)}")
@@ -304,7 +304,7 @@ def main() -> None:
                       f"{r['startup']:10.1f} {r['peak_rss_gib']:12.2f} {r['pagellm_ratio']:11.2f}x"
                       + (f"   {_range(r['all_runs'])}" if spread else ""))
         if spread:
-            _print_round_ratios(runs, "throughput", "total_tok_s", [k for k, _, _ in engines])
+            _print_round_ratios(runs, "throughput", [k for k, _, _ in engines])
     if "latency" in modes:
         print(f"\n{'one request at a time':40s} {'TTFT ms':>11s} {'decode tok/s':>12s} {'start-up s':>18s} "
               f"{'pagellm / it':>12s}" + ("   decode tok/s over the rounds" if spread else ""))
@@ -314,7 +314,7 @@ def main() -> None:
                 print(f"{r['engine']:40s} {r['ttft'] * 1000:11.0f} {r['decode_tok_s']:12.1f} {r['startup']:18.1f} "
                       f"{r['pagellm_ratio']:11.2f}x" + (f"   {_range(r['all_runs'])}" if spread else ""))
         if spread:
-            _print_round_ratios(runs, "latency", "decode_tok_s", [k for k, _, _ in engines])
+            _print_round_ratios(runs, "latency", [k for k, _, _ in engines])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine, "workload": os.path.basename(args.workload), "requests": len(reqs),
