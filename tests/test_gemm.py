@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from pagellm.distributed import TensorParallelGroup
 from pagellm.kernels import gemm
-from pagellm.layers.linear import KERNEL_MAX_ROWS, QUANTIZED_MAX_ROWS, Linear
+from pagellm.layers.linear import QUANTIZED_MAX_ROWS, Linear
 from pagellm.layers.parallel import RowParallelLinear
 
 from conftest import require_cpu_kernel
@@ -86,18 +86,22 @@ def test_bad_arguments_raise() -> None:
         gemm.pack(w.to(torch.bfloat16))
 
 
-def test_linear_layer_takes_the_kernel_for_small_batches_only() -> None:
+def test_linear_layer_takes_the_kernel_for_every_batch_and_a_row_is_its_own() -> None:
+    """Small and prefill-sized batches all go through the packed kernel, so a row's output is the
+    same bits alone, in a 200-row batch or at another offset (MKL's is not: its blocking changes
+    with the batch size, and under a 16-bit or int8 K/V cache that flipped greedy tokens)."""
     torch.manual_seed(0)
-    layer = Linear(48, 40, bias=True).eval()
-    small, large = torch.randn(KERNEL_MAX_ROWS, 48), torch.randn(KERNEL_MAX_ROWS + 1, 48)
+    layer = Linear(576, 40, bias=True).eval()  # K long enough for MKL's blocking to show
+    x = torch.randn(200, 576)
     with torch.no_grad():
-        want = layer(small)
+        want = layer(x)
         assert layer.pack_for_cpu() and layer.packed is not None
         assert layer.pack_for_cpu()  # idempotent
-        got = layer(small)
-        _close(got, want, 48)
-        assert torch.equal(got, gemm.linear(small, layer.packed, 40, layer.bias))
-        assert torch.equal(layer(large), F.linear(large, layer.weight, layer.bias))
+        got = layer(x)
+        _close(got, want, 576)
+        assert torch.equal(got, gemm.linear(x, layer.packed, 40, layer.bias))
+        for rows in (slice(0, 1), slice(7, 8), slice(0, 129), slice(150, 200)):
+            assert torch.equal(layer(x[rows]), got[rows]), rows
 
 
 _GGUF_TYPES = {4: gguf.GGMLQuantizationType.Q4_1, 8: gguf.GGMLQuantizationType.Q8_0}

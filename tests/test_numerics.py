@@ -124,7 +124,7 @@ def test_int8_gemm_equals_the_rounded_product_and_is_batch_invariant(bits):
 def test_long_prefill_through_the_int8_mlp_in_slices_gives_the_same_bits(monkeypatch):
     """``MLP.forward`` slices more than MLP_CHUNK_MIN_ROWS rows over the int8 kernels (cache-sized
     passes): the output is the unsliced pass's bit for bit, and a row's is its own alone. Over
-    float32 weights (MKL for large batches) it never slices."""
+    float32 weights (0.95x sliced) it never slices."""
     require_int8_kernel()
     from types import SimpleNamespace
 

@@ -148,3 +148,24 @@ def test_smollm2_narrow_kv_cache_outputs_do_not_depend_on_scheduling(kv):
         assert got == ref, name
         if name.startswith("tight"):
             assert engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("float32", "float16"), ("float32", "int8"),
+                                      ("auto", "auto")])
+def test_smollm2_logprobs_of_a_prompt_alone_equal_its_logprobs_in_a_batch(dtype, kv):
+    """Stronger than equal greedy tokens: every logprob of a prompt generated alone (its blocks then
+    prefix-cache hits) is the same float as in a batch of prompts sharing the steps, through the
+    kernels SmolLM2 takes (the GEMMs every batch size goes through, attention, elementwise ops).
+    Under float32 GEMMs that hand prefill batches to MKL, a row's logprobs moved by ~1e-5 with
+    its batch, and a 16-bit or int8 cache turned that into different greedy tokens."""
+    from pagellm import LLM, SamplingParams
+
+    prompts = random_prompts(6, seed=12, lo=5, hi=120)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    with LLM(None, dtype=dtype, kv_cache_dtype=kv, kv_cache_memory="64MiB") as llm:
+        batch = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for p, together in zip(prompts, batch, strict=True):
+            alone = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0]
+            assert alone.token_ids == together.outputs[0].token_ids
+            assert alone.logprobs == together.outputs[0].logprobs

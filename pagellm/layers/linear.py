@@ -2,15 +2,19 @@
 
 ``F.linear`` on a CPU calls MKL's sgemm, which re-packs the weight on every call; at decode
 batch sizes that is a large share of the work. :meth:`Linear.pack_for_cpu` packs the weight once
-(``kernels/gemm.py``); batches of up to ``KERNEL_MAX_ROWS`` rows then take the kernel (1.2-2.5x
-MKL on this machine), larger ones (prefill) stay on MKL, which is ~15 % faster there in whole
-runs. The price is the packed copy: one more float32 copy of the projections (0.42 GB for
-SmolLM2-135M). A weight whose values are exactly GGUF blocks (a Q4_1 or Q8_0 model, dequantized:
-every projection of the bundled SmolLM2 is Q4_1, its tied LM head Q8_0) is also packed in 4 or 8
-bits (``gemm.pack_quantized``, checked value by value): batches of up to ``QUANTIZED_MAX_ROWS``
-rows read that copy, with results identical bit for bit, as the weight stream is what such small
-batches wait for. Without the kernel (no AVX-512 or compiler, ``PAGELLM_CPU_KERNELS=0``, a GPU,
-bfloat16) nothing is packed and ``F.linear`` runs as before.
+(``kernels/gemm.py``) and every batch then takes the kernel, whose output row is the plain sum
+over k whatever the batch: a row's result never depends on the rows beside it, in float32 as in
+the other dtypes. (Prefill batches used to go to MKL, ~15 % faster in whole runs on the machine
+that was measured on, 1.12-1.2x slower than the kernel at 256-2048 rows on a 2-core EPYC; but MKL's
+result for a row changes with the batch's size, and a 16-bit or int8 K/V cache turns such last-bit
+differences into different greedy tokens under chunking or preemption.) The price is the packed
+copy: one more float32 copy of the projections (0.42 GB for SmolLM2-135M). A weight whose values
+are exactly GGUF blocks (a Q4_1 or Q8_0 model, dequantized: every projection of the bundled
+SmolLM2 is Q4_1, its tied LM head Q8_0) is also packed in 4 or 8 bits (``gemm.pack_quantized``,
+checked value by value): batches of up to ``QUANTIZED_MAX_ROWS`` rows read that copy, with results
+identical bit for bit, as the weight stream is what such small batches wait for. Without the
+kernel (no AVX-512 or compiler, ``PAGELLM_CPU_KERNELS=0``, a GPU, bfloat16) nothing is packed and
+``F.linear`` runs as before.
 """
 
 from __future__ import annotations
@@ -23,9 +27,6 @@ from torch import nn
 
 from pagellm.kernels import gemm, gemm_int8
 
-# Measured with benchmarks/gemm.py (crossover 128-512 rows) and, in whole runs, with
-# benchmarks/time_breakdown.py under PAGELLM_CPU_GEMM=0 (prefill GEMMs 9.8 s on MKL vs 11.2 s).
-KERNEL_MAX_ROWS = 128
 # Rows up to which a quantized copy beats the float32 kernel. benchmarks/gemm.py --quantized, all
 # 120 projections of SmolLM2 in 4 bits: 2.8x at 1 row, 1.9x at 8, 1.1-1.2x at 16, 0.98x at 20;
 # its 49,152 x 576 LM head alone in 8 bits: 2.2x at 1 row, 1.2x at 8, 0.88x at 16.
@@ -88,15 +89,15 @@ class Linear(nn.Linear):
         return True
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x W^T (+ bias)``: small batches through the kernel once packed (the smallest over the
-        quantized copy if there is one), the rest through MKL; with a bfloat16 copy, every batch through it."""
+        """``x W^T (+ bias)`` through the kernel once packed (the smallest batches over the quantized
+        copy if there is one, with the same bits); ``F.linear`` (MKL) only for a weight never packed."""
         if self.packed_i8 is not None:
             return gemm_int8.linear(x, self.packed_i8, self.i8_bits, self.out_features, bias)
         if self.packed_bf16 is not None:
             return gemm.linear(x, self.packed_bf16, self.out_features, bias, bits=16, amx=self.amx)
         if self.packed_q is not None and x.numel() <= QUANTIZED_MAX_ROWS[self.q_bits] * self.in_features:
             return gemm.linear(x, self.packed_q, self.out_features, bias, bits=self.q_bits)
-        if self.packed is not None and x.numel() <= KERNEL_MAX_ROWS * self.in_features:
+        if self.packed is not None:
             return gemm.linear(x, self.packed, self.out_features, bias)
         return F.linear(x, self.weight, bias)
 
