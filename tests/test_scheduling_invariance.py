@@ -158,8 +158,14 @@ def test_smollm2_logprobs_of_a_prompt_alone_equal_its_logprobs_in_a_batch(dtype,
     prefix-cache hits) is the same float as in a batch of prompts sharing the steps, through the
     kernels SmolLM2 takes (the GEMMs every batch size goes through, attention, elementwise ops).
     Under float32 GEMMs that hand prefill batches to MKL, a row's logprobs moved by ~1e-5 with
-    its batch, and a 16-bit or int8 cache turned that into different greedy tokens."""
+    its batch, and a 16-bit or int8 cache turned that into different greedy tokens. Without the GEMM
+    kernel (no AVX-512, or kernels disabled) the projections are MKL's, which promise no such thing."""
     from pagellm import LLM, SamplingParams
+    from pagellm.kernels import gemm
+    from pagellm.kernels.machine import cpu_info
+
+    if not gemm.usable(torch.zeros(1, 1)):
+        pytest.skip(f"no packed GEMM kernel here ({cpu_info().summary()}, or kernels disabled)")
 
     prompts = random_prompts(6, seed=12, lo=5, hi=120)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
