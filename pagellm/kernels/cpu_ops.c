@@ -65,14 +65,25 @@ void rotary_f32(float *x, int64_t x_stride, const float *cos, const float *sin, 
   }
 }
 
-/* out [T, I] = silu(gate) * up with gate_up [T, 2I] = [gate | up]. silu(g) = g / (1 + exp(-g)). */
+/* out [T, I] = silu(gate) * up with gate_up [T, 2I] = [gate | up]. silu(g) = g / (1 + exp(-g)).
+ * On AVX-512, 16 lanes at a time through exp512 (fused multiply-adds: about half the instructions
+ * of the compiler's vectorisation of exp_f32, which this file's fp-contract=off keeps unfused);
+ * SmolLM2's 30 MLPs spent 2-3 % of a W64 run here. */
 void silu_and_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I) {
 #pragma omp parallel for if (T >= PAR_MIN_ROWS)
   for (int64_t t = 0; t < T; ++t) {
     const float *g = gate_up + t * 2 * I, *u = g + I;
     float *o = out + t * I;
-#pragma omp simd
-    for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + exp_f32(-g[i])) * u[i];
+    int64_t i = 0;
+#ifdef __AVX512F__
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; i + 16 <= I; i += 16) {
+      const __m512 gv = _mm512_loadu_ps(g + i);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+      _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < I; ++i) o[i] = g[i] / (1.f + exp_f32(-g[i])) * u[i];
   }
 }
 
