@@ -19,7 +19,8 @@ import torch
 from pagellm import kernels
 from pagellm.attention.kv_quant import value_head_dim
 
-_ARGS = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+_ARGS = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6
+         + [ctypes.c_float])
 _SIGNATURES: kernels.Signatures = {
     "paged_decode_f32": (ctypes.c_int, _ARGS),
     "paged_decode_f16": (ctypes.c_int, _ARGS),
@@ -54,7 +55,8 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: to
                            block_size: int, scale: float) -> None:
     """``out[b] = softmax(q[b] K_b^T * scale) V_b`` over the first ``seq_lens[b]`` cached positions.
 
-    ``query``/``out`` ``[B, Hq, D]`` contiguous float32; caches ``[num_slots, Hkv, D]`` float32 or
+    ``query`` ``[B, Hq, D]`` float32 with contiguous heads and any row stride (a view of the qkv
+    output: no copy), ``out`` the same shape contiguous; caches ``[num_slots, Hkv, D]`` float32 or
     float16, or ``[num_slots, Hkv, D + 4]`` int8 (see :func:`usable_for`); ``block_tables``
     ``[B, max_blocks]`` and ``seq_lens`` ``[B]`` int64 on the CPU.
     """
@@ -62,9 +64,10 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: to
     assert lib is not None, "call available() first"
     b, hq, d = query.shape
     hkv = key_cache.shape[1]
-    for t, name in ((out, "out"), (query, "query")):
-        if t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous float32")
+    if out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError("out must be contiguous float32")
+    if query.dtype != torch.float32 or query.stride(2) != 1 or query.stride(1) != d:
+        raise ValueError(f"query must be float32 with contiguous heads, got strides {query.stride()}")
     for t, name in ((key_cache, "key_cache"), (value_cache, "value_cache")):
         if t.dtype != key_cache.dtype or t.dtype not in _DECODE or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous float32, float16 or int8 (both caches the same)")
@@ -76,7 +79,7 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: to
         if t.dtype != torch.int64 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous int64")
     decode = getattr(lib, _DECODE[key_cache.dtype])
-    status = decode(out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+    status = decode(out.data_ptr(), query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
                     block_tables.data_ptr(), seq_lens.data_ptr(), b, hq, hkv, d, block_size, block_tables.shape[1],
                     scale)
     _check_status(status, "decode")

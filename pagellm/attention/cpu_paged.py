@@ -103,7 +103,9 @@ class CpuPagedAttention(TorchPagedAttention):
         b = grp.batch_size
         if grp.kv_blocks is None or grp.seq_lens is None:
             raise ValueError("a DECODE_KERNEL group needs kv_blocks and seq_lens")
-        q = query[grp.token_start:grp.token_end].contiguous()
+        q = query[grp.token_start:grp.token_end]  # rows strided in the qkv output: the kernel reads them in place
+        if q.stride(2) != 1 or q.stride(1) != d:
+            q = q.contiguous()
         cpu_kernel.paged_decode_attention(out[grp.token_start:grp.token_end].view(b, hq, d), q, key_cache,
                                           value_cache, grp.kv_blocks, grp.seq_lens, block_size, scale)
 
