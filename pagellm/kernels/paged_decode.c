@@ -2,8 +2,8 @@
  * an int8 head row ends with its scale, applied to the row's score and softmax weight): one query
  * token per sequence attends to its cached K/V read straight from the blocks (no gather copy). Built on first use by pagellm/kernels/__init__.py.
  *
- * q:            [B, Hq, D]           row b at q + b * q_stride (heads contiguous: a view of the qkv output)
- * out:          [B, Hq, D]
+ * q:             [B, Hq, D]            row b at q + b * q_stride (heads contiguous; a view of the qkv output)
+ * out:           [B, Hq, D]
  * key/value:     [num_slots, Hkv, D]   slot = block_id * block_size + offset
  * block_tables:  [B, max_blocks]       int64
  * seq_lens:      [B]                   int64, context length including the new token
@@ -12,8 +12,8 @@
  * Two passes (scores, then a weighted sum of V) with an exact softmax in between. The next
  * block's rows are prefetched into L2 while this one is read (blocks are scattered, so the hardware
  * prefetcher cannot guess them: 1.3-1.5x on 64 decodes), the first blocks of each pass all at
- * once when it starts, and the head size is a compile-time
- * constant for the common 64 and 128 so the dot products vectorize fully.
+ * once when it starts, and the head size is a compile-time constant for the common 64 and 128 so
+ * the dot products vectorize fully.
  */
 #include <math.h>
 #include <omp.h>
