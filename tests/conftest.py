@@ -33,6 +33,16 @@ def require_bf16_kernel() -> None:
         pytest.skip(f"no bfloat16 GEMM kernel on this machine ({cpu_info().summary()})")
 
 
+def require_f32_gemm_kernel() -> None:
+    """Skip on machines without the packed float32 GEMM kernel (AVX-512; or with the kernels
+    disabled): the projections are then MKL's, whose row results change with the batch; say which."""
+    from pagellm.kernels import gemm
+    from pagellm.kernels.machine import cpu_info
+
+    if not gemm.usable(torch.zeros(1, 1)):
+        pytest.skip(f"no packed float32 GEMM kernel on this machine ({cpu_info().summary()}, or kernels disabled)")
+
+
 def require_int8_kernel() -> None:
     """Skip on machines without the int8 GEMM kernel (AVX512-VNNI); say which."""
     from pagellm.kernels import gemm_int8

@@ -12,7 +12,13 @@ import torch
 from pagellm.attention import cpu_kernel
 from pagellm.utils import cdiv
 
-from conftest import build_tiny_checkpoint, build_tiny_gguf_valued_checkpoint, require_bf16_kernel, require_int8_kernel
+from conftest import (
+    build_tiny_checkpoint,
+    build_tiny_gguf_valued_checkpoint,
+    require_bf16_kernel,
+    require_f32_gemm_kernel,
+    require_int8_kernel,
+)
 from test_hf_parity import engine_greedy, random_prompts
 
 MAX_TOKENS = 24
@@ -161,12 +167,8 @@ def test_smollm2_logprobs_of_a_prompt_alone_equal_its_logprobs_in_a_batch(dtype,
     its batch, and a 16-bit or int8 cache turned that into different greedy tokens. Without the GEMM
     kernel (no AVX-512, or kernels disabled) the projections are MKL's, which promise no such thing."""
     from pagellm import LLM, SamplingParams
-    from pagellm.kernels import gemm
-    from pagellm.kernels.machine import cpu_info
 
-    if not gemm.usable(torch.zeros(1, 1)):
-        pytest.skip(f"no packed GEMM kernel here ({cpu_info().summary()}, or kernels disabled)")
-
+    require_f32_gemm_kernel()
     prompts = random_prompts(6, seed=12, lo=5, hi=120)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
     with LLM(None, dtype=dtype, kv_cache_dtype=kv, kv_cache_memory="64MiB") as llm:
