@@ -9,7 +9,8 @@ import torch
 
 from pagellm import LLMEngine, SamplingParams
 from pagellm.config import EngineArgs
-from pagellm.sampling.sampler import SamplingRow, apply_penalties, sample
+from pagellm.kernels import sampling as sampling_kernel
+from pagellm.sampling.sampler import SamplingRow, apply_penalties, draw_cpu, draw_native, sample, target_probs
 
 from conftest import run_to_completion
 
@@ -72,7 +73,30 @@ def _rows(params, outputs=None, prompt=None):
     return [SamplingRow(params, prompt or [], outputs or [], None)]
 
 
-def test_top_p_min_p_and_top_k_filter_the_right_tokens():
+needs_sampling_kernel = pytest.mark.skipif(not sampling_kernel.available(), reason="sampling kernel not built here")
+DRAWS = [pytest.param(draw_native, id="native"), pytest.param(draw_cpu, id="cpu", marks=needs_sampling_kernel)]
+
+
+def test_engine_on_cpu_samples_through_the_kernel(engine):
+    from pagellm.sampling import sampler as sampler_module
+
+    calls = []
+    real = sampler_module.draw_cpu
+
+    def spy(logits, rows):
+        calls.append(len(rows))
+        return real(logits, rows)
+
+    sampler_module.draw_cpu = spy
+    try:
+        _run(engine, [("s", PROMPT, SamplingParams(temperature=0.9, top_p=0.9, max_tokens=4, ignore_eos=True))])
+    finally:
+        sampler_module.draw_cpu = real
+    assert calls == [1, 1, 1, 1] if sampling_kernel.available() else calls == []
+
+
+@pytest.mark.parametrize("draw", DRAWS)
+def test_top_p_min_p_and_top_k_filter_the_right_tokens(draw):
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     logits = probs.log()
     torch.manual_seed(0)
@@ -82,19 +106,97 @@ def test_top_p_min_p_and_top_k_filter_the_right_tokens():
         (SamplingParams(temperature=1.0, top_k=3), {0, 1, 2}),
         (SamplingParams(temperature=1.0, top_p=0.1), {0}),
     ]:
-        seen = {sample(logits.clone(), _rows(params)).token_ids[0] for _ in range(300)}
+        seen = {sample(logits.clone(), _rows(params), draw=draw).token_ids[0] for _ in range(300)}
         assert seen == allowed, params
 
 
-def test_unfiltered_sampling_follows_the_distribution():
+@pytest.mark.parametrize("draw", DRAWS)
+def test_unfiltered_sampling_follows_the_distribution(draw):
     probs = torch.tensor([[0.6, 0.3, 0.1]])
     gen = torch.Generator().manual_seed(0)
     counts = [0, 0, 0]
     row = [SamplingRow(SamplingParams(temperature=1.0), [], [], gen)]
     for _ in range(3000):
-        counts[sample(probs.log(), row).token_ids[0]] += 1
+        counts[sample(probs.log(), row, draw=draw).token_ids[0]] += 1
     for c, p in zip(counts, probs[0].tolist(), strict=True):
         assert abs(c / 3000 - p) < 0.04
+
+
+def test_a_row_without_top_p_keeps_its_tail_beside_a_row_with_top_p():
+    """In float32 the running sum of a sorted 49k distribution reaches 1 long before its tail, so
+    ``top_p = 1`` must mean no filter at all, not ``mass before >= 1``."""
+    logits = torch.randn(2, 49_157, generator=torch.Generator().manual_seed(0)) * 5
+    probs = target_probs(logits, [SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=1.0)])
+    assert (probs[1] > 0).all()
+    assert (probs[0] > 0).sum() < 49_157
+
+
+def _random_params(rng: torch.Generator, vocab: int) -> SamplingParams:
+    pick = torch.rand(5, generator=rng).tolist()
+    return SamplingParams(
+        temperature=0.2 + 1.5 * pick[0],
+        top_k=int(1 + pick[1] * vocab * 1.2) if pick[1] < 0.6 else -1,  # some past the vocabulary: off
+        top_p=0.05 + 0.95 * pick[2] if pick[2] < 0.7 else 1.0,
+        min_p=0.3 * pick[3] if pick[3] < 0.4 else 0.0)
+
+
+@needs_sampling_kernel
+@pytest.mark.parametrize("vocab", [7, 100, 49_157])
+def test_sampling_kernel_keeps_the_distribution_the_pytorch_filters_keep(vocab):
+    """The kernel's final distribution per row (top-k, top-p, min-p without sorting) against
+    ``target_probs`` (sorts): the same tokens kept and the same probabilities, for random logits
+    (some -inf, as a grammar or ``min_tokens`` leaves them) and random parameters."""
+    rng = torch.Generator().manual_seed(vocab)
+    rows = 24
+    logits = torch.randn(rows, vocab, generator=rng) * (1 + 4 * torch.rand(rows, 1, generator=rng))
+    logits[torch.rand(rows, vocab, generator=rng) < 0.1] = float("-inf")
+    params = [_random_params(rng, vocab) for _ in range(rows)]
+    expected = target_probs(logits.clone(), params)
+    got = torch.empty(rows, vocab)
+    tokens = sampling_kernel.sample_rows(logits, [p.temperature for p in params],
+                                         [p.top_k if 0 < p.top_k < vocab else 0 for p in params],
+                                         [p.top_p for p in params], [p.min_p for p in params],
+                                         torch.rand(rows, dtype=torch.float64, generator=rng), probs_out=got)
+    for r in range(rows):
+        assert torch.equal(got[r] > 0, expected[r] > 0), (r, params[r])
+        torch.testing.assert_close(got[r], expected[r], rtol=1e-4, atol=1e-6)
+        assert expected[r, tokens[r]] > 0
+
+
+@needs_sampling_kernel
+def test_sampling_kernel_draw_is_the_inverse_cdf():
+    """Evenly spaced uniforms must land on each token in proportion to its probability: with N of
+    them, token i is drawn within one of N * p_i times (exact inverse-CDF sampling)."""
+    probs = torch.tensor([0.05, 0.0, 0.4, 0.25, 0.3, 0.0])
+    n = 1000
+    logits = probs.log().expand(n, -1).contiguous()
+    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    tokens = sampling_kernel.sample_rows(logits, [1.0] * n, [0] * n, [1.0] * n, [0.0] * n, u)
+    counts = torch.bincount(tokens, minlength=len(probs))
+    assert (counts - n * probs).abs().max() <= 1, counts
+    # The draw follows the token order: small u first token, large u the last token with mass.
+    assert tokens[0] == 0 and tokens[-1] == 4
+
+
+@needs_sampling_kernel
+def test_sampling_kernel_rows_without_a_finite_logit_fall_back_to_pytorch():
+    logits = torch.tensor([[float("-inf")] * 4, [0.0, 1.0, float("nan"), 2.0], [0.0, 5.0, 1.0, 2.0]])
+    u = torch.tensor([0.5, 0.5, 0.999], dtype=torch.float64)
+    assert sampling_kernel.sample_rows(logits, [1.0] * 3, [0] * 3, [1.0] * 3, [0.0] * 3, u)[:2].tolist() == [-1, -1]
+    rows = [SamplingRow(SamplingParams(temperature=1.0, top_k=1), [], [], None) for _ in range(3)]
+    assert draw_cpu(logits, rows)[2] == 1  # top_k=1: the maximum; the other rows come back from torch
+
+
+@needs_sampling_kernel
+def test_sampling_kernel_names_bad_arguments():
+    logits = torch.zeros(2, 5)
+    u = torch.rand(2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="top_ps"):
+        sampling_kernel.sample_rows(logits, [1.0] * 2, [0] * 2, [1.0], [0.0] * 2, u)
+    with pytest.raises(ValueError, match="temperatures"):
+        sampling_kernel.sample_rows(logits, [1.0, 0.0], [0] * 2, [1.0] * 2, [0.0] * 2, u)
+    with pytest.raises(ValueError, match="uniforms"):
+        sampling_kernel.sample_rows(logits, [1.0] * 2, [0] * 2, [1.0] * 2, [0.0] * 2, u.float())
 
 
 def test_penalties_match_their_definitions():
