@@ -121,6 +121,32 @@ def test_int8_gemm_equals_the_rounded_product_and_is_batch_invariant(bits):
     assert gemm_int8.pack(w) is None
 
 
+def test_a_linear_layer_calls_its_bound_int8_weight_and_checks_what_it_is_given():
+    """``Linear.pack_for_cpu`` binds the int8 weight and the bias once; the layer's output is the
+    checked ``gemm_int8.linear``'s, 3-D inputs and strided rows included, and bad inputs are
+    ``ValueError``s naming what is wrong, not a crash in C."""
+    require_int8_kernel()
+    from pagellm.layers.linear import Linear
+
+    torch.manual_seed(2)
+    lin = Linear(64, 40, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(round_to_gguf_blocks(torch.randn_like(lin.weight) * 0.1, 4))
+    assert lin.pack_for_cpu(int8=True) and lin.bound_i8 is not None
+    x = torch.randn(3, 5, 128)[..., ::2]  # rows whose last dimension is strided
+    with torch.inference_mode():
+        y = lin(x)
+        assert y.shape == (3, 5, 40)
+        assert torch.equal(y, gemm_int8.linear(x.contiguous(), lin.packed_i8, lin.i8_bits, 40, lin.bias))
+        assert torch.equal(lin(x[1, 2:3]), y[1, 2:3])
+        wrong_width, wrong_dtype = torch.randn(2, 63), torch.randn(2, 64, dtype=torch.float64)
+        for bad, match in ((wrong_width, r"\[\.\.\., 64\]"), (wrong_dtype, "float32")):
+            with pytest.raises(ValueError, match=match):
+                lin(bad)
+    with pytest.raises(ValueError, match="does not fit"):
+        gemm_int8.BoundWeight(lin.packed_i8, 4, 65, 64)
+
+
 def test_long_prefill_through_the_int8_mlp_in_slices_gives_the_same_bits(monkeypatch):
     """``MLP.forward`` slices more than MLP_CHUNK_MIN_ROWS rows over the int8 kernels (cache-sized
     passes): the output is the unsliced pass's bit for bit, and a row's is its own alone. Over

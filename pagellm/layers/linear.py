@@ -51,6 +51,9 @@ class Linear(nn.Linear):
     amx: bool
     # Multi-LoRA: the adapters' slots of this projection (``lora/layers.py``), when enabled.
     lora: Any = None
+    # The int8 weight and the bias bound to the kernel (a plain attribute: a buffer's lookup through
+    # nn.Module.__getattr__ is itself a microsecond), which ``forward`` calls directly.
+    bound_i8: gemm_int8.BoundWeight | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -73,6 +76,8 @@ class Linear(nn.Linear):
             packed = gemm_int8.pack(self.weight)
             if packed is not None:
                 self.packed_i8, self.i8_bits = packed
+                self.bound_i8 = gemm_int8.BoundWeight(packed[0], packed[1], self.out_features, self.in_features,
+                                                      self.bias)
                 return True
         if compute_dtype == torch.bfloat16:
             if not gemm.bf16_supported():
@@ -102,7 +107,8 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.bias)
+        bound = self.bound_i8
+        y = bound(x) if bound is not None else self.matmul(x, self.bias)
         if self.lora is not None and self.lora.ctx.active:  # adapter rows in this step
             self.lora.add(x, y)
         return y
