@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from pagellm.attention.kv_quant import cache_head_dim, to_cache
 from pagellm.kernels import cpu_ops
 from pagellm.layers.norm import RMSNorm
-from pagellm.layers.rotary import RotaryEmbedding, apply_rotary
+from pagellm.layers.rotary import ApplyRotary, RotaryEmbedding, apply_rotary
 
 from conftest import require_cpu_kernel
 
@@ -60,6 +60,25 @@ def test_rotary_in_place_equals_apply_rotary_exactly(t):
     cpu_ops.rotary_(qkv[:, :768].view(t, 12, 64), cos, sin)
     assert torch.equal(q, ref_q) and torch.equal(k, ref_k)  # same products and sums, no FMA
     assert torch.equal(qkv[:, 768:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("adjacent", [True, False])
+def test_the_rotary_op_rotates_q_and_k_whether_or_not_they_share_rows(adjacent):
+    """``ApplyRotary.forward_cpu`` rotates q and k in one pass when k's heads follow q's in each row
+    (the fused qkv output), in two otherwise (Qwen3's q/k norms make new tensors); v untouched."""
+    op = ApplyRotary()
+    op.use_kernel = True
+    t = 7
+    cos, sin = RotaryEmbedding(64, 4096, 100000.0).cos_sin(torch.randint(0, 4096, (t,)), torch.float32)
+    qkv = torch.randn(t, 15 * 64)
+    v_before = qkv[:, 768:].clone()
+    q, k = qkv[:, :576].view(t, 9, 64), qkv[:, 576:768].view(t, 3, 64)
+    if not adjacent:
+        q, k = q.clone(), k.clone()
+    ref_q, ref_k = apply_rotary(q.clone(), k.clone(), cos, sin)
+    got_q, got_k = op(q, k, (cos, sin))
+    assert torch.equal(got_q, ref_q) and torch.equal(got_k, ref_k)
+    assert torch.equal(qkv[:, 768:], v_before)
 
 
 def test_silu_and_mul():

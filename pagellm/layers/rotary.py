@@ -89,6 +89,11 @@ class ApplyRotary(CustomOp):
     def forward_cpu(self, q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         if q.stride(1) != q.shape[2] or k.stride(1) != k.shape[2]:  # the kernel needs contiguous heads
             return self.forward_native(q, k, rope)
-        cpu_ops.rotary_(q, *rope)
-        cpu_ops.rotary_(k, *rope)
+        t, hq, d = q.shape
+        if k.stride(0) == q.stride(0) and k.data_ptr() == q.data_ptr() + hq * d * q.element_size():
+            # k's heads follow q's in every row (both split from the fused qkv output): one pass.
+            cpu_ops.rotary_(q.as_strided((t, hq + k.shape[1], d), q.stride()), *rope)
+        else:
+            cpu_ops.rotary_(q, *rope)
+            cpu_ops.rotary_(k, *rope)
         return q, k
