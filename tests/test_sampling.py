@@ -164,6 +164,20 @@ def test_sampling_kernel_keeps_the_distribution_the_pytorch_filters_keep(vocab):
 
 
 @needs_sampling_kernel
+def test_speculative_verification_on_cpu_gets_the_same_distribution_without_sorting():
+    """``target_probs_cpu`` (the rejection sampler's on CPU) equals ``target_probs``, a row with no
+    finite logit included (it goes through torch)."""
+    from pagellm.sampling.sampler import target_probs_cpu
+
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(5)) * 3
+    logits[1] = float("-inf")
+    params = [SamplingParams(temperature=0.7, top_p=0.8), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=1.3, top_k=20, min_p=0.01)]
+    torch.testing.assert_close(target_probs_cpu(logits, params), target_probs(logits.clone(), params),
+                               rtol=1e-4, atol=1e-6, equal_nan=True)
+
+
+@needs_sampling_kernel
 def test_sampling_kernel_draw_is_the_inverse_cdf():
     """Evenly spaced uniforms must land on each token in proportion to its probability: with N of
     them, token i is drawn within one of N * p_i times (exact inverse-CDF sampling)."""

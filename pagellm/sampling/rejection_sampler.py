@@ -28,6 +28,7 @@ from pagellm.sampling.sampler import (
     GreedyAndLSE,
     SamplerOutput,
     SamplingRow,
+    TargetProbs,
     greedy_and_lse_native,
     logprobs_of,
     process_logits,
@@ -72,7 +73,8 @@ def residual(p: torch.Tensor, draft_token: int, q: torch.Tensor | None) -> torch
 
 
 def rejection_sample(logits: torch.Tensor, rows: list[SamplingRow], spans: list[DraftSpan],
-                     greedy_and_lse: GreedyAndLSE = greedy_and_lse_native) -> list[SamplerOutput]:
+                     greedy_and_lse: GreedyAndLSE = greedy_and_lse_native,
+                     probs_of: TargetProbs = target_probs) -> list[SamplerOutput]:
     """``logits [R, V]`` with one row per position of every span (``rows[i]`` its params, with
     the drafts before position ``i`` appended to its output) -> per span, the emitted tokens in
     order: the accepted drafts, then the correction or the bonus token, each with its logprobs."""
@@ -80,7 +82,7 @@ def rejection_sample(logits: torch.Tensor, rows: list[SamplingRow], spans: list[
     random_rows = [i for i, r in enumerate(rows) if r.params.temperature > 0.0]
     probs = {}
     if random_rows:
-        p = target_probs(processed[random_rows], [rows[i].params for i in random_rows])
+        p = probs_of(processed[random_rows], [rows[i].params for i in random_rows])
         probs = {i: p[j] for j, i in enumerate(random_rows)}
     greedy_list = greedy.tolist()
     emitted_rows: list[int] = []

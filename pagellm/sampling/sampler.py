@@ -153,6 +153,16 @@ def draw_native(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return (probs / noise).argmax(dim=-1)
 
 
+def _kernel_rows(logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor,
+                 probs_out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
+    """The sampling kernel over ``logits`` with each row's filters: ``(tokens, rows it could not take)``."""
+    vocab = logits.shape[1]
+    tokens = sampling.sample_rows(logits, [p.temperature for p in params],
+                                  [p.top_k if 0 < p.top_k < vocab else 0 for p in params],
+                                  [p.top_p for p in params], [p.min_p for p in params], uniforms, probs_out)
+    return tokens, (tokens < 0).nonzero().flatten().tolist()
+
+
 def draw_cpu(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """The sampling kernel (float32 on CPU): the same filters as :func:`target_probs`, then an
     inverse-CDF draw with one float64 uniform per row from the row's generator (or torch's global
@@ -164,15 +174,24 @@ def draw_cpu(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     for j, r in enumerate(rows):
         if r.generator is not None:
             u[j] = torch.rand(1, dtype=torch.float64, generator=r.generator)
-    vocab = logits.shape[1]
-    ps = [r.params for r in rows]
-    tokens = sampling.sample_rows(logits, [p.temperature for p in ps],
-                                  [p.top_k if 0 < p.top_k < vocab else 0 for p in ps],
-                                  [p.top_p for p in ps], [p.min_p for p in ps], u)
-    bad = (tokens < 0).nonzero().flatten().tolist()
+    tokens, bad = _kernel_rows(logits, [r.params for r in rows], u)
     if bad:
         tokens[bad] = draw_native(logits[bad], [rows[j] for j in bad])
     return tokens
+
+
+# The distribution random rows draw from: ``(their processed logits, their params) -> probs``.
+TargetProbs = Callable[[torch.Tensor, list[SamplingParams]], torch.Tensor]
+
+
+def target_probs_cpu(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """:func:`target_probs` through the sampling kernel (no vocabulary sort); a row it cannot take
+    goes through :func:`target_probs`. For speculative decoding's verification."""
+    probs = torch.empty(logits.shape, dtype=torch.float32)
+    _, bad = _kernel_rows(logits, params, torch.zeros(len(params), dtype=torch.float64), probs)
+    if bad:
+        probs[bad] = target_probs(logits[bad], [params[j] for j in bad])
+    return probs
 
 
 class Sampler(CustomOp):
@@ -182,6 +201,11 @@ class Sampler(CustomOp):
     def greedy_and_lse(self) -> GreedyAndLSE:
         """The pass ``forward`` uses (for the rejection sampler, which shares it)."""
         return greedy_and_lse_cpu if self.use_kernel else greedy_and_lse_native
+
+    @property
+    def target_probs(self) -> TargetProbs:
+        """The filtered distribution of random rows as ``forward`` draws from it (for the rejection sampler)."""
+        return target_probs_cpu if self.use_kernel and sampling.available() else target_probs
 
     def forward_native(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         return sample(logits, rows, greedy_and_lse_native)

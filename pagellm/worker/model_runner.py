@@ -168,7 +168,8 @@ class ModelRunner:
             result.sampled = {seq_id: SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
                               for i, seq_id in enumerate(row_seq_ids)}
         if spans:
-            verified = rejection_sample(logits[spec_idx], spec_rows, spans, self.sampler.greedy_and_lse)
+            verified = rejection_sample(logits[spec_idx], spec_rows, spans, self.sampler.greedy_and_lse,
+                                        self.sampler.target_probs)
             for s, v in zip((s for s in sample_seqs if s.spec_token_ids), verified, strict=True):
                 tokens = [SampledToken(t, lp, top) for t, lp, top in
                           zip(v.token_ids, v.logprobs, v.top_logprobs, strict=True)]
