@@ -112,13 +112,18 @@ def pack_quantized(weight: torch.Tensor, bits: int) -> torch.Tensor | None:
     return out if lib.pack_weight_q(out.data_ptr(), w.data_ptr(), n, k, bits) else None
 
 
+def check_bias(bias: torch.Tensor | None, out_features: int) -> None:
+    """What a packed-weight kernel reads as the bias: ``None`` or contiguous float32 ``[out_features]``."""
+    if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.float32 or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous float32 of shape ({out_features},), got {tuple(bias.shape)}")
+
+
 def rows_and_output(x: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The checks every packed-weight kernel needs on ``x [..., K]`` and ``bias``; ``x`` as rows with
     contiguous last dimension, and the uninitialised float32 output ``[rows, out_features]``."""
     if x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"x must be float32 on the CPU, got {x.dtype} on {x.device}")
-    if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.float32 or not bias.is_contiguous()):
-        raise ValueError(f"bias must be contiguous float32 of shape ({out_features},), got {tuple(bias.shape)}")
+    check_bias(bias, out_features)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

@@ -69,9 +69,7 @@ class BoundWeight:
                 or packed.numel() != lib.packed_size_i8(out_features, in_features, bits)):
             raise ValueError(f"packed {bits}-bit weight of {packed.numel()} bytes does not fit "
                              f"[{out_features}, {in_features}]")
-        if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.float32
-                                 or not bias.is_contiguous()):
-            raise ValueError(f"bias must be contiguous float32 of shape ({out_features},), got {tuple(bias.shape)}")
+        gemm.check_bias(bias, out_features)
         self._fn = lib.gemm_packed_i8
         self._packed, self._bias = packed, bias  # kept alive with the pointers below
         self._wp, self._bp = packed.data_ptr(), None if bias is None else bias.data_ptr()

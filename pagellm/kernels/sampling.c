@@ -70,8 +70,8 @@ static int desc(const void *a, const void *b) {
   return (x < y) - (x > y);
 }
 
-/* The k-th largest of x[0..V) (k in 1..V-1) whose maximum is m; -INFINITY when fewer than k are
- * finite. tmp holds V floats. */
+/* The k-th largest of x[0..V) (k in 1..V-1), bk its buckets (buckets_of); -INFINITY when fewer
+ * than k are finite. tmp holds V + 16 floats. */
 static float kth_largest(const float *x, const uint16_t *bk, int64_t V, int64_t k, float *tmp) {
   /* Four histograms over interleaved tokens, so that runs of tokens in one bucket (most of a
    * vocabulary sits far below the maximum) do not wait on each other's increments. */
@@ -141,9 +141,9 @@ static int64_t sample_row(const float *logits, int64_t V, float temperature, int
   if (nan || !(m > -INFINITY) || m == INFINITY) return -1;
 #pragma omp simd
   for (int64_t i = 0; i < V; ++i) w[i] = x[i] > -INFINITY ? exp_f32(x[i] - m) : 0.f;
-  const int filtered = (top_k > 0 && top_k < V) || top_p < 1.f;
-  if (filtered) buckets_of(x, m, V, bk);
-  if (top_k > 0 && top_k < V) {
+  const int use_top_k = top_k > 0 && top_k < V;
+  if (use_top_k || top_p < 1.f) buckets_of(x, m, V, bk);
+  if (use_top_k) {
     const float kth = kth_largest(x, bk, V, top_k, tmp);
     for (int64_t i = 0; i < V; ++i)
       if (x[i] < kth) w[i] = 0.f;

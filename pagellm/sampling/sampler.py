@@ -3,8 +3,8 @@
 Random rows draw in one of two exact ways: in PyTorch (``draw_native``, on any device) with the
 "exponential race" (``argmax(p / q)``, ``q ~ Exp(1)`` per token) after sorting for top-k / top-p;
 on CPU (``draw_cpu``) with the sampling kernel, which filters without sorting the vocabulary and
-draws by inverse CDF from one uniform number per row (``kernels/sampling.c``; 25-70x faster for 64
-rows of a 49k vocabulary). A row with a ``seed`` draws its randomness from its own
+draws by inverse CDF from one uniform number per row (``kernels/sampling.c``; 24-44x faster for 64
+rows of a 49k vocabulary, ``benchmarks/sampling.py``). A row with a ``seed`` draws its randomness from its own
 ``torch.Generator``, so its tokens do not depend on what else is in the batch. Logprobs are those of the model's raw
 distribution (vLLM's default), whatever the sampling transforms did.
 """
