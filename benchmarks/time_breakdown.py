@@ -10,6 +10,9 @@ Wraps the engine's functions with exclusive timers (a nested call's time is not 
     lm head             compute_logits at the sampled rows
     sampling            the sampler (greedy / top-k / top-p, logprobs)
     output processing   the rest of LLMEngine.step: detokenization, stop checks, RequestOutputs
+    decode graph        a decode step's layers in one C call (models/decode_graph.py), where the
+                        engine takes it: its GEMMs, attention and small ops are then not split;
+                        ``--no-decode-graph`` runs decode steps layer by layer to split them
 
 Each step is classed prefill-heavy (more prefill tokens than decodes) or decode-heavy. With
 ``--torch-profiler N`` it also prints torch.profiler's op table over N steps of each kind.
@@ -22,13 +25,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import time
 from collections import defaultdict
 
 from workload import add_workload_args, load_workload
 
-CATEGORIES = ("scheduling", "input preparation", "linear (GEMM)", "attention", "other model ops", "lm head",
-              "sampling", "output processing")
+CATEGORIES = ("scheduling", "input preparation", "linear (GEMM)", "attention", "other model ops", "decode graph",
+              "lm head", "sampling", "output processing")
 
 
 class ExclusiveTimers:
@@ -73,6 +77,8 @@ def instrument(engine, timers: ExclusiveTimers) -> None:
     model.forward = timers.wrap(model.forward, "other model ops")
     model.compute_logits = timers.wrap(model.compute_logits, "lm head")
     runner.sampler.forward = timers.wrap(runner.sampler.forward, "sampling")
+    from pagellm.kernels.decode_graph import DecodeGraph
+    DecodeGraph.run = timers.wrap(DecodeGraph.run, "decode graph")  # (slotted: wrapped on the class)
     for m in model.model.layers.modules():  # not the LM head's, which counts as "lm head"
         if isinstance(m, torch.nn.Linear):
             m.forward = timers.wrap(m.forward, "linear (GEMM)")
@@ -87,7 +93,11 @@ def main() -> None:
     ap.add_argument("--torch-profiler", type=int, default=0, metavar="N",
                     help="also print torch.profiler's op table over N steps of each kind")
     ap.add_argument("--no-prefix-caching", action="store_true", help="run with enable_prefix_caching=False")
+    ap.add_argument("--no-decode-graph", action="store_true",
+                    help="decode steps layer by layer (PAGELLM_DECODE_GRAPH=0), so their ops are split too")
     args = ap.parse_args()
+    if args.no_decode_graph:
+        os.environ["PAGELLM_DECODE_GRAPH"] = "0"
 
     import torch
 

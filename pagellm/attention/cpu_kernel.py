@@ -50,6 +50,15 @@ def usable_for(key_cache: torch.Tensor) -> bool:
     return key_cache.dtype == torch.float32 or bool(lib.paged_decode_f16_supported(value_head_dim(key_cache)))
 
 
+def decode_kernel_address(key_cache: torch.Tensor) -> int | None:
+    """The address of the decode kernel for this cache (``kernels/decode_graph.c`` calls it through a
+    table), ``None`` where :func:`usable_for` says no."""
+    lib = kernels.load("paged_decode", _SIGNATURES)
+    if lib is None or not usable_for(key_cache) or not key_cache.is_contiguous():
+        return None
+    return kernels.address(getattr(lib, _DECODE[key_cache.dtype]))
+
+
 def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                            value_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            block_size: int, scale: float) -> None:

@@ -77,6 +77,15 @@ def build_source(source: str, signatures: Signatures | None = None) -> ctypes.CD
     return lib
 
 
+def address(fn: Any) -> int:
+    """A loaded kernel function's address, for C code that calls kernels of other libraries through a
+    table (``decode_graph.c``)."""
+    value = ctypes.cast(fn, ctypes.c_void_p).value
+    if not value:
+        raise ValueError(f"{fn!r} has no address")
+    return value
+
+
 def load(name: str, signatures: Signatures) -> ctypes.CDLL | None:
     """The compiled library ``<name>.c`` (built on the first call) with ``signatures`` declared on
     its functions, or ``None`` if unavailable. Later calls return the same library at dict cost."""

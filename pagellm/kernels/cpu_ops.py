@@ -44,6 +44,16 @@ def writes_kv_into(key_cache: torch.Tensor) -> bool:
     return key_cache.device.type == "cpu" and key_cache.dtype in _WRITE_KV and available()
 
 
+def address(name: str) -> int:
+    """The address of one of these kernels (``kernels/decode_graph.c`` calls them through a table)."""
+    return kernels.address(getattr(_lib(), name))
+
+
+def write_kv_address(key_cache: torch.Tensor) -> int | None:
+    """The address of the K/V write kernel for this cache's dtype, ``None`` if :func:`write_kv` cannot write it."""
+    return address(_WRITE_KV[key_cache.dtype]) if writes_kv_into(key_cache) and key_cache.is_contiguous() else None
+
+
 def _rows(x: torch.Tensor, name: str) -> int:
     """Row stride of a 2-D view whose last dimension is contiguous."""
     if x.dim() != 2 or x.stride(1) != 1:

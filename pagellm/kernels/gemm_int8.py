@@ -75,6 +75,10 @@ class BoundWeight:
         self._wp, self._bp = packed.data_ptr(), None if bias is None else bias.data_ptr()
         self.bits, self.out_features, self.in_features = bits, out_features, in_features
 
+    def pointers(self) -> list[int]:
+        """``[weight, bias (0 for none), bits]`` as the kernel takes them (``kernels/decode_graph.c``)."""
+        return [self._wp, self._bp or 0, self.bits]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K] @ W^T (+ bias)`` -> ``[..., out_features]``, x rounded to int8 per block of 32."""
         k, n = self.in_features, self.out_features
@@ -89,6 +93,13 @@ class BoundWeight:
                           m, n, k, self.bits) != 0:
             raise MemoryError("the int8 GEMM could not allocate its scratch for x")
         return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+
+
+def kernel_address() -> int:
+    """The GEMM kernel's address (``kernels/decode_graph.c`` calls it through a table)."""
+    lib = _lib()
+    assert lib is not None, "check supported() first"
+    return kernels.address(lib.gemm_packed_i8)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bits: int, out_features: int,

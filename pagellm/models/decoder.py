@@ -22,11 +22,13 @@ from torch import nn
 
 from pagellm.attention import AttentionMetadata
 from pagellm.distributed import PipelineStage, TensorParallelGroup
+from pagellm.kernels.decode_graph import DecodeGraph
 from pagellm.layers.activation import SiluAndMul
 from pagellm.layers.linear import Linear
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_shard
 from pagellm.layers.rotary import ApplyRotary, RotaryEmbedding
+from pagellm.models.decode_graph import capture, decode_group
 
 
 def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -149,6 +151,10 @@ class DecoderModel(nn.Module):
         attn = self.layers[self.start].self_attn
         theta, scaling = rope_parameters(config)
         self.rotary_emb = RotaryEmbedding(attn.head_dim, config.max_position_embeddings, theta, scaling, freq_factors)
+        # All layers of a decode step in one call where every op is a compiled kernel (captured at
+        # the first decode step; ``models/decode_graph.py``); ``None`` where it does not apply.
+        self.decode_graph: DecodeGraph | None = None
+        self._graph_captured = False
 
     def forward(self, input_ids, positions, kv_caches, meta):
         """The last stage's final hidden states; ``None`` on the stages before it (theirs went on)."""
@@ -159,13 +165,31 @@ class DecoderModel(nn.Module):
             shape = (input_ids.shape[0], self.hidden_size)
             x, residual = pp.recv([shape, shape], self.embed_tokens.weight.dtype, input_ids.device)
         rope = self.rotary_emb.cos_sin(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers[self.start:self.end], kv_caches, strict=True):
-            x, residual = layer(rope, x, residual, kv_cache, meta)
+        group = decode_group(meta)
+        graph = self._graph_for(kv_caches, meta) if group is not None else None
+        if graph is not None and group is not None:
+            t = x.shape[0]
+            x, residual = graph.run(x, rope[0].view(t, -1), rope[1].view(t, -1), meta.slot_mapping, group.kv_blocks,
+                                    group.seq_lens)
+        else:
+            for layer, kv_cache in zip(self.layers[self.start:self.end], kv_caches, strict=True):
+                x, residual = layer(rope, x, residual, kv_cache, meta)
         if not pp.is_last:
             pp.send([x, residual])
             return None
         x, _ = self.norm(x, residual)
         return x
+
+
+    def _graph_for(self, kv_caches, meta) -> DecodeGraph | None:
+        if not self._graph_captured:
+            self._graph_captured = True
+            self.decode_graph = capture(self, kv_caches, meta)
+        graph = self.decode_graph
+        if graph is None or meta.block_size != graph.block_size:
+            return None
+        graph.bind_caches(kv_caches)
+        return graph
 
 
 class DecoderForCausalLM(nn.Module):

@@ -1,0 +1,118 @@
+"""A decode step's decoder layers in one ctypes call (``decode_graph.c``), the CPU's counterpart of a
+captured CUDA graph: the same kernels, arguments and order as the Python layers, without ~4 ms of
+Python per step. ``models/decode_graph.py`` decides when a model and a step can take it and builds
+the tables; this module owns the C interface and checks what it is given.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pagellm import kernels
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+SIGNATURES: kernels.Signatures = {
+    "decode_graph_num_fields": (ctypes.c_int, []),
+    "decode_graph_workspace": (_I, [_P, _I]),
+    "decode_graph_run": (ctypes.c_int, [_P, _P, _P, _I, _F, _F, _P, _P, _P, _P, _P, _P, _I, _P, _I, _P]),
+}
+# The order of decode_graph.c's enums.
+FNS = ("gemm", "rms_norm", "rotary", "silu_and_mul", "write_kv", "decode")
+DIMS = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size")
+LAYER_FIELDS = ("in_norm", "post_norm", "qkv_w", "qkv_b", "qkv_bits", "o_w", "o_b", "o_bits",
+                "gate_up_w", "gate_up_b", "gate_up_bits", "down_w", "down_b", "down_bits",
+                "key_cache", "value_cache")
+
+
+def _lib() -> ctypes.CDLL | None:
+    lib = kernels.load("decode_graph", SIGNATURES)
+    if lib is None:
+        return None
+    expected = len(FNS) * 10000 + len(DIMS) * 100 + len(LAYER_FIELDS)
+    if lib.decode_graph_num_fields() != expected:  # the Python tables and the C enums disagree
+        raise RuntimeError("decode_graph.c and decode_graph.py disagree on their tables")
+    return lib
+
+
+def enabled() -> bool:
+    """Whether decode steps may run as one call: ``PAGELLM_DECODE_GRAPH=0`` says no (the layers then
+    run one op at a time, as they always do for prefill)."""
+    return os.environ.get("PAGELLM_DECODE_GRAPH", "1") != "0" and _lib() is not None
+
+
+@dataclass(slots=True)
+class DecodeGraph:
+    """The tables of one model's decoder layers (kernel addresses, sizes, per-layer weight and cache
+    pointers), run over a decode step's rows by :meth:`run`. Whoever builds it keeps the tensors the
+    pointers point into alive (``keep``) and never replaces them."""
+
+    fns: torch.Tensor     # int64 [len(FNS)]
+    dims: torch.Tensor    # int64 [len(DIMS)]
+    layers: torch.Tensor  # int64 [num_layers, len(LAYER_FIELDS)]; the cache columns filled by bind_caches
+    eps: float
+    scale: float
+    keep: list[torch.Tensor]
+    cache_ptrs: tuple[int, ...] = ()
+    block_size: int = 0  # (from dims)
+    hidden: int = 0
+    head_dim: int = 0
+
+    def __post_init__(self) -> None:
+        if self.fns.shape != (len(FNS),) or self.dims.shape != (len(DIMS),) \
+                or self.layers.dim() != 2 or self.layers.shape[1] != len(LAYER_FIELDS):
+            raise ValueError("decode graph tables of the wrong shape")
+        for t in (self.fns, self.dims, self.layers):
+            if t.dtype != torch.int64 or not t.is_contiguous():
+                raise ValueError("decode graph tables must be contiguous int64")
+        if not bool((self.fns != 0).all()):
+            raise ValueError("a decode graph needs every kernel's address")
+        self.hidden, self.head_dim, self.block_size = (int(self.dims[DIMS.index(n)])
+                                                       for n in ("hidden", "head_dim", "block_size"))
+
+    def bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Point the layers at their K/V caches (cheap when they are the ones already bound)."""
+        ptrs = tuple(t.data_ptr() for kv in kv_caches for t in kv)
+        if ptrs == self.cache_ptrs:
+            return
+        if len(kv_caches) != self.layers.shape[0]:
+            raise ValueError(f"{len(kv_caches)} K/V caches for {self.layers.shape[0]} layers")
+        col = LAYER_FIELDS.index("key_cache")
+        self.layers[:, col] = torch.tensor(ptrs[0::2], dtype=torch.int64)
+        self.layers[:, col + 1] = torch.tensor(ptrs[1::2], dtype=torch.int64)
+        self.cache_ptrs = ptrs
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer over ``x [T, hidden]`` (the embedded tokens, one decode per row); returns
+        ``(the last layer's output, the residual stream)`` as the Python layers do. ``x`` becomes
+        the residual stream in place. ``cos / sin [T, head_dim]``, ``slot_mapping [T]``,
+        ``block_tables [T, max_blocks]``, ``seq_lens [T]``: contiguous, as the kernels take them."""
+        lib = _lib()
+        assert lib is not None, "check enabled() first"
+        t, hidden, head_dim = x.shape[0], self.hidden, self.head_dim
+        if x.dtype != torch.float32 or x.shape != (t, hidden) or not x.is_contiguous():
+            raise ValueError(f"x must be contiguous float32 [T, {hidden}], got {x.dtype} {tuple(x.shape)}")
+        for v, shape, dtype, name in ((cos, (t, head_dim), torch.float32, "cos"),
+                                      (sin, (t, head_dim), torch.float32, "sin"),
+                                      (slot_mapping, (t,), torch.int64, "slot_mapping"),
+                                      (seq_lens, (t,), torch.int64, "seq_lens")):
+            if v.dtype != dtype or v.shape != shape or not v.is_contiguous():
+                raise ValueError(f"{name} must be contiguous {dtype} {shape}, got {v.dtype} {tuple(v.shape)}")
+        if block_tables.dtype != torch.int64 or block_tables.dim() != 2 or block_tables.shape[0] != t \
+                or not block_tables.is_contiguous():
+            raise ValueError(f"block_tables must be contiguous int64 [{t}, max_blocks]")
+        if not self.cache_ptrs:
+            raise ValueError("bind_caches() first")
+        ws = torch.empty(lib.decode_graph_workspace(self.dims.data_ptr(), t))
+        offset = ctypes.c_int64(0)
+        status = lib.decode_graph_run(self.fns.data_ptr(), self.dims.data_ptr(), self.layers.data_ptr(),
+                                      self.layers.shape[0], self.eps, self.scale, x.data_ptr(), ws.data_ptr(),
+                                      cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
+                                      block_tables.shape[1], seq_lens.data_ptr(), t, ctypes.byref(offset))
+        if status != 0:
+            raise MemoryError("a kernel of the decode graph could not allocate its scratch memory")
+        return ws[offset.value:offset.value + t * hidden].view(t, hidden), x

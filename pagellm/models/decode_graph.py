@@ -1,0 +1,102 @@
+"""When a decode step's decoder layers run as one call (``kernels/decode_graph.py``), and its tables.
+
+The graph replays exactly the kernels the Python layers call on a CPU, so it applies only where
+every one of them is a compiled kernel: int8 GEMMs over GGUF blocks (the default numerics where
+the machine has AVX512-VNNI) for every projection, the compiled norms, rotary and SiLU*mul, the
+``"cpu"`` attention backend's K/V write and decode kernels, one process (no tensor or pipeline
+split), no LoRA adapters, no per-head q/k norm. A step takes it when all its rows are decodes
+(one ``DECODE_KERNEL`` group); prefill and mixed steps run layer by layer. Outputs are the same
+bits either way (tested), so nothing about scheduling can tell the two apart.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagellm.attention.cpu_kernel import decode_kernel_address
+from pagellm.attention.metadata import AttentionGroup, AttentionKind, AttentionMetadata
+from pagellm.kernels import cpu_ops, decode_graph, gemm_int8
+from pagellm.kernels.decode_graph import DecodeGraph
+from pagellm.layers.linear import Linear
+
+if TYPE_CHECKING:
+    from pagellm.models.decoder import DecoderModel
+
+
+def decode_group(meta: AttentionMetadata) -> AttentionGroup | None:
+    """The step's one ``DECODE_KERNEL`` group if every row is a decode in it, else ``None``."""
+    if len(meta.groups) != 1:
+        return None
+    grp = meta.groups[0]
+    if grp.kind != AttentionKind.DECODE_KERNEL or grp.token_start != 0 or grp.token_end != meta.num_tokens \
+            or grp.kv_blocks is None or grp.seq_lens is None:
+        return None
+    return grp
+
+
+def _bound(linear: Linear) -> gemm_int8.BoundWeight | None:
+    return linear.bound_i8 if linear.lora is None else None
+
+
+def capture(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+            meta: AttentionMetadata) -> DecodeGraph | None:
+    """The graph of ``model``'s layers over these caches, or ``None`` where it does not apply
+    (see the module's docstring; every condition is checked here, once)."""
+    from pagellm.attention.cpu_paged import CpuPagedAttention
+    from pagellm.models.decoder import DecoderLayer
+
+    backend = meta.backend
+    if not decode_graph.enabled() or not isinstance(backend, CpuPagedAttention) \
+            or not (backend.decode_kernel and backend.write_kv_kernel):
+        return None
+    if not (model.pp.is_first and model.pp.is_last) or model.embed_tokens.tp.world_size != 1 \
+            or model.embed_tokens.weight.dtype != torch.float32:
+        return None  # (a tensor-parallel layer all-reduces between the kernels)
+    layers = list(model.layers)
+    if not kv_caches or len(kv_caches) != len(layers) or not all(isinstance(la, DecoderLayer) for la in layers):
+        return None
+    key_cache = kv_caches[0][0]
+    decode_fn = decode_kernel_address(key_cache)
+    write_kv_fn = cpu_ops.write_kv_address(key_cache)
+    if decode_fn is None or write_kv_fn is None \
+            or any(t.dtype != key_cache.dtype or t.shape != key_cache.shape for kv in kv_caches for t in kv):
+        return None
+    first = layers[0]
+    attn, mlp = first.self_attn, first.mlp
+    hidden, d = model.hidden_size, attn.head_dim
+    inter = mlp.down_proj.in_features
+    eps = first.input_layernorm.eps
+    rows: list[list[int]] = []
+    keep: list[torch.Tensor] = []
+    for layer in layers:
+        a, m = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if a.q_norm is not None or not a.rotary.use_kernel or not m.act_fn.use_kernel \
+                or any(not n.use_kernel or n.eps != eps or n.weight.dtype != torch.float32 for n in norms) \
+                or (a.num_heads, a.num_kv_heads, a.head_dim, a.scale) != (attn.num_heads, attn.num_kv_heads, d,
+                                                                          attn.scale):
+            return None
+        bound = [_bound(p) for p in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
+        shapes = [((a.num_heads + 2 * a.num_kv_heads) * d, hidden), (hidden, a.num_heads * d), (2 * inter, hidden),
+                  (hidden, inter)]
+        row = [0] * len(decode_graph.LAYER_FIELDS)
+        for b, (n, k), name in zip(bound, shapes, ("qkv", "o", "gate_up", "down"), strict=True):
+            if b is None or (b.out_features, b.in_features) != (n, k):
+                return None
+            at = decode_graph.LAYER_FIELDS.index(f"{name}_w")
+            row[at:at + 3] = b.pointers()
+        for n, name in zip(norms, ("in_norm", "post_norm"), strict=True):
+            w = n.weight.detach().contiguous()
+            keep.append(w)
+            row[decode_graph.LAYER_FIELDS.index(name)] = w.data_ptr()
+        rows.append(row)
+    gemm_fn = gemm_int8.kernel_address()
+    graph = DecodeGraph(
+        fns=torch.tensor([gemm_fn, cpu_ops.address("rms_norm_f32"), cpu_ops.address("rotary_f32"),
+                          cpu_ops.address("silu_and_mul_f32"), write_kv_fn, decode_fn], dtype=torch.int64),
+        dims=torch.tensor([hidden, attn.num_heads, attn.num_kv_heads, d, inter, meta.block_size], dtype=torch.int64),
+        layers=torch.tensor(rows, dtype=torch.int64), eps=eps, scale=attn.scale, keep=keep)
+    graph.bind_caches(kv_caches)
+    return graph

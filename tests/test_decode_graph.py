@@ -1,0 +1,110 @@
+"""A decode step's layers in one C call (``kernels/decode_graph.c``) give the layer-by-layer path's bits."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagellm.kernels import decode_graph, gemm_int8
+
+from test_hf_parity import random_prompts
+
+
+def _inner_model(llm):
+    return llm.llm_engine.executor.worker.model_runner.model.model
+
+
+def _layer_by_layer(llm) -> None:
+    """From now on this engine's model runs decode steps one op at a time, as prefill steps do."""
+    inner = _inner_model(llm)
+    inner.decode_graph, inner._graph_captured = None, True
+
+
+def _require_graph() -> None:
+    if not gemm_int8.supported():
+        pytest.skip("no decode graph here: it needs the int8 GEMM kernel (AVX512-VNNI)")
+    if os.environ.get("PAGELLM_DECODE_GRAPH") == "0":
+        pytest.skip("PAGELLM_DECODE_GRAPH=0")
+    assert decode_graph.enabled(), "decode_graph.c should build wherever the int8 GEMM does"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv", ["auto", "float32", "int8"])
+def test_smollm2_decode_graph_gives_the_layer_by_layer_logprobs(kv):
+    """Every token and every logprob of a batch of greedy requests (prefill steps, mixed steps, then
+    decode steps at shrinking batch sizes) is the same float with the graph as without it."""
+    from pagellm import LLM, SamplingParams
+
+    _require_graph()
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(5, seed=3, lo=5, hi=90)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in (3, 9, 17, 24, 30)]
+    with LLM(None, kv_cache_dtype=kv, kv_cache_memory="64MiB", enable_prefix_caching=False) as llm:
+        graphed = llm.generate(prompts, params, use_tqdm=False)
+        assert _inner_model(llm).decode_graph is not None, "the default numerics here should take the graph"
+        _layer_by_layer(llm)
+        plain = llm.generate(prompts, params, use_tqdm=False)
+    for g, p in zip(graphed, plain, strict=True):
+        assert g.outputs[0].token_ids == p.outputs[0].token_ids
+        assert g.outputs[0].logprobs == p.outputs[0].logprobs
+
+
+@pytest.mark.slow
+def test_smollm2_decode_graph_under_preemption_and_sampling():
+    """Seeded sampling with recompute preemption in a tight cache: the same tokens either way."""
+    from pagellm import LLM, SamplingParams
+
+    _require_graph()
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(6, seed=5, lo=20, hi=60)]
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=40, ignore_eos=True) for i in range(6)]
+    outs = []
+    for graph in (True, False):
+        with LLM(None, num_gpu_blocks_override=24, block_size=16, enable_prefix_caching=False) as llm:
+            if not graph:
+                _layer_by_layer(llm)
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            assert (_inner_model(llm).decode_graph is not None) == graph
+            assert llm.llm_engine.scheduler.num_preemptions > 0, "the cache should be tight enough to preempt"
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.slow
+def test_smollm2_float32_takes_no_graph():
+    """float32 GEMMs are not the graph's kernels: decode steps stay layer by layer (and correct)."""
+    from pagellm import LLM, SamplingParams
+
+    with LLM(None, dtype="float32", kv_cache_memory="64MiB") as llm:
+        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+        assert _inner_model(llm).decode_graph is None
+
+
+def test_decode_graph_checks_its_tables_and_inputs():
+    _require_graph()
+    fns = torch.ones(len(decode_graph.FNS), dtype=torch.int64)
+    dims = torch.tensor([8, 2, 1, 4, 16, 16], dtype=torch.int64)
+    layers = torch.zeros(1, len(decode_graph.LAYER_FIELDS), dtype=torch.int64)
+    with pytest.raises(ValueError, match="wrong shape"):
+        decode_graph.DecodeGraph(fns[:-1], dims, layers, 1e-6, 0.5, [])
+    with pytest.raises(ValueError, match="int64"):
+        decode_graph.DecodeGraph(fns.int(), dims, layers, 1e-6, 0.5, [])
+    with pytest.raises(ValueError, match="address"):
+        decode_graph.DecodeGraph(torch.zeros_like(fns), dims, layers, 1e-6, 0.5, [])
+    g = decode_graph.DecodeGraph(fns, dims, layers, 1e-6, 0.5, [])
+    assert (g.hidden, g.head_dim, g.block_size) == (8, 4, 16)
+    with pytest.raises(ValueError, match="2 K/V caches for 1 layers"):
+        g.bind_caches([(torch.zeros(1), torch.zeros(1))] * 2)
+    t = 3
+    args = dict(cos=torch.zeros(t, 4), sin=torch.zeros(t, 4), slot_mapping=torch.zeros(t, dtype=torch.int64),
+                block_tables=torch.zeros(t, 2, dtype=torch.int64), seq_lens=torch.ones(t, dtype=torch.int64))
+    with pytest.raises(ValueError, match="bind_caches"):
+        g.run(torch.zeros(t, 8), **args)  # never reaches the kernels with dangling cache pointers
+    g.bind_caches([(torch.zeros(1), torch.zeros(1))])
+    with pytest.raises(ValueError, match="x must be"):
+        g.run(torch.zeros(t, 7), **args)
+    with pytest.raises(ValueError, match="seq_lens"):
+        g.run(torch.zeros(t, 8), **{**args, "seq_lens": torch.ones(t, dtype=torch.int32)})
+    with pytest.raises(ValueError, match="block_tables"):
+        g.run(torch.zeros(t, 8), **{**args, "block_tables": torch.zeros(t + 1, 2, dtype=torch.int64)})
