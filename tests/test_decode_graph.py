@@ -102,6 +102,8 @@ def test_decode_graph_checks_its_tables_and_inputs():
     with pytest.raises(ValueError, match="bind_caches"):
         g.run(torch.zeros(t, 8), **args)  # never reaches the kernels with dangling cache pointers
     g.bind_caches([(torch.zeros(1), torch.zeros(1))])
+    with pytest.raises(ValueError, match="as when the graph was captured"):  # the kernels were chosen for float32
+        g.bind_caches([(torch.zeros(1, dtype=torch.float16), torch.zeros(1, dtype=torch.float16))])
     with pytest.raises(ValueError, match="x must be"):
         g.run(torch.zeros(t, 7), **args)
     with pytest.raises(ValueError, match="seq_lens"):

@@ -57,6 +57,9 @@ class DecodeGraph:
     scale: float
     keep: list[torch.Tensor]
     cache_ptrs: tuple[int, ...] = ()
+    # The caches the kernels in ``fns`` were chosen for: any others must look the same.
+    cache_dtype: torch.dtype | None = None
+    cache_shape: tuple[int, ...] = ()
     block_size: int = 0  # (from dims)
     hidden: int = 0
     head_dim: int = 0
@@ -80,6 +83,13 @@ class DecodeGraph:
             return
         if len(kv_caches) != self.layers.shape[0]:
             raise ValueError(f"{len(kv_caches)} K/V caches for {self.layers.shape[0]} layers")
+        first = kv_caches[0][0]
+        if self.cache_dtype is None:
+            self.cache_dtype, self.cache_shape = first.dtype, tuple(first.shape)
+        if any(t.dtype != self.cache_dtype or tuple(t.shape) != self.cache_shape or not t.is_contiguous()
+               for kv in kv_caches for t in kv):
+            raise ValueError(f"every K/V cache must be contiguous {self.cache_dtype} {self.cache_shape}, "
+                             "as when the graph was captured")
         col = LAYER_FIELDS.index("key_cache")
         self.layers[:, col] = torch.tensor(ptrs[0::2], dtype=torch.int64)
         self.layers[:, col + 1] = torch.tensor(ptrs[1::2], dtype=torch.int64)

@@ -60,8 +60,7 @@ def capture(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tenso
     key_cache = kv_caches[0][0]
     decode_fn = decode_kernel_address(key_cache)
     write_kv_fn = cpu_ops.write_kv_address(key_cache)
-    if decode_fn is None or write_kv_fn is None \
-            or any(t.dtype != key_cache.dtype or t.shape != key_cache.shape for kv in kv_caches for t in kv):
+    if decode_fn is None or write_kv_fn is None:
         return None
     first = layers[0]
     attn, mlp = first.self_attn, first.mlp
@@ -97,6 +96,10 @@ def capture(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tenso
         fns=torch.tensor([gemm_fn, cpu_ops.address("rms_norm_f32"), cpu_ops.address("rotary_f32"),
                           cpu_ops.address("silu_and_mul_f32"), write_kv_fn, decode_fn], dtype=torch.int64),
         dims=torch.tensor([hidden, attn.num_heads, attn.num_kv_heads, d, inter, meta.block_size], dtype=torch.int64),
-        layers=torch.tensor(rows, dtype=torch.int64), eps=eps, scale=attn.scale, keep=keep)
-    graph.bind_caches(kv_caches)
+        layers=torch.tensor(rows, dtype=torch.int64), eps=eps, scale=attn.scale, keep=keep,
+        cache_dtype=key_cache.dtype, cache_shape=tuple(key_cache.shape))
+    try:
+        graph.bind_caches(kv_caches)
+    except ValueError:  # caches of mixed types or shapes: not for one table of kernels
+        return None
     return graph
