@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from pagellm.kernels import decode_graph, gemm_int8
+from pagellm.kernels import decode_graph, gemm
 
 from test_hf_parity import random_prompts
 
@@ -22,27 +22,29 @@ def _layer_by_layer(llm) -> None:
     inner.decode_graph, inner._graph_captured = None, True
 
 
-def _require_graph() -> None:
-    if not gemm_int8.supported():
-        pytest.skip("no decode graph here: it needs the int8 GEMM kernel (AVX512-VNNI)")
+def _require_graph(dtype: str = "auto") -> None:
     if os.environ.get("PAGELLM_DECODE_GRAPH") == "0":
         pytest.skip("PAGELLM_DECODE_GRAPH=0")
-    assert decode_graph.enabled(), "decode_graph.c should build wherever the int8 GEMM does"
+    if not gemm.usable(torch.zeros(1, 32)) or (dtype == "bfloat16" and not gemm.bf16_supported()):
+        pytest.skip(f"no {dtype} GEMM kernel here (AVX-512{', AVX512-BF16' if dtype == 'bfloat16' else ''})")
+    assert decode_graph.enabled(), "decode_graph.c should build wherever the GEMM kernels do"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv", ["auto", "float32", "int8"])
-def test_smollm2_decode_graph_gives_the_layer_by_layer_logprobs(kv):
+@pytest.mark.parametrize("dtype,kv", [("auto", "auto"), ("auto", "float32"), ("auto", "int8"), ("float32", "auto"),
+                                      ("bfloat16", "auto")])
+def test_smollm2_decode_graph_gives_the_layer_by_layer_logprobs(dtype, kv):
     """Every token and every logprob of a batch of greedy requests (prefill steps, mixed steps, then
-    decode steps at shrinking batch sizes) is the same float with the graph as without it."""
+    decode steps at shrinking batch sizes) is the same float with the graph as without it, over
+    each GEMM kernel (int8, float32 with its 4-bit copy below 16 rows, bfloat16)."""
     from pagellm import LLM, SamplingParams
 
-    _require_graph()
+    _require_graph(dtype)
     prompts = [{"prompt_token_ids": p} for p in random_prompts(5, seed=3, lo=5, hi=90)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in (3, 9, 17, 24, 30)]
-    with LLM(None, kv_cache_dtype=kv, kv_cache_memory="64MiB", enable_prefix_caching=False) as llm:
+    with LLM(None, dtype=dtype, kv_cache_dtype=kv, kv_cache_memory="64MiB", enable_prefix_caching=False) as llm:
         graphed = llm.generate(prompts, params, use_tqdm=False)
-        assert _inner_model(llm).decode_graph is not None, "the default numerics here should take the graph"
+        assert _inner_model(llm).decode_graph is not None, "every projection here is packed: the graph applies"
         _layer_by_layer(llm)
         plain = llm.generate(prompts, params, use_tqdm=False)
     for g, p in zip(graphed, plain, strict=True):
@@ -69,18 +71,6 @@ def test_smollm2_decode_graph_under_preemption_and_sampling():
     assert outs[0] == outs[1]
 
 
-@pytest.mark.slow
-def test_smollm2_float32_takes_no_graph():
-    """float32 GEMMs are not the graph's kernels: decode steps stay layer by layer (and correct)."""
-    from pagellm import LLM, SamplingParams
-
-    with LLM(None, dtype="float32", kv_cache_memory="64MiB") as llm:
-        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4),
-                           use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) == 4
-        assert _inner_model(llm).decode_graph is None
-
-
 def test_decode_graph_checks_its_tables_and_inputs():
     _require_graph()
     fns = torch.ones(len(decode_graph.FNS), dtype=torch.int64)
@@ -92,6 +82,10 @@ def test_decode_graph_checks_its_tables_and_inputs():
         decode_graph.DecodeGraph(fns.int(), dims, layers, 1e-6, 0.5, [])
     with pytest.raises(ValueError, match="address"):
         decode_graph.DecodeGraph(torch.zeros_like(fns), dims, layers, 1e-6, 0.5, [])
+    bad_kind = layers.clone()
+    bad_kind[0, decode_graph.LAYER_FIELDS.index("o_kind")] = 7
+    with pytest.raises(ValueError, match="unknown GEMM kinds"):
+        decode_graph.DecodeGraph(fns, dims, bad_kind, 1e-6, 0.5, [])
     g = decode_graph.DecodeGraph(fns, dims, layers, 1e-6, 0.5, [])
     assert (g.hidden, g.head_dim, g.block_size) == (8, 4, 16)
     with pytest.raises(ValueError, match="2 K/V caches for 1 layers"):

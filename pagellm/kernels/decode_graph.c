@@ -7,7 +7,7 @@
  * the same bits. The kernels live in their own libraries; their addresses come in `fns` (taken
  * from the loaded libraries by kernels/decode_graph.py), which also checks every pointer and size.
  *
- * Per layer (Llama's block, int8 GEMMs over GGUF blocks, all rows decodes):
+ * Per layer (Llama's block, all rows decodes; each projection through the GEMM Linear.matmul picks):
  *   xn = rms_norm(x) (layer 0; x is kept as the residual) or rms_norm(x, residual += x)
  *   qkv = xn Wqkv^T (+ b); rotary on q and k in place; K/V written to their slots
  *   attn = paged decode attention of q over the cache; o = attn Wo^T (+ b)
@@ -18,6 +18,12 @@
 
 typedef int (*gemm_i8_fn)(float *y, int64_t ldy, const float *x, int64_t ldx, const void *w, const float *bias,
                           int64_t m, int64_t n, int64_t k, int64_t bits);
+typedef void (*gemm_f32_fn)(float *y, int64_t ldy, const float *x, int64_t ldx, const void *w, const float *bias,
+                            int64_t m, int64_t n, int64_t k);
+typedef void (*gemm_q_fn)(float *y, int64_t ldy, const float *x, int64_t ldx, const void *w, const float *bias,
+                          int64_t m, int64_t n, int64_t k, int64_t bits);
+typedef int (*gemm_bf16_fn)(float *y, int64_t ldy, const float *x, int64_t ldx, const void *w, const float *bias,
+                            int64_t m, int64_t n, int64_t k);
 typedef void (*rms_norm_fn)(const float *x, int64_t x_stride, float *residual, const float *weight, float *out,
                             int64_t t, int64_t n, float eps);
 typedef void (*rotary_fn)(float *x, int64_t x_stride, const float *cos, const float *sin, int64_t t, int64_t h,
@@ -30,19 +36,49 @@ typedef int (*decode_fn)(float *out, const float *q, int64_t q_stride, const voi
                          const int64_t *block_tables, const int64_t *seq_lens, int64_t b, int64_t hq, int64_t hkv,
                          int64_t d, int64_t block_size, int64_t max_blocks, float scale);
 
-/* fns: the kernels, in this order. */
-enum { FN_GEMM, FN_RMS_NORM, FN_ROTARY, FN_SILU_AND_MUL, FN_WRITE_KV, FN_DECODE, NUM_FNS };
+/* fns: the kernels, in this order (a GEMM kind no weight uses may be 0). */
+enum {
+  FN_GEMM_I8, FN_GEMM_F32, FN_GEMM_Q, FN_GEMM_BF16, FN_GEMM_BF16_AMX,
+  FN_RMS_NORM, FN_ROTARY, FN_SILU_AND_MUL, FN_WRITE_KV, FN_DECODE, NUM_FNS
+};
 /* dims: the model's sizes, in this order. */
 enum { DIM_HIDDEN, DIM_HEADS, DIM_KV_HEADS, DIM_HEAD, DIM_INTERMEDIATE, DIM_BLOCK_SIZE, NUM_DIMS };
-/* layers: one row of these per layer (pointers and bit widths as int64). */
+/* A projection, as Linear.matmul runs it: its kind (the GEMM it calls), packed weight, bias (0 for
+ * none), bits (int8 kind), and for float32 a quantized copy read by batches of up to q_max_rows. */
+enum { W_KIND, W_PTR, W_BIAS, W_BITS, W_Q_PTR, W_Q_BITS, W_Q_MAX_ROWS, NUM_W_FIELDS };
+enum { KIND_I8, KIND_F32, KIND_BF16, KIND_BF16_AMX };
+/* layers: one row of these per layer (pointers as int64); each projection NUM_W_FIELDS wide. */
 enum {
   L_IN_NORM, L_POST_NORM,
-  L_QKV_W, L_QKV_B, L_QKV_BITS, L_O_W, L_O_B, L_O_BITS,
-  L_GU_W, L_GU_B, L_GU_BITS, L_DOWN_W, L_DOWN_B, L_DOWN_BITS,
-  L_KEY_CACHE, L_VALUE_CACHE, NUM_LAYER_FIELDS
+  L_QKV, L_O = L_QKV + NUM_W_FIELDS, L_GATE_UP = L_O + NUM_W_FIELDS, L_DOWN = L_GATE_UP + NUM_W_FIELDS,
+  L_KEY_CACHE = L_DOWN + NUM_W_FIELDS, L_VALUE_CACHE, NUM_LAYER_FIELDS
 };
 
 int decode_graph_num_fields(void) { return NUM_FNS * 10000 + NUM_DIMS * 100 + NUM_LAYER_FIELDS; }
+
+#define FN(i) ((void *)(intptr_t)fns[i])
+
+/* y [m, n] = x [m, k] W^T (+ bias) through the projection's own kernel; 0 or the kernel's status. */
+static int gemm(const int64_t *fns, const int64_t *w, float *y, const float *x, int64_t m, int64_t n, int64_t k) {
+  const void *wp = (const void *)(intptr_t)w[W_PTR];
+  const float *bias = (const float *)(intptr_t)w[W_BIAS];
+  const int64_t ldx = k; /* rows of x are contiguous, as Linear gives them */
+  switch (w[W_KIND]) {
+    case KIND_I8:
+      return ((gemm_i8_fn)FN(FN_GEMM_I8))(y, n, x, ldx, wp, bias, m, n, k, w[W_BITS]);
+    case KIND_F32:
+      if (w[W_Q_PTR] && m <= w[W_Q_MAX_ROWS])
+        ((gemm_q_fn)FN(FN_GEMM_Q))(y, n, x, ldx, (const void *)(intptr_t)w[W_Q_PTR], bias, m, n, k, w[W_Q_BITS]);
+      else
+        ((gemm_f32_fn)FN(FN_GEMM_F32))(y, n, x, ldx, wp, bias, m, n, k);
+      return 0;
+    case KIND_BF16:
+      return ((gemm_bf16_fn)FN(FN_GEMM_BF16))(y, n, x, ldx, wp, bias, m, n, k);
+    case KIND_BF16_AMX:
+      return ((gemm_bf16_fn)FN(FN_GEMM_BF16_AMX))(y, n, x, ldx, wp, bias, m, n, k);
+  }
+  return -1;
+}
 
 /* Floats of workspace a step of t rows needs (xn, qkv, attention out, o / down out, gate|up, act). */
 int64_t decode_graph_workspace(const int64_t *dims, int64_t t) {
@@ -59,12 +95,11 @@ int decode_graph_run(const int64_t *fns, const int64_t *dims, const int64_t *lay
                      float scale, float *x, float *ws, const float *cos, const float *sin, const int64_t *slots,
                      const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int64_t t,
                      int64_t *out_x_offset) {
-  const gemm_i8_fn gemm = (gemm_i8_fn)(intptr_t)fns[FN_GEMM];
-  const rms_norm_fn rms_norm = (rms_norm_fn)(intptr_t)fns[FN_RMS_NORM];
-  const rotary_fn rotary = (rotary_fn)(intptr_t)fns[FN_ROTARY];
-  const silu_and_mul_fn silu_and_mul = (silu_and_mul_fn)(intptr_t)fns[FN_SILU_AND_MUL];
-  const write_kv_fn write_kv = (write_kv_fn)(intptr_t)fns[FN_WRITE_KV];
-  const decode_fn decode = (decode_fn)(intptr_t)fns[FN_DECODE];
+  const rms_norm_fn rms_norm = (rms_norm_fn)FN(FN_RMS_NORM);
+  const rotary_fn rotary = (rotary_fn)FN(FN_ROTARY);
+  const silu_and_mul_fn silu_and_mul = (silu_and_mul_fn)FN(FN_SILU_AND_MUL);
+  const write_kv_fn write_kv = (write_kv_fn)FN(FN_WRITE_KV);
+  const decode_fn decode = (decode_fn)FN(FN_DECODE);
   const int64_t h = dims[DIM_HIDDEN], hq = dims[DIM_HEADS], hkv = dims[DIM_KV_HEADS], d = dims[DIM_HEAD];
   const int64_t inter = dims[DIM_INTERMEDIATE], bs = dims[DIM_BLOCK_SIZE];
   const int64_t nqkv = (hq + 2 * hkv) * d;
@@ -78,20 +113,20 @@ int decode_graph_run(const int64_t *fns, const int64_t *dims, const int64_t *lay
       rms_norm(x, h, NULL, P(L_IN_NORM), xn, t, h, eps);
     else
       rms_norm(o, h, residual, P(L_IN_NORM), xn, t, h, eps); /* o holds the last layer's MLP output */
-    int status = gemm(qkv, nqkv, xn, h, P(L_QKV_W), P(L_QKV_B), t, nqkv, h, L[L_QKV_BITS]);
+    int status = gemm(fns, L + L_QKV, qkv, xn, t, nqkv, h);
     if (status) return status;
     rotary(qkv, nqkv, cos, sin, t, hq + hkv, d); /* k's heads follow q's in every row */
     write_kv(qkv + hq * d, nqkv, qkv + (hq + hkv) * d, nqkv, P(L_KEY_CACHE), P(L_VALUE_CACHE), slots, t, hkv, d);
     status = decode(attn, qkv, nqkv, P(L_KEY_CACHE), P(L_VALUE_CACHE), block_tables, seq_lens, t, hq, hkv, d, bs,
                     max_blocks, scale);
     if (status) return status;
-    status = gemm(o, h, attn, hq * d, P(L_O_W), P(L_O_B), t, h, hq * d, L[L_O_BITS]);
+    status = gemm(fns, L + L_O, o, attn, t, h, hq * d);
     if (status) return status;
     rms_norm(o, h, residual, P(L_POST_NORM), xn, t, h, eps);
-    status = gemm(gu, 2 * inter, xn, h, P(L_GU_W), P(L_GU_B), t, 2 * inter, h, L[L_GU_BITS]);
+    status = gemm(fns, L + L_GATE_UP, gu, xn, t, 2 * inter, h);
     if (status) return status;
     silu_and_mul(gu, act, t, inter);
-    status = gemm(o, h, act, inter, P(L_DOWN_W), P(L_DOWN_B), t, h, inter, L[L_DOWN_BITS]);
+    status = gemm(fns, L + L_DOWN, o, act, t, h, inter);
     if (status) return status;
 #undef P
   }

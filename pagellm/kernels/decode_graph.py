@@ -21,11 +21,21 @@ SIGNATURES: kernels.Signatures = {
     "decode_graph_run": (ctypes.c_int, [_P, _P, _P, _I, _F, _F, _P, _P, _P, _P, _P, _P, _I, _P, _I, _P]),
 }
 # The order of decode_graph.c's enums.
-FNS = ("gemm", "rms_norm", "rotary", "silu_and_mul", "write_kv", "decode")
+FNS = ("gemm_int8", "gemm_float32", "gemm_quantized", "gemm_bfloat16", "gemm_bfloat16_amx",
+       "rms_norm", "rotary", "silu_and_mul", "write_kv", "decode")
 DIMS = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size")
-LAYER_FIELDS = ("in_norm", "post_norm", "qkv_w", "qkv_b", "qkv_bits", "o_w", "o_b", "o_bits",
-                "gate_up_w", "gate_up_b", "gate_up_bits", "down_w", "down_b", "down_bits",
-                "key_cache", "value_cache")
+# A projection (``Linear.gemm_descriptor``): the GEMM kind, packed weight, bias (0: none), bits (int8),
+# and for float32 the quantized copy batches of up to q_max_rows rows read (0: none).
+W_FIELDS = ("kind", "ptr", "bias", "bits", "q_ptr", "q_bits", "q_max_rows")
+GEMM_KINDS = ("int8", "float32", "bfloat16", "bfloat16_amx")  # kind = index; FNS[kind (+1 past float32)]
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+LAYER_FIELDS = (("in_norm", "post_norm") + tuple(f"{p}_{f}" for p in PROJECTIONS for f in W_FIELDS)
+                + ("key_cache", "value_cache"))
+
+
+def gemm_fn_index(kind: int) -> int:
+    """The ``FNS`` entry a projection of this kind needs (the float32 kind's quantized copy: also the next)."""
+    return kind if kind <= 1 else kind + 1
 
 
 def _lib() -> ctypes.CDLL | None:
@@ -71,8 +81,12 @@ class DecodeGraph:
         for t in (self.fns, self.dims, self.layers):
             if t.dtype != torch.int64 or not t.is_contiguous():
                 raise ValueError("decode graph tables must be contiguous int64")
-        if not bool((self.fns != 0).all()):
-            raise ValueError("a decode graph needs every kernel's address")
+        kinds = self.layers[:, [LAYER_FIELDS.index(f"{p}_kind") for p in PROJECTIONS]].unique().tolist()
+        if any(k not in range(len(GEMM_KINDS)) for k in kinds):
+            raise ValueError(f"unknown GEMM kinds in {kinds}")
+        needed = [FNS.index(n) for n in FNS if not n.startswith("gemm_")] + [gemm_fn_index(k) for k in kinds]
+        if not bool((self.fns[needed] != 0).all()):
+            raise ValueError("a decode graph needs the address of every kernel its layers call")
         self.hidden, self.head_dim, self.block_size = (int(self.dims[DIMS.index(n)])
                                                        for n in ("hidden", "head_dim", "block_size"))
 

@@ -130,6 +130,17 @@ def rows_and_output(x: torch.Tensor, bias: torch.Tensor | None, out_features: in
     return x2, torch.empty(x2.shape[0], out_features, dtype=torch.float32)
 
 
+def kernel_addresses() -> dict[str, int]:
+    """The GEMM kernels' addresses by kind (``kernels/decode_graph.c`` calls them through a table);
+    empty where the kernel cannot run."""
+    lib = _lib()
+    if lib is None:
+        return {}
+    return {"float32": kernels.address(lib.gemm_packed_f32), "quantized": kernels.address(lib.gemm_packed_q),
+            "bfloat16": kernels.address(lib.gemm_packed_bf16),
+            "bfloat16_amx": kernels.address(lib.gemm_packed_bf16_amx)}
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
            bits: int = 32, amx: bool = False) -> torch.Tensor:
     """``x [..., K] @ W^T (+ bias)`` -> ``[..., out_features]`` for ``packed = pack(W)``,

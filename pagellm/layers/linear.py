@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.kernels import gemm, gemm_int8
+from pagellm.kernels import decode_graph, gemm, gemm_int8
 
 # Rows up to which a quantized copy beats the float32 kernel. benchmarks/gemm.py --quantized, all
 # 120 projections of SmolLM2 in 4 bits: 2.8x at 1 row, 1.9x at 8, 1.1-1.2x at 16, 0.98x at 20;
@@ -105,6 +105,25 @@ class Linear(nn.Linear):
         if self.packed is not None:
             return gemm.linear(x, self.packed, self.out_features, bias)
         return F.linear(x, self.weight, bias)
+
+    def gemm_descriptor(self) -> list[int] | None:
+        """How :meth:`matmul` runs this projection, as ``kernels/decode_graph.c`` takes it (fields
+        ``decode_graph.W_FIELDS``); ``None`` if the weight is not packed or adapters update it."""
+        if self.lora is not None:
+            return None
+        kind = decode_graph.GEMM_KINDS.index
+        if self.bound_i8 is not None:
+            return [kind("int8"), *self.bound_i8.pointers(), 0, 0, 0]
+        if self.packed_bf16 is None and self.packed is None:
+            return None
+        gemm.check_bias(self.bias, self.out_features)
+        bias = 0 if self.bias is None else self.bias.data_ptr()
+        if self.packed_bf16 is not None:
+            return [kind("bfloat16_amx" if self.amx else "bfloat16"), self.packed_bf16.data_ptr(), bias, 16, 0, 0, 0]
+        assert self.packed is not None
+        quantized = [0, 0, 0] if self.packed_q is None else \
+            [self.packed_q.data_ptr(), self.q_bits, QUANTIZED_MAX_ROWS[self.q_bits]]
+        return [kind("float32"), self.packed.data_ptr(), bias, 32, *quantized]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bound = self.bound_i8

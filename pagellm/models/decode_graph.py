@@ -1,8 +1,9 @@
 """When a decode step's decoder layers run as one call (``kernels/decode_graph.py``), and its tables.
 
 The graph replays exactly the kernels the Python layers call on a CPU, so it applies only where
-every one of them is a compiled kernel: int8 GEMMs over GGUF blocks (the default numerics where
-the machine has AVX512-VNNI) for every projection, the compiled norms, rotary and SiLU*mul, the
+every one of them is a compiled kernel: every projection packed for one of the GEMM kernels (int8
+over GGUF blocks, float32 with its quantized copy for small batches, or bfloat16; ``Linear.matmul``'s
+choice, made the same way in C), the compiled norms, rotary and SiLU*mul, the
 ``"cpu"`` attention backend's K/V write and decode kernels, one process (no tensor or pipeline
 split), no LoRA adapters, no per-head q/k norm. A step takes it when all its rows are decodes
 (one ``DECODE_KERNEL`` group); prefill and mixed steps run layer by layer. Outputs are the same
@@ -17,9 +18,8 @@ import torch
 
 from pagellm.attention.cpu_kernel import decode_kernel_address
 from pagellm.attention.metadata import AttentionGroup, AttentionKind, AttentionMetadata
-from pagellm.kernels import cpu_ops, decode_graph, gemm_int8
+from pagellm.kernels import cpu_ops, decode_graph, gemm, gemm_int8
 from pagellm.kernels.decode_graph import DecodeGraph
-from pagellm.layers.linear import Linear
 
 if TYPE_CHECKING:
     from pagellm.models.decoder import DecoderModel
@@ -34,10 +34,6 @@ def decode_group(meta: AttentionMetadata) -> AttentionGroup | None:
             or grp.kv_blocks is None or grp.seq_lens is None:
         return None
     return grp
-
-
-def _bound(linear: Linear) -> gemm_int8.BoundWeight | None:
-    return linear.bound_i8 if linear.lora is None else None
 
 
 def capture(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -77,29 +73,34 @@ def capture(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tenso
                 or (a.num_heads, a.num_kv_heads, a.head_dim, a.scale) != (attn.num_heads, attn.num_kv_heads, d,
                                                                           attn.scale):
             return None
-        bound = [_bound(p) for p in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
+        projections = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
         shapes = [((a.num_heads + 2 * a.num_kv_heads) * d, hidden), (hidden, a.num_heads * d), (2 * inter, hidden),
                   (hidden, inter)]
         row = [0] * len(decode_graph.LAYER_FIELDS)
-        for b, (n, k), name in zip(bound, shapes, ("qkv", "o", "gate_up", "down"), strict=True):
-            if b is None or (b.out_features, b.in_features) != (n, k):
+        for p, (n, k), name in zip(projections, shapes, decode_graph.PROJECTIONS, strict=True):
+            fields = p.gemm_descriptor()
+            if fields is None or (p.out_features, p.in_features) != (n, k):
                 return None
-            at = decode_graph.LAYER_FIELDS.index(f"{name}_w")
-            row[at:at + 3] = b.pointers()
+            at = decode_graph.LAYER_FIELDS.index(f"{name}_kind")
+            row[at:at + len(decode_graph.W_FIELDS)] = fields
         for n, name in zip(norms, ("in_norm", "post_norm"), strict=True):
             w = n.weight.detach().contiguous()
             keep.append(w)
             row[decode_graph.LAYER_FIELDS.index(name)] = w.data_ptr()
         rows.append(row)
-    gemm_fn = gemm_int8.kernel_address()
-    graph = DecodeGraph(
-        fns=torch.tensor([gemm_fn, cpu_ops.address("rms_norm_f32"), cpu_ops.address("rotary_f32"),
-                          cpu_ops.address("silu_and_mul_f32"), write_kv_fn, decode_fn], dtype=torch.int64),
-        dims=torch.tensor([hidden, attn.num_heads, attn.num_kv_heads, d, inter, meta.block_size], dtype=torch.int64),
-        layers=torch.tensor(rows, dtype=torch.int64), eps=eps, scale=attn.scale, keep=keep,
-        cache_dtype=key_cache.dtype, cache_shape=tuple(key_cache.shape))
+    gemms = gemm.kernel_addresses()
+    gemms["int8"] = gemm_int8.kernel_address() if gemm_int8.supported() else 0
+    fns = [gemms.get(n.removeprefix("gemm_"), 0) for n in decode_graph.FNS if n.startswith("gemm_")]
+    fns += [cpu_ops.address("rms_norm_f32"), cpu_ops.address("rotary_f32"), cpu_ops.address("silu_and_mul_f32"),
+            write_kv_fn, decode_fn]
     try:
+        graph = DecodeGraph(
+            fns=torch.tensor(fns, dtype=torch.int64),
+            dims=torch.tensor([hidden, attn.num_heads, attn.num_kv_heads, d, inter, meta.block_size],
+                              dtype=torch.int64),
+            layers=torch.tensor(rows, dtype=torch.int64), eps=eps, scale=attn.scale, keep=keep,
+            cache_dtype=key_cache.dtype, cache_shape=tuple(key_cache.shape))
         graph.bind_caches(kv_caches)
-    except ValueError:  # caches of mixed types or shapes: not for one table of kernels
+    except ValueError:  # a kernel it needs is missing, or caches of mixed types or shapes
         return None
     return graph
