@@ -54,7 +54,7 @@ def decode_kernel_address(key_cache: torch.Tensor) -> int | None:
     """The address of the decode kernel for this cache (``kernels/decode_graph.c`` calls it through a
     table), ``None`` where :func:`usable_for` says no."""
     lib = kernels.load("paged_decode", _SIGNATURES)
-    if lib is None or not usable_for(key_cache) or not key_cache.is_contiguous():
+    if lib is None or not usable_for(key_cache):
         return None
     return kernels.address(getattr(lib, _DECODE[key_cache.dtype]))
 

@@ -51,7 +51,7 @@ def address(name: str) -> int:
 
 def write_kv_address(key_cache: torch.Tensor) -> int | None:
     """The address of the K/V write kernel for this cache's dtype, ``None`` if :func:`write_kv` cannot write it."""
-    return address(_WRITE_KV[key_cache.dtype]) if writes_kv_into(key_cache) and key_cache.is_contiguous() else None
+    return address(_WRITE_KV[key_cache.dtype]) if writes_kv_into(key_cache) else None
 
 
 def _rows(x: torch.Tensor, name: str) -> int:

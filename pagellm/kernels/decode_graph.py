@@ -27,24 +27,32 @@ DIMS = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size")
 # A projection (``Linear.gemm_descriptor``): the GEMM kind, packed weight, bias (0: none), bits (int8),
 # and for float32 the quantized copy batches of up to q_max_rows rows read (0: none).
 W_FIELDS = ("kind", "ptr", "bias", "bits", "q_ptr", "q_bits", "q_max_rows")
-GEMM_KINDS = ("int8", "float32", "bfloat16", "bfloat16_amx")  # kind = index; FNS[kind (+1 past float32)]
+GEMM_KINDS = ("int8", "float32", "bfloat16", "bfloat16_amx")  # kind = index; its kernel is FNS' "gemm_<kind>"
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 LAYER_FIELDS = (("in_norm", "post_norm") + tuple(f"{p}_{f}" for p in PROJECTIONS for f in W_FIELDS)
                 + ("key_cache", "value_cache"))
 
 
-def gemm_fn_index(kind: int) -> int:
-    """The ``FNS`` entry a projection of this kind needs (the float32 kind's quantized copy: also the next)."""
-    return kind if kind <= 1 else kind + 1
+def _gemm_fns(kind: int) -> list[int]:
+    """The ``FNS`` entries a projection of this kind may call (float32: also its quantized copy's)."""
+    names = [f"gemm_{GEMM_KINDS[kind]}"] + (["gemm_quantized"] if GEMM_KINDS[kind] == "float32" else [])
+    return [FNS.index(n) for n in names]
+
+
+_checked: ctypes.CDLL | None = None
 
 
 def _lib() -> ctypes.CDLL | None:
+    global _checked
+    if _checked is not None:  # (run calls this every decode step: the tables are compared once)
+        return _checked
     lib = kernels.load("decode_graph", SIGNATURES)
     if lib is None:
         return None
     expected = len(FNS) * 10000 + len(DIMS) * 100 + len(LAYER_FIELDS)
     if lib.decode_graph_num_fields() != expected:  # the Python tables and the C enums disagree
         raise RuntimeError("decode_graph.c and decode_graph.py disagree on their tables")
+    _checked = lib
     return lib
 
 
@@ -84,7 +92,7 @@ class DecodeGraph:
         kinds = self.layers[:, [LAYER_FIELDS.index(f"{p}_kind") for p in PROJECTIONS]].unique().tolist()
         if any(k not in range(len(GEMM_KINDS)) for k in kinds):
             raise ValueError(f"unknown GEMM kinds in {kinds}")
-        needed = [FNS.index(n) for n in FNS if not n.startswith("gemm_")] + [gemm_fn_index(k) for k in kinds]
+        needed = [FNS.index(n) for n in FNS if not n.startswith("gemm_")] + [i for k in kinds for i in _gemm_fns(k)]
         if not bool((self.fns[needed] != 0).all()):
             raise ValueError("a decode graph needs the address of every kernel its layers call")
         self.hidden, self.head_dim, self.block_size = (int(self.dims[DIMS.index(n)])

@@ -180,8 +180,8 @@ class DecoderModel(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-
     def _graph_for(self, kv_caches, meta) -> DecodeGraph | None:
+        """The captured graph bound to these caches, if this model and step can take it."""
         if not self._graph_captured:
             self._graph_captured = True
             self.decode_graph = capture(self, kv_caches, meta)
