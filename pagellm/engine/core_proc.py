@@ -9,7 +9,8 @@ server) holds an ``AsyncEngineClient``: it sends requests over ZMQ (a PUSH socke
 PULL) and a receiver thread reads its own PULL socket and feeds each request's asyncio queue.
 
 Messages are pickled Python tuples (protocol 5): ``RequestOutput`` and ``SamplingParams`` are plain
-dataclasses, and one message per step per client carries every request's output of that step.
+dataclasses, and one message per step per client carries every request's output of that step, a
+plain request's as an ``OutputDelta`` between its first and last (``output_delta``).
 Detokenization and stop strings stay in the core (``LLMEngine.step`` does them); see the issue
 note for why. If the core dies (a crash, a kill), the receiver sees the process gone within its
 poll interval, every open stream ends with ``EngineDeadError`` and ``is_running`` turns false
@@ -37,6 +38,7 @@ from typing import Any
 from pagellm.config import EngineArgs
 from pagellm.engine.async_llm import drain_stream
 from pagellm.engine.llm_engine import EngineDeadError, PromptType, lora_op
+from pagellm.engine.output_delta import OutputDelta, OutputDeltaDecoder, OutputDeltaEncoder
 from pagellm.lora_request import LoRARequest
 from pagellm.metrics import EngineStats
 from pagellm.outputs import RequestOutput
@@ -100,6 +102,7 @@ def run_engine_core(engine_args: EngineArgs, chat_template: str | None, input_ad
     for sock in outs:
         _send(sock, ("ready", info))
     owner: dict[str, int] = {}  # request id -> client index
+    deltas = OutputDeltaEncoder()
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
     parent = os.getppid()
@@ -125,6 +128,7 @@ def run_engine_core(engine_args: EngineArgs, chat_template: str | None, input_ad
             elif kind == "abort":
                 engine.abort_request(msg[1])
                 owner.pop(msg[1], None)
+                deltas.forget(msg[1])
             elif kind in ("stats", "health", "trace", "lora"):
                 _, client, token, *arg = msg
                 try:
@@ -145,12 +149,12 @@ def run_engine_core(engine_args: EngineArgs, chat_template: str | None, input_ad
             for sock in outs:
                 _send(sock, ("dead", repr(e)))
             break
-        by_client: dict[int, list[RequestOutput]] = defaultdict(list)
+        by_client: dict[int, list[RequestOutput | OutputDelta]] = defaultdict(list)
         for out in outputs:
             client = owner.get(out.request_id)
             if client is None:
                 continue
-            by_client[client].append(out)
+            by_client[client].append(deltas.encode(out))
             if out.finished:
                 del owner[out.request_id]
         for client, items in by_client.items():
@@ -213,6 +217,8 @@ class AsyncEngineClient:
         self._out.connect(input_addr)
         self._send_lock = threading.Lock()  # ZMQ sockets are not thread-safe
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._deltas = OutputDeltaDecoder()
+        self._deltas_lock = threading.Lock()  # the receiver applies deltas; a closing stream forgets
         self._replies: dict[int, list[Any]] = {}
         self._tokens = itertools.count()
         self._ready = threading.Event()
@@ -282,16 +288,22 @@ class AsyncEngineClient:
         if stream is not None:
             stream[0].call_soon_threadsafe(stream[1].put_nowait, item)
 
-    def _push_step(self, outputs: list[RequestOutput]) -> None:
-        """One step's outputs into their streams with one wake-up per event loop, not one per
-        request: a 64-request decode step otherwise writes the loop's self-pipe 64 times."""
+    def _push_step(self, items: list[RequestOutput | OutputDelta]) -> None:
+        """One step's outputs (whole or as deltas) into their streams, with one wake-up per event
+        loop, not one per request: a 64-request decode step otherwise writes the loop's self-pipe
+        64 times."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                by_loop.setdefault(stream[0], []).append((stream[1], out))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+        with self._deltas_lock:
+            for item in items:
+                stream = self._streams.get(item.request_id)
+                if stream is None:  # (its stream has closed: keep nothing for it)
+                    self._deltas.forget(item.request_id)
+                    continue
+                out = self._deltas.decode(item)
+                if out is not None:
+                    by_loop.setdefault(stream[0], []).append((stream[1], out))
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _die(self, error: BaseException) -> None:
         self.dead_error = error
@@ -359,6 +371,8 @@ class AsyncEngineClient:
                 yield item
         finally:
             self._streams.pop(request_id, None)
+            with self._deltas_lock:
+                self._deltas.forget(request_id)
             if not done[0] and self.is_running:
                 self._send(("abort", request_id))
 
