@@ -37,9 +37,12 @@ def _idle(client: AsyncEngineClient, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         s = client.get_stats_now()
-        if s["num_running"] + s["num_waiting"] + s["num_swapped"] == 0 and s["kv_cache_usage"] == 0:
+        # (and nothing left in the client's output-delta state: every closed stream forgot its request)
+        if s["num_running"] + s["num_waiting"] + s["num_swapped"] == 0 and s["kv_cache_usage"] == 0 \
+                and len(client._deltas) == 0:
             return
-        assert time.monotonic() < deadline, f"requests or blocks left behind in the core: {dict(s)}"
+        assert time.monotonic() < deadline, (f"requests or blocks left behind in the core: {dict(s)}; "
+                                             f"{len(client._deltas)} requests in the client's delta state")
         time.sleep(0.05)
 
 
