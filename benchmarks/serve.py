@@ -28,6 +28,7 @@ import os
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -183,11 +184,6 @@ def one_round(args: argparse.Namespace, servers: list, model: list[str], n_in: i
     return {"offline": offline, "results": results}
 
 
-def _median(values: list[float]) -> float:
-    v = sorted(values)
-    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
-
-
 def report(machine: str, rounds: list[dict], args: argparse.Namespace) -> None:
     """The table (each server and scenario at its median round by total tok/s) and the ratios, each
     taken within a round and then the median over rounds."""
@@ -204,7 +200,7 @@ def report(machine: str, rounds: list[dict], args: argparse.Namespace) -> None:
               f"{r['ttft_ms']['p50']:7.0f} / {r['ttft_ms']['p99']:6.0f} {r['tpot_ms']['p50']:11.1f} "
               f"{r['itl_ms']['p99']:10.0f} {r['failed']:6d}")
 
-    def per_round(num: tuple[str, str], den: tuple[str, str] | None) -> list[tuple[float, float, float]]:
+    def per_round(num: tuple[str, str], den: tuple[str, str]) -> list[tuple[float, float, float]]:
         """(ratio, numerator, denominator) in each round that has both."""
         out = []
         for rnd in rounds:
@@ -219,8 +215,8 @@ def report(machine: str, rounds: list[dict], args: argparse.Namespace) -> None:
         if not ratios:
             return
         each = ", ".join(f"{q:.2f}x ({a:.1f} / {b:.1f})" for q, a, b in ratios)
-        print(f"{label}: {_median([q for q, _, _ in ratios]):.2f}x" + (f"; rounds {each}" if len(ratios) > 1
-                                                                         else f" ({each})"))
+        median = statistics.median([q for q, _, _ in ratios])
+        print(f"{label}: {median:.2f}x" + (f"; rounds {each}" if len(ratios) > 1 else f" ({each})"))
 
     line("pagellm serve / pagellm offline (W64 total tok/s, same round)", per_round(("pagellm", "w64"),
                                                                                      ("offline", "w64")))
@@ -228,8 +224,8 @@ def report(machine: str, rounds: list[dict], args: argparse.Namespace) -> None:
         line(f"{scenario}: pagellm / vLLM total tok/s", per_round(("pagellm", scenario), ("vllm", scenario)))
         p, v = by.get(("pagellm", scenario)), by.get(("vllm", scenario))
         if p and v:
-            print(f"{scenario}: TTFT p50 (median over rounds) {_median([r['ttft_ms']['p50'] for r in p]):.0f} vs "
-                  f"{_median([r['ttft_ms']['p50'] for r in v]):.0f} ms")
+            tp, tv = (statistics.median([r["ttft_ms"]["p50"] for r in runs]) for runs in (p, v))
+            print(f"{scenario}: TTFT p50 (median over rounds) {tp:.0f} vs {tv:.0f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine, "rounds": rounds}, f, indent=1)
