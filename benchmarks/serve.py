@@ -16,8 +16,11 @@ both (its agreement with ``vllm bench serve``: docs/performance.md).
     python benchmarks/serve.py --scenarios w64 --rounds 3       # server / offline, median of 3 rounds
 
 This machine's speed drifts by several percent from one minute to the next (other tenants on the
-host), so one offline run against one server run can land either side of a 5 % bar; ``--rounds``
-takes the ratio within each round and reports the median, and alternates which side runs first.
+host), so one offline run against one server run can land either side of a 5 % bar. Each round
+therefore brackets its servers between two offline runs and takes the server's ratio to their mean
+(a drift that is linear over the round cancels); the second offline run over the first, an A/A
+ratio of the same code, shows how far the machine moved within the round. ``--rounds`` repeats
+this and reports the medians.
 """
 
 from __future__ import annotations
@@ -146,30 +149,27 @@ def main() -> None:
     for i in range(args.rounds):
         if args.rounds > 1:
             print(f"round {i + 1} of {args.rounds}", flush=True)
-        # Every other round the offline run goes last, so a drift of the machine's speed over the
-        # invocation does not always favour the same side.
-        rounds.append(one_round(args, servers, model, n_in, offline_first=i % 2 == 0))
+        rounds.append(one_round(args, servers, model, n_in))
     report(machine, rounds, args)
 
 
-def one_round(args: argparse.Namespace, servers: list, model: list[str], n_in: int,
-              offline_first: bool) -> dict:
-    """One offline run (for W64) and one run of every server in every scenario."""
-    offline: dict | None = None
+def one_round(args: argparse.Namespace, servers: list, model: list[str], n_in: int) -> dict:
+    """An offline run (for W64), one run of every server in every scenario, and a second offline
+    run: the servers are bracketed by the reference they are compared with."""
+    offline: list[dict] = []
 
     def run_offline() -> None:
-        nonlocal offline
         if "w64" not in args.scenarios or args.skip_offline:
             return
         print("pagellm offline (LLM.generate) ...", flush=True)
-        offline = _spawn([sys.executable, os.path.join(HERE, "compare.py"), "--workload", args.workload, *model,
-                          *(["--num-requests", str(args.num_requests)] if args.num_requests else []),
-                          "--run-engine", "pagellm", "--mode", "throughput"])
-        offline["total_tok_s"] = (n_in + offline["out"]) / offline["wall"]
-        print(f"  {offline['total_tok_s']:.1f} total tok/s", flush=True)
+        run = _spawn([sys.executable, os.path.join(HERE, "compare.py"), "--workload", args.workload, *model,
+                      *(["--num-requests", str(args.num_requests)] if args.num_requests else []),
+                      "--run-engine", "pagellm", "--mode", "throughput"])
+        run["total_tok_s"] = (n_in + run["out"]) / run["wall"]
+        offline.append(run)
+        print(f"  {run['total_tok_s']:.1f} total tok/s", flush=True)
 
-    if offline_first:
-        run_offline()
+    run_offline()
     results: list[dict] = []
     for scenario in args.scenarios:
         for name, cmd, env, timeout in servers:
@@ -179,8 +179,7 @@ def one_round(args: argparse.Namespace, servers: list, model: list[str], n_in: i
             results.append(r)
             print(f"  {r['total_token_throughput']:.1f} total tok/s, TTFT p50 {r['ttft_ms']['p50']:.0f} ms, "
                   f"{r['failed']} failed, start-up {r['startup_s']:.1f} s", flush=True)
-    if not offline_first:
-        run_offline()
+    run_offline()
     return {"offline": offline, "results": results}
 
 
@@ -206,7 +205,7 @@ def report(machine: str, rounds: list[dict], args: argparse.Namespace) -> None:
         for rnd in rounds:
             got = {(r["server"], r["scenario"]): r["total_token_throughput"] for r in rnd["results"]}
             if rnd["offline"]:
-                got[("offline", "w64")] = rnd["offline"]["total_tok_s"]
+                got[("offline", "w64")] = statistics.fmean(r["total_tok_s"] for r in rnd["offline"])
             if num in got and den in got:
                 out.append((got[num] / got[den], got[num], got[den]))
         return out
@@ -218,8 +217,11 @@ def report(machine: str, rounds: list[dict], args: argparse.Namespace) -> None:
         median = statistics.median([q for q, _, _ in ratios])
         print(f"{label}: {median:.2f}x" + (f"; rounds {each}" if len(ratios) > 1 else f" ({each})"))
 
-    line("pagellm serve / pagellm offline (W64 total tok/s, same round)", per_round(("pagellm", "w64"),
-                                                                                     ("offline", "w64")))
+    line("pagellm serve / pagellm offline (W64 total tok/s; offline: the mean of the round's two runs)",
+         per_round(("pagellm", "w64"), ("offline", "w64")))
+    line("pagellm offline after / before (A/A: the machine's drift within a round)",
+         [(b["total_tok_s"] / a["total_tok_s"], b["total_tok_s"], a["total_tok_s"])
+          for a, b in (rnd["offline"] for rnd in rounds if len(rnd["offline"]) == 2)])
     for scenario in args.scenarios:
         line(f"{scenario}: pagellm / vLLM total tok/s", per_round(("pagellm", scenario), ("vllm", scenario)))
         p, v = by.get(("pagellm", scenario)), by.get(("vllm", scenario))
