@@ -143,8 +143,14 @@ class SchedulerConfig:
     # Steps in flight at once (vLLM's batch queue): the pipeline's stages, or 2 with
     # async_scheduling; a request is never in two of them (see scheduler.py).
     max_concurrent_batches: int = 1
+    # Streaming (vLLM's stream_interval): a request's output goes out every this many new tokens
+    # (and always with its first token and when it finishes), so the front ends and clients of a
+    # busy server handle fewer, larger chunks; 1 sends every token.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.max_concurrent_batches < 1:
             raise ValueError(f"max_concurrent_batches must be >= 1, got {self.max_concurrent_batches}")
         if self.max_num_seqs < 1:
@@ -533,6 +539,8 @@ _HELP = {
     "preemption_mode": "recompute, swap, or auto (swap only requests with several live sequences)",
     "watermark": "fraction of KV blocks admissions and swap-ins leave free",
     "priority_aging_steps": "priority policy: a queued request gains one priority level per this many steps (0 = off)",
+    "stream_interval": "send a request's output every this many new tokens (always its first token and its end): "
+                       "fewer, larger stream chunks for less front-end and client work; 1 = every token",
 }
 
 
@@ -562,6 +570,7 @@ class EngineArgs:
     preemption_mode: str = "auto"
     watermark: float = 0.01
     priority_aging_steps: int = 256
+    stream_interval: int = 1
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -598,6 +607,7 @@ class EngineArgs:
             watermark=self.watermark,
             priority_aging_steps=self.priority_aging_steps,
             max_concurrent_batches=self._max_concurrent_batches(),
+            stream_interval=self.stream_interval,
         )
         return EngineConfig(
             model=ModelConfig(self.model, self.tokenizer, self.dtype, self.seed,  # type: ignore[arg-type]

@@ -151,6 +151,9 @@ class SequenceGroup:
     kv_transfer_timed_out: bool = False
     # vLLM's ``kv_transfer_params`` (disaggregated prefill/decode; ``core/kv_connector.py``).
     kv_transfer_params: dict[str, Any] | None = None
+    # Streaming with a stream interval: output tokens (of the longest sequence) the last
+    # ``RequestOutput`` carried; 0 until the first.
+    num_output_tokens_sent: int = 0
 
     @property
     def hash_key(self) -> str | None:

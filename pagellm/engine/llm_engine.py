@@ -130,6 +130,7 @@ class LLMEngine:
         # The step trace and the per-step log line; None and False: nothing recorded, nothing paid.
         self.tracer = StepTracer(obs.trace_max_events, obs.trace_out) if obs.tracing else None
         self._log_steps = obs.log_step_details
+        self._stream_interval = config.scheduler.stream_interval
         self.scheduler.record_decisions = obs.tracing or obs.log_step_details
         if config.speculative is not None:
             self._spec = SpecDecodeManager(config.speculative)
@@ -458,7 +459,8 @@ class LLMEngine:
                     self._detokenize(group, seq)
             if group.is_finished():
                 m.finished_time = now
-            outputs.append(self._make_output(group))
+            if self._output_due(group):
+                outputs.append(self._make_output(group))
             if group.is_finished():
                 self._forget(group)
         if spec is not None:
@@ -639,6 +641,19 @@ class LLMEngine:
                 # A beam search ends its beams itself (the complete grammar leaves only EOS to pick).
                 if state is not None and group.beam_state is None:
                     self.scheduler.finish_seq(group, seq, SequenceStatus.FINISHED_STOPPED)
+
+    def _output_due(self, group: SequenceGroup) -> bool:
+        """Whether this step's output goes out under the stream interval: the first token, then
+        every ``stream_interval`` tokens, and the end (stop strings can only cut the last one);
+        an output held back is carried by the next, as outputs are cumulative."""
+        if self._stream_interval == 1:
+            return True
+        n = max(seq.num_output_tokens for seq in group.seqs)
+        sent = group.num_output_tokens_sent
+        if group.is_finished() or sent == 0 or n - sent >= self._stream_interval:
+            group.num_output_tokens_sent = n
+            return True
+        return False
 
     def _make_output(self, group: SequenceGroup) -> RequestOutput:
         if group.beam_state is not None:
