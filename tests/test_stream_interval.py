@@ -1,10 +1,11 @@
 """Streaming with a stream interval (vLLM's ``stream_interval``): a request's output goes out with
-its first token, then every N tokens, and at its end; what goes out is what the every-token stream
-had at that point, and the final outputs are the same."""
+every token until its first text, then every N tokens, and at its end; what goes out is what the
+every-token stream had at that point, and the final outputs are the same."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -66,8 +67,11 @@ def test_interval_one_sends_every_token(every_token):
 @pytest.mark.parametrize("interval", [2, 3, 5])
 def test_outputs_every_interval_tokens_and_the_same_final(tiny_llama, every_token, interval):
     streams = _stream_all(LLMEngine.from_engine_args(_args(tiny_llama, interval)))
-    expected_counts = sorted(set(range(1, MAX_TOKENS, interval)) | {MAX_TOKENS})
     for rid, outs in streams.items():
+        # every token up to the first output with text (in any completion), then every interval
+        first_text = next((_count(o) for o in every_token[rid] if any(c.text for c in o.outputs)), MAX_TOKENS)
+        expected_counts = sorted({*range(1, first_text + 1), *range(first_text + interval, MAX_TOKENS, interval),
+                                  MAX_TOKENS})
         assert [_count(o) for o in outs] == expected_counts, rid
         assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True], rid
         # Each output is the every-token stream's output at the same count: nothing is lost or
@@ -75,6 +79,22 @@ def test_outputs_every_interval_tokens_and_the_same_final(tiny_llama, every_toke
         by_count = {_count(o): _view(o) for o in every_token[rid]}
         for o in outs:
             assert _view(o) == by_count[_count(o)], (rid, _count(o))
+
+
+def test_tokens_without_text_go_out_every_step_until_the_first_text():
+    """The rule alone (the tiny models' first tokens all decode to text): tokens that make no text
+    yet (a split UTF-8 character) do not hold a stream's first chunk back ``interval`` steps."""
+    seq = SimpleNamespace(seq_id=0, num_output_tokens=0)
+    detok = SimpleNamespace(text="")
+    group = SimpleNamespace(seqs=[seq], num_output_tokens_sent=0, is_finished=lambda: False)
+    engine = SimpleNamespace(_stream_interval=3, _detok={0: detok})
+    sent = []
+    for n in range(1, 12):
+        seq.num_output_tokens = n
+        detok.text = "x" * max(0, n - 3)  # the first text comes with the fourth token
+        if LLMEngine._output_due(engine, group):  # type: ignore[arg-type]
+            sent.append(n)
+    assert sent == [1, 2, 3, 4, 7, 10]
 
 
 def test_stream_interval_is_validated(tiny_llama):

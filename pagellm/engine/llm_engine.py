@@ -643,15 +643,18 @@ class LLMEngine:
                     self.scheduler.finish_seq(group, seq, SequenceStatus.FINISHED_STOPPED)
 
     def _output_due(self, group: SequenceGroup) -> bool:
-        """Whether this step's output goes out under the stream interval: the first token, then
-        every ``stream_interval`` tokens, and the end (stop strings can only cut the last one);
-        an output held back is carried by the next, as outputs are cumulative."""
+        """Whether this step's output goes out under the stream interval: every token until the
+        first text, then every ``stream_interval`` tokens, and the end (stop strings can only cut
+        the last one); an output held back is carried by the next, as outputs are cumulative."""
         if self._stream_interval == 1:
             return True
         n = max(seq.num_output_tokens for seq in group.seqs)
         sent = group.num_output_tokens_sent
         if group.is_finished() or sent == 0 or n - sent >= self._stream_interval:
-            group.num_output_tokens_sent = n
+            # A first token can decode to no text yet (a split character, a held-back space): a
+            # stream's first chunk must not wait N more steps for it (seconds, in a prefill phase).
+            has_text = any((d := self._detok.get(seq.seq_id)) is not None and d.text for seq in group.seqs)
+            group.num_output_tokens_sent = n if has_text else 0
             return True
         return False
 
