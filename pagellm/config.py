@@ -144,8 +144,8 @@ class SchedulerConfig:
     # async_scheduling; a request is never in two of them (see scheduler.py).
     max_concurrent_batches: int = 1
     # Streaming (vLLM's stream_interval): a request's output goes out every this many new tokens
-    # (and always with its first token and when it finishes), so the front ends and clients of a
-    # busy server handle fewer, larger chunks; 1 sends every token.
+    # (and with every token until its first text, and when it finishes), so the front ends and
+    # clients of a busy server handle fewer, larger chunks; 1 sends every token.
     stream_interval: int = 1
 
     def __post_init__(self) -> None:
@@ -539,8 +539,8 @@ _HELP = {
     "preemption_mode": "recompute, swap, or auto (swap only requests with several live sequences)",
     "watermark": "fraction of KV blocks admissions and swap-ins leave free",
     "priority_aging_steps": "priority policy: a queued request gains one priority level per this many steps (0 = off)",
-    "stream_interval": "send a request's output every this many new tokens (always its first token and its end): "
-                       "fewer, larger stream chunks for less front-end and client work; 1 = every token",
+    "stream_interval": "send a request's output every this many new tokens (every token until its first text, "
+                       "and its end): fewer, larger stream chunks for less front-end and client work; 1 = every token",
 }
 
 

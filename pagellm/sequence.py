@@ -152,7 +152,7 @@ class SequenceGroup:
     # vLLM's ``kv_transfer_params`` (disaggregated prefill/decode; ``core/kv_connector.py``).
     kv_transfer_params: dict[str, Any] | None = None
     # Streaming with a stream interval: output tokens (of the longest sequence) the last
-    # ``RequestOutput`` carried; 0 until the first.
+    # ``RequestOutput`` carried; 0 until one carried text.
     num_output_tokens_sent: int = 0
 
     @property
