@@ -645,7 +645,8 @@ class LLMEngine:
     def _output_due(self, group: SequenceGroup) -> bool:
         """Whether this step's output goes out under the stream interval: every token until the
         first text, then every ``stream_interval`` tokens, and the end (stop strings can only cut
-        the last one); an output held back is carried by the next, as outputs are cumulative."""
+        the last one); an output held back is carried by the next, as outputs are cumulative.
+        A ``True`` also records the output as sent, so ask once per step."""
         if self._stream_interval == 1:
             return True
         n = max(seq.num_output_tokens for seq in group.seqs)
