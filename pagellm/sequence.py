@@ -15,6 +15,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagellm.beam_state import BeamSearchState
 from pagellm.outputs import RequestMetrics
 from pagellm.sampling_params import SamplingParams
 
@@ -115,6 +116,16 @@ class Sequence:
                         list(self.block_hashes))
 
 
+@dataclass(slots=True)
+class KVTransferState:
+    """A request's part in KV transfer (``core/kv_transfer_admission.py``)."""
+
+    # vLLM's ``kv_transfer_params`` (disaggregated prefill/decode; ``core/kv_connector.py``).
+    params: dict[str, Any] | None = None
+    load_tried: bool = False  # a connector load was tried (at most once per request)
+    timed_out: bool = False  # pushed K/V did not arrive in time: recompute what is missing
+
+
 @dataclass(slots=True, eq=False)
 class SequenceGroup:
     """One request: its sequences (one, then ``n`` / ``best_of`` after the prompt), params,
@@ -139,21 +150,13 @@ class SequenceGroup:
     queued_since: int | None = None
     # Parallel sampling: the prompt's one sequence forks into ``num_samples`` at its first sample.
     forked: bool = False
-    # Beam search: a ``core.beam_search.BeamSearchState`` (typed loosely: L1 does not import core).
-    beam_state: Any = None
+    # Beam search: the search's state (``None``: sampling or greedy).
+    beam_state: BeamSearchState | None = None
     # Multi-LoRA: the adapter's ``lora_int_id`` (0: the base model) and its weights' fingerprint,
-    # which goes into the prefix cache's block hashes; steps it waited for an adapter slot.
+    # which goes into the prefix cache's block hashes.
     lora_id: int = 0
     lora_fingerprint: str | None = None
-    lora_skips: int = 0
-    # KV transfer: a connector load was tried for this request (at most once).
-    kv_load_tried: bool = False
-    kv_transfer_timed_out: bool = False
-    # vLLM's ``kv_transfer_params`` (disaggregated prefill/decode; ``core/kv_connector.py``).
-    kv_transfer_params: dict[str, Any] | None = None
-    # Streaming with a stream interval: output tokens (of the longest sequence) the last
-    # ``RequestOutput`` carried; 0 until one carried text.
-    num_output_tokens_sent: int = 0
+    kv_transfer: KVTransferState = field(default_factory=lambda: KVTransferState())
 
     @property
     def hash_key(self) -> str | None:

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagellm.core.kv_connector import DiskConnectorScheduler
+from pagellm.core.kv_transfer_admission import KVTransferAdmission
 from pagellm.core.scheduler_output import KVConnectorOutput, ModelRunnerOutput, SampledToken
 from pagellm.sequence import SequenceStatus
 
@@ -51,8 +52,8 @@ def test_random_traffic_with_a_connector_keeps_invariants(tmp_path_factory, ops,
     capacity = num_blocks * bs
     sched = make_scheduler(num_blocks=num_blocks, block_size=bs, max_model_len=capacity, max_num_batched_tokens=8,
                            long_prefill_token_threshold=0)
-    sched.connector = DiskConnectorScheduler(str(tmp_path_factory.mktemp("kv")), bs, 100, 10**9)
-    sched.kv_load_failure_policy = policy
+    connector = DiskConnectorScheduler(str(tmp_path_factory.mktemp("kv")), bs, 100, 10**9)
+    sched.kv_transfer = KVTransferAdmission(connector, sched.kv_cache_manager, policy)
     rng = random.Random(seed)
     prefixes = [[100 + k] * (6 + 7 * k) for k in range(3)]
     added: list[str] = []

@@ -199,7 +199,7 @@ def test_max_loras_passes_over_a_request_without_losing_its_place_and_it_cannot_
             sched.add_request(more.pop())
         fake_step(sched)
     # After LORA_MAX_SKIPS passes nobody overtakes b: once a finishes, b runs.
-    assert groups[1].lora_skips == LORA_MAX_SKIPS
+    assert sched._lora_skips[groups[1].request_id] == LORA_MAX_SKIPS
     while sched.has_unfinished_requests():
         out, _ = fake_step(sched)
         assert len({lora_of[s.request_id] for s in out.scheduled} - {0}) <= 1

@@ -14,6 +14,7 @@ from test_server import NAME, _Server
 from pagellm import LLMEngine, SamplingParams
 from pagellm.config import EngineArgs
 from pagellm.engine.core_proc import AsyncEngineClient
+from pagellm.engine.output_processor import OutputProcessor
 from pagellm.outputs import RequestOutput
 
 from conftest import run_to_completion
@@ -86,13 +87,14 @@ def test_tokens_without_text_go_out_every_step_until_the_first_text():
     yet (a split UTF-8 character) do not hold a stream's first chunk back ``interval`` steps."""
     seq = SimpleNamespace(seq_id=0, num_output_tokens=0)
     detok = SimpleNamespace(text="")
-    group = SimpleNamespace(seqs=[seq], num_output_tokens_sent=0, is_finished=lambda: False)
-    engine = SimpleNamespace(_stream_interval=3, _detok={0: detok})
+    group = SimpleNamespace(request_id="r", seqs=[seq], is_finished=lambda: False)
+    processor = OutputProcessor(None, 3, None)  # type: ignore[arg-type]
+    processor._detok[0] = detok  # type: ignore[assignment]
     sent = []
     for n in range(1, 12):
         seq.num_output_tokens = n
         detok.text = "x" * max(0, n - 3)  # the first text comes with the fourth token
-        if LLMEngine._output_due(engine, group):  # type: ignore[arg-type]
+        if processor._output_due(group):  # type: ignore[arg-type]
             sent.append(n)
     assert sent == [1, 2, 3, 4, 7, 10]
 

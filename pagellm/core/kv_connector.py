@@ -1,4 +1,4 @@
-"""KV transfer, scheduler role (seed ``004``; vLLM's ``KVConnectorBase_V1`` scheduler side).
+"""KV transfer, scheduler role (vLLM's ``KVConnectorBase_V1`` scheduler side).
 
 A connector finds K/V outside this engine's device pool for a request's prefix and moves blocks
 between the pool and elsewhere; the scheduler stays in charge of every block:
@@ -21,6 +21,7 @@ Pure Python (layer 2): no torch, no files read here beyond a directory listing.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -29,8 +30,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagellm.config import KVTransferConfig
 from pagellm.core.scheduler_output import KVConnectorMetadata, KVConnectorOutput, block_hash_of
 from pagellm.sequence import Sequence, SequenceGroup
+
+logger = logging.getLogger(__name__)
 
 # What a request may carry in ``kv_transfer_params`` (vLLM's field; the proxy fills it).
 KV_TRANSFER_PARAMS = {"do_remote_decode", "do_remote_prefill", "transfer_id", "remote_host", "remote_port"}
@@ -289,16 +293,17 @@ class TcpConnectorScheduler(KVConnectorScheduler):
         self._sends: list[tuple[str, str, list[tuple[int, str]]]] = []
 
     def waiting_for_remote(self, group: SequenceGroup) -> bool:
-        params = group.kv_transfer_params
-        if not params or not params.get("do_remote_prefill") or self.received is None or group.kv_load_tried \
-                or group.kv_transfer_timed_out:
+        state = group.kv_transfer
+        params = state.params
+        if not params or not params.get("do_remote_prefill") or self.received is None or state.load_tried \
+                or state.timed_out:
             return False
         if self.received.is_done(params["transfer_id"]):
             return False
         if self.clock() - group.arrival_time > self.timeout_s:
             self.num_timeouts += 1
             self.stats.load_failures += 1
-            group.kv_transfer_timed_out = True  # from now on: the blocks that came, and recompute
+            state.timed_out = True  # from now on: the blocks that came, and recompute
             return False
         return True
 
@@ -326,7 +331,7 @@ class TcpConnectorScheduler(KVConnectorScheduler):
         self._loads[request_id] = items
 
     def prompt_done(self, group: SequenceGroup, block_ids: list[int], block_hashes: list[bytes]) -> None:
-        params = group.kv_transfer_params
+        params = group.kv_transfer.params
         if not params or not params.get("do_remote_decode"):
             return
         dest = f"tcp://{params['remote_host']}:{params['remote_port']}"
@@ -345,3 +350,20 @@ class TcpConnectorScheduler(KVConnectorScheduler):
         if self.received is not None:
             for name in output.bad_files:  # foreign (another model or numerics) or damaged in flight
                 self.received.drop(block_hash_of(name))
+
+
+def create_kv_connector(kvt: KVTransferConfig, block_size: int, kv_fingerprint: str,
+                        block_bytes: int) -> KVConnectorScheduler:
+    """The scheduler side of the connector ``kvt`` names (vLLM's ``KVConnectorFactory``). A
+    ``TcpConnector`` that loads gets an empty ``received`` buffer for the engine's receiver."""
+    if kvt.kv_connector == "DiskConnector":
+        disk = DiskConnectorScheduler(kvt.store_dir(kv_fingerprint), block_size, block_bytes, kvt.max_bytes,
+                                      kvt.saves, kvt.loads)
+        logger.info("KV transfer: DiskConnector at %s (%s, %d blocks / %.1f MiB on disk, cap %.1f GiB)",
+                    disk.root, kvt.kv_role, len(disk.index.files), disk.index.total_bytes / 2**20,
+                    kvt.max_bytes / 2**30)
+        return disk
+    if kvt.kv_connector == "TcpConnector":
+        received = ReceivedBlocks(kvt.max_bytes) if kvt.loads else None
+        return TcpConnectorScheduler(block_size, received, kvt.timeout_s)
+    raise ValueError(f"kv_connector {kvt.kv_connector!r} is not built")

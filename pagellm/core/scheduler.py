@@ -16,11 +16,10 @@ Each step, in this order:
    it is cached (SGLang's in-batch prefix caching): requests that arrive together with a common
    prefix compute it once instead of once each in the same step.
 
-KV transfer (``core/kv_connector.py``): at its first admission a request whose prefix a connector
-holds past the local hits gets blocks for it and waits in ``loading`` (vLLM's
-``WAITING_FOR_REMOTE_KVS``) for one step, using none of the token budget; the step's worker fills
-the blocks, and ``update_kv_transfer`` caches what arrived intact, frees the blocks and puts the
-request back at the head of ``waiting``, where step 4 finds them as ordinary prefix hits.
+KV transfer (``core/kv_transfer_admission.py``): at its first admission a request whose prefix a
+connector holds past the local hits waits in ``loading`` for one step while the worker fills its
+blocks; ``update_kv_transfer`` then puts it back at the head of ``waiting``, where step 4 finds
+them as ordinary prefix hits.
 
 Batch queue (``max_concurrent_batches`` > 1: pipeline stages, async scheduling): the engine
 schedules a step while earlier ones are still computing. A request with a step in flight (always
@@ -54,12 +53,13 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 
 from pagellm.config import SchedulerConfig
 from pagellm.core.beam_search import advance_beams
+from pagellm.core.invariants import check_scheduler_invariants
 from pagellm.core.kv_cache_manager import AllocStatus, KVCacheManager, SlotRequest
 from pagellm.core.kv_connector import KVConnectorScheduler
+from pagellm.core.kv_transfer_admission import KVTransferAdmission
 from pagellm.core.request_queue import FCFSRequestQueue, PriorityRequestQueue
 from pagellm.core.scheduler_output import (
     CacheOps,
@@ -68,9 +68,9 @@ from pagellm.core.scheduler_output import (
     ScheduledSequence,
     SchedulerOutput,
 )
+from pagellm.core.stop_check import check_stop
 from pagellm.metrics import PrefixCacheStats, SchedulerStats
 from pagellm.sequence import Sequence, SequenceGroup, SequenceStatus
-from pagellm.utils import InvariantError
 
 # Steps a waiting request may be passed over for its adapter (max_loras) before nobody passes it.
 LORA_MAX_SKIPS = 8
@@ -131,21 +131,19 @@ class _Step:
 class Scheduler:
     """Decides, each step, which sequences compute how many tokens; owns all block bookkeeping."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
-                 num_lookahead_tokens: int = 0, max_loras: int = 0, connector: KVConnectorScheduler | None = None,
-                 kv_load_failure_policy: str = "recompute") -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, *, max_model_len: int,
+                 num_lookahead_tokens: int = 0, max_loras: int = 0,
+                 kv_transfer: KVTransferAdmission | None = None) -> None:
         self.config = config
-        # KV transfer: the connector, the requests whose blocks its worker side fills this step,
-        # and what a load that fails means (recompute the rest, or end the request with an error).
-        self.connector = connector
-        self.loading: dict[str, SequenceGroup] = {}
-        self.kv_load_failure_policy = kv_load_failure_policy
+        self.kv_transfer = kv_transfer  # KV transfer's loads and saves (None: no connector)
         # Batch queue: requests in a step whose output is not applied yet.
         self.in_flight: set[str] = set()
         self._load_failed: list[SequenceGroup] = []
         self.num_waiting_for_remote = 0  # in the last schedule(): requests waiting for pushed K/V
-        # Multi-LoRA: at most this many distinct adapters among a step's sequences (0: no LoRA).
+        # Multi-LoRA: at most this many distinct adapters among a step's sequences (0: no LoRA),
+        # and the steps each waiting request was passed over for its adapter.
         self.max_loras = max_loras
+        self._lora_skips: dict[str, int] = {}
         # A draft model writes its drafts' K/V past a sampling sequence's scheduled tokens: it
         # gets these slots too when the pool has them (given back after the step).
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -210,6 +208,15 @@ class Scheduler:
         out, self._load_failed = self._load_failed, []
         return out
 
+    @property
+    def connector(self) -> KVConnectorScheduler | None:
+        return self.kv_transfer.connector if self.kv_transfer is not None else None
+
+    @property
+    def loading(self) -> dict[str, SequenceGroup]:
+        """Requests whose prefix the connector's worker side loads this step."""
+        return self.kv_transfer.loading if self.kv_transfer is not None else {}
+
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
@@ -227,15 +234,8 @@ class Scheduler:
             kv_cache_usage=kv.usage(), cpu_cache_usage=kv.cpu_pool.usage(),
             num_preemptions=self.num_preemptions, num_swap_outs=self.num_swap_outs, num_swap_ins=self.num_swap_ins,
             num_swap_fallbacks=self.num_swap_fallbacks, prefix_cache_queries=self.prefix_cache_stats.queries,
-            prefix_cache_hits=self.prefix_cache_stats.hits, **self._kv_transfer_stats())
-
-    def _kv_transfer_stats(self) -> dict[str, Any]:
-        if self.connector is None:
-            return {}
-        c = self.connector.stats
-        return dict(num_loading_kv=len(self.loading), kv_blocks_loaded=c.blocks_loaded, kv_blocks_saved=c.blocks_saved,
-                    kv_bytes_loaded=c.bytes_loaded, kv_bytes_saved=c.bytes_saved, kv_load_seconds=c.load_seconds,
-                    kv_load_failures=c.load_failures)
+            prefix_cache_hits=self.prefix_cache_stats.hits,
+            **(self.kv_transfer.stats() if self.kv_transfer is not None else {}))
 
     def take_ignored(self) -> list[SequenceGroup]:
         """Requests finished as ``FINISHED_IGNORED`` by the last ``schedule()`` (they never fit)."""
@@ -273,6 +273,7 @@ class Scheduler:
             if seq.seq_id not in self._finished_seq_ids:
                 self._finished_seq_ids.append(seq.seq_id)
         del self.requests[group.request_id]
+        self._lora_skips.pop(group.request_id, None)
 
     # ------------------------------------------------------------------ preemption
     def _preempt(self, group: SequenceGroup, ops: CacheOps) -> None:
@@ -310,11 +311,11 @@ class Scheduler:
         self._release(group)
         self._ignored.append(group)
 
-    def _num_running_seqs(self) -> int:
+    def num_running_seqs(self) -> int:
         return sum(g.num_seqs_reserved for g in self.running)
 
     def _has_seq_room(self, group: SequenceGroup) -> bool:
-        return self._num_running_seqs() + group.num_seqs_reserved <= self.config.max_num_seqs
+        return self.num_running_seqs() + group.num_seqs_reserved <= self.config.max_num_seqs
 
     def _running_adapters(self) -> set[int]:
         """The LoRA adapters the running requests use (empty without LoRA)."""
@@ -525,19 +526,21 @@ class Scheduler:
         lora_skipped: list[str] = []
         while self.waiting and step.token_budget > 0:
             group = self.waiting.peek()
-            if self.connector is not None and self.connector.waiting_for_remote(group):
+            kvt = self.kv_transfer
+            if kvt is not None and kvt.waiting_for_remote(group):
                 # WAITING_FOR_REMOTE_KVS: another engine is sending its prefix; it keeps its place.
                 self.num_waiting_for_remote += 1
                 skipped.append(self.waiting.pop())
                 continue
-            if group.kv_transfer_timed_out and self.kv_load_failure_policy == "fail":
+            if kvt is not None and kvt.must_fail(group):
                 self._fail_load(group)
                 continue
             if self._adapter_over_limit(group, adapters):
-                if group.lora_skips < LORA_MAX_SKIPS:
+                skips = self._lora_skips.get(group.request_id, 0)
+                if skips < LORA_MAX_SKIPS:
                     # Its adapter would be one too many: the next requests may go first this
                     # step; it keeps its place, and after LORA_MAX_SKIPS steps nobody passes it.
-                    group.lora_skips += 1
+                    self._lora_skips[group.request_id] = skips + 1
                     skipped.append(self.waiting.pop())
                     lora_skipped.append(group.request_id)
                     continue
@@ -561,8 +564,10 @@ class Scheduler:
             if n_hit < len(first.seq.block_hashes) and first.seq.block_hashes[n_hit] in pending:
                 step.waiting_stop = LeftOut.PREFIX_BEING_COMPUTED
                 break  # its next block is being computed (or loaded): a hit in a step or two
-            n_load = self._start_load(group, plan) if self.connector is not None else 0
+            n_load = kvt.start_load(group, plan, bool(self.running)) if kvt is not None else 0
             if n_load:
+                self.waiting.pop()
+                self._dequeue_time(group)
                 pending.update(first.seq.block_hashes[n_hit:n_hit + n_load])  # its sharers wait for them
                 continue
             if not self._admissible(plan):
@@ -577,60 +582,16 @@ class Scheduler:
             self.waiting.prepend(group)
         step.lora_skipped = lora_skipped
 
-    def _start_load(self, group: SequenceGroup, plan: list[SlotRequest]) -> int:
-        """Blocks for the K/V the connector holds past ``group``'s local hits, and the group parked
-        in ``loading`` until the step's worker has filled them. Only at a request's first
-        admission, once, and for one sequence (forks and beams come later). Returns the number of
-        blocks being loaded (0: none, the group is admitted as usual or not)."""
-        if group.kv_load_tried or group.metrics.first_scheduled_time is not None or len(plan) != 1:
-            return 0
-        assert self.connector is not None
-        kv, first = self.kv_cache_manager, plan[0]
-        n = self.connector.get_num_new_matched_tokens(first.seq, first.num_computed_tokens)
-        if n <= 0:
-            return 0
-        load = SlotRequest(first.seq, first.num_computed_tokens, n, first.computed_blocks)
-        if kv.num_new_blocks([load]) + (kv.watermark_blocks if self.running else 0) > kv.num_free_blocks:
-            return 0  # no room to load into: admitted as usual (or not) instead
-        group.kv_load_tried = True
-        seq = first.seq
-        seq.num_computed_tokens = first.num_computed_tokens
-        if kv.allocate_slots(seq, n, first.computed_blocks) is None:
-            raise RuntimeError(f"allocate_slots failed loading request {group.request_id!r} after num_new_blocks "
-                               "said the pool had room")
-        i0, count = first.num_computed_tokens // kv.block_size, n // kv.block_size
-        self.connector.update_state_after_alloc(group.request_id, kv.get_block_ids(seq.seq_id)[i0:i0 + count],
-                                                seq.block_hashes[i0:i0 + count])
-        self.waiting.pop()
-        self._dequeue_time(group)
-        self.loading[group.request_id] = group
-        return count
-
     def update_kv_transfer(self, output: KVConnectorOutput | None) -> None:
-        """After a step: each loading request's blocks that arrived intact become prefix-cache
-        blocks, all its blocks go back to the pool, and it returns to the head of ``waiting``
-        (or, under the ``fail`` policy with blocks missing, ends). Every load issued by a step is
-        answered by that step, so nobody stays in ``loading`` longer."""
-        if self.connector is None:
+        """After a step: every loading request goes back to the head of ``waiting`` with what
+        arrived cached (or, under the ``fail`` policy with blocks missing, ends)."""
+        if self.kv_transfer is None:
             return
-        if output is not None:
-            self.connector.update_connector_output(output)
-        kv, bs, stats = self.kv_cache_manager, self.kv_cache_manager.block_size, self.connector.stats
-        for rid, group in reversed(list(self.loading.items())):  # prepended in reverse: original order
-            seq = group.seqs[0]
-            asked = len(kv.get_block_ids(seq.seq_id)) - seq.num_computed_tokens // bs
-            got = min(output.loaded.get(rid, 0), asked) if output is not None else 0
-            seq.num_computed_tokens += got * bs
-            kv.cache_full_blocks(seq, group.hash_key)
-            kv.free(seq)
-            seq.num_computed_tokens = 0
-            stats.blocks_loaded += got
-            stats.load_failures += asked - got
+        for group, failed in reversed(self.kv_transfer.finish_loads(output)):  # prepended: original order
             self.waiting.prepend(group)
             self._enqueue_time(group)
-            if got < asked and self.kv_load_failure_policy == "fail":
+            if failed:
                 self._fail_load(group)
-        self.loading.clear()
 
     def _fail_load(self, group: SequenceGroup) -> None:
         """End a request whose K/V did not arrive (policy ``fail``); the engine reports it."""
@@ -691,36 +652,12 @@ class Scheduler:
             finished_seq_ids=self._finished_seq_ids,
             preempted_request_ids=[g.request_id for g in step.forced + step.preempted],
         )
-        if self.connector is not None:
-            self._offer_saves(step)
-            out.kv_connector_metadata = self.connector.build_connector_meta()
+        if self.kv_transfer is not None:
+            out.kv_connector_metadata = self.kv_transfer.offer_saves(step.scheduled)
         if self.config.max_concurrent_batches > 1:
             self.in_flight.update(g.request_id for g, _ in step.scheduled)
         self._finished_seq_ids = []
         return out
-
-    def _offer_saves(self, step: _Step) -> None:
-        """Offer the connector every block this step fills up (drafts excluded: they may be
-        rejected), with its chained hash; the worker copies the ones it keeps after the pass."""
-        assert self.connector is not None
-        kv = self.kv_cache_manager
-        bs = kv.block_size
-        for group, plan in step.scheduled:
-            for r in plan:
-                end = min(r.num_computed_tokens + r.num_new_tokens, r.seq.num_tokens) // bs
-                start = r.num_computed_tokens // bs
-                n_prompt = len(r.seq.prompt_token_ids)
-                done = bool(group.kv_transfer_params) and \
-                    r.num_computed_tokens < n_prompt <= r.num_computed_tokens + r.num_new_tokens
-                if end <= start and not done:
-                    continue
-                hashes = kv.block_hashes(r.seq, group.hash_key)
-                table = kv.block_tables[r.seq.seq_id]
-                for i in range(start, min(end, len(hashes))):
-                    self.connector.request_save(table[i].block_id, hashes[i])
-                if done:  # the prompt is computed after this step: all its full blocks
-                    n = n_prompt // bs
-                    self.connector.prompt_done(group, [b.block_id for b in table[:n]], hashes[:n])
 
     def _allocate_lookahead(self, step: _Step) -> None:
         """Best effort, after every admission: slots past the scheduled tokens of each sampling
@@ -816,7 +753,7 @@ class Scheduler:
                     [runner_output.sampled[target.seq_id]]
                 for sampled in tokens:
                     target.append_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
-                    self._check_stop(target, group)
+                    check_stop(target, group.sampling_params, self.max_model_len)
                     if (len(tokens) > 1 and stop_check is not None
                             and target.status != SequenceStatus.FINISHED_STOPPED and stop_check(group, target)):
                         target.status = SequenceStatus.FINISHED_STOPPED
@@ -855,85 +792,7 @@ class Scheduler:
         else:
             self._free_seq(seq)
 
-    def _check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
-        params = group.sampling_params
-        token = seq.output_token_ids[-1]
-        n_out = seq.num_output_tokens
-        if n_out >= params.min_tokens:
-            if not params.ignore_eos and token == params.eos_token_id:
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                return
-            if token in (params.stop_token_ids or ()):
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                seq.stop_reason = token
-                return
-        if (params.max_tokens is not None and n_out >= params.max_tokens) or seq.num_tokens >= self.max_model_len:
-            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
-        """Queues disjoint and consistent with statuses; device blocks owned exactly by running
-        sequences, CPU blocks exactly by swapped ones; both pools whole when idle."""
-        queues = {"running": [g.request_id for g in self.running], "waiting": [g.request_id for g in self.waiting],
-                  "swapped": [g.request_id for g in self.swapped], "loading": list(self.loading)}
-        for name, ids in queues.items():
-            if len(set(ids)) != len(ids):
-                raise InvariantError(f"a request is twice in {name}")
-        all_ids = [rid for ids in queues.values() for rid in ids]
-        if len(set(all_ids)) != len(all_ids):
-            raise InvariantError("a request is in two queues")
-        if set(all_ids) != set(self.requests):
-            raise InvariantError("request map out of sync with queues")
-        if not self.in_flight <= {g.request_id for g in self.running}:
-            # (preemption never picks a request with a step in flight: see _worst_running)
-            raise InvariantError("a request with a step in flight is not running")
-        if self._num_running_seqs() > self.config.max_num_seqs:
-            raise InvariantError("more running sequences than max_num_seqs")
-        kv = self.kv_cache_manager
-        bs = kv.block_size
-        live: set[int] = set()
-        for g in self.running:
-            if g.queued_since is not None:
-                raise InvariantError("a running request is still counted as queued")
-            for s in g.seqs:
-                if s.status.is_finished:
-                    if s.seq_id in kv.block_tables:
-                        raise InvariantError(f"finished {s.seq_id} still holds blocks")
-                    continue
-                if s.status != SequenceStatus.RUNNING:
-                    raise InvariantError(f"{s.seq_id} in running with status {s.status!r}")
-                waits = g.beam_state is not None and s.seq_id in g.beam_state.pending  # sampled, waits for siblings
-                if not (0 <= s.num_computed_tokens < s.num_tokens or waits):
-                    raise InvariantError("running sequence has nothing to compute")
-                held = len(kv.block_tables.get(s.seq_id, ())) * bs
-                if held < s.num_computed_tokens:
-                    raise InvariantError("computed tokens without blocks")
-                live.add(s.seq_id)
-        swapped: set[int] = set()
-        for g in self.swapped:
-            if g.queued_since is None:
-                raise InvariantError("a swapped request is not counted as queued")
-            for s in g.live_seqs():
-                if s.status != SequenceStatus.SWAPPED:
-                    raise InvariantError(f"{s.seq_id} in swapped with status {s.status!r}")
-                if len(kv.cpu_block_tables.get(s.seq_id, ())) * bs < s.num_computed_tokens:
-                    raise InvariantError("swapped K/V lost")
-                swapped.add(s.seq_id)
-        for g in self.waiting:
-            if g.queued_since is None:
-                raise InvariantError("a waiting request is not counted as queued")
-            for s in g.live_seqs():
-                if s.status not in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
-                    raise InvariantError(f"waiting {s.status!r}")
-                if s.num_computed_tokens != 0:
-                    raise InvariantError("a waiting sequence claims computed tokens")
-        for g in self.loading.values():
-            if len(g.seqs) != 1 or g.seqs[0].status != SequenceStatus.WAITING or g.queued_since is not None:
-                raise InvariantError(f"loading request {g.request_id!r} in an impossible state")
-            live.add(g.seqs[0].seq_id)
-        kv.check_invariants(live_seq_ids=live, swapped_seq_ids=swapped)
-        if not self.requests:
-            if kv.num_free_blocks != kv.num_blocks:
-                raise InvariantError("idle but device blocks in use")
-            if kv.cpu_pool.num_free_blocks != kv.cpu_pool.num_blocks:
-                raise InvariantError("idle but CPU blocks in use")
+        """Raise ``InvariantError`` if the queues or blocks are inconsistent (``core/invariants.py``)."""
+        check_scheduler_invariants(self)

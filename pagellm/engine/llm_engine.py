@@ -1,4 +1,4 @@
-"""``LLMEngine``: tokenize -> schedule -> execute -> update -> detokenize -> ``RequestOutput``.
+"""``LLMEngine``: the step loop. tokenize -> schedule -> decorate -> execute -> update -> outputs.
 
 Synchronous and single-threaded: ``step()`` runs exactly one scheduler step. Bad requests are
 rejected with ``ValueError`` in ``add_request`` so they never reach (or stall) the scheduler. If a
@@ -12,28 +12,28 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any
 
 from pagellm.config import EngineArgs, EngineConfig, resolve_model_source
 from pagellm.core.beam_search import BeamSearchState
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.kv_connector import (
-    DiskConnectorScheduler,
-    KVConnectorScheduler,
-    ReceivedBlocks,
     TcpConnectorScheduler,
     check_kv_transfer_params,
+    create_kv_connector,
 )
+from pagellm.core.kv_transfer_admission import KVTransferAdmission
 from pagellm.core.scheduler import Scheduler
 from pagellm.core.scheduler_output import SampledToken, SchedulerOutput
-from pagellm.detokenizer import IncrementalDetokenizer, find_stop_string
+from pagellm.core.step_decorator import StepDecorator
 from pagellm.engine.kv_receiver import KVReceiver
 from pagellm.engine.lora_manager import LoRAManager
+from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.step_trace import KVState, StepTimes, StepTracer, step_log_line, summarize_step
 from pagellm.executor import PendingOutput, WorkerError, create_executor
 from pagellm.lora_request import LoRARequest
 from pagellm.metrics import EngineStats, IterationStats
-from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
 from pagellm.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagellm.spec_decode.manager import SpecDecodeManager
@@ -91,33 +91,32 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching,
                                                self.num_cpu_blocks, config.scheduler.watermark)
         lora, kvt = config.lora, config.kv_transfer
-        connector: KVConnectorScheduler | None = None
         self.kv_receiver: KVReceiver | None = None
-        if kvt is not None and kvt.kv_connector == "DiskConnector":
-            disk = DiskConnectorScheduler(kvt.store_dir(self.model_info.kv_fingerprint), self.block_size,
-                                          self.model_info.block_bytes, kvt.max_bytes, kvt.saves, kvt.loads)
-            logger.info("KV transfer: DiskConnector at %s (%s, %d blocks / %.1f MiB on disk, cap %.1f GiB)",
-                        disk.root, kvt.kv_role, len(disk.index.files), disk.index.total_bytes / 2**20,
-                        kvt.max_bytes / 2**30)
-            connector = disk
-        elif kvt is not None:
-            received = ReceivedBlocks(kvt.max_bytes) if kvt.loads else None
-            if received is not None:
-                extra = kvt.kv_connector_extra_config
-                self.kv_receiver = KVReceiver(received, extra.get("host", "127.0.0.1"), extra["port"])
-            connector = TcpConnectorScheduler(self.block_size, received, kvt.timeout_s)
-            logger.info("KV transfer: TcpConnector (%s)%s", kvt.kv_role,
-                        f", receiving at {self.kv_receiver.address}" if self.kv_receiver else "")
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
-                                   config.speculative.num_lookahead_tokens if config.speculative else 0,
-                                   lora.max_loras if lora.enable_lora else 0, connector,
-                                   kvt.kv_load_failure_policy if kvt is not None else "recompute")
+        kv_transfer = None
+        if kvt is not None:
+            connector = create_kv_connector(kvt, self.block_size, self.model_info.kv_fingerprint,
+                                            self.model_info.block_bytes)
+            kv_transfer = KVTransferAdmission(connector, self.kv_cache_manager, kvt.kv_load_failure_policy)
+            if isinstance(connector, TcpConnectorScheduler):
+                if connector.received is not None:
+                    extra = kvt.kv_connector_extra_config
+                    self.kv_receiver = KVReceiver(connector.received, extra.get("host", "127.0.0.1"), extra["port"])
+                logger.info("KV transfer: TcpConnector (%s)%s", kvt.kv_role,
+                            f", receiving at {self.kv_receiver.address}" if self.kv_receiver else "")
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_cache_manager, max_model_len=self.max_model_len,
+            num_lookahead_tokens=config.speculative.num_lookahead_tokens if config.speculative else 0,
+            max_loras=lora.max_loras if lora.enable_lora else 0, kv_transfer=kv_transfer)
+        # Features that add to each step's SchedulerOutput (core/step_decorator.py).
+        self.decorators: list[StepDecorator] = []
         self.lora: LoRAManager | None = None
         if lora.enable_lora:
             assert self.model_info.lora_module_shapes is not None
             self.lora = LoRAManager(lora.max_loras, lora.max_lora_rank, self.model_info.lora_module_shapes,
                                     self.model_info.num_layers)
-        self._detok: dict[int, IncrementalDetokenizer] = {}
+            self.decorators.append(self.lora)
+        self.output_processor = OutputProcessor(self.tokenizer, config.scheduler.stream_interval,
+                                                self.scheduler.finish_seq)
         # The batch queue: steps started and not finished yet (oldest first).
         self._max_batches = config.scheduler.max_concurrent_batches
         self._batch_queue: collections.deque[StartedStep] = collections.deque()
@@ -130,10 +129,11 @@ class LLMEngine:
         # The step trace and the per-step log line; None and False: nothing recorded, nothing paid.
         self.tracer = StepTracer(obs.trace_max_events, obs.trace_out) if obs.tracing else None
         self._log_steps = obs.log_step_details
-        self._stream_interval = config.scheduler.stream_interval
         self.scheduler.record_decisions = obs.tracing or obs.log_step_details
         if config.speculative is not None:
-            self._spec = SpecDecodeManager(config.speculative)
+            self._spec = SpecDecodeManager(config.speculative, self.iteration_stats, self._no_drafts)
+            if self.scheduler.num_lookahead_tokens:  # a draft model: how many drafts it computes
+                self.decorators.append(self._spec)
         logger.info("pagellm engine: %s on %s (%s), %d KV blocks x %d tokens (+%d CPU swap blocks), "
                     "max_model_len %d", self.model_info.architecture, self.model_info.device, self.model_info.dtype,
                     self.num_blocks, self.block_size, self.num_cpu_blocks, self.max_model_len)
@@ -176,6 +176,7 @@ class LLMEngine:
             self._structured = StructuredOutputManager(self.tokenizer.hf, self.model_info.vocab_size,
                                                        self.tokenizer.eos_token_id, cfg.backend,
                                                        cfg.compile_timeout_s)
+            self.decorators.append(self._structured)
         return self._structured
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -246,14 +247,14 @@ class LLMEngine:
         params = params.clone(eos_token_id=self.tokenizer.eos_token_id)
         seq = Sequence(self.scheduler.new_seq_id(), ids)
         group = SequenceGroup(request_id, [seq], params, arrival_time or time.monotonic(), text, priority, cache_salt)
-        group.kv_transfer_params = kv_params
+        group.kv_transfer.params = kv_params
         if adapter is not None and lora_request is not None:
             group.lora_id, group.lora_fingerprint = lora_request.lora_int_id, adapter.fingerprint
         if beam is not None:
             group.beam_state = BeamSearchState(
                 beam.beam_width, min(beam.max_tokens, self.max_model_len - len(ids)), beam.length_penalty,
                 beam.early_stopping, None if beam.ignore_eos else self.tokenizer.eos_token_id)
-        self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        self.output_processor.add_request(group)
         if self.tracer is not None:
             self.tracer.request_added(request_id, len(ids))
         try:
@@ -400,13 +401,8 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         ignored = self.scheduler.take_ignored()
         outputs += [self._finish_ignored(g) for g in ignored]
-        if self._structured is not None and self._structured.num_constrained:
-            self._attach_bitmask(sched_out)
-        if self.lora is not None:
-            groups = self.scheduler.requests
-            self.lora.assign_slots(sched_out, {s.request_id: groups[s.request_id].lora_id for s in sched_out.scheduled})
-        if self.scheduler.num_lookahead_tokens and self._spec is not None:
-            self._spec.plan_model_drafts(sched_out, self.scheduler.requests, self.iteration_stats, self._no_drafts)
+        for decorator in self.decorators:
+            decorator.decorate_step(sched_out, self.scheduler.requests)
         # An empty step still goes to the workers when they must drop finished sequences' state,
         # do swap-outs or move K/V for a connector.
         if sched_out.is_empty() and not sched_out.finished_seq_ids and sched_out.cache_ops.is_empty() \
@@ -445,27 +441,16 @@ class LLMEngine:
                 spec.observe_step(sum(s.num_scheduled_tokens for s in sched_out.scheduled),
                                   t_model - started.submitted_at)
         updated, finished = self.scheduler.update_from_output(
-            sched_out, runner_out, self._stop_string_hit if spec is not None else None)
+            sched_out, runner_out, self.output_processor.stop_string_hit if spec is not None else None)
         if self._structured is not None and self._structured.num_constrained:
             self._advance_grammars(updated)
-        now = time.monotonic()
+        outputs += self.output_processor.process(updated)
         for group in updated:
-            m = group.metrics
-            if m.first_token_time is None:
-                m.first_token_time = now
-            m.last_token_time = now
-            if group.beam_state is None:  # beams are decoded once, when the search is over
-                for seq in group.seqs:
-                    self._detokenize(group, seq)
-            if group.is_finished():
-                m.finished_time = now
-            if self._output_due(group):
-                outputs.append(self._make_output(group))
             if group.is_finished():
                 self._forget(group)
         if spec is not None:
             spec.receive_model_drafts(runner_out.draft_token_ids)
-            spec.propose(self.scheduler.running, self.iteration_stats, self._no_drafts)
+            spec.propose(self.scheduler.running)
         t_end = time.perf_counter()
         self.iteration_stats.record_step(prompt_tokens, len(runner_out.sampled) + num_accepted,
                                          started.schedule_seconds, t_model - started.submitted_at, t_end - t_model)
@@ -516,49 +501,6 @@ class LLMEngine:
         """Requests under a grammar decode without drafts (each draft would need its own mask)."""
         return self._structured is not None and self._structured.is_constrained(group.request_id)
 
-    def _stop_string_hit(self, group: SequenceGroup, seq: Sequence) -> bool:
-        """The scheduler's per-token stop check inside an accepted draft run (stop strings)."""
-        self._detokenize(group, seq, finish=False)
-        return isinstance(seq.stop_reason, str)
-
-    def _detokenize(self, group: SequenceGroup, seq: Sequence, finish: bool = True) -> None:
-        """Feed ``seq``'s new tokens to its detokenizer (a fork gets its own on first sight) and
-        apply stop strings (``finish=False``: only note the hit in ``stop_reason``; the caller
-        ends the sequence)."""
-        detok = self._detok.get(seq.seq_id)
-        if detok is None:
-            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
-                                           group.sampling_params.skip_special_tokens)
-            self._detok[seq.seq_id] = detok
-        new = seq.output_token_ids[detok.num_output_tokens:]
-        if not new:
-            return
-        delta = detok.step(new)
-        params = group.sampling_params
-        if delta and params.stop and seq.status != SequenceStatus.FINISHED_STOPPED:
-            stops = cast(list[str], params.stop)  # SamplingParams.__post_init__ made it a list
-            hit = find_stop_string(detok.text, len(delta), stops, params.include_stop_str_in_output)
-            if hit is not None:
-                detok.text = detok.text[:hit[1]]
-                seq.stop_reason = hit[0]
-                if not finish:
-                    return
-                if seq.is_finished():  # the same token also hit max_tokens: the stop string wins
-                    seq.status = SequenceStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish_seq(group, seq, SequenceStatus.FINISHED_STOPPED)
-
-    def _make_beam_output(self, group: SequenceGroup) -> RequestOutput:
-        """A beam search's finished hypotheses, best first (none until the search is over)."""
-        hyps = group.beam_state.finished if group.is_finished() else []
-        completions = [CompletionOutput(index=i, text=self.tokenizer.decode(h.output_token_ids, True),
-                                        token_ids=list(h.output_token_ids), cumulative_logprob=h.cum_logprob,
-                                        logprobs=None, finish_reason=h.finish_reason)
-                       for i, h in enumerate(hyps)]
-        return RequestOutput(request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
-                             outputs=completions, finished=group.is_finished(), metrics=group.metrics,
-                             num_cached_tokens=group.num_cached_tokens)
-
     def _finish_ignored(self, group: SequenceGroup) -> RequestOutput:
         logger.warning("request %s needs more KV blocks than the whole pool holds (%d x %d tokens); "
                        "finished without completing", group.request_id, self.num_blocks, self.block_size)
@@ -573,7 +515,7 @@ class LLMEngine:
         """The final output of a request that ended outside a step's output (its sequences' status
         already set), with ``error`` when it was not served; the engine forgets it."""
         group.metrics.finished_time = time.monotonic()
-        out = self._make_output(group)
+        out = self.output_processor.make_output(group)
         out.error = error
         self._forget(group)
         return out
@@ -584,8 +526,7 @@ class LLMEngine:
         if self.tracer is not None:
             self.tracer.request_finished(group.request_id, group.seqs[0].status.finish_reason,
                                          sum(s.num_output_tokens for s in group.seqs))
-        for seq in group.seqs:
-            self._detok.pop(seq.seq_id, None)
+        self.output_processor.forget(group)
         if self._spec is not None:
             self._spec.request_finished(group)
         if self._structured is not None:
@@ -609,21 +550,6 @@ class LLMEngine:
             so.wait_any(0.005)  # nothing else to run: wait for a compile instead of spinning
         return outputs
 
-    def _attach_bitmask(self, sched_out: SchedulerOutput) -> None:
-        """One bitmask row per constrained sequence that samples this step (forks at a first
-        sample share their parent's row: they start from the same grammar state)."""
-        so = self._structured
-        assert so is not None
-        rows: list[tuple[str, Sequence]] = []
-        for s in sched_out.scheduled:
-            if s.do_sample and so.is_constrained(s.request_id):
-                group = self.scheduler.requests[s.request_id]
-                seq = next(q for q in group.seqs if q.seq_id == s.seq_id)
-                sched_out.structured_output_rows[s.seq_id] = len(rows)
-                rows.append((s.request_id, seq))
-        if rows:
-            sched_out.grammar_bitmask = so.fill_bitmask(rows)
-
     def _advance_grammars(self, updated: list[SequenceGroup]) -> None:
         """Feed each constrained sequence's new token to its matcher; a complete grammar ends it."""
         so = self._structured
@@ -641,59 +567,6 @@ class LLMEngine:
                 # A beam search ends its beams itself (the complete grammar leaves only EOS to pick).
                 if state is not None and group.beam_state is None:
                     self.scheduler.finish_seq(group, seq, SequenceStatus.FINISHED_STOPPED)
-
-    def _output_due(self, group: SequenceGroup) -> bool:
-        """Whether this step's output goes out under the stream interval: every token until the
-        first text, then every ``stream_interval`` tokens, and the end (stop strings can only cut
-        the last one); an output held back is carried by the next, as outputs are cumulative.
-        A ``True`` also records the output as sent, so ask once per step."""
-        if self._stream_interval == 1:
-            return True
-        n = max(seq.num_output_tokens for seq in group.seqs)
-        sent = group.num_output_tokens_sent
-        if group.is_finished() or sent == 0 or n - sent >= self._stream_interval:
-            # A first token can decode to no text yet (a split character, a held-back space): a
-            # stream's first chunk must not wait N more steps for it (seconds, in a prefill phase).
-            has_text = any((d := self._detok.get(seq.seq_id)) is not None and d.text for seq in group.seqs)
-            group.num_output_tokens_sent = n if has_text else 0
-            return True
-        return False
-
-    def _make_output(self, group: SequenceGroup) -> RequestOutput:
-        if group.beam_state is not None:
-            return self._make_beam_output(group)
-        completions = []
-        seqs = group.seqs
-        params = group.sampling_params
-        if len(seqs) > params.n:
-            # best_of > n: the n best by cumulative logprob once finished (a preview before).
-            seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob) if group.is_finished() else seqs
-            seqs = seqs[:params.n]
-        for i, seq in enumerate(seqs):
-            detok = self._detok[seq.seq_id]
-            logprobs = None
-            if group.sampling_params.logprobs is not None:
-                logprobs = [{t: Logprob(lp, rank, self.tokenizer.decode([t], False)) for t, (lp, rank) in d.items()}
-                            for d in seq.output_logprobs]
-            completions.append(CompletionOutput(
-                index=i,
-                text=detok.text,
-                token_ids=list(seq.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=logprobs,
-                finish_reason=seq.status.finish_reason,
-                stop_reason=seq.stop_reason,
-            ))
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=completions,
-            finished=group.is_finished(),
-            metrics=group.metrics,
-            num_cached_tokens=group.num_cached_tokens,
-        )
-
 
 def lora_op(engine: Any, op: str, arg: Any) -> Any:
     """An engine client's LoRA control call on ``engine`` (an LLMEngine or DataParallelEngine)."""

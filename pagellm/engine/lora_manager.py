@@ -13,10 +13,12 @@ worker reads an adapter's tensors when it first fills a slot with it and keeps t
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pagellm.core.scheduler_output import SchedulerOutput
 from pagellm.lora_request import AdapterSpec, LoRAError, LoRARequest, inspect_adapter
+from pagellm.sequence import SequenceGroup
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +101,10 @@ class LoRAManager:
             self.in_use.pop(lora_int_id, None)
 
     # ------------------------------------------------------------------ device slots
+    def decorate_step(self, so: SchedulerOutput, requests: Mapping[str, SequenceGroup]) -> None:
+        """The step's adapter slots (a ``StepDecorator``)."""
+        self.assign_slots(so, {s.request_id: requests[s.request_id].lora_id for s in so.scheduled})
+
     def assign_slots(self, so: SchedulerOutput, lora_of: dict[str, int]) -> None:
         """Give every adapter of the step's sequences a slot (``so.lora_loads`` says which slots
         the worker must fill first) and each scheduled sequence its slot (-1: the base model).

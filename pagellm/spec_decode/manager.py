@@ -10,7 +10,7 @@ run's result (acceptance per sequence, the engine's statistics, the request's me
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from pagellm.config import SpeculativeConfig
 from pagellm.core.scheduler_output import SchedulerOutput
@@ -28,8 +28,12 @@ _EXPLORE_MIN, _EXPLORE_MAX = 8, 1024
 class SpecDecodeManager:
     """Proposes drafts each step and keeps the measurements that decide how many."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, stats: IterationStats | None = None,
+                 skip: Callable[[SequenceGroup], bool] = lambda group: False) -> None:
+        """``stats``: the engine's statistics; ``skip``: requests that must not draft."""
         self.config = config
+        self.stats = stats if stats is not None else IterationStats()
+        self.skip = skip
         self.proposer = create_proposer(config)
         self.cost = StepCostModel()
         self._alpha: dict[int, float] = {}  # seq_id -> per-draft acceptance, learnt
@@ -57,12 +61,12 @@ class SpecDecodeManager:
         old = self._alpha.get(seq_id, _ALPHA_PRIOR)
         self._alpha[seq_id] = old + _ALPHA_EMA * (observed - old)
 
-    def propose(self, running: Iterable[SequenceGroup], stats: IterationStats,
-                skip: Callable[[SequenceGroup], bool]) -> None:
-        """Drafts for the next step's decoding sequences (``skip``: requests that must not draft).
-        A draft model's drafts were decided (``plan_model_drafts``) and computed during the step:
+    def propose(self, running: Iterable[SequenceGroup]) -> None:
+        """Drafts for the next step's decoding sequences.
+        A draft model's drafts were decided (``decorate_step``) and computed during the step:
         they are only handed out here."""
-        decoding, other = self._decoding(running, skip)
+        stats = self.stats
+        decoding, other = self._decoding(running, self.skip)
         if not decoding:
             return
         by_model = isinstance(self.proposer, DraftModelProposer)
@@ -88,16 +92,17 @@ class SpecDecodeManager:
         for seq, d in offers:
             seq.spec_token_ids = d[:k]
 
-    def plan_model_drafts(self, so: SchedulerOutput, requests: dict[str, SequenceGroup], stats: IterationStats,
-                          skip: Callable[[SequenceGroup], bool]) -> None:
+    def decorate_step(self, so: SchedulerOutput, requests: Mapping[str, SequenceGroup]) -> None:
         """A draft model proposes during the step (after the target samples): decide now, for the
-        sequences that sample in it, how many drafts it computes (``so.draft_k``)."""
+        sequences that sample in it, how many drafts it computes (``so.draft_k``). The engine
+        registers this decorator only for a draft model."""
+        skip = self.skip
         sampling = [s.seq_id for s in so.scheduled
                     if s.do_sample and requests[s.request_id].beam_state is None and not skip(requests[s.request_id])]
         if not sampling:
             return
         other = sum(1 for s in so.scheduled if s.do_sample) - len(sampling)
-        k, _ = self._max_k(sampling, other, stats)
+        k, _ = self._max_k(sampling, other, self.stats)
         if k:
             so.draft_k = dict.fromkeys(sampling, k)
 

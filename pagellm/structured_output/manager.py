@@ -14,12 +14,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from pagellm.core.scheduler_output import SchedulerOutput
 from pagellm.sampling_params import StructuredOutputsParams
 from pagellm.sequence import Sequence, SequenceGroup
 from pagellm.structured_output.backend import (
@@ -215,3 +217,17 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def decorate_step(self, so: SchedulerOutput, requests: Mapping[str, SequenceGroup]) -> None:
+        """One bitmask row per constrained sequence that samples this step (forks at a first
+        sample share their parent's row: they start from the same grammar state)."""
+        if not self.num_constrained:
+            return
+        rows: list[tuple[str, Sequence]] = []
+        for s in so.scheduled:
+            if s.do_sample and self.is_constrained(s.request_id):
+                seq = next(q for q in requests[s.request_id].seqs if q.seq_id == s.seq_id)
+                so.structured_output_rows[s.seq_id] = len(rows)
+                rows.append((s.request_id, seq))
+        if rows:
+            so.grammar_bitmask = self.fill_bitmask(rows)
