@@ -17,7 +17,7 @@ from test_server import _Server
 
 from pagellm import LLM, LLMEngine, SamplingParams
 from pagellm.config import EngineArgs
-from pagellm.core.scheduler import LeftOut
+from pagellm.core.step_decisions import LeftOut
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.trace_html import reduce_trace, render_html
 

@@ -227,13 +227,13 @@ def test_aging_bounds_starvation():
 def test_effective_priority_improves_while_queued_and_freezes_while_running():
     sched = make_scheduler(scheduling_policy="priority", priority_aging_steps=3)
     g = make_group("g", 4, max_tokens=8, priority=4)
-    sched._step = 10
+    sched.order.step = 10
     sched.add_request(g)
-    sched._step = 17
-    assert sched._effective_priority(g) == 4 - 7 // 3
-    sched._dequeue_time(g)
-    sched._step = 100
-    assert sched._effective_priority(g) == 2  # running: no more aging
+    sched.order.step = 17
+    assert sched.order.effective_priority(g) == 4 - 7 // 3
+    sched.order.dequeue(g)
+    sched.order.step = 100
+    assert sched.order.effective_priority(g) == 2  # running: no more aging
 
 
 def test_request_that_can_never_fit_is_ignored_not_hung():

@@ -63,3 +63,48 @@ class PriorityRequestQueue(FCFSRequestQueue):
         group = self.peek()
         self._queue.remove(group)
         return group
+
+
+class RequestOrder:
+    """Which request is served first and preempted last: smaller keys first. Arrival order, or
+    under the priority policy ``(effective priority, arrival)``.
+
+    Priority aging: a request's effective priority is ``priority - steps_queued //
+    priority_aging_steps``, where ``steps_queued`` counts the engine steps it has spent waiting or
+    swapped out. A low-priority request that keeps being preempted gains a level every
+    ``priority_aging_steps`` queued steps, so it eventually comes before newer arrivals in the
+    queues and can no longer be preempted by them. Aging alone never preempts (``outranks``), so
+    requests cannot evict each other in turns.
+    """
+
+    def __init__(self, priority_policy: bool, priority_aging_steps: int) -> None:
+        self.priority_policy = priority_policy
+        self.aging_steps = priority_aging_steps
+        self.step = 0  # the scheduler's step count, the clock of aging
+
+    def key(self, group: SequenceGroup) -> tuple[int, ...]:
+        if not self.priority_policy:
+            return (group.arrival_index,)
+        return (self.effective_priority(group), group.arrival_index)
+
+    def effective_priority(self, group: SequenceGroup) -> int:
+        if not self.aging_steps:
+            return group.priority
+        queued = group.steps_queued + (self.step - group.queued_since if group.queued_since is not None else 0)
+        return group.priority - queued // self.aging_steps
+
+    def enqueue(self, group: SequenceGroup) -> None:
+        """``group`` starts a stay in a queue (waiting or swapped): it ages from now."""
+        group.queued_since = self.step
+
+    def dequeue(self, group: SequenceGroup) -> None:
+        """``group`` leaves its queue to run: the stay's steps count, and aging stops."""
+        if group.queued_since is not None:
+            group.steps_queued += self.step - group.queued_since
+            group.queued_since = None
+
+    def outranks(self, group: SequenceGroup, victim: SequenceGroup) -> bool:
+        """May ``group`` push ``victim`` out? Only with a strictly better base priority *and* a
+        better effective one: aging orders the queues and shields an aged victim, but never starts
+        a preemption itself (two equal requests aging past each other would evict each other forever)."""
+        return group.priority < victim.priority and self.key(group) < self.key(victim)

@@ -1,49 +1,27 @@
 """The token-budget scheduler (vLLM V1's unified rule) over waiting, running and swapped queues.
 
-Each step, in this order:
+Each step, in this order (``RequestOrder`` says what "best" and "worst" are):
 
-1. (priority policy) A waiting request that outranks the worst running one (strictly better base
-   priority and better effective priority) and cannot be admitted as things stand preempts
-   running requests, worst first, until it can.
-2. Every running sequence, best first (oldest under FCFS), is offered
-   ``min(num_tokens - num_computed_tokens, prefill_chunk_cap, token_budget)`` new tokens. A prompt
-   chunk, a resumed recompute and a decode are the same case. When the pool cannot supply the
-   blocks, the worst running request (the newest under FCFS) is preempted.
+1. (priority policy) A waiting request that outranks the worst running one and cannot be admitted
+   as things stand preempts running requests, worst first, until it can.
+2. Every running sequence, best first, is offered ``min(num_tokens - num_computed_tokens,
+   prefill_chunk_cap, token_budget)`` new tokens (``StepPlanner``): a prompt chunk, a resumed
+   recompute and a decode are the same case. When the pool cannot supply the blocks, the worst
+   running request is preempted (``_preempt``: by swap or recompute).
 3. Swapped requests, best first, are swapped back in while blocks (above the watermark) allow.
 4. Waiting requests, best first, are admitted with their prefix-cache hits counted as computed.
-   Nobody is admitted while an older (or, under priority, better) request is still swapped out.
-   A request whose next uncached block is one a running prefill is about to compute waits until
-   it is cached (SGLang's in-batch prefix caching): requests that arrive together with a common
-   prefix compute it once instead of once each in the same step.
-
-KV transfer (``core/kv_transfer_admission.py``): at its first admission a request whose prefix a
-connector holds past the local hits waits in ``loading`` for one step while the worker fills its
-blocks; ``update_kv_transfer`` then puts it back at the head of ``waiting``, where step 4 finds
-them as ordinary prefix hits.
-
-Batch queue (``max_concurrent_batches`` > 1: pipeline stages, async scheduling): the engine
-schedules a step while earlier ones are still computing. A request with a step in flight (always
-a running one: preemption never picks it) is skipped until that step's output is applied
-(``in_flight``), so no token is ever computed on a guess and a stop always lands before the next
-token; each step takes at most ``1 / max_concurrent_batches`` of the running requests, so
-consecutive steps carry different micro-batches (vLLM V0's virtual engines) instead of an empty one.
+   Nobody is admitted past an older (better) swapped request. A request whose next uncached
+   block is one a running prefill is about to compute waits until it is cached (SGLang's
+   in-batch prefix caching), so requests with a common prefix compute it once. A request whose
+   prefix a KV connector holds loads it first (``KVTransferAdmission``).
 
 Steps 3 and 4 are skipped in a step whose step 2 preempted anyone: that step had no room, and an
 admission must never push out older work at once.
 
-Preemption mode (``SchedulerConfig.preemption_mode``): ``recompute`` frees the blocks and requeues
-the request at the front of ``waiting`` (its tokens are kept and recomputed as one prompt);
-``swap`` copies its blocks to the CPU swap pool and parks it in ``swapped``; ``auto`` swaps only
-requests with several live sequences (parallel samples, beams), whose shared blocks recompute
-cannot rebuild cheaply, and recomputes the rest. When the swap pool is full, swap falls back to
-recompute instead of failing.
-
-Priority aging: under the priority policy a request's effective priority is
-``priority - steps_queued // priority_aging_steps``, where ``steps_queued`` counts the engine
-steps it has spent waiting or swapped out. A low-priority request that keeps being preempted
-gains a level every ``priority_aging_steps`` queued steps, so it eventually comes before newer
-arrivals in the queues and can no longer be preempted by them. Aging alone never preempts: that
-takes a strictly better base priority too, so requests cannot evict each other in turns.
+Batch queue (``max_concurrent_batches`` > 1): the engine schedules a step while earlier ones
+compute. A request with a step in flight (``in_flight``; preemption never picks it) is skipped
+until that step's output is applied, so no token is computed on a guess; each step takes at most
+``1 / max_concurrent_batches`` of the running requests (vLLM V0's virtual engines).
 """
 
 from __future__ import annotations
@@ -60,14 +38,15 @@ from pagellm.core.invariants import check_scheduler_invariants
 from pagellm.core.kv_cache_manager import AllocStatus, KVCacheManager, SlotRequest
 from pagellm.core.kv_connector import KVConnectorScheduler
 from pagellm.core.kv_transfer_admission import KVTransferAdmission
-from pagellm.core.request_queue import FCFSRequestQueue, PriorityRequestQueue
+from pagellm.core.request_queue import FCFSRequestQueue, PriorityRequestQueue, RequestOrder
 from pagellm.core.scheduler_output import (
     CacheOps,
     KVConnectorOutput,
     ModelRunnerOutput,
-    ScheduledSequence,
     SchedulerOutput,
 )
+from pagellm.core.step_decisions import LeftOut, StepDecisions
+from pagellm.core.step_planner import StepPlanner
 from pagellm.core.stop_check import check_stop
 from pagellm.metrics import PrefixCacheStats, SchedulerStats
 from pagellm.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -78,37 +57,6 @@ LORA_MAX_SKIPS = 8
 # Speculative decoding's per-token stop check from the engine (stop strings need the text):
 # ``(group, seq) -> True`` when ``seq``'s last appended token completes a stop string.
 StopCheck = Callable[[SequenceGroup, Sequence], bool]
-
-
-@dataclass(slots=True)
-class StepDecisions:
-    """What one ``schedule()`` decided, for the step trace (recorded only when asked for):
-    admissions with their prefix-cache hits in tokens, preemptions by mode, swap-ins, and why
-    each waiting request that stayed waiting was left out."""
-
-    admitted: list[tuple[str, int]] = field(default_factory=list)
-    preempted: list[tuple[str, str]] = field(default_factory=list)  # (request id, "recompute" | "swap")
-    swapped_in: list[str] = field(default_factory=list)
-    left_out: dict[str, str] = field(default_factory=dict)  # request id -> LeftOut reason
-    token_budget: int = 0
-    token_budget_used: int = 0
-
-
-class LeftOut:
-    """Why a waiting request was not admitted this step (the first reason that stopped admissions;
-    under the priority policy the requests behind a blocked better one get ``PRIORITY``)."""
-
-    TOKEN_BUDGET = "token_budget"
-    MAX_NUM_SEQS = "max_num_seqs"
-    NO_FREE_BLOCKS = "no_free_blocks"
-    WATERMARK = "watermark"
-    OLDER_SWAPPED_FIRST = "older_swapped_first"
-    NO_ROOM_AFTER_PREEMPTION = "no_room_after_preemption"  # this step had to preempt: no admissions
-    PUSHED_OUT_THIS_STEP = "pushed_out_this_step"
-    PREFIX_BEING_COMPUTED = "prefix_being_computed"  # its next block is a running prefill's
-    WHOLE_PROMPT = "whole_prompt_needs_budget"  # chunked prefill off
-    PRIORITY = "priority"
-    MAX_LORAS = "max_loras"  # its adapter would be one more than max_loras in the step
 
 
 @dataclass(slots=True)
@@ -152,9 +100,11 @@ class Scheduler:
         self.last_decisions: StepDecisions | None = None
         self._decisions: StepDecisions | None = None
         self.kv_cache_manager = kv_cache_manager
+        self.planner = StepPlanner(config, kv_cache_manager, max_model_len)
         self.max_model_len = max_model_len
         self.priority_policy = config.scheduling_policy == "priority"
-        self.waiting = PriorityRequestQueue(self._key) if self.priority_policy else FCFSRequestQueue()
+        self.order = RequestOrder(self.priority_policy, config.priority_aging_steps)
+        self.waiting = PriorityRequestQueue(self.order.key) if self.priority_policy else FCFSRequestQueue()
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
         self.requests: dict[str, SequenceGroup] = {}
@@ -162,7 +112,6 @@ class Scheduler:
         self._finished_seq_ids: list[int] = []
         # Requests that can never fit, finished inside schedule(); the engine reports them.
         self._ignored: list[SequenceGroup] = []
-        self._step = 0
         self._num_arrivals = 0
         self._seq_ids = itertools.count()
         self.num_preemptions = 0
@@ -171,35 +120,13 @@ class Scheduler:
         self.num_swap_fallbacks = 0  # swap wanted, pool full: recomputed instead
         self.prefix_cache_stats = PrefixCacheStats()
 
-    # ------------------------------------------------------------------ ordering
-    def _key(self, group: SequenceGroup) -> tuple[int, ...]:
-        """Smaller is served first and preempted last: arrival order, or (effective priority, arrival)."""
-        if not self.priority_policy:
-            return (group.arrival_index,)
-        return (self._effective_priority(group), group.arrival_index)
-
-    def _effective_priority(self, group: SequenceGroup) -> int:
-        aging = self.config.priority_aging_steps
-        if not aging:
-            return group.priority
-        queued = group.steps_queued + (self._step - group.queued_since if group.queued_since is not None else 0)
-        return group.priority - queued // aging
-
-    def _enqueue_time(self, group: SequenceGroup) -> None:
-        group.queued_since = self._step
-
-    def _dequeue_time(self, group: SequenceGroup) -> None:
-        if group.queued_since is not None:
-            group.steps_queued += self._step - group.queued_since
-            group.queued_since = None
-
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, group: SequenceGroup) -> None:
         if group.request_id in self.requests:
             raise ValueError(f"request_id {group.request_id!r} is already in use")
         group.arrival_index = self._num_arrivals
         self._num_arrivals += 1
-        self._enqueue_time(group)
+        self.order.enqueue(group)
         self.requests[group.request_id] = group
         self.waiting.add(group)
 
@@ -277,7 +204,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ preemption
     def _preempt(self, group: SequenceGroup, ops: CacheOps) -> None:
-        """Swap ``group`` out or drop its K/V for recompute, per the preemption mode (see module doc)."""
+        """Swap ``group`` out or drop its K/V for recompute, per ``preemption_mode``: ``recompute``
+        frees the blocks and requeues it at the front of ``waiting`` (its tokens are kept and
+        recomputed as one prompt); ``swap`` copies its blocks to the CPU pool and parks it in
+        ``swapped``; ``auto`` swaps only requests with several live sequences (samples, beams),
+        whose shared blocks recompute cannot rebuild cheaply. A full swap pool means recompute."""
         kv = self.kv_cache_manager
         seqs = group.live_seqs()
         mode = self.config.preemption_mode
@@ -300,7 +231,7 @@ class Scheduler:
             self.waiting.prepend(group)
         group.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self._enqueue_time(group)
+        self.order.enqueue(group)
         if self._decisions is not None:
             self._decisions.preempted.append((group.request_id, "swap" if group in self.swapped else "recompute"))
 
@@ -326,85 +257,15 @@ class Scheduler:
         return (bool(self.max_loras and group.lora_id) and group.lora_id not in adapters
                 and len(adapters) >= self.max_loras)
 
-    def _outranks(self, group: SequenceGroup, victim: SequenceGroup) -> bool:
-        """May ``group`` push ``victim`` out? Only with a strictly better base priority *and* a
-        better effective one: aging orders the queues and shields an aged victim, but never starts
-        a preemption itself (two equal requests aging past each other would evict each other forever)."""
-        return group.priority < victim.priority and self._key(group) < self._key(victim)
-
-    # ------------------------------------------------------------------ plans (values; nothing changes)
-    def _plan(self, group: SequenceGroup, token_budget: int) -> list[SlotRequest]:
-        """The group's live sequences' next tokens, in order, within the budget (a decoding
-        sequence's drafts count as tokens to compute: they are verified in the same pass)."""
-        plan = []
-        for seq in group.live_seqs():
-            if token_budget <= 0:
-                break
-            n = self._num_new_tokens(seq.num_tokens + self._num_drafts(seq, group), seq.num_computed_tokens,
-                                     token_budget)
-            if n > 0:  # 0: a beam that sampled and waits for its siblings
-                plan.append(SlotRequest(seq, seq.num_computed_tokens, n))
-                token_budget -= n
-        return plan
-
-    def _plan_admission(self, group: SequenceGroup, token_budget: int) -> list[SlotRequest]:
-        """Like ``_plan`` for a waiting group, each sequence's prefix-cache hit counted as computed.
-        A value: the sequences are not touched until ``_admit`` applies it."""
-        kv = self.kv_cache_manager
-        plan = []
-        for seq in group.live_seqs():
-            if token_budget <= 0:
-                break
-            hits = kv.get_computed_blocks(seq, group.hash_key)
-            computed = len(hits) * kv.block_size
-            n = self._num_new_tokens(seq.num_tokens, computed, token_budget)
-            plan.append(SlotRequest(seq, computed, n, hits))
-            token_budget -= n
-        return plan
-
-    def _num_drafts(self, seq: Sequence, group: SequenceGroup) -> int:
-        """How many of ``seq``'s drafts may be verified: none unless it is decoding (a prefill,
-        a recompute or a swapped-in sequence computes its known tokens first); none past
-        ``max_model_len``; none past ``max_tokens`` (the token after the last draft is free)."""
-        k = len(seq.spec_token_ids)
-        if not k or seq.num_computed_tokens != seq.num_tokens - 1:
-            return 0
-        k = min(k, self.max_model_len - seq.num_tokens)
-        max_tokens = group.sampling_params.max_tokens
-        if max_tokens is not None:
-            k = min(k, max_tokens - seq.num_output_tokens - 1)
-        return max(k, 0)
-
-    def _num_new_tokens(self, num_tokens: int, num_computed_tokens: int, token_budget: int) -> int:
-        """The unified rule: every token not yet computed, capped by the chunk size and the budget."""
-        return min(num_tokens - num_computed_tokens, self.config.prefill_chunk_cap, token_budget)
-
-    def _pending_block_hashes(self, groups: Iterable[SequenceGroup]) -> set[bytes]:
-        """Hashes of the full blocks that these (running) groups have yet to compute and cache."""
-        bs = self.kv_cache_manager.block_size
-        return {h for group in groups for seq in group.live_seqs()
-                for h in seq.block_hashes[seq.num_computed_tokens // bs:]}
-
-    def _allocate(self, plan: list[SlotRequest]) -> bool:
-        """All of the plan's blocks, or nothing (and nothing changes)."""
-        kv = self.kv_cache_manager
-        if kv.num_new_blocks(plan) > kv.num_free_blocks:
-            return False
-        for r in plan:
-            if kv.allocate_slots(r.seq, r.num_new_tokens) is None:
-                raise RuntimeError(f"allocate_slots failed for sequence {r.seq.seq_id} after num_new_blocks "
-                                   "said the pool had room")
-        return True
-
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
         """One step: priority preemption, running, swapped, waiting (see the module docstring)."""
-        self._step += 1
+        self.order.step += 1
         self.num_waiting_for_remote = 0
         step = _Step(token_budget=self.config.max_num_batched_tokens)
         self._decisions = StepDecisions(token_budget=step.token_budget) if self.record_decisions else None
         if self.priority_policy:
-            self.running.sort(key=self._key)  # the worst is last: the next victim
+            self.running.sort(key=self.order.key)  # the worst is last: the next victim
             self._preempt_for_priority(step)
         self._schedule_running(step)
         if not step.preempted:  # a step that had to preempt has no room to take anyone back
@@ -429,7 +290,7 @@ class Scheduler:
         if not self.waiting:
             return
         best = self.waiting.peek()
-        while (worst := self._worst_running()) is not None and self._outranks(best, worst) \
+        while (worst := self._worst_running()) is not None and self.order.outranks(best, worst) \
                 and not self._fits_now(best):
             self.running.remove(worst)
             self._preempt(worst, step.ops)
@@ -448,7 +309,7 @@ class Scheduler:
         if not self._has_seq_room(group):
             return False
         kv = self.kv_cache_manager
-        plan = self._plan_admission(group, self.config.max_num_batched_tokens)
+        plan = self.planner.plan_admission(group, self.config.max_num_batched_tokens)
         return kv.num_new_blocks(plan) + kv.watermark_blocks <= kv.num_free_blocks
 
     def _schedule_running(self, step: _Step) -> None:
@@ -463,8 +324,8 @@ class Scheduler:
             if group.request_id in self.in_flight or taken >= limit:
                 i += 1
                 continue
-            plan = self._plan(group, step.token_budget)
-            while not self._allocate(plan):
+            plan = self.planner.plan(group, step.token_budget)
+            while not self.planner.allocate(plan):
                 victim = self._worst_running()
                 assert victim is not None  # ``group`` itself at worst
                 self.running.remove(victim)
@@ -484,17 +345,17 @@ class Scheduler:
     def _schedule_swapped(self, step: _Step) -> None:
         """Phase 2: swapped requests come back, best first, while blocks above the watermark allow."""
         kv = self.kv_cache_manager
-        self.swapped.sort(key=self._key)
+        self.swapped.sort(key=self.order.key)
         while self.swapped and step.token_budget > 0:
             group = self.swapped[0]
-            if self.waiting and self._key(self.waiting.peek()) < self._key(group):
+            if self.waiting and self.order.key(self.waiting.peek()) < self.order.key(group):
                 break  # a better request waits (e.g. the one this step's priority preemption was for)
             if not self._has_seq_room(group):
                 break
             if self._adapter_over_limit(group, self._running_adapters()):
                 break  # its adapter would be one too many (it is the oldest swapped work: it goes next)
             seqs = group.live_seqs()
-            n = self._num_new_tokens(seqs[0].num_tokens, seqs[0].num_computed_tokens,
+            n = self.planner.num_new_tokens(seqs[0].num_tokens, seqs[0].num_computed_tokens,
                                      max(1, step.token_budget // len(seqs)))
             status = kv.can_swap_in(seqs, n, running=bool(self.running))
             if status == AllocStatus.NEVER:
@@ -509,10 +370,10 @@ class Scheduler:
                 self._decisions.swapped_in.append(group.request_id)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
-            self._dequeue_time(group)
+            self.order.dequeue(group)
             self.running.append(group)
-            plan = self._plan(group, min(step.token_budget, n * len(seqs)))
-            if not self._allocate(plan):
+            plan = self.planner.plan(group, min(step.token_budget, n * len(seqs)))
+            if not self.planner.allocate(plan):
                 raise RuntimeError(f"can_swap_in promised room for request {group.request_id!r}'s next tokens")
             step.add(group, plan)
 
@@ -520,7 +381,7 @@ class Scheduler:
         """Phase 3: waiting requests, best first, with their cached prefix counted as computed;
         nobody is admitted past an older (better) swapped request or a request pushed out this step."""
         kv = self.kv_cache_manager
-        pending = self._pending_block_hashes(self.running) if kv.enable_caching and self.waiting else set()
+        pending = self.planner.pending_block_hashes(self.running) if kv.enable_caching and self.waiting else set()
         adapters = self._running_adapters()
         skipped: list[SequenceGroup] = []
         lora_skipped: list[str] = []
@@ -546,7 +407,7 @@ class Scheduler:
                     continue
                 step.waiting_stop = LeftOut.MAX_LORAS
                 break
-            if self.swapped and not self._key(group) < self._key(self.swapped[0]):
+            if self.swapped and not self.order.key(group) < self.order.key(self.swapped[0]):
                 step.waiting_stop = LeftOut.OLDER_SWAPPED_FIRST
                 break
             if group in step.forced:
@@ -558,7 +419,7 @@ class Scheduler:
             if any(kv.num_blocks_for(s.num_tokens) > kv.num_blocks for s in group.live_seqs()):
                 self._ignore(group)  # could never be held, however empty the pool
                 continue
-            plan = self._plan_admission(group, step.token_budget)
+            plan = self.planner.plan_admission(group, step.token_budget)
             first = plan[0]
             n_hit = len(first.computed_blocks)
             if n_hit < len(first.seq.block_hashes) and first.seq.block_hashes[n_hit] in pending:
@@ -567,14 +428,14 @@ class Scheduler:
             n_load = kvt.start_load(group, plan, bool(self.running)) if kvt is not None else 0
             if n_load:
                 self.waiting.pop()
-                self._dequeue_time(group)
+                self.order.dequeue(group)
                 pending.update(first.seq.block_hashes[n_hit:n_hit + n_load])  # its sharers wait for them
                 continue
-            if not self._admissible(plan):
-                step.waiting_stop = self._why_not_admissible(plan)
+            if not self.planner.admissible(plan, bool(self.running)):
+                step.waiting_stop = self.planner.why_not_admissible(plan)
                 break
             self._admit(group, plan)
-            pending |= self._pending_block_hashes([group])  # empty with caching off: nothing is hashed
+            pending |= self.planner.pending_block_hashes([group])  # empty with caching off: nothing is hashed
             step.add(group, plan)
             if group.lora_id:
                 adapters.add(group.lora_id)
@@ -589,7 +450,7 @@ class Scheduler:
             return
         for group, failed in reversed(self.kv_transfer.finish_loads(output)):  # prepended: original order
             self.waiting.prepend(group)
-            self._enqueue_time(group)
+            self.order.enqueue(group)
             if failed:
                 self._fail_load(group)
 
@@ -599,27 +460,6 @@ class Scheduler:
             s.status = SequenceStatus.FINISHED_ABORTED
         self._release(group)
         self._load_failed.append(group)
-
-    def _admissible(self, plan: list[SlotRequest]) -> bool:
-        """Whether ``plan`` fits now; trims it to the sequences that fit when nobody is running."""
-        kv = self.kv_cache_manager
-        if not self.config.enable_chunked_prefill and any(
-                r.num_computed_tokens + r.num_new_tokens < r.seq.num_tokens for r in plan):
-            return False  # a whole prompt or nothing
-        if self.running:
-            return kv.num_new_blocks(plan) + kv.watermark_blocks <= kv.num_free_blocks
-        # An empty pool must admit something, without a watermark: the sequences that fit now (a
-        # recomputing group may get the rest of its sequences' tokens in later steps).
-        while len(plan) > 1 and kv.num_new_blocks(plan) > kv.num_free_blocks:
-            plan.pop()
-        return kv.num_new_blocks(plan) <= kv.num_free_blocks
-
-    def _why_not_admissible(self, plan: list[SlotRequest]) -> str:
-        kv = self.kv_cache_manager
-        if not self.config.enable_chunked_prefill and any(
-                r.num_computed_tokens + r.num_new_tokens < r.seq.num_tokens for r in plan):
-            return LeftOut.WHOLE_PROMPT
-        return LeftOut.NO_FREE_BLOCKS if kv.num_new_blocks(plan) > kv.num_free_blocks else LeftOut.WATERMARK
 
     def _admit(self, group: SequenceGroup, plan: list[SlotRequest]) -> None:
         """Apply an admission plan: hits become computed tokens, blocks are allocated, the group runs."""
@@ -637,17 +477,18 @@ class Scheduler:
             group.metrics.first_scheduled_time = time.monotonic()
             group.num_cached_tokens = plan[0].num_computed_tokens
         self.waiting.pop()
-        self._dequeue_time(group)
+        self.order.dequeue(group)
         self.running.append(group)
         if self._decisions is not None:
             self._decisions.admitted.append((group.request_id, plan[0].num_computed_tokens))
 
     def _make_output(self, step: _Step) -> SchedulerOutput:
         if self.num_lookahead_tokens:
-            self._allocate_lookahead(step)
+            self.planner.allocate_lookahead(step.scheduled, self.num_lookahead_tokens)
         step.ops.copy.extend(self.kv_cache_manager.take_copies())
         out = SchedulerOutput(
-            scheduled=[self._make_scheduled(g, r.seq, r.num_new_tokens) for g, plan in step.scheduled for r in plan],
+            scheduled=[self.planner.make_scheduled(g, r.seq, r.num_new_tokens, self.new_seq_id)
+                       for g, plan in step.scheduled for r in plan],
             cache_ops=step.ops,
             finished_seq_ids=self._finished_seq_ids,
             preempted_request_ids=[g.request_id for g in step.forced + step.preempted],
@@ -659,48 +500,9 @@ class Scheduler:
         self._finished_seq_ids = []
         return out
 
-    def _allocate_lookahead(self, step: _Step) -> None:
-        """Best effort, after every admission: slots past the scheduled tokens of each sampling
-        sequence (not beams), where the draft model writes its drafts; none where the pool is
-        short (the worker then drafts only as far as the slots go)."""
-        kv = self.kv_cache_manager
-        for group, plan in step.scheduled:
-            if group.beam_state is not None:
-                continue
-            for r in plan:
-                if r.num_computed_tokens + r.num_new_tokens >= r.seq.num_tokens:
-                    kv.allocate_slots(r.seq, r.num_new_tokens + self.num_lookahead_tokens)
-
     def new_seq_id(self) -> int:
         """A fresh sequence id (the engine's first sequences and every fork draw from one counter)."""
         return next(self._seq_ids)
-
-    def _make_scheduled(self, group: SequenceGroup, seq: Sequence, n: int) -> ScheduledSequence:
-        start = seq.num_computed_tokens
-        # Tokens past the known ones are drafts (trimmed to what the budget left: ``_plan``).
-        num_spec = start + n - seq.num_tokens
-        do_sample = num_spec >= 0
-        token_ids = seq.token_ids_range(start, start + n - max(num_spec, 0))
-        spec = seq.spec_token_ids[:num_spec] if num_spec > 0 else None
-        if spec:
-            token_ids = token_ids + spec
-        sample_ids = None
-        if do_sample and not group.forked and group.num_samples > 1 and group.beam_state is None:
-            # The request's first sample: draw one token per future sequence from this row.
-            sample_ids = [seq.seq_id] + [self.new_seq_id() for _ in range(group.num_samples - 1)]
-        return ScheduledSequence(
-            request_id=group.request_id,
-            seq_id=seq.seq_id,
-            token_ids=token_ids,
-            num_computed_tokens=start,
-            block_ids=self.kv_cache_manager.get_block_ids(seq.seq_id),
-            do_sample=do_sample,
-            sampling_params=group.sampling_params,
-            output_token_ids=seq.output_token_ids,
-            prompt_token_ids=seq.prompt_token_ids,
-            sample_seq_ids=sample_ids,
-            spec_token_ids=spec,
-        )
 
     # ------------------------------------------------------------------ results
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,

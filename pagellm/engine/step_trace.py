@@ -27,8 +27,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from pagellm.core.scheduler import StepDecisions
 from pagellm.core.scheduler_output import SchedulerOutput
+from pagellm.core.step_decisions import StepDecisions
 from pagellm.metrics import SchedulerStats
 
 logger = logging.getLogger(__name__)
