@@ -263,7 +263,7 @@ class StructuredOutputsConfig:
         return cls(**_config_dict(value, "structured_outputs_config", '{"backend": "xgrammar"}', cls))
 
 
-def _config_dict(value: dict | str, name: str, example: str, cls: type) -> dict[str, Any]:
+def _config_dict(value: object, name: str, example: str, cls: type) -> dict[str, Any]:
     """A nested config given as a dict or as its JSON text (a CLI flag), its keys checked against ``cls``."""
     if isinstance(value, str):
         try:

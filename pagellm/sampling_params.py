@@ -188,9 +188,9 @@ class SamplingParams:
             raise ValueError("prompt_logprobs is not supported yet")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if any(not isinstance(s, str) or not s for s in self.stop or ()):
             raise bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or ()):
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be StructuredOutputsParams or a dict of its fields")

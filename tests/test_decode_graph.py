@@ -12,14 +12,13 @@ from pagellm.kernels import decode_graph, gemm
 from test_hf_parity import random_prompts
 
 
-def _inner_model(llm):
-    return llm.llm_engine.executor.worker.model_runner.model.model
+def _graphs(llm):
+    return llm.llm_engine.executor.worker.model_runner.decode_graphs
 
 
 def _layer_by_layer(llm) -> None:
     """From now on this engine's model runs decode steps one op at a time, as prefill steps do."""
-    inner = _inner_model(llm)
-    inner.decode_graph, inner._graph_captured = None, True
+    _graphs(llm).disable()
 
 
 def _require_graph(dtype: str = "auto") -> None:
@@ -44,7 +43,7 @@ def test_smollm2_decode_graph_gives_the_layer_by_layer_logprobs(dtype, kv):
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in (3, 9, 17, 24, 30)]
     with LLM(None, dtype=dtype, kv_cache_dtype=kv, kv_cache_memory="64MiB", enable_prefix_caching=False) as llm:
         graphed = llm.generate(prompts, params, use_tqdm=False)
-        assert _inner_model(llm).decode_graph is not None, "every projection here is packed: the graph applies"
+        assert _graphs(llm).graph is not None, "every projection here is packed: the graph applies"
         _layer_by_layer(llm)
         plain = llm.generate(prompts, params, use_tqdm=False)
     for g, p in zip(graphed, plain, strict=True):
@@ -66,7 +65,7 @@ def test_smollm2_decode_graph_under_preemption_and_sampling():
             if not graph:
                 _layer_by_layer(llm)
             outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-            assert (_inner_model(llm).decode_graph is not None) == graph
+            assert (_graphs(llm).graph is not None) == graph
             assert llm.llm_engine.scheduler.num_preemptions > 0, "the cache should be tight enough to preempt"
     assert outs[0] == outs[1]
 

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,7 @@ class _Stream:
 __all__ = ["AsyncLLM", "EngineDeadError", "drain_stream"]
 
 
-async def drain_stream(queue: asyncio.Queue, done: list[bool]) -> AsyncIterator[RequestOutput]:
+async def drain_stream(queue: asyncio.Queue, done: list[bool]) -> AsyncGenerator[RequestOutput, None]:
     """A request's outputs from its queue until it finishes. ``None`` in the queue ends it (aborted
     through ``abort``), an exception is raised (rejected, or the engine died). ``done[0]`` turns true
     once nothing is left to abort: the caller aborts in the engine when it stops reading early."""
@@ -193,7 +193,8 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ public API
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
-                       priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0,
+                       lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Queue a request and yield its (cumulative) outputs until it finishes.
 
         Invalid requests raise ``ValueError`` here, before anything is yielded. Stopping the

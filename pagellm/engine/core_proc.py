@@ -31,7 +31,7 @@ import signal
 import tempfile
 import threading
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -356,7 +356,8 @@ class AsyncEngineClient:
         return self._info.vocab_size
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
-                       priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0,
+                       lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
         """As ``AsyncLLM.generate``: outputs until finished; invalid input raises before any output;
         a caller that stops reading aborts the request in the core."""
         if not self.is_running:

@@ -15,17 +15,16 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pagellm.config import EngineArgs, EngineConfig, resolve_model_source
-from pagellm.core.beam_search import BeamSearchState
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.kv_connector import (
     TcpConnectorScheduler,
-    check_kv_transfer_params,
     create_kv_connector,
 )
 from pagellm.core.kv_transfer_admission import KVTransferAdmission
 from pagellm.core.scheduler import Scheduler
 from pagellm.core.scheduler_output import SampledToken, SchedulerOutput
 from pagellm.core.step_decorator import StepDecorator
+from pagellm.engine.input_processor import InputProcessor, PromptType, resolve_max_model_len
 from pagellm.engine.kv_receiver import KVReceiver
 from pagellm.engine.lora_manager import LoRAManager
 from pagellm.engine.output_processor import OutputProcessor
@@ -34,16 +33,15 @@ from pagellm.executor import PendingOutput, WorkerError, create_executor
 from pagellm.lora_request import LoRARequest
 from pagellm.metrics import EngineStats, IterationStats
 from pagellm.outputs import RequestOutput
-from pagellm.sampling_params import BeamSearchParams, SamplingParams
-from pagellm.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagellm.sampling_params import SamplingParams
+from pagellm.sequence import SequenceGroup, SequenceStatus
 from pagellm.spec_decode.manager import SpecDecodeManager
 from pagellm.structured_output.manager import StructuredOutputManager
-from pagellm.tokenizer import Tokenizer, check_token_ids
+from pagellm.tokenizer import Tokenizer
 from pagellm.utils import gc_paused_then_frozen, gc_unfreeze
 
 logger = logging.getLogger(__name__)
 
-PromptType = str | list[int] | dict[str, Any]
 
 
 class EngineDeadError(RuntimeError):
@@ -87,7 +85,11 @@ class LLMEngine:
             raise
         self.tokenizer = tokenizer or Tokenizer(self.source, config.model.tokenizer, chat_template)
         self.block_size = config.cache.block_size
-        self.max_model_len = self._resolve_max_model_len()
+        info = self.model_info
+        self.max_model_len = resolve_max_model_len(config, info.max_position_embeddings, info.sliding_window,
+                                                   self.num_blocks * self.block_size)
+        self.input_processor = InputProcessor(config, self.tokenizer, info.vocab_size, self.max_model_len,
+                                              self.num_blocks * self.block_size)
         self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching,
                                                self.num_cpu_blocks, config.scheduler.watermark)
         lora, kvt = config.lora, config.kv_transfer
@@ -142,28 +144,6 @@ class LLMEngine:
     def from_engine_args(cls, engine_args: EngineArgs, chat_template: str | None = None) -> LLMEngine:
         return cls(engine_args.create_engine_config(), chat_template)
 
-    def _resolve_max_model_len(self) -> int:
-        info = self.model_info
-        limit = info.max_position_embeddings
-        if info.sliding_window:
-            # Full attention equals sliding-window attention while the context fits in the window.
-            limit = min(limit, info.sliding_window)
-        requested = self.config.model.max_model_len
-        if requested is not None and requested > limit:
-            raise ValueError(f"max_model_len={requested} exceeds the model's limit of {limit} tokens")
-        max_len = requested or limit
-        capacity = self.num_blocks * self.block_size
-        if max_len > capacity:
-            logger.warning("max_model_len %d capped to the KV cache capacity of %d tokens", max_len, capacity)
-            max_len = capacity
-        sched = self.config.scheduler
-        if not sched.enable_chunked_prefill and max_len > sched.max_num_batched_tokens:
-            # Unchunked, a sequence (or its recompute after preemption) must fit one step's budget.
-            logger.warning("max_model_len %d capped to max_num_batched_tokens %d (chunked prefill is off)",
-                           max_len, sched.max_num_batched_tokens)
-            max_len = sched.max_num_batched_tokens
-        return max_len
-
     # ------------------------------------------------------------------ requests
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
@@ -181,17 +161,7 @@ class LLMEngine:
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """``(text or None, token ids)`` of any accepted prompt form."""
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, list):
-            return None, list(prompt)
-        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        return self.input_processor.tokenize_prompt(prompt)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
@@ -203,62 +173,20 @@ class LLMEngine:
         """
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine is dead ({self.dead_error}); request {request_id!r} refused")
-        params = params or SamplingParams()
-        beam = params if isinstance(params, BeamSearchParams) else None
-        if beam is not None:
-            # The engine samples nothing for a beam search: each beam reports its top candidates.
-            params = SamplingParams(temperature=0, max_tokens=beam.max_tokens, ignore_eos=True,
-                                    n=beam.beam_width, logprobs=2 * beam.beam_width,
-                                    structured_outputs=beam.structured_outputs)
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
-        if priority != 0 and self.config.scheduler.scheduling_policy == "fcfs":
-            raise ValueError(f"priority={priority} needs scheduling_policy='priority' (this engine is 'fcfs')")
-        num_samples = params.best_of or params.n
-        if num_samples > self.config.scheduler.max_num_seqs:
-            raise ValueError(f"best_of/n={num_samples} exceeds max_num_seqs={self.config.scheduler.max_num_seqs}: "
-                             "its sequences could never run together")
-        text, ids = self.tokenize_prompt(prompt)
-        if cache_salt is None and isinstance(prompt, dict):
-            cache_salt = prompt.get("cache_salt")  # vLLM passes it inside the prompt dict
-        kv_params = prompt.get("kv_transfer_params") if isinstance(prompt, dict) else None
-        if kv_params is not None:
-            kvt = self.config.kv_transfer
-            if kvt is None or kvt.kv_connector != "TcpConnector":
-                raise ValueError("kv_transfer_params needs an engine with kv_transfer_config "
-                                 '{"kv_connector": "TcpConnector", ...}')
-            check_kv_transfer_params(kv_params)
-        if not ids:
-            raise ValueError("prompt is empty: at least one token is needed")
-        check_token_ids(ids, self.model_info.vocab_size)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
-                "no room for even one generated token"
-            )
-        capacity = self.num_blocks * self.block_size
-        if len(ids) + 1 > capacity:
-            raise ValueError(f"prompt of {len(ids)} tokens can never fit in the KV cache ({capacity} token slots)")
+        group = self.input_processor.process(request_id, prompt, params, self.scheduler.new_seq_id, arrival_time,
+                                             priority, cache_salt)
         if self.get_request_group(request_id) is not None:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if lora_request is not None and self.lora is None:
-            raise ValueError("lora_request needs an engine with enable_lora=True")
-        adapter = self.lora.acquire(lora_request) if lora_request is not None and self.lora is not None else None
-        params = params.clone(eos_token_id=self.tokenizer.eos_token_id)
-        seq = Sequence(self.scheduler.new_seq_id(), ids)
-        group = SequenceGroup(request_id, [seq], params, arrival_time or time.monotonic(), text, priority, cache_salt)
-        group.kv_transfer.params = kv_params
-        if adapter is not None and lora_request is not None:
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError("lora_request needs an engine with enable_lora=True")
+            adapter = self.lora.acquire(lora_request)
             group.lora_id, group.lora_fingerprint = lora_request.lora_int_id, adapter.fingerprint
-        if beam is not None:
-            group.beam_state = BeamSearchState(
-                beam.beam_width, min(beam.max_tokens, self.max_model_len - len(ids)), beam.length_penalty,
-                beam.early_stopping, None if beam.ignore_eos else self.tokenizer.eos_token_id)
         self.output_processor.add_request(group)
         if self.tracer is not None:
-            self.tracer.request_added(request_id, len(ids))
+            self.tracer.request_added(request_id, len(group.prompt_token_ids))
         try:
-            if params.structured_outputs is not None:
+            if group.sampling_params.structured_outputs is not None:
                 # Waits for its grammar (WAITING_FOR_FSM) outside the scheduler; begin_step admits it.
                 self.structured_outputs.add_request(group)
             else:
@@ -266,6 +194,7 @@ class LLMEngine:
         except BaseException:
             if group.lora_id and self.lora is not None:
                 self.lora.release(group.lora_id)
+            self.output_processor.forget(group)
             raise
 
     # ------------------------------------------------------------------ LoRA adapters

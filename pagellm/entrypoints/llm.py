@@ -62,8 +62,8 @@ class LLM:
         """Generate for every prompt; outputs come back in input order. ``lora_request``: one
         adapter for every prompt, or one (or ``None``: the base model) per prompt."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+            prompts = [prompts]
+        prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, (SamplingParams, BeamSearchParams)):

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -289,7 +289,7 @@ class OpenAIServer:
             self.hist["request_queue_time_seconds"].labels(label).observe(m.first_scheduled_time - m.arrival_time)
 
     async def _start(self, prompt: Any, params: SamplingParams, rid: str, priority: int,
-                     lora: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                     lora: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Queue the request and wait for its first output, so a rejected request becomes an
         HTTP 400 before a streaming response has started."""
         gen = self.engine.generate(prompt, params, rid, priority, lora)
@@ -300,7 +300,7 @@ class OpenAIServer:
         if first.error is not None:  # e.g. a constraint that did not compile: nothing was generated
             raise APIError(first.error, param=_error_param(first.error))
 
-        async def chained() -> AsyncIterator[RequestOutput]:
+        async def chained() -> AsyncGenerator[RequestOutput, None]:
             try:
                 yield first
                 async for out in gen:
@@ -309,8 +309,8 @@ class OpenAIServer:
                 await gen.aclose()
         return chained()
 
-    async def _stream(self, outputs: AsyncIterator[RequestOutput], rid: str,
-                      request: Request) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, outputs: AsyncGenerator[RequestOutput, None], rid: str,
+                      request: Request) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs; stops (which aborts the request) when the client disconnects.
 
         Starlette's ``StreamingResponse`` already cancels the stream the moment the client hangs up
@@ -359,7 +359,7 @@ class OpenAIServer:
             raise APIError(out.error, param=_error_param(out.error))
         return out
 
-    async def _deltas(self, outputs: AsyncIterator[RequestOutput], rid: str, request: Request, logprobs: bool,
+    async def _deltas(self, outputs: AsyncGenerator[RequestOutput, None], rid: str, request: Request, logprobs: bool,
                       always_first: bool = False) -> AsyncIterator[Delta]:
         """Per completion, what is new since the last chunk (see ``Delta``)."""
         sent_text: dict[int, int] = {}
@@ -586,7 +586,7 @@ class OpenAIServer:
             return Response(status_code=499)  # the client went away; nobody reads this
         return whole(out)
 
-    async def _completion_chunks(self, outputs: AsyncIterator[RequestOutput], params: SamplingParams, rid: str,
+    async def _completion_chunks(self, outputs: AsyncGenerator[RequestOutput, None], params: SamplingParams, rid: str,
                                  created: int, body: CompletionRequest, echo: str,
                                  request: Request) -> AsyncIterator[dict]:
         last = None
@@ -644,7 +644,7 @@ class OpenAIServer:
                                    lambda outputs: self._chat_chunks(outputs, params, rid, created, body, top,
                                                                      request, mode))
 
-    async def _chat_chunks(self, outputs: AsyncIterator[RequestOutput], params: SamplingParams, rid: str,
+    async def _chat_chunks(self, outputs: AsyncGenerator[RequestOutput, None], params: SamplingParams, rid: str,
                            created: int, body: ChatCompletionRequest, top: int,
                            request: Request, mode: tool_calls.ToolMode | None = None) -> AsyncIterator[dict]:
         last = None

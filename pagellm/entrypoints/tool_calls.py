@@ -126,7 +126,7 @@ def history_as_text(msg: dict[str, Any], index: int = 0) -> dict[str, Any]:
         except (TypeError, KeyError, AttributeError) as e:
             raise APIError(f"messages[{index}].tool_calls must be a list of {{'function': {{'name': ..., "
                            "'arguments': ...}}}}", param=f"messages[{index}].tool_calls") from e
-        content = msg.get("content") if isinstance(msg.get("content"), str) else ""
+        content = msg["content"] if isinstance(msg.get("content"), str) else ""
         return {"role": "assistant", "content": content + text}
     if msg.get("role") == "tool":
         return {"role": "user",

@@ -23,7 +23,11 @@ from typing import Any
 
 def reduce_trace(trace: dict[str, Any]) -> dict[str, Any]:
     """Per-step rows, markers and request lanes (times in ms) from a Chrome Trace document."""
-    steps, markers, open_, lanes, finish = [], [], {}, {}, {}
+    steps: list[dict[str, Any]] = []
+    markers: list[dict[str, Any]] = []
+    open_: dict[Any, Any] = {}
+    lanes: dict[Any, Any] = {}
+    finish: dict[Any, Any] = {}
     for ev in trace.get("traceEvents", []):
         ph, ts = ev.get("ph"), ev.get("ts", 0.0) / 1e3
         if ph == "X" and ev.get("cat") == "step":

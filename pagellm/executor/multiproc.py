@@ -115,16 +115,17 @@ class MultiprocExecutor(Executor):
     def _wait_all(self, deadline: float | None = None) -> list[Any]:
         """Every rank's answer; the first error, death or hang-up fails the executor."""
         results: list[Any] = [None] * self.world_size
-        pending = {conn: rank for rank, conn in enumerate(self.conns)}
+        pending = {conn: rank for rank, conn in enumerate(self.conns) if conn is not None}
         while pending:
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = wait(list(pending), timeout)
             if not ready:
                 self._fail(f"workers {sorted(pending.values())} did not answer in time")
             for conn in ready:
-                rank = pending.pop(conn)  # type: ignore[call-overload]
+                assert isinstance(conn, Connection)
+                rank = pending.pop(conn)
                 try:
-                    ok, value = conn.recv()  # type: ignore[union-attr]
+                    ok, value = conn.recv()
                 except (EOFError, OSError):
                     code = self.procs[rank].poll()
                     self._fail(f"worker rank {rank} (pid {self.procs[rank].pid}) died"

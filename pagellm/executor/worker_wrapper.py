@@ -21,7 +21,7 @@ class WorkerWrapper:
         self.decoder = StepDecoder()
 
     def execute_method(self, method: str, args: tuple = ()) -> Any:
-        target = getattr(self, method, None) if method in _OWN_METHODS else getattr(self.worker, method)
+        target = getattr(self, method) if method in _OWN_METHODS else getattr(self.worker, method)
         return target(*args)
 
     def execute_model_delta(self, delta: SchedulerOutputDelta) -> ModelRunnerOutput | None:

@@ -50,8 +50,8 @@ def capture(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tenso
     if not (model.pp.is_first and model.pp.is_last) or model.embed_tokens.tp.world_size != 1 \
             or model.embed_tokens.weight.dtype != torch.float32:
         return None  # (a tensor-parallel layer all-reduces between the kernels)
-    layers = list(model.layers)
-    if not kv_caches or len(kv_caches) != len(layers) or not all(isinstance(la, DecoderLayer) for la in layers):
+    layers = [la for la in model.layers if isinstance(la, DecoderLayer)]
+    if not kv_caches or len(kv_caches) != len(layers) or len(layers) != len(model.layers):
         return None
     key_cache = kv_caches[0][0]
     decode_fn = decode_kernel_address(key_cache)
@@ -104,3 +104,36 @@ def capture(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tenso
     except ValueError:  # a kernel it needs is missing, or caches of mixed types or shapes
         return None
     return graph
+
+
+class DecodeGraphCapture:
+    """One model's decode graph, owned by the runner that runs the model: captured at the first
+    decode-only step (the caches and kernels are known by then), rebound to the caches and handed
+    to the model's forward at every later one; ``None`` where it does not apply."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        inner = getattr(model, "model", None)  # the DecoderModel inside a causal LM
+        from pagellm.models.decoder import DecoderModel
+
+        self._model = inner if isinstance(inner, DecoderModel) else None
+        self.graph: DecodeGraph | None = None
+        self.captured = self._model is None
+
+    def for_step(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 meta: AttentionMetadata) -> DecodeGraph | None:
+        """The graph bound to these caches if this step (all decodes) can take it."""
+        if decode_group(meta) is None:
+            return None
+        if not self.captured:
+            self.captured = True
+            assert self._model is not None
+            self.graph = capture(self._model, kv_caches, meta)
+        graph = self.graph
+        if graph is None or meta.block_size != graph.block_size:
+            return None
+        graph.bind_caches(kv_caches)
+        return graph
+
+    def disable(self) -> None:
+        """From now on every step runs layer by layer (tests compare the two paths)."""
+        self.graph, self.captured = None, True

@@ -28,7 +28,7 @@ from pagellm.layers.linear import Linear
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_shard
 from pagellm.layers.rotary import ApplyRotary, RotaryEmbedding
-from pagellm.models.decode_graph import capture, decode_group
+from pagellm.models.decode_graph import decode_group
 
 
 def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -148,16 +148,21 @@ class DecoderModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        attn = self.layers[self.start].self_attn
+        attn = self.first_layer.self_attn
         theta, scaling = rope_parameters(config)
         self.rotary_emb = RotaryEmbedding(attn.head_dim, config.max_position_embeddings, theta, scaling, freq_factors)
-        # All layers of a decode step in one call where every op is a compiled kernel (captured at
-        # the first decode step; ``models/decode_graph.py``); ``None`` where it does not apply.
-        self.decode_graph: DecodeGraph | None = None
-        self._graph_captured = False
 
-    def forward(self, input_ids, positions, kv_caches, meta):
-        """The last stage's final hidden states; ``None`` on the stages before it (theirs went on)."""
+    @property
+    def first_layer(self) -> DecoderLayer:
+        """This pipeline stage's first decoder layer (its shapes are every layer's)."""
+        layer = self.layers[self.start]
+        assert isinstance(layer, DecoderLayer)
+        return layer
+
+    def forward(self, input_ids, positions, kv_caches, meta, decode_graph: DecodeGraph | None = None):
+        """The last stage's final hidden states; ``None`` on the stages before it (theirs went on).
+        ``decode_graph``: all layers of this decode-only step in one call (the runner captured it
+        and bound it to ``kv_caches``; ``models/decode_graph.py``)."""
         pp = self.pp
         if pp.is_first:
             x, residual = self.embed_tokens(input_ids), None
@@ -165,31 +170,21 @@ class DecoderModel(nn.Module):
             shape = (input_ids.shape[0], self.hidden_size)
             x, residual = pp.recv([shape, shape], self.embed_tokens.weight.dtype, input_ids.device)
         rope = self.rotary_emb.cos_sin(positions, x.dtype)
-        group = decode_group(meta)
-        graph = self._graph_for(kv_caches, meta) if group is not None else None
-        if graph is not None and group is not None:
+        group = decode_group(meta) if decode_graph is not None else None
+        if decode_graph is not None and group is not None:
+            assert group.kv_blocks is not None and group.seq_lens is not None  # (decode_group checked)
             t = x.shape[0]
-            x, residual = graph.run(x, rope[0].view(t, -1), rope[1].view(t, -1), meta.slot_mapping, group.kv_blocks,
-                                    group.seq_lens)
+            x, residual = decode_graph.run(x, rope[0].view(t, -1), rope[1].view(t, -1), meta.slot_mapping,
+                                           group.kv_blocks, group.seq_lens)
         else:
             for layer, kv_cache in zip(self.layers[self.start:self.end], kv_caches, strict=True):
                 x, residual = layer(rope, x, residual, kv_cache, meta)
+        assert residual is not None  # (every layer returns it)
         if not pp.is_last:
             pp.send([x, residual])
             return None
         x, _ = self.norm(x, residual)
         return x
-
-    def _graph_for(self, kv_caches, meta) -> DecodeGraph | None:
-        """The captured graph bound to these caches, if this model and step can take it."""
-        if not self._graph_captured:
-            self._graph_captured = True
-            self.decode_graph = capture(self, kv_caches, meta)
-        graph = self.decode_graph
-        if graph is None or meta.block_size != graph.block_size:
-            return None
-        graph.bind_caches(kv_caches)
-        return graph
 
 
 class DecoderForCausalLM(nn.Module):
@@ -217,8 +212,9 @@ class DecoderForCausalLM(nn.Module):
         self.tied_head: Linear | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor | None:
-        return self.model(input_ids, positions, kv_caches, meta)
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                decode_graph: DecodeGraph | None = None) -> torch.Tensor | None:
+        return self.model(input_ids, positions, kv_caches, meta, decode_graph)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary (each rank computes its rows; every rank gets all)."""
@@ -272,23 +268,24 @@ class DecoderForCausalLM(nn.Module):
                 unexpected.append(name)
                 continue
             module = self.get_submodule(target.rsplit(".", 1)[0])
-            part = None if shard is None else shard[1]
+            shard_idx = None if shard is None else shard[1]
+            loader = getattr(module, "weight_loader", None)
             with torch.no_grad():
                 try:
-                    if hasattr(module, "weight_loader"):
-                        module.weight_loader(param, tensor, part)
+                    if loader is not None:
+                        loader(param, tensor, shard_idx)
                     else:
                         copy_shard(param, tensor, None, 0, 0)
                 except ValueError as e:
                     raise ValueError(f"weight {name}: {e}") from None
-            loaded.add(target if part is None else f"{target}#{part}")
+            loaded.add(target if shard_idx is None else f"{target}#{shard_idx}")
         expected: set[str] = set()
         for pname in params:
-            fused = next((f for f in self.packed_modules_mapping if f".{f}." in pname), None)
-            if fused is None:
+            fused_name = next((f for f in self.packed_modules_mapping if f".{f}." in pname), None)
+            if fused_name is None:
                 expected.add(pname)
             else:
-                expected.update(f"{pname}#{i}" for _, i in self.packed_modules_mapping[fused])
+                expected.update(f"{pname}#{i}" for _, i in self.packed_modules_mapping[fused_name])
         missing = sorted(expected - loaded)
         if missing or unexpected:
             raise ValueError(

@@ -83,7 +83,7 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     for i, row in enumerate(rows):
         p = row.params
         if len(row.output_token_ids) < p.min_tokens:
-            banned = list(p.stop_token_ids)
+            banned = list(p.stop_token_ids or ())
             if p.eos_token_id is not None and not p.ignore_eos:
                 banned.append(p.eos_token_id)
             if banned:

@@ -66,7 +66,7 @@ class GuidanceBackend(StructuredOutputBackend):
     def grammar_text(kind: str, spec: str, whitespace_flexible: bool) -> str:
         """The constraint (``StructuredOutputsParams.key()``) as an llguidance grammar (JSON schema,
         regex or Lark)."""
-        defaults = {"whitespace_flexible": whitespace_flexible}
+        defaults: Any = {"whitespace_flexible": whitespace_flexible}  # llguidance's JsonCompileOptions (a TypedDict)
         if kind == "json":
             try:
                 schema = json.loads(spec)

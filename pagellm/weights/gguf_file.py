@@ -71,7 +71,7 @@ class _Unsupported(ValueError):
 def _parse_header(mm: np.ndarray) -> GGUFIndex:
     import gguf
 
-    buf = memoryview(mm)
+    buf = memoryview(mm)  # type: ignore[arg-type]  # an ndarray is a buffer; numpy's stubs do not say so
     if bytes(buf[:4]) != b"GGUF":
         raise ValueError("not a GGUF file (bad magic)")
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)

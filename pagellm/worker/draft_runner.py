@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import torch
 
+from pagellm.attention.metadata import AttentionMetadata
 from pagellm.attention.torch_paged import TorchPagedAttention
+from pagellm.models.decode_graph import DecodeGraphCapture
+from pagellm.models.decoder import DecoderForCausalLM
 
 
 class DraftRunner:
     """Runs the draft model over the target's batches, then proposes ``k`` tokens per sequence."""
 
-    def __init__(self, model: torch.nn.Module, attn_backend: TorchPagedAttention,
+    def __init__(self, model: DecoderForCausalLM, attn_backend: TorchPagedAttention,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, device: torch.device,
                  max_positions: int) -> None:
         self.model = model
@@ -29,6 +32,7 @@ class DraftRunner:
         self.block_size = block_size
         self.device = device
         self.max_positions = max_positions
+        self.graphs = DecodeGraphCapture(model)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 decode_lens: list[int], decode_block_tables: list[list[int]],
@@ -45,7 +49,7 @@ class DraftRunner:
             idx = torch.tensor(perm, dtype=torch.long, device=self.device)
             input_ids, positions, slot_mapping = input_ids[idx], positions[idx], slot_mapping[idx]
         meta.slot_mapping = slot_mapping
-        self.model(input_ids, positions, self.kv_caches, meta)
+        self._run(input_ids, positions, meta)
 
     def propose(self, starts: list[tuple[int, int, int, list[int], int]]) -> dict[int, tuple[int, list[int]]]:
         """``(seq_id, last token, its position P, block ids, k)`` -> ``seq_id -> (P, drafts)``:
@@ -69,9 +73,15 @@ class DraftRunner:
                                              device=self.device)
             ids = torch.tensor([tokens[s] for s, _, _ in order], dtype=torch.long, device=self.device)
             pos_t = torch.tensor([p for _, p, _ in order], dtype=torch.long, device=self.device)
-            hidden = self.model(ids, pos_t, self.kv_caches, meta)
+            hidden = self._run(ids, pos_t, meta)
             nxt = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
             for (seq_id, _, _), t in zip(order, nxt, strict=True):
                 tokens[seq_id] = t
                 out[seq_id][1].append(t)
         return out
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        graph = self.graphs.for_step(self.kv_caches, meta)
+        if graph is None:
+            return self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model(input_ids, positions, self.kv_caches, meta, decode_graph=graph)

@@ -88,21 +88,28 @@ class KVConnectorWorker:
 
     def _unpack(self, data: bytes, name: str) -> bytes | None:
         """The payload of a frame if it is whole, uncorrupted and of this engine's kind."""
+        why = self._defect(data, name)
+        if why is not None:
+            self._bad(name, why)
+            return None
+        return data[_HEADER.size:]
+
+    def _defect(self, data: bytes, name: str) -> str | None:
+        """What is wrong with a frame (``None``: nothing)."""
         if len(data) < _HEADER.size:
-            return self._bad(name, "truncated header")
+            return "truncated header"
         magic, fingerprint, block_hash, size, crc = _HEADER.unpack_from(data)
         payload = data[_HEADER.size:]
         if magic != MAGIC or fingerprint != self.fingerprint or block_hash != block_hash_of(name):
-            return self._bad(name, "foreign (another format, model, numerics or block)")
+            return "foreign (another format, model, numerics or block)"
         if size != self.payload_bytes or len(payload) != size:
-            return self._bad(name, f"{len(payload)} payload bytes, expected {self.payload_bytes}")
+            return f"{len(payload)} payload bytes, expected {self.payload_bytes}"
         if zlib.crc32(payload) != crc:
-            return self._bad(name, "checksum mismatch")
-        return payload
+            return "checksum mismatch"
+        return None
 
     def _bad(self, name: str, why: str) -> None:
         logger.warning("KV block %s ignored: %s", name, why)
-        return None
 
     def save_kv(self, meta: KVConnectorMetadata, out: KVConnectorOutput) -> None:
         """After the pass: copy out what the metadata asks to keep or send, and queue it for the
@@ -184,7 +191,6 @@ class DiskConnectorWorker(KVConnectorWorker):
         logger.warning("KV block file %s ignored and removed: %s", path, why)
         with contextlib.suppress(OSError):
             os.unlink(path)
-        return None
 
     def _write(self, item: tuple[str, bytes | None]) -> None:
         """A block's file written (temporary + rename), or deleted (``None``)."""

@@ -12,16 +12,58 @@ chunk, so attention runs the decodes as one batched call and each chunk unpadded
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
+from pagellm.attention.metadata import AttentionMetadata
 from pagellm.attention.torch_paged import TorchPagedAttention
 from pagellm.core.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
 from pagellm.layers.custom_op import select_kernels
 from pagellm.lora.layers import ModelLoRA
+from pagellm.models.decode_graph import DecodeGraphCapture
+from pagellm.models.decoder import DecoderForCausalLM
 from pagellm.sampling.rejection_sampler import DraftSpan, rejection_sample
 from pagellm.sampling.sampler import Sampler, SamplingRow, apply_token_bitmask
 from pagellm.worker.draft_runner import DraftRunner
+
+
+@dataclass(slots=True)
+class PlainSample:
+    """One logits row sampled for ``seq_id``; ``parent_seq_id`` is the scheduled sequence (at a
+    request's first sample with ``n > 1`` every future fork draws from its parent's row)."""
+
+    logits_row: int
+    seq_id: int
+    parent_seq_id: int
+    row: SamplingRow
+
+
+@dataclass(slots=True)
+class DraftRun:
+    """A sequence verifying ``len(seq.spec_token_ids)`` drafts: ``rows`` are its logits rows from
+    ``logits_start`` on, one per draft position and one after the last."""
+
+    seq: ScheduledSequence
+    logits_start: int
+    rows: list[SamplingRow]
+
+
+@dataclass(slots=True)
+class InputBatch:
+    """One step's flat batch (``prepare_inputs``) and what is sampled from it."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata  # its slot_mapping filled in
+    # The draft model's batch is the target's: its attention metadata is built from these.
+    decode_lens: list[int]
+    decode_tables: list[list[int]]
+    chunk_specs: list[tuple[int, int, list[int]]]
+    logits_rows: list[int]  # flat rows whose logits are computed, sequence by sequence
+    sample_seqs: list[ScheduledSequence]  # the sequences that sample this step, in logits order
+    plain: list[PlainSample] = field(default_factory=list)  # (driver only)
+    drafts: list[DraftRun] = field(default_factory=list)  # (driver only)
 
 
 class ModelRunner:
@@ -30,7 +72,7 @@ class ModelRunner:
     Only the driver (tensor-parallel rank 0, or the only worker) samples; other ranks return ``None``.
     """
 
-    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device,
+    def __init__(self, model: DecoderForCausalLM, block_size: int, device: torch.device,
                  attn_backend: TorchPagedAttention, is_driver: bool = True) -> None:
         self.model = model
         self.attn_backend = attn_backend
@@ -43,6 +85,8 @@ class ModelRunner:
         select_kernels(self.sampler, device, self.dtype)
         self.draft: DraftRunner | None = None  # speculative decoding with a draft model (Worker sets it)
         self.lora: ModelLoRA | None = None  # multi-LoRA slots (Worker sets them)
+        # All layers of a decode-only step in one call, where every op is a compiled kernel.
+        self.decode_graphs = DecodeGraphCapture(model)
 
     def _generator(self, seq_id: int, seed: int | None, index: int = 0) -> torch.Generator | None:
         """The RNG of sequence ``seq_id``, created on its first sample. Sample ``index`` of a request
@@ -59,16 +103,38 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ModelRunnerOutput | None:
+        """The step's stages: inputs, forward, logits, sample, verify drafts, propose drafts."""
         for seq_id in so.finished_seq_ids:
             self.generators.pop(seq_id, None)
         if not so.scheduled:
             return ModelRunnerOutput(sampled={})
         t0 = time.perf_counter()
+        batch = self.prepare_inputs(so)
+        t1 = time.perf_counter()
+        hidden = self.forward(batch, kv_caches)
+        t2 = time.perf_counter()
+        if hidden is None:  # a pipeline stage before the last: its hidden states went on
+            return None
+        if not batch.logits_rows:
+            return ModelRunnerOutput(sampled={}, timings=(t1 - t0, t2 - t1, 0.0)) if self.is_driver else None
+        logits = self.model.compute_logits(hidden[batch.logits_rows]).float()  # a collective under TP
+        if not self.is_driver:
+            return None
+        result = ModelRunnerOutput(sampled={})
+        self.sample(batch, logits, so, result)
+        self.verify_drafts(batch, logits, result)
+        if self.draft is not None and so.draft_k:
+            result.draft_token_ids = self.propose_drafts(so, batch, result)
+        result.timings = (t1 - t0, t2 - t1, time.perf_counter() - t2)
+        return result
+
+    def prepare_inputs(self, so: SchedulerOutput) -> InputBatch:
+        """The flat batch (module docstring): decodes first, then each prefill chunk.
+
+        A sequence verifying drafts is one decode row per position (each attending to the cache
+        up to itself; all K/V are written before attention), so a verified token is computed
+        exactly as a plain decode step would compute it: speculation cannot change greedy outputs."""
         bs = self.block_size
-        # Decodes as (sequence, offset) rows of one token. A sequence verifying drafts is one
-        # decode row per position (each attending to the cache up to itself; all K/V are written
-        # before attention), so a verified token is computed exactly as a plain decode step would
-        # compute it: speculation cannot change greedy outputs.
         decodes = [(s, i) for s in so.scheduled if s.is_decode or s.spec_token_ids
                    for i in range(s.num_scheduled_tokens)]
         if self.lora is not None:  # decodes of one adapter side by side: one slice each in every projection
@@ -94,98 +160,100 @@ class ModelRunner:
                 last_row[s.seq_id] = len(input_ids) - 1
         for s in chunks:
             start = s.num_computed_tokens
-            ids = s.block_ids
             for p in range(start, start + s.num_scheduled_tokens):
-                slots.append(ids[p // bs] * bs + p % bs)
+                slots.append(s.block_ids[p // bs] * bs + p % bs)
             input_ids.extend(s.token_ids)
             positions.extend(range(start, start + s.num_scheduled_tokens))
             last_row[s.seq_id] = len(input_ids) - 1
-        # Rows to sample, sequence by sequence; a drafting one's positions in order.
-        sample_idx: list[int] = []
         sample_seqs = [s for s in so.scheduled if s.do_sample]
+        logits_rows: list[int] = []
         for s in sample_seqs:
             if s.spec_token_ids:
-                sample_idx.extend(draft_row[(s.seq_id, i)] for i in range(s.num_scheduled_tokens))
+                logits_rows.extend(draft_row[(s.seq_id, i)] for i in range(s.num_scheduled_tokens))
             else:
-                sample_idx.append(last_row[s.seq_id])
+                logits_rows.append(last_row[s.seq_id])
         if self.lora is not None:  # each flat row's adapter slot
             row_slots = [decodes[j][0].lora_slot for j in meta.decode_order]
             for s in chunks:
                 row_slots.extend([s.lora_slot] * s.num_scheduled_tokens)
             self.lora.set_step(row_slots)
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        t1 = time.perf_counter()
-        hidden = self.model(ids_t, pos_t, kv_caches, meta)
-        if self.draft is not None:  # the draft model's K/V follow the target's, token for token
-            self.draft.forward(ids_t, pos_t, meta.slot_mapping, decode_lens, decode_tables, chunk_specs,
-                               meta.decode_order)
-        t2 = time.perf_counter()
-        if hidden is None:  # a pipeline stage before the last: its hidden states went on
-            return None
-        if not sample_idx:
-            return ModelRunnerOutput(sampled={}, timings=(t1 - t0, t2 - t1, 0.0)) if self.is_driver else None
-        logits = self.model.compute_logits(hidden[sample_idx]).float()  # a collective under TP
-        if not self.is_driver:
-            return None
-        # A request's first sample with n > 1 draws one token per future fork from the same row;
-        # a sequence with drafts has one row per position, verified by the rejection sampler.
-        row_idx: list[int] = []
-        rows: list[SamplingRow] = []
-        row_seq_ids: list[int] = []
-        row_parents: list[int] = []  # the scheduled sequence (forks share its grammar row)
-        spec_idx: list[int] = []
-        spec_rows: list[SamplingRow] = []
-        spans: list[DraftSpan] = []
+        batch = InputBatch(torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                           torch.tensor(positions, dtype=torch.long, device=self.device), meta,
+                           decode_lens, decode_tables, chunk_specs, logits_rows, sample_seqs)
+        if self.is_driver:
+            self._plan_sampling(batch)
+        return batch
+
+    def _plan_sampling(self, batch: InputBatch) -> None:
+        """Each logits row's sampling: a request's first sample with n > 1 draws one token per
+        future fork from the same row; a sequence with drafts has one row per position."""
         r = 0
-        for s in sample_seqs:
+        for s in batch.sample_seqs:
             if s.spec_token_ids:
                 gen = self._generator(s.seq_id, s.sampling_params.seed)
-                spans.append(DraftSpan(len(spec_rows), s.spec_token_ids))
-                for i in range(len(s.spec_token_ids) + 1):
-                    spec_idx.append(r + i)
-                    spec_rows.append(SamplingRow(s.sampling_params, s.prompt_token_ids,
-                                                 s.output_token_ids + s.spec_token_ids[:i], gen))
-                r += len(s.spec_token_ids) + 1
+                rows = [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids + s.spec_token_ids[:i],
+                                    gen) for i in range(len(s.spec_token_ids) + 1)]
+                batch.drafts.append(DraftRun(s, r, rows))
+                r += len(rows)
                 continue
             for j, seq_id in enumerate(s.sample_seq_ids or [s.seq_id]):
-                row_idx.append(r)
-                row_seq_ids.append(seq_id)
-                row_parents.append(s.seq_id)
-                rows.append(SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids,
-                                        self._generator(seq_id, s.sampling_params.seed, j)))
+                gen = self._generator(seq_id, s.sampling_params.seed, j)
+                batch.plain.append(PlainSample(r, seq_id, s.seq_id, SamplingRow(
+                    s.sampling_params, s.prompt_token_ids, s.output_token_ids, gen)))
             r += 1
-        result = ModelRunnerOutput(sampled={})
-        if rows:
-            plain = logits if not spec_idx and len(row_idx) == len(sample_idx) else logits[row_idx]
-            if so.grammar_bitmask is not None:  # (constrained sequences never draft)
-                constrained = [(i, so.structured_output_rows[seq_id]) for i, seq_id in enumerate(row_parents)
-                               if seq_id in so.structured_output_rows]
-                apply_token_bitmask(plain, so.grammar_bitmask, [i for i, _ in constrained],
-                                    [m for _, m in constrained])
-            out = self.sampler(plain, rows)
-            result.sampled = {seq_id: SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
-                              for i, seq_id in enumerate(row_seq_ids)}
-        if spans:
-            verified = rejection_sample(logits[spec_idx], spec_rows, spans, self.sampler.greedy_and_lse,
-                                        self.sampler.target_probs)
-            for s, v in zip((s for s in sample_seqs if s.spec_token_ids), verified, strict=True):
-                tokens = [SampledToken(t, lp, top) for t, lp, top in
-                          zip(v.token_ids, v.logprobs, v.top_logprobs, strict=True)]
-                result.sampled[s.seq_id] = tokens.pop()
-                result.spec_accepted[s.seq_id] = tokens
-        if self.draft is not None and so.draft_k:
-            result.draft_token_ids = self._draft(so, sample_seqs, result)
-        result.timings = (t1 - t0, t2 - t1, time.perf_counter() - t2)
-        return result
 
-    def _draft(self, so: SchedulerOutput, sample_seqs: list[ScheduledSequence],
-               result: ModelRunnerOutput) -> dict[int, tuple[int, list[int]]]:
+    def forward(self, batch: InputBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """The model over the batch (a decode-only step through its decode graph where one
+        applies); the draft model's K/V follow the target's, token for token."""
+        graph = self.decode_graphs.for_step(kv_caches, batch.meta)
+        if graph is None:
+            hidden = self.model(batch.input_ids, batch.positions, kv_caches, batch.meta)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, kv_caches, batch.meta, decode_graph=graph)
+        if self.draft is not None:
+            self.draft.forward(batch.input_ids, batch.positions, batch.meta.slot_mapping, batch.decode_lens,
+                               batch.decode_tables, batch.chunk_specs, batch.meta.decode_order)
+        return hidden
+
+    def sample(self, batch: InputBatch, logits: torch.Tensor, so: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """The plain rows: grammar masks, then the sampler; ``result.sampled`` per sequence."""
+        if not batch.plain:
+            return
+        idx = [p.logits_row for p in batch.plain]
+        plain = logits if not batch.drafts and len(idx) == logits.shape[0] else logits[idx]
+        if so.grammar_bitmask is not None:  # (constrained sequences never draft)
+            constrained = [(i, so.structured_output_rows[p.parent_seq_id]) for i, p in enumerate(batch.plain)
+                           if p.parent_seq_id in so.structured_output_rows]
+            apply_token_bitmask(plain, so.grammar_bitmask, [i for i, _ in constrained], [m for _, m in constrained])
+        out = self.sampler(plain, [p.row for p in batch.plain])
+        result.sampled = {p.seq_id: SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
+                          for i, p in enumerate(batch.plain)}
+
+    def verify_drafts(self, batch: InputBatch, logits: torch.Tensor, result: ModelRunnerOutput) -> None:
+        """The rejection sampler over every draft run: the accepted drafts in ``spec_accepted``,
+        the token after them (a correction or the bonus token) in ``sampled``."""
+        if not batch.drafts:
+            return
+        idx = [d.logits_start + i for d in batch.drafts for i in range(len(d.rows))]
+        rows = [row for d in batch.drafts for row in d.rows]
+        spans, start = [], 0
+        for d in batch.drafts:
+            spans.append(DraftSpan(start, d.seq.spec_token_ids or []))
+            start += len(d.rows)
+        verified = rejection_sample(logits[idx], rows, spans, self.sampler.greedy_and_lse, self.sampler.target_probs)
+        for d, v in zip(batch.drafts, verified, strict=True):
+            tokens = [SampledToken(t, lp, top) for t, lp, top in zip(v.token_ids, v.logprobs, v.top_logprobs,
+                                                                     strict=True)]
+            result.sampled[d.seq.seq_id] = tokens.pop()
+            result.spec_accepted[d.seq.seq_id] = tokens
+
+    def propose_drafts(self, so: SchedulerOutput, batch: InputBatch,
+                       result: ModelRunnerOutput) -> dict[int, tuple[int, list[int]]]:
         """The draft model's proposals from each listed sequence's last emitted token."""
         assert self.draft is not None
         starts = []
-        for s in sample_seqs:
+        for s in batch.sample_seqs:
             k = so.draft_k.get(s.seq_id, 0)
             if k:
                 accepted = len(result.spec_accepted.get(s.seq_id, ()))

@@ -26,6 +26,7 @@ from pagellm.lora.adapter import LoRAAdapter, load_adapter
 from pagellm.lora.layers import ModelLoRA, module_shapes
 from pagellm.lora_request import AdapterSpec
 from pagellm.models import get_model_class
+from pagellm.models.decoder import DecoderForCausalLM
 from pagellm.weights import freq_factors, iter_weights, load_model_config
 from pagellm.worker.cache_engine import CacheEngine, HostKVMemory, KVCacheSpec
 from pagellm.worker.draft_runner import DraftRunner
@@ -101,7 +102,7 @@ class Worker:
         self.kv_connector: KVConnectorWorker | None = None  # (built with the cache)
         self._kv_memory: HostKVMemory | None = None
 
-    def _build_model(self, path: str | None) -> tuple[torch.nn.Module, Any, Any]:
+    def _build_model(self, path: str | None) -> tuple[DecoderForCausalLM, Any, Any]:
         """``(model, HF config, source)``: built on meta (no random init), materialised
         uninitialised, then every weight loaded (sharded, a rank reads only its slice)."""
         source = resolve_model_source(path)
@@ -147,7 +148,7 @@ class Worker:
         self.model = model
         self.spec = self._kv_spec(model, hf_config, self.numerics)
         self.kv_fp = self._kv_fingerprint(source.path, arch)
-        self.draft_model: torch.nn.Module | None = None
+        self.draft_model: DecoderForCausalLM | None = None
         self.draft_spec: KVCacheSpec | None = None
         spec_cfg = self.config.speculative
         if spec_cfg is not None and spec_cfg.model is not None:
@@ -214,7 +215,7 @@ class Worker:
         self.draft_model = draft
         self.draft_spec = self._kv_spec(draft, hf_config, numerics)
 
-    def _numerics_for(self, model: torch.nn.Module, probe: bool, quantization: str | None) -> tuple[Numerics, int]:
+    def _numerics_for(self, model: DecoderForCausalLM, probe: bool, quantization: str | None) -> tuple[Numerics, int]:
         """The GEMM numerics for ``model`` (chosen per machine on a CPU, from its first layer's
         shapes; else the worker's) and its weights packed for them; returns how many weights the
         int8 kernel took."""
@@ -228,9 +229,9 @@ class Worker:
             packed_int8 = model.pack_for_cpu(numerics.compute_dtype, numerics.int8)
         return numerics, packed_int8
 
-    def _kv_spec(self, model: torch.nn.Module, hf_config: Any, numerics: Numerics) -> KVCacheSpec:
+    def _kv_spec(self, model: DecoderForCausalLM, hf_config: Any, numerics: Numerics) -> KVCacheSpec:
         inner = model.model
-        attn = inner.layers[inner.start].self_attn
+        attn = inner.first_layer.self_attn
         return KVCacheSpec(num_layers=inner.end - inner.start, num_kv_heads=attn.num_kv_heads,
                            head_dim=attn.head_dim, block_size=self.config.cache.block_size,
                            dtype=self._kv_cache_dtype(numerics))
@@ -308,14 +309,16 @@ class Worker:
                 cache.swap_in(ops.swap_in)
                 cache.copy(ops.copy)
         meta, connector = scheduler_output.kv_connector_metadata, self.kv_connector
-        transfer = KVConnectorOutput() if meta is not None and connector is not None else None
-        if transfer is not None:
+        transfer = None
+        if meta is not None and connector is not None:
+            transfer = KVConnectorOutput()
             connector.start_load_kv(meta, transfer)  # (blocks of waiting requests: no step reads them)
         t0 = time.perf_counter()
         out = self.model_runner.execute_model(scheduler_output, self.cache_engine.kv_caches)
         self.step_seconds += time.perf_counter() - t0
         self.num_steps += 1
         if transfer is not None:
+            assert meta is not None and connector is not None
             connector.save_kv(meta, transfer)
             if out is not None:
                 out.kv_connector_output = transfer
