@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -16,40 +17,68 @@ ARCH_CONFIGS = {
 }
 
 
-def require_cpu_kernel(available) -> None:
-    """Skip when the user disabled the compiled kernels; otherwise ``available()`` must hold (a
-    failed build on this machine is a test failure, not a skip)."""
-    if os.environ.get("PAGELLM_CPU_KERNELS") == "0":
-        pytest.skip("compiled CPU kernels disabled by PAGELLM_CPU_KERNELS=0")
-    assert available(), "the CPU kernel failed to build (see the warning log)"
+def require_kernel(available: Callable[[], bool], what: str, isa: tuple[str, ...] = (),
+                   switches: tuple[str, ...] = ()) -> None:
+    """The suite's rule for a test that needs a compiled kernel: it skips only where the user turned
+    the kernel off (``PAGELLM_CPU_KERNELS=0`` or one of ``switches``) or where this CPU lacks its
+    ISA (``isa``: /proc/cpuinfo flags), saying which; where the ISA is here, a kernel that did not
+    build or load fails the test."""
+    for var in ("PAGELLM_CPU_KERNELS", *switches):
+        if os.environ.get(var) == "0":
+            pytest.skip(f"{what} turned off by {var}=0")
+    if available():
+        return
+    from pagellm.kernels.machine import cpu_info
+
+    flags = _cpu_flags()
+    missing = [f for f in isa if f not in flags]
+    if missing:
+        pytest.skip(f"no {what} on this machine: it needs {' '.join(missing)} ({cpu_info().summary()})")
+    pytest.fail(f"this machine has {' '.join(isa) or 'a C compiler'} but the {what} did not build or load "
+                "(see the warning log)")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def require_cpu_kernel(available: Callable[[], bool], what: str = "CPU kernel") -> None:
+    """A portable kernel (plain C, any x86-64 or ARM CPU): it must build wherever the kernels are on."""
+    require_kernel(available, what)
 
 
 def require_bf16_kernel() -> None:
-    """Skip on machines without the bfloat16 GEMM kernel (AVX512-BF16); say which."""
     from pagellm.kernels import gemm
-    from pagellm.kernels.machine import cpu_info
 
-    if not gemm.bf16_supported():
-        pytest.skip(f"no bfloat16 GEMM kernel on this machine ({cpu_info().summary()})")
+    require_kernel(gemm.bf16_supported, "bfloat16 GEMM kernel", ("avx512f", "avx512_bf16"),
+                   ("PAGELLM_CPU_GEMM", "PAGELLM_CPU_BF16"))
+
+
+def require_amx_kernel() -> None:
+    from pagellm.kernels import gemm
+
+    require_bf16_kernel()
+    require_kernel(gemm.amx_supported, "AMX bfloat16 GEMM kernel", ("amx_bf16", "amx_tile"), ("PAGELLM_CPU_AMX",))
 
 
 def require_f32_gemm_kernel() -> None:
-    """Skip on machines without the packed float32 GEMM kernel (AVX-512; or with the kernels
-    disabled): the projections are then MKL's, whose row results change with the batch; say which."""
+    """The packed float32 GEMM (AVX-512); without it the projections are MKL's, whose row results
+    change with the batch."""
     from pagellm.kernels import gemm
-    from pagellm.kernels.machine import cpu_info
 
-    if not gemm.usable(torch.zeros(1, 1)):
-        pytest.skip(f"no packed float32 GEMM kernel on this machine ({cpu_info().summary()}, or kernels disabled)")
+    require_kernel(lambda: gemm.usable(torch.zeros(1, 1)), "packed float32 GEMM kernel", ("avx512f",),
+                   ("PAGELLM_CPU_GEMM",))
 
 
 def require_int8_kernel() -> None:
-    """Skip on machines without the int8 GEMM kernel (AVX512-VNNI); say which."""
     from pagellm.kernels import gemm_int8
-    from pagellm.kernels.machine import cpu_info
 
-    if not gemm_int8.supported():
-        pytest.skip(f"no int8 GEMM kernel on this machine ({cpu_info().summary()})")
+    require_kernel(gemm_int8.supported, "int8 GEMM kernel", ("avx512f", "avx512bw", "avx512_vnni"),
+                   ("PAGELLM_CPU_GEMM", "PAGELLM_CPU_INT8"))
 
 
 def _tokenizer_dir(tmp_root: str) -> str:
@@ -133,6 +162,16 @@ def tiny_llama(ckpt_root) -> str:
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     return bundled_model_path()
+
+
+def assert_cache_pressure(engine, preemption_mode: str | None) -> None:
+    """A tight-cache variant must have preempted (and swapped, in swap mode): else it tests less
+    than it says. ``preemption_mode`` None: no pressure expected, nothing checked."""
+    stats = engine.get_stats()
+    if preemption_mode is not None:
+        assert stats["num_preemptions"] > 0, "the cache was not tight: no preemption"
+    if preemption_mode == "swap":
+        assert stats["num_swap_outs"] > 0, "swap mode never swapped"
 
 
 def run_to_completion(engine, check_invariants: bool = True, max_steps: int = 20_000) -> dict[str, object]:

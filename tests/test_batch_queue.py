@@ -14,7 +14,7 @@ from pagellm import LLM, LLMEngine, LoRARequest, SamplingParams
 from pagellm.config import EngineArgs
 from pagellm.sampling_params import BeamSearchParams
 
-from conftest import build_tiny_checkpoint, run_to_completion
+from conftest import assert_cache_pressure, build_tiny_checkpoint, run_to_completion
 from test_hf_parity import random_prompts
 
 TIGHT = dict(max_num_batched_tokens=32, long_prefill_token_threshold=16, num_gpu_blocks_override=30, block_size=8,
@@ -28,6 +28,7 @@ VARIANTS = {
 
 
 def run(model: str, async_scheduling: bool, requests, **kw) -> dict:
+    """Every request's completions (a tight-cache variant checked to have been under pressure)."""
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, dtype="float32", async_scheduling=async_scheduling,
                                                    **kw))
     try:
@@ -35,6 +36,7 @@ def run(model: str, async_scheduling: bool, requests, **kw) -> dict:
             engine.add_request(rid, {"prompt_token_ids": prompt}, params)
         done = run_to_completion(engine)
         assert not engine.scheduler.in_flight
+        assert_cache_pressure(engine, kw.get("preemption_mode"))
         return {rid: [c.token_ids for c in out.outputs] for rid, out in done.items()}
     finally:
         engine.shutdown()
@@ -109,13 +111,15 @@ def test_structured_output_under_async_scheduling(tiny_llama):
             eng = llm.llm_engine
             assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_blocks
             assert eng.structured_outputs.num_constrained == 0
+            assert_cache_pressure(eng, kw.get("preemption_mode"))
         for o in outs:
             jsonschema.validate(json.loads(o.outputs[0].text), PERSON)
         return [o.outputs[0].token_ids for o in outs]
 
     ref = outputs(False)
     assert outputs(True) == ref
-    assert outputs(True, num_gpu_blocks_override=12, block_size=16, preemption_mode="recompute",
+    # 12 blocks of 4 tokens for 4 requests of about 22 tokens each (6 blocks at their end): preemptions.
+    assert outputs(True, num_gpu_blocks_override=12, block_size=4, preemption_mode="recompute",
                    max_num_batched_tokens=13, long_prefill_token_threshold=0) == ref
 
 
@@ -139,6 +143,7 @@ def test_lora_under_async_scheduling(ckpt_root):
                 engine.add_request(str(i), {"prompt_token_ids": p}, params, lora_request=adapters[i % 3])
             done = run_to_completion(engine)
             assert not engine.scheduler.in_flight
+            assert_cache_pressure(engine, kw.get("preemption_mode"))
             return {rid: o.outputs[0].token_ids for rid, o in done.items()}
         finally:
             engine.shutdown()

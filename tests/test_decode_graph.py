@@ -7,8 +7,9 @@ import os
 import pytest
 import torch
 
-from pagellm.kernels import decode_graph, gemm
+from pagellm.kernels import decode_graph
 
+from conftest import require_bf16_kernel, require_f32_gemm_kernel
 from test_hf_parity import random_prompts
 
 
@@ -24,8 +25,9 @@ def _layer_by_layer(llm) -> None:
 def _require_graph(dtype: str = "auto") -> None:
     if os.environ.get("PAGELLM_DECODE_GRAPH") == "0":
         pytest.skip("PAGELLM_DECODE_GRAPH=0")
-    if not gemm.usable(torch.zeros(1, 32)) or (dtype == "bfloat16" and not gemm.bf16_supported()):
-        pytest.skip(f"no {dtype} GEMM kernel here (AVX-512{', AVX512-BF16' if dtype == 'bfloat16' else ''})")
+    require_f32_gemm_kernel()
+    if dtype == "bfloat16":
+        require_bf16_kernel()
     assert decode_graph.enabled(), "decode_graph.c should build wherever the GEMM kernels do"
 
 

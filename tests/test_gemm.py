@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import gguf
 import numpy as np
 import pytest
@@ -16,18 +13,14 @@ from pagellm.kernels import gemm
 from pagellm.layers.linear import QUANTIZED_MAX_ROWS, Linear
 from pagellm.layers.parallel import RowParallelLinear
 
-from conftest import require_cpu_kernel
+from conftest import require_f32_gemm_kernel
 
 
 @pytest.fixture(autouse=True)
 def _built(request: pytest.FixtureRequest) -> None:
     if request.node.name.startswith("test_disabled"):
         return
-    if os.environ.get("PAGELLM_CPU_GEMM") == "0":
-        pytest.skip("GEMM kernel disabled by PAGELLM_CPU_GEMM=0")
-    if "avx512f" not in (Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""):
-        pytest.skip("the GEMM kernel needs AVX-512")
-    require_cpu_kernel(lambda: gemm.usable(torch.zeros(1, 1)))
+    require_f32_gemm_kernel()
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:

@@ -18,7 +18,7 @@ import torch
 from pagellm import LLMEngine, SamplingParams
 from pagellm.config import EngineArgs, KVTransferConfig
 
-from conftest import build_tiny_checkpoint, run_to_completion
+from conftest import assert_cache_pressure, build_tiny_checkpoint, run_to_completion
 
 NEW = 8
 BS = 16
@@ -87,15 +87,18 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_restart_loads_the_saved_prefix_and_greedy_tokens_are_unchanged(model, reference, tmp_path, variant):
     store = str(tmp_path / "kv")
+    mode = VARIANTS[variant].get("preemption_mode")
     first = engine(model, store, **VARIANTS[variant])
     assert greedy(first, prompts()) == reference
     assert first.scheduler.make_stats().kv_blocks_saved > 0
+    assert_cache_pressure(first, mode)
     close(first)
     files = block_files(store)
     assert files, "nothing saved"
     second = engine(model, store, **VARIANTS[variant])  # a new engine: its device cache is empty
     assert greedy(second, prompts()) == reference
     stats = second.scheduler.make_stats()
+    assert_cache_pressure(second, mode)
     assert stats.kv_blocks_loaded >= 300 // BS, "the shared prefix was recomputed, not loaded"
     assert stats.kv_load_failures == 0
     # Every loaded token counts as a prefix hit: the shared 18 blocks, for the first request at least.

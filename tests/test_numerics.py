@@ -16,10 +16,11 @@ import transformers
 from pagellm import LLMEngine, SamplingParams
 from pagellm.config import EngineArgs
 from pagellm.kernels import gemm, gemm_int8
-from pagellm.kernels.machine import choose_numerics, cpu_info
+from pagellm.kernels.machine import choose_numerics
 
 from conftest import (
     build_tiny_checkpoint,
+    require_amx_kernel,
     require_bf16_kernel,
     require_int8_kernel,
     round_to_gguf_blocks,
@@ -28,12 +29,17 @@ from conftest import (
 from test_hf_parity import SMOL_PROMPTS, random_prompts
 
 TOP = 5
+# Largest logprob gap (nats) in the float32 reference between its token and ours where greedy
+# first diverges: a divergence at a larger gap is not a near tie but an error. Measured here (Xeon,
+# AMX): tiny models in bfloat16 0.0004-0.11; SmolLM2 bfloat16 0.005, int8 0.015-0.33. The bounds
+# leave room for other machines' kernels (AVX512-BF16 without AMX sums in another order).
+MAX_GAP = {"tiny_bfloat16": 0.3, "bfloat16": 0.5, "int8": 1.0, "int8_kv": 1.0}
 BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
 NEW_TOKENS = 24
 
 
-def hf_greedy_top(model, prompt: list[int], new_tokens: int) -> tuple[list[int], list[set[int]]]:
-    """HF float32 greedy tokens and each step's top-5 token ids."""
+def hf_greedy_top(model, prompt: list[int], new_tokens: int) -> tuple[list[int], list[dict[int, float]]]:
+    """HF float32 greedy tokens and each step's top-5 tokens with their logprobs."""
     ids = torch.tensor([prompt])
     config = transformers.GenerationConfig(do_sample=False, max_new_tokens=new_tokens, eos_token_id=None,
                                            pad_token_id=0, bos_token_id=None, output_scores=True,
@@ -42,7 +48,12 @@ def hf_greedy_top(model, prompt: list[int], new_tokens: int) -> tuple[list[int],
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     tokens = out.sequences[0, len(prompt):].tolist()
-    return tokens, [set(s[0].topk(TOP).indices.tolist()) for s in out.scores]
+    tops = []
+    for scores in out.scores:
+        lp = torch.log_softmax(scores[0].double(), -1)
+        top = lp.topk(TOP)
+        tops.append(dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)))
+    return tokens, tops
 
 
 def engine_greedy_top(path: str | None, prompts: list[list[int]], new_tokens: int, **kw):
@@ -52,30 +63,30 @@ def engine_greedy_top(path: str | None, prompts: list[list[int]], new_tokens: in
         engine.add_request(str(i), {"prompt_token_ids": p}, params)
     done = run_to_completion(engine)
     outs = [done[str(i)].outputs[0] for i in range(len(prompts))]
-    return [(o.token_ids, [set(sorted(lp, key=lambda t: lp[t].rank)[:TOP]) for lp in o.logprobs]) for o in outs], engine
+    return [(o.token_ids, [{t: lp[t].logprob for t in sorted(lp, key=lambda t: lp[t].rank)[:TOP]}
+                           for lp in o.logprobs]) for o in outs], engine
 
 
-def check_logprobs_close(a, b) -> int:
+def check_logprobs_close(a, b) -> list[float]:
     """Per prompt: tokens equal until the first divergence, where each side's token is in the
-    other's top 5 (then the sequences are no longer comparable). Returns the number of prompts
-    that diverged."""
-    diverged = 0
+    other's top 5 (then the sequences are no longer comparable). Returns, for each prompt that
+    diverged, the reference ``b``'s logprob gap there between its own token and ``a``'s: how
+    near a tie the divergence was (0 = an exact tie)."""
+    gaps = []
     for i, ((ta, topa), (tb, topb)) in enumerate(zip(a, b, strict=True)):
         for pos, (x, y) in enumerate(zip(ta, tb, strict=True)):
             if x != y:
                 assert x in topb[pos] and y in topa[pos], \
                     f"prompt {i} position {pos}: {x} vs {y} not in each other's top-{TOP}"
-                diverged += 1
+                gaps.append(topb[pos][y] - topb[pos][x])
                 break
-    return diverged
+    return gaps
 
 
 # ---------------------------------------------------------------------- the kernels
 @pytest.mark.parametrize("amx", [False, True])
 def test_bf16_gemm_equals_the_rounded_product_and_is_batch_invariant(amx):
-    require_bf16_kernel()
-    if amx and not gemm.amx_supported():
-        pytest.skip(f"no AMX here ({cpu_info().summary()})")
+    (require_amx_kernel if amx else require_bf16_kernel)()
     torch.manual_seed(0)
     for n, k in ((960, 576), (576, 1536), (33, 577), (5, 40)):
         w, x, b = torch.randn(n, k), torch.randn(150, k), torch.randn(n)
@@ -239,7 +250,11 @@ def test_bfloat16_is_logprob_close_to_hf_float32(ckpt_root, arch):
     ref = [hf_greedy_top(hf, p, NEW_TOKENS) for p in prompts]
     got, engine = engine_greedy_top(path, prompts, NEW_TOKENS, dtype="bfloat16")
     assert engine.model_info.dtype == "bfloat16"
-    check_logprobs_close(got, ref)
+    # The tiny random models' next-token distributions are nearly flat (top logprobs about -5.5,
+    # neighbours 0.01-0.1 nats apart), so most prompts meet a near tie within 24 tokens; what must
+    # hold is that each divergence is one: measured gaps 0.0004-0.11 nats (llama, qwen2, qwen3).
+    gaps = check_logprobs_close(got, ref)
+    assert all(g <= MAX_GAP["tiny_bfloat16"] for g in gaps), f"divergences at HF logprob gaps {gaps}"
 
 
 # mode -> (engine arguments, the numerics the engine reports)
@@ -266,8 +281,9 @@ def test_smollm2_is_logprob_close_to_hf_float32(smollm2_path, mode):
     kwargs, numerics = MODES[mode]
     got, engine = engine_greedy_top(None, prompts, 32, **kwargs)
     assert engine.model_info.dtype == numerics
-    diverged = check_logprobs_close(got, ref)
-    assert diverged <= len(prompts) // 2, f"{diverged} of {len(prompts)} prompts diverged from HF float32"
+    gaps = check_logprobs_close(got, ref)
+    assert len(gaps) <= len(prompts) // 2, f"{len(gaps)} of {len(prompts)} prompts diverged from HF float32"
+    assert all(g <= MAX_GAP[mode] for g in gaps), f"divergences at HF logprob gaps {gaps}"
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ k, under memory pressure, chunking, prefix hits, stops inside accepted runs)."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -14,7 +15,7 @@ from pagellm import LLMEngine, SamplingParams
 from pagellm.config import EngineArgs, SpeculativeConfig, resolve_model_source
 from pagellm.sampling import rejection_sampler
 from pagellm.sampling.rejection_sampler import DraftSpan, rejection_sample
-from pagellm.sampling.sampler import SamplingRow, target_probs
+from pagellm.sampling.sampler import SamplingRow
 from pagellm.sequence import Sequence
 from pagellm.spec_decode.proposers import NgramProposer, SuffixProposer
 
@@ -36,43 +37,123 @@ def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
 
 
-def _run_verifier(trials: int, draft_model: bool, seed: int = 0):
-    """``trials`` verifications of one drafted token over fixed logits at temperature 0.8 with
-    top-p 0.9; returns the first emitted token's counts, the second's given the draft was
-    accepted, and the two target distributions."""
+def reference_probs(logits: list[float], params: SamplingParams, prompt: list[int], output: list[int]) -> list[float]:
+    """The distribution a sampled token must follow, in float64, written from the documented rules
+    (not the product's code): repetition penalty over the distinct prompt and output tokens
+    (a positive logit divided by it, a negative one multiplied), frequency and presence penalties
+    over the output's counts; then temperature; top-k (the k largest, ties at the k-th kept);
+    top-p (a token is dropped when the mass of the likelier ones already reaches top_p); min-p
+    (dropped when its probability is below min_p times the largest)."""
+    x = [float(v) for v in logits]
+    vocab = len(x)
+    if params.repetition_penalty != 1.0:
+        for t in set(prompt) | set(output):
+            x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
+    for t in set(output):
+        x[t] -= params.frequency_penalty * output.count(t) + params.presence_penalty
+    x = [v / params.temperature for v in x]
+    keep = set(range(vocab))
+    if 0 < params.top_k < vocab:
+        kth = sorted(x, reverse=True)[params.top_k - 1]
+        keep = {t for t in keep if x[t] >= kth}
+
+    def softmax(tokens: set[int]) -> dict[int, float]:
+        top = max(x[t] for t in tokens)
+        e = {t: math.exp(x[t] - top) for t in tokens}
+        z = sum(e.values())
+        return {t: v / z for t, v in e.items()}
+    if params.top_p < 1.0:
+        probs = softmax(keep)
+        before = 0.0
+        kept = set()
+        for t in sorted(keep, key=lambda t: -probs[t]):
+            if before < params.top_p:
+                kept.add(t)
+            before += probs[t]
+        keep = kept
+    if params.min_p > 0.0:
+        probs = softmax(keep)
+        best = max(probs.values())
+        keep = {t for t in keep if probs[t] >= params.min_p * best}
+    probs = softmax(keep)
+    return [probs.get(t, 0.0) for t in range(vocab)]
+
+
+VERIFIER_PARAMS = {
+    "temperature+top_p": SamplingParams(temperature=0.8, top_p=0.9),
+    "top_k+min_p": SamplingParams(temperature=1.3, top_k=5, min_p=0.05),
+    "penalties": SamplingParams(temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5,
+                                frequency_penalty=0.4),
+}
+PROMPT = [1, 3, 3]
+
+
+def _run_verifier(trials: int, draft_model: bool, params: SamplingParams, seed: int = 0):
+    """``trials`` verifications of one drafted token over fixed logits; returns the first emitted
+    token's counts, the second's given the draft was accepted, and the reference distributions
+    of the first position and (one-hot drafts) of the second."""
     torch.manual_seed(seed)
     vocab = 8
     logits = torch.randn(2, vocab) * 1.5
-    params = SamplingParams(temperature=0.8, top_p=0.9)
-    p = target_probs(logits, [params, params])
+    p0 = reference_probs(logits[0].tolist(), params, PROMPT, [])
     q = torch.softmax(torch.randn(vocab), -1) if draft_model else None
     gen = torch.Generator().manual_seed(seed)
     first = torch.zeros(vocab, dtype=torch.long)
     second = torch.zeros(vocab, dtype=torch.long)
-    fixed_draft = int(torch.argsort(p[0], descending=True)[1])  # a likely but not the likeliest token
+    fixed_draft = sorted(range(vocab), key=lambda t: -p0[t])[1]  # a likely but not the likeliest token
+    second_ref: dict[int, list[float]] = {}
     for _ in range(trials):
         d = int(torch.multinomial(q, 1, generator=gen)) if q is not None else fixed_draft
-        rows = [SamplingRow(params, [1], [], gen), SamplingRow(params, [1], [d], gen)]
+        rows = [SamplingRow(params, PROMPT, [], gen), SamplingRow(params, PROMPT, [d], gen)]
         (out,) = rejection_sample(logits.clone(), rows, [DraftSpan(0, [d], None if q is None else q[None])])
         first[out.token_ids[0]] += 1
         if len(out.token_ids) == 2:
             assert out.token_ids[0] == d
             second[out.token_ids[1]] += 1
-    return first, second, p
+            second_ref[d] = reference_probs(logits[1].tolist(), params, PROMPT, [d])
+    # The second position's target depends on the accepted draft (penalties see it): with one-hot
+    # drafts there is one; a draft model's second tokens mix several, and are not compared.
+    p1 = torch.tensor(second_ref[fixed_draft], dtype=torch.float64) if not draft_model else None
+    return first, second, torch.tensor(p0, dtype=torch.float64), p1
 
 
+@pytest.mark.parametrize("name", VERIFIER_PARAMS)
 @pytest.mark.parametrize("draft_model", [False, True], ids=["one-hot drafts", "draft-model q"])
-def test_rejection_sampler_keeps_the_target_distribution(draft_model):
-    first, second, p = _run_verifier(6000, draft_model)
-    assert _chi2_pvalue(first, p[0]) > 1e-3
-    assert second.sum() > 500 and _chi2_pvalue(second, p[1]) > 1e-3  # the bonus token, after an acceptance
+def test_rejection_sampler_keeps_the_target_distribution(draft_model, name):
+    params = VERIFIER_PARAMS[name]
+    first, second, p0, p1 = _run_verifier(6000, draft_model, params)
+    assert _chi2_pvalue(first, p0) > 1e-3
+    if p1 is not None:  # the bonus token, after an acceptance
+        assert second.sum() > 500 and _chi2_pvalue(second, p1) > 1e-3
+
+
+def test_reference_distribution_is_not_a_plain_softmax():
+    """Each parameter set changes the distribution (so the chi-square tests above test the rules)."""
+    logits = (torch.randn(8, generator=torch.Generator().manual_seed(0)) * 1.5).tolist()
+    plain = torch.softmax(torch.tensor(logits, dtype=torch.float64), -1)
+    for name, params in VERIFIER_PARAMS.items():
+        ref = torch.tensor(reference_probs(logits, params, PROMPT, [3]), dtype=torch.float64)
+        assert (ref - plain).abs().max() > 0.02, name
 
 
 def test_chi_square_catches_a_verifier_that_skips_the_residual(monkeypatch):
     """The mutant resamples from p itself after a rejection: the draft's token is then over-represented."""
     monkeypatch.setattr(rejection_sampler, "residual", lambda p, d, q: p)
-    first, _, p = _run_verifier(6000, draft_model=False)
-    assert _chi2_pvalue(first, p[0]) < 1e-6
+    first, _, p0, _ = _run_verifier(6000, False, VERIFIER_PARAMS["temperature+top_p"])
+    assert _chi2_pvalue(first, p0) < 1e-6
+
+
+def test_chi_square_catches_penalties_that_ignore_the_accepted_draft(monkeypatch):
+    """The mutant verifies the bonus position as if the draft were not in the output yet: its
+    penalties then miss the draft, and the second token's distribution is off."""
+    real = rejection_sampler.process_logits
+
+    def mutant(logits, rows, greedy_and_lse):
+        rows = [SamplingRow(r.params, r.prompt_token_ids, [], r.generator) for r in rows]
+        return real(logits, rows, greedy_and_lse)
+    monkeypatch.setattr(rejection_sampler, "process_logits", mutant)
+    _, second, _, p1 = _run_verifier(6000, False, VERIFIER_PARAMS["penalties"])
+    assert p1 is not None and _chi2_pvalue(second, p1) < 1e-6
 
 
 def test_greedy_verification_seeds_and_logprobs():
