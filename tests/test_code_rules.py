@@ -52,3 +52,19 @@ def test_no_assert_in_the_package_calls_anything_with_effects():
     bad = [f"{path.relative_to(PKG.parent)}:{line}: {call}"
            for path in sorted(PKG.rglob("*.py")) for line, call in side_effect_calls(path.read_text())]
     assert not bad, "calls inside asserts vanish under python -O; call first, then check:\n" + "\n".join(bad)
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_is_longer_than_80_lines():
+    """A function that does not fit on a screen does several things: split it (nested route
+    handlers count towards the function that defines them)."""
+    long = []
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(PKG.parent)}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, long

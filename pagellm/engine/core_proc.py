@@ -101,8 +101,7 @@ def run_engine_core(engine_args: EngineArgs, chat_template: str | None, input_ad
     info = CoreInfo(engine.model_info.vocab_size, engine.max_model_len, engine.get_tokenizer())
     for sock in outs:
         _send(sock, ("ready", info))
-    owner: dict[str, int] = {}  # request id -> client index
-    deltas = OutputDeltaEncoder()
+    core = _CoreServer(engine, outs)
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
     parent = os.getppid()
@@ -111,35 +110,11 @@ def run_engine_core(engine_args: EngineArgs, chat_template: str | None, input_ad
         if os.getppid() != parent:  # the process that started this core is gone: nobody can reach it
             logger.warning("the engine core's parent process exited; stopping")
             break
-        busy = engine.has_unfinished_requests()
         # Idle: wait for a message. Busy: take what is there and step.
-        timeout = 0 if busy else POLL_MS
-        while poller.poll(timeout):
+        timeout = 0 if engine.has_unfinished_requests() else POLL_MS
+        while running and poller.poll(timeout):
             timeout = 0
-            msg = pickle.loads(inp.recv())
-            kind = msg[0]
-            if kind == "add":
-                _, client, rid, prompt, params, priority, lora_request = msg
-                try:
-                    engine.add_request(rid, prompt, params, priority=priority, lora_request=lora_request)
-                    owner[rid] = client
-                except Exception as e:  # invalid input: that request's stream raises it
-                    _send(outs[client], ("error", rid, _picklable(e)))
-            elif kind == "abort":
-                engine.abort_request(msg[1])
-                owner.pop(msg[1], None)
-                deltas.forget(msg[1])
-            elif kind in ("stats", "health", "trace", "lora"):
-                _, client, token, *arg = msg
-                try:
-                    result: Any = (engine.get_stats() if kind == "stats" else engine.get_trace() if kind == "trace"
-                                   else lora_op(engine, *arg[0]) if kind == "lora" else engine.check_health())
-                except Exception as e:  # noqa: BLE001 - the health answer is the exception
-                    result = _picklable(e)
-                _send(outs[client], ("reply", token, result))
-            elif kind == "shutdown":
-                running = False
-                break
+            running = core.handle(pickle.loads(inp.recv()))
         if not running or not engine.has_unfinished_requests():
             continue
         try:
@@ -149,17 +124,58 @@ def run_engine_core(engine_args: EngineArgs, chat_template: str | None, input_ad
             for sock in outs:
                 _send(sock, ("dead", repr(e)))
             break
+        core.publish(outputs)
+    engine.shutdown()
+
+
+class _CoreServer:
+    """The core's side of its clients: their messages applied to the engine, each step's outputs
+    sent as deltas to the client that owns each request."""
+
+    def __init__(self, engine: Any, outs: list[Any]) -> None:
+        self.engine = engine
+        self.outs = outs
+        self.owner: dict[str, int] = {}  # request id -> client index
+        self.deltas = OutputDeltaEncoder()
+
+    def handle(self, msg: tuple) -> bool:
+        """Apply one client message; ``False`` once told to shut down."""
+        engine, kind = self.engine, msg[0]
+        if kind == "add":
+            _, client, rid, prompt, params, priority, lora_request = msg
+            try:
+                engine.add_request(rid, prompt, params, priority=priority, lora_request=lora_request)
+                self.owner[rid] = client
+            except Exception as e:  # invalid input: that request's stream raises it
+                _send(self.outs[client], ("error", rid, _picklable(e)))
+        elif kind == "abort":
+            engine.abort_request(msg[1])
+            self.owner.pop(msg[1], None)
+            self.deltas.forget(msg[1])
+        elif kind in ("stats", "health", "trace", "lora"):
+            _, client, token, *arg = msg
+            try:
+                result: Any = (engine.get_stats() if kind == "stats" else engine.get_trace() if kind == "trace"
+                               else lora_op(engine, *arg[0]) if kind == "lora" else engine.check_health())
+            except Exception as e:  # noqa: BLE001 - the health answer is the exception
+                result = _picklable(e)
+            _send(self.outs[client], ("reply", token, result))
+        elif kind == "shutdown":
+            return False
+        return True
+
+    def publish(self, outputs: list[RequestOutput]) -> None:
+        """One message per client with its requests' outputs of this step."""
         by_client: dict[int, list[RequestOutput | OutputDelta]] = defaultdict(list)
         for out in outputs:
-            client = owner.get(out.request_id)
+            client = self.owner.get(out.request_id)
             if client is None:
                 continue
-            by_client[client].append(deltas.encode(out))
+            by_client[client].append(self.deltas.encode(out))
             if out.finished:
-                del owner[out.request_id]
+                del self.owner[out.request_id]
         for client, items in by_client.items():
-            _send(outs[client], ("outputs", items))
-    engine.shutdown()
+            _send(self.outs[client], ("outputs", items))
 
 
 def core_addresses(num_clients: int) -> tuple[str, str, list[str]]:

@@ -417,8 +417,14 @@ class OpenAIServer:
     def _build(self) -> FastAPI:
         app = FastAPI(title="pagellm", version=pagellm.__version__)
         app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
-        server = self
+        self._add_error_handlers(app)
+        v1, keyed = self._guards()
+        self._add_service_routes(app, v1, keyed)
+        self._add_api_routes(app, v1, keyed)
+        return app
 
+    @staticmethod
+    def _add_error_handlers(app: FastAPI) -> None:
         @app.exception_handler(APIError)
         async def _api_error(_: Request, e: APIError) -> JSONResponse:
             return _error(e.message, e.status, e.type, e.param, e.code)
@@ -434,6 +440,11 @@ class OpenAIServer:
         async def _dead(_: Request, e: EngineDeadError) -> JSONResponse:
             return _error(str(e), 503, "ServiceUnavailableError")
 
+    def _guards(self) -> tuple[list[Any], list[Any]]:
+        """``(v1, keyed)``: the dependencies of the API routes (the key, and a running engine) and
+        of the service routes that need only the key. With --api-key everything but /health,
+        /version and the OpenAPI document needs it."""
+        server = self
         # A dependency, not HTTP middleware: Starlette's BaseHTTPMiddleware hides client
         # disconnects from ``Request.is_disconnected``, which abort-on-disconnect relies on.
         expected = f"Bearer {server.api_key}".encode() if server.api_key else None
@@ -449,8 +460,11 @@ class OpenAIServer:
             if not server.engine.is_running:
                 raise APIError("The engine is not running.", 503, "ServiceUnavailableError")
 
-        # With --api-key: everything but /health, /version and the OpenAPI document needs the key.
-        v1, keyed = [Depends(guard)], [Depends(key_guard)]
+        return [Depends(guard)], [Depends(key_guard)]
+
+    def _add_service_routes(self, app: FastAPI, v1: list[Any], keyed: list[Any]) -> None:
+        """Health, version, models, LoRA adapters, metrics and the step trace."""
+        server = self
 
         @app.get("/health", response_class=Response,
                  responses={200: {"description": "The engine is running (empty body)"}, **error_responses(503)})
@@ -507,6 +521,10 @@ class OpenAIServer:
                               "NotFoundError")
             return Response(json.dumps(trace, separators=(",", ":")), media_type="application/json")
 
+    def _add_api_routes(self, app: FastAPI, v1: list[Any], keyed: list[Any]) -> None:
+        """Tokenization and the OpenAI generation endpoints."""
+        server = self
+
         @app.post("/tokenize", dependencies=keyed, responses=error_responses(400, 401, 404))
         async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
             server._check_model(body.model)
@@ -531,8 +549,6 @@ class OpenAIServer:
         @app.post("/v1/chat/completions", dependencies=v1, responses=error_responses(400, 401, 404, 503))
         async def chat(body: ChatCompletionRequest, request: Request):
             return await server._chat(body, request)
-
-        return app
 
     # ------------------------------------------------------------------ /v1/completions
     def _completion_prompts(self, prompt: Any) -> list[dict[str, Any]]:
