@@ -4,15 +4,16 @@ The core process's main thread owns the ``LLMEngine`` (scheduler, KV cache manag
 only thread there that runs the kernels' OpenMP regions) and runs a busy loop: take every message
 waiting on its input socket (add, abort, stats, health, shutdown), step while requests are
 unfinished, send each step's ``RequestOutput``s to the client that sent the request, by
-``client_index`` (seed ``002``: ``dict[client_index, EngineCoreOutputs]``). A front end (the HTTP
+``client_index`` (vLLM V1's ``dict[client_index, EngineCoreOutputs]``). A front end (the HTTP
 server) holds an ``AsyncEngineClient``: it sends requests over ZMQ (a PUSH socket into the core's
 PULL) and a receiver thread reads its own PULL socket and feeds each request's asyncio queue.
 
 Messages are pickled Python tuples (protocol 5): ``RequestOutput`` and ``SamplingParams`` are plain
 dataclasses, and one message per step per client carries every request's output of that step, a
 plain request's as an ``OutputDelta`` between its first and last (``output_delta``).
-Detokenization and stop strings stay in the core (``LLMEngine.step`` does them); see the issue
-note for why. If the core dies (a crash, a kill), the receiver sees the process gone within its
+Detokenization and stop strings stay in the core (``engine/output_processor.py``): a stop string
+ends its sequence in the step that completes it, so its blocks are free before the next schedule,
+and only new text crosses the socket. If the core dies (a crash, a kill), the receiver sees the process gone within its
 poll interval, every open stream ends with ``EngineDeadError`` and ``is_running`` turns false
 (``/health`` answers 503).
 """

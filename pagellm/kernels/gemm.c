@@ -8,8 +8,8 @@
  * features, [ceil(N / 32)][K][32], makes each panel one contiguous stream that is read from memory
  * once per call and then from L2 for every tile of rows. Each thread walks its panels in order and
  * prefetches the next one into L2 while it computes on this one, so the weight stream overlaps the
- * arithmetic instead of stalling the first tile of every panel (the previous scheme prefetched the
- * current panel 8 KiB ahead: 3-20 % slower at 16-128 rows, benchmarks/gemm.py --baseline-source).
+ * arithmetic instead of stalling the first tile of every panel (prefetching the current panel a
+ * few KiB ahead instead was 3-20 % slower at 16-128 rows, benchmarks/gemm.py --baseline-source).
  *
  * x:    [M, K] rows ldx apart (last dimension contiguous)
  * wp:   the packed weight (pack_weight_f32), N padded with zero columns to a multiple of 32

@@ -4,10 +4,9 @@
 batch sizes that is a large share of the work. :meth:`Linear.pack_for_cpu` packs the weight once
 (``kernels/gemm.py``) and every batch then takes the kernel, whose output row is the plain sum
 over k whatever the batch: a row's result never depends on the rows beside it, in float32 as in
-the other dtypes. (Prefill batches used to go to MKL, ~15 % faster in whole runs on the machine
-that was measured on, 1.12-1.2x slower than the kernel at 256-2048 rows on a 2-core EPYC; but MKL's
-result for a row changes with the batch's size, and a 16-bit or int8 K/V cache turns such last-bit
-differences into different greedy tokens under chunking or preemption.) The price is the packed
+the other dtypes (MKL's result for a row changes with the batch's size, and a 16-bit or int8 K/V
+cache turns such last-bit differences into different greedy tokens under chunking or preemption:
+docs/performance.md, "Measurements behind code choices"). The price is the packed
 copy: one more float32 copy of the projections (0.42 GB for SmolLM2-135M). A weight whose values
 are exactly GGUF blocks (a Q4_1 or Q8_0 model, dequantized: every projection of the bundled
 SmolLM2 is Q4_1, its tied LM head Q8_0) is also packed in 4 or 8 bits (``gemm.pack_quantized``,

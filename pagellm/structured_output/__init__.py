@@ -1,4 +1,4 @@
-"""Structured output: grammar-constrained decoding (seed 004, "Grammar-Constrained Generation").
+"""Structured output: grammar-constrained decoding (vLLM's ``structured_outputs``).
 
 A request's ``SamplingParams.structured_outputs`` compiles to a grammar off the engine loop
 (``manager.StructuredOutputManager``); each step the manager fills one bitmask row per constrained
