@@ -14,7 +14,7 @@ import torch
 
 from pagellm import LLM, LLMEngine, LoRARequest, SamplingParams
 from pagellm.config import EngineArgs
-from pagellm.core.scheduler import LORA_MAX_SKIPS
+from pagellm.core.lora_admission import LORA_MAX_SKIPS
 
 from conftest import build_tiny_checkpoint, run_to_completion
 from conftest_core import fake_step, make_group, make_scheduler
@@ -199,7 +199,7 @@ def test_max_loras_passes_over_a_request_without_losing_its_place_and_it_cannot_
             sched.add_request(more.pop())
         fake_step(sched)
     # After LORA_MAX_SKIPS passes nobody overtakes b: once a finishes, b runs.
-    assert sched._lora_skips[groups[1].request_id] == LORA_MAX_SKIPS
+    assert sched.lora.skips[groups[1].request_id] == LORA_MAX_SKIPS
     while sched.has_unfinished_requests():
         out, _ = fake_step(sched)
         assert len({lora_of[s.request_id] for s in out.scheduled} - {0}) <= 1

@@ -38,6 +38,7 @@ from pagellm.core.invariants import check_scheduler_invariants
 from pagellm.core.kv_cache_manager import AllocStatus, KVCacheManager, SlotRequest
 from pagellm.core.kv_connector import KVConnectorScheduler
 from pagellm.core.kv_transfer_admission import KVTransferAdmission
+from pagellm.core.lora_admission import LoRAAdmission
 from pagellm.core.request_queue import FCFSRequestQueue, PriorityRequestQueue, RequestOrder
 from pagellm.core.scheduler_output import (
     CacheOps,
@@ -50,9 +51,6 @@ from pagellm.core.step_planner import StepPlanner
 from pagellm.core.stop_check import check_stop
 from pagellm.metrics import PrefixCacheStats, SchedulerStats
 from pagellm.sequence import Sequence, SequenceGroup, SequenceStatus
-
-# Steps a waiting request may be passed over for its adapter (max_loras) before nobody passes it.
-LORA_MAX_SKIPS = 8
 
 # Speculative decoding's per-token stop check from the engine (stop strings need the text):
 # ``(group, seq) -> True`` when ``seq``'s last appended token completes a stop string.
@@ -88,10 +86,7 @@ class Scheduler:
         self.in_flight: set[str] = set()
         self._load_failed: list[SequenceGroup] = []
         self.num_waiting_for_remote = 0  # in the last schedule(): requests waiting for pushed K/V
-        # Multi-LoRA: at most this many distinct adapters among a step's sequences (0: no LoRA),
-        # and the steps each waiting request was passed over for its adapter.
-        self.max_loras = max_loras
-        self._lora_skips: dict[str, int] = {}
+        self.lora = LoRAAdmission(max_loras)  # at most max_loras adapters in a step (0: no LoRA)
         # A draft model writes its drafts' K/V past a sampling sequence's scheduled tokens: it
         # gets these slots too when the pool has them (given back after the step).
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -200,7 +195,7 @@ class Scheduler:
             if seq.seq_id not in self._finished_seq_ids:
                 self._finished_seq_ids.append(seq.seq_id)
         del self.requests[group.request_id]
-        self._lora_skips.pop(group.request_id, None)
+        self.lora.forget(group.request_id)
 
     # ------------------------------------------------------------------ preemption
     def _preempt(self, group: SequenceGroup, ops: CacheOps) -> None:
@@ -247,15 +242,6 @@ class Scheduler:
 
     def _has_seq_room(self, group: SequenceGroup) -> bool:
         return self.num_running_seqs() + group.num_seqs_reserved <= self.config.max_num_seqs
-
-    def _running_adapters(self) -> set[int]:
-        """The LoRA adapters the running requests use (empty without LoRA)."""
-        return {g.lora_id for g in self.running if g.lora_id} if self.max_loras else set()
-
-    def _adapter_over_limit(self, group: SequenceGroup, adapters: set[int]) -> bool:
-        """Whether ``group``'s adapter would be one more than ``max_loras`` beside ``adapters``."""
-        return (bool(self.max_loras and group.lora_id) and group.lora_id not in adapters
-                and len(adapters) >= self.max_loras)
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
@@ -352,7 +338,7 @@ class Scheduler:
                 break  # a better request waits (e.g. the one this step's priority preemption was for)
             if not self._has_seq_room(group):
                 break
-            if self._adapter_over_limit(group, self._running_adapters()):
+            if self.lora.over_limit(group, self.lora.adapters(self.running)):
                 break  # its adapter would be one too many (it is the oldest swapped work: it goes next)
             seqs = group.live_seqs()
             n = self.planner.num_new_tokens(seqs[0].num_tokens, seqs[0].num_computed_tokens,
@@ -382,7 +368,7 @@ class Scheduler:
         nobody is admitted past an older (better) swapped request or a request pushed out this step."""
         kv = self.kv_cache_manager
         pending = self.planner.pending_block_hashes(self.running) if kv.enable_caching and self.waiting else set()
-        adapters = self._running_adapters()
+        adapters = self.lora.adapters(self.running)
         skipped: list[SequenceGroup] = []
         lora_skipped: list[str] = []
         while self.waiting and step.token_budget > 0:
@@ -396,12 +382,8 @@ class Scheduler:
             if kvt is not None and kvt.must_fail(group):
                 self._fail_load(group)
                 continue
-            if self._adapter_over_limit(group, adapters):
-                skips = self._lora_skips.get(group.request_id, 0)
-                if skips < LORA_MAX_SKIPS:
-                    # Its adapter would be one too many: the next requests may go first this
-                    # step; it keeps its place, and after LORA_MAX_SKIPS steps nobody passes it.
-                    self._lora_skips[group.request_id] = skips + 1
+            if self.lora.over_limit(group, adapters):
+                if self.lora.may_pass_over(group):  # its adapter would be one too many: it keeps its place
                     skipped.append(self.waiting.pop())
                     lora_skipped.append(group.request_id)
                     continue
