@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pagellm.beam_state import BeamSearchState
@@ -49,16 +50,15 @@ def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int, sl
     return max_len
 
 
+@dataclass(frozen=True)
 class InputProcessor:
     """Validates requests against the engine's fixed limits and builds their ``SequenceGroup``."""
 
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
-                 kv_capacity_tokens: int) -> None:
-        self.config = config
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        self.kv_capacity_tokens = kv_capacity_tokens
+    config: EngineConfig
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_model_len: int
+    kv_capacity_tokens: int  # every KV block's token slots: no prompt longer than that can ever run
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """``(text or None, token ids)`` of any accepted prompt form."""
