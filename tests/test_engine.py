@@ -241,3 +241,35 @@ def test_start_up_heap_is_frozen_until_shutdown(tiny_llama):
         engine.shutdown()
     # ... and collectable again once it is shut down (an in-process engine must not leak).
     assert gc.get_freeze_count() == 0
+
+
+def test_a_step_decorator_sees_every_step_before_the_workers(tiny_llama):
+    """The one seam for features that add to a step (core/step_decorator.py): a decorator
+    registered with the engine is called once per scheduled step, with the scheduler's requests,
+    and what it attaches reaches the worker (here: LoRA-less slots, checked in the runner)."""
+    eng = LLMEngine.from_engine_args(EngineArgs(model=tiny_llama, kv_cache_memory="16MiB", max_model_len=256))
+    seen: list[tuple[list[str], bool]] = []
+
+    class Recorder:
+        def decorate_step(self, so, requests):
+            seen.append(([s.request_id for s in so.scheduled], all(s.request_id in requests for s in so.scheduled)))
+            for s in so.scheduled:
+                s.lora_slot = -7  # a mark the worker's batch carries
+
+    runner = eng.executor.worker.model_runner
+    marks: list[int] = []
+    real = runner.prepare_inputs
+
+    def spy(so):
+        marks.extend(s.lora_slot for s in so.scheduled)
+        return real(so)
+
+    runner.prepare_inputs = spy
+    eng.decorators.append(Recorder())
+    try:
+        eng.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+        run_to_completion(eng)
+    finally:
+        eng.shutdown()
+    assert len(seen) == 3 and all(ids == ["a"] and known for ids, known in seen)
+    assert marks == [-7, -7, -7]
