@@ -270,6 +270,29 @@ def test_a_step_decorator_sees_every_step_before_the_workers(tiny_llama):
         eng.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
         run_to_completion(eng)
     finally:
+        del runner.prepare_inputs  # (the spy closes over the runner: no cycle left behind)
         eng.shutdown()
     assert len(seen) == 3 and all(ids == ["a"] and known for ids, known in seen)
     assert marks == [-7, -7, -7]
+
+
+@pytest.mark.parametrize("kw", [{}, {"speculative_config": {"method": "ngram"}}, {"enable_lora": True},
+                                {"kv_transfer_config": {"kv_connector": "DiskConnector"}}],
+                         ids=["plain", "spec", "lora", "kv_transfer"])
+def test_a_dropped_engine_is_freed(tiny_llama, tmp_path, kw):
+    """No reference cycle through the engine: its start-up objects are frozen out of the cyclic
+    collector (gc.freeze), so a cycle would keep its weights and KV cache alive for good (a
+    leak that ran the whole suite out of memory once)."""
+    import gc
+    import weakref
+
+    if "kv_transfer_config" in kw:
+        kw = {"kv_transfer_config": {"kv_connector": "DiskConnector",
+                                     "kv_connector_extra_config": {"path": str(tmp_path)}}}
+    eng = LLMEngine.from_engine_args(EngineArgs(model=tiny_llama, kv_cache_memory="16MiB", **kw))
+    eng.add_request("a", [5, 6, 7, 5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    run_to_completion(eng)
+    ref = weakref.ref(eng)
+    del eng
+    gc.collect()
+    assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]

@@ -133,7 +133,9 @@ class LLMEngine:
         self._log_steps = obs.log_step_details
         self.scheduler.record_decisions = obs.tracing or obs.log_step_details
         if config.speculative is not None:
-            self._spec = SpecDecodeManager(config.speculative, self.iteration_stats, self._no_drafts)
+            # (a module function, not a bound method: the engine must not be in a reference cycle,
+            # which gc.freeze at start-up would keep alive with its weights and KV cache)
+            self._spec = SpecDecodeManager(config.speculative, self.iteration_stats, _under_grammar)
             if self.scheduler.num_lookahead_tokens:  # a draft model: how many drafts it computes
                 self.decorators.append(self._spec)
         logger.info("pagellm engine: %s on %s (%s), %d KV blocks x %d tokens (+%d CPU swap blocks), "
@@ -426,10 +428,6 @@ class LLMEngine:
                 total += n
         return total
 
-    def _no_drafts(self, group: SequenceGroup) -> bool:
-        """Requests under a grammar decode without drafts (each draft would need its own mask)."""
-        return self._structured is not None and self._structured.is_constrained(group.request_id)
-
     def _finish_ignored(self, group: SequenceGroup) -> RequestOutput:
         logger.warning("request %s needs more KV blocks than the whole pool holds (%d x %d tokens); "
                        "finished without completing", group.request_id, self.num_blocks, self.block_size)
@@ -496,6 +494,11 @@ class LLMEngine:
                 # A beam search ends its beams itself (the complete grammar leaves only EOS to pick).
                 if state is not None and group.beam_state is None:
                     self.scheduler.finish_seq(group, seq, SequenceStatus.FINISHED_STOPPED)
+
+def _under_grammar(group: SequenceGroup) -> bool:
+    """Requests under a grammar decode without drafts (each draft would need its own mask)."""
+    return group.sampling_params.structured_outputs is not None
+
 
 def lora_op(engine: Any, op: str, arg: Any) -> Any:
     """An engine client's LoRA control call on ``engine`` (an LLMEngine or DataParallelEngine)."""
