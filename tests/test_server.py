@@ -534,3 +534,47 @@ def test_stream_polls_for_a_disconnect_at_most_once_per_interval(monkeypatch):
     closed.clear()
     gone = FakeRequest(gone_after=3)
     assert asyncio.run(run(gone)) == [0, 1, 2] and gone.calls == 4 and closed == [True]
+
+
+def test_aborts_and_adds_wait_a_step_not_a_request(tiny_llama):
+    """Callers must not starve behind the engine loop: a lock taken around each step let the loop
+    re-take it before a waiting caller woke, so a client's abort waited out its request (seen in CI
+    as a disconnected request running to its end). An abort lands within a step or two, and a
+    request cancelled before its add ran is never added."""
+    import asyncio
+
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, kv_cache_memory="16MiB"))
+    step = engine.engine.step
+
+    def slow_step():  # a step long enough that a waiting caller is always there when it ends
+        time.sleep(0.02)
+        return step()
+    engine.engine.step = slow_step
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    try:
+        async def abort_while_running() -> tuple[int, int]:
+            gen = engine.generate({"prompt_token_ids": [5, 6, 7]}, params, "r0")
+            await gen.__anext__()  # running now
+            late = asyncio.ensure_future(engine.generate({"prompt_token_ids": [8, 9]}, params, "r1").__anext__())
+            await asyncio.sleep(0)  # its add is waiting for the step to end
+            late.cancel()
+            steps = engine.get_stats_now().iteration.steps
+            await gen.aclose()  # the client went away: abort
+            return steps, engine.get_stats_now().iteration.steps
+        polling = threading.Event()
+
+        def poll() -> None:  # what ``_idle`` and a Prometheus scrape do meanwhile
+            while not polling.wait(0.01):
+                engine.get_stats_now()
+        poller = threading.Thread(target=poll)
+        poller.start()
+        try:
+            at_abort, after_abort = asyncio.run(abort_while_running())
+        finally:
+            polling.set()
+            poller.join()
+        assert after_abort - at_abort <= 3, f"the abort waited {after_abort - at_abort} steps"
+        _idle(engine, timeout=30)
+        assert engine.get_stats_now()["generation_tokens"] < 20, "a request ran on after its client left"
+    finally:
+        engine.shutdown()

@@ -1,8 +1,9 @@
 """``AsyncLLM``: the engine loop on a background thread, one asyncio stream per request.
 
 The thread owns ``LLMEngine``: it steps while requests are unfinished and sleeps on an event
-otherwise. Callers touch the engine only under ``_lock`` and from worker threads
-(``asyncio.to_thread``), so the event loop never blocks on a model step. Each request's
+otherwise. Callers never touch the engine: they post what they want done to the thread's inbox
+(vLLM's engine-core input queue), which it runs between steps in the order posted, so the event
+loop never blocks on a model step and a request's abort never overtakes its add. Each request's
 ``RequestOutput``s (cumulative, like vLLM's default) are pushed into its ``asyncio.Queue`` with
 ``call_soon_threadsafe``. A stream the caller stops reading (client gone) aborts its request,
 which frees its blocks before the next step. If a step raises, the engine is marked dead, every
@@ -13,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pagellm.config import EngineArgs
 from pagellm.engine.data_parallel import DataParallelEngine, create_engine
@@ -29,6 +32,7 @@ from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -77,7 +81,12 @@ class AsyncLLM:
         than cores, it stops spinning between regions and every kernel call pays a futex wake-up:
         measured 15-20 % slower per GEMM, 22 % less W64 throughput, for a loop thread stepping an
         engine the main thread had built.) Errors while building are raised here."""
-        self._lock = threading.Lock()
+        # A lock around each step starved callers: the loop re-took it before a waiting thread woke,
+        # so a client's abort waited out its whole request. Work goes through an inbox instead.
+        self._inbox: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]]] = queue.SimpleQueue()
+        self._inbox_open = True
+        self._inbox_mu = threading.Lock()
+        self._lock = threading.Lock()  # serializes callers once the loop has ended (run directly)
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
@@ -127,20 +136,29 @@ class AsyncLLM:
         self._built.set()
         if self._build_error is not None:
             return
+        try:
+            self._step_until_stopped()
+        finally:
+            with self._inbox_mu:
+                self._inbox_open = False
+            with self._lock:
+                self._run_inbox()
+
+    def _step_until_stopped(self) -> None:
         last_log = time.monotonic()
         last_stats = self.engine.get_stats()
         while not self._stopped:
-            with self._lock:
-                busy = self.engine.has_unfinished_requests()
-                if busy:
-                    try:
-                        outputs = self.engine.step()
-                    except BaseException as e:  # noqa: BLE001 - any failure kills the engine, loudly
-                        logger.exception("engine step failed; the engine is dead")
-                        self._die(e)
-                        return
-                else:
-                    outputs = []
+            self._run_inbox()
+            busy = self.engine.has_unfinished_requests()
+            if busy:
+                try:
+                    outputs = self.engine.step()
+                except BaseException as e:  # noqa: BLE001 - any failure kills the engine, loudly
+                    logger.exception("engine step failed; the engine is dead")
+                    self._die(e)
+                    return
+            else:
+                outputs = []
             for out in outputs:
                 self._push(out.request_id, out)
             if self._log_interval and time.monotonic() - last_log >= self._log_interval:
@@ -149,11 +167,41 @@ class AsyncLLM:
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
 
+    def _run_inbox(self) -> None:
+        while True:
+            try:
+                fut, fn = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - the caller's to raise
+                    fut.set_exception(e)
+
+    def _submit(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn`` on the loop thread before its next step (directly, once the loop has ended)."""
+        fut: Future[T] = Future()
+        with self._inbox_mu:
+            if self._inbox_open:
+                self._inbox.put((fut, fn))
+                self._wakeup.set()
+                return fut
+        with self._lock:
+            self._inbox.put((fut, fn))
+            self._run_inbox()
+        return fut
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """``fn()`` run by the loop thread, from any other thread (waits for the current step)."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        return self._submit(fn).result()
+
     def _log_stats(self, since: float, prev: EngineStats) -> tuple[float, EngineStats]:
         """vLLM-style periodic line: throughputs, queues, KV usage, prefix-cache hit rate."""
         now = time.monotonic()
-        with self._lock:
-            s = self.engine.get_stats()
+        s = self.engine.get_stats()
         dt = max(now - since, 1e-9)
         it, prev_it, sch = s.iteration, prev.iteration, s.scheduler
         if it.steps != prev_it.steps:
@@ -207,61 +255,53 @@ class AsyncLLM:
         self._streams[request_id] = stream
         done = [False]
         try:
-            await asyncio.to_thread(self._add, request_id, prompt, sampling_params, priority, lora_request)
+            # Cancelled while still in the inbox, the add never runs; once running, the abort
+            # below is queued after it.
+            await asyncio.wrap_future(self._submit(lambda: self.engine.add_request(
+                request_id, prompt, sampling_params, priority=priority, lora_request=lora_request)))
             async for item in drain_stream(stream.queue, done):
                 yield item
         finally:
             self._streams.pop(request_id, None)
             if not done[0] and self.is_running:
-                await asyncio.shield(asyncio.to_thread(self._abort, request_id))
-
-    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int,
-             lora_request: LoRARequest | None = None) -> None:
-        with self._lock:
-            self.engine.add_request(request_id, prompt, params, priority=priority, lora_request=lora_request)
-        self._wakeup.set()
+                await asyncio.shield(self.abort(request_id))
 
     def _abort(self, request_id: str) -> None:
-        with self._lock:
-            self.engine.abort_request(request_id)
+        self.engine.abort_request(request_id)
         self._push(request_id, None)
 
     async def abort(self, request_id: str) -> None:
-        """Free the request's blocks now; its stream ends (as an aborted output)."""
-        await asyncio.to_thread(self._abort, request_id)
+        """Free the request's blocks before the next step; its stream ends (as an aborted output)."""
+        await asyncio.wrap_future(self._submit(lambda: self._abort(request_id)))
 
     async def check_health(self) -> None:
         """Raise ``EngineDeadError`` if the engine or a worker has failed (checked now, not only at
         the next step: a worker can die while the engine is idle)."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
-        await asyncio.to_thread(self._check_health)
+        await asyncio.wrap_future(self._submit(self._check_health))
 
     def _check_health(self) -> None:
-        with self._lock:
-            try:
-                self.engine.check_health()
-            except EngineDeadError as e:
-                self._die(e)
-                raise
+        try:
+            self.engine.check_health()
+        except EngineDeadError as e:
+            self._die(e)
+            raise
 
     async def get_stats(self) -> EngineStats:
         return await asyncio.to_thread(self.get_stats_now)
 
     def get_stats_now(self) -> EngineStats:
         """The engine's stats, from any thread (waits for the current step; a Prometheus scrape)."""
-        with self._lock:
-            return self.engine.get_stats()
+        return self._call(self.engine.get_stats)
 
     def lora(self, op: str, arg: Any = None) -> Any:
         """LoRA adapters: ``("add", LoRARequest)``, ``("remove", lora_int_id)``, ``("list", None)``."""
-        with self._lock:
-            return lora_op(self.engine, op, arg)
+        return self._call(lambda: lora_op(self.engine, op, arg))
 
     def get_trace_now(self) -> dict[str, Any] | None:
         """The step trace's buffer (``None`` when tracing is off), from any thread."""
-        with self._lock:
-            return self.engine.get_trace()
+        return self._call(self.engine.get_trace)
 
     def shutdown(self) -> None:
         """Stop the loop; in-flight streams end with ``EngineDeadError``."""
