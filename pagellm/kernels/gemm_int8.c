@@ -16,6 +16,14 @@
  * vectors whose 32-bit lane j holds the q of 4 consecutive k of output j. 4 bits: 4 vectors per half,
  * vector g holding k-groups g (low nibbles) and g + 4 (high nibbles); 8 bits: 8 vectors per half.
  *
+ * K-quant super-blocks (formats K4 and K8, packed by pack_kquant from the file's own blocks, as
+ * llama.cpp's vec_dot_q4_K_q8_K does it): 256 k per super-block with one float d and dmin per output,
+ * S sub-blocks of L k each with integer scale sc and min mn, q unsigned:
+ *   w = d sc q - dmin mn   ->  sum_k w x_k = dx (d sum_j sc_j sum_{k in j} q xq_k - dmin sum_j mn_j bsum_j)
+ * K4 (Q4_K): L = 32, q 4 bits. K8 (Q5_K, Q6_K, or a mix of K types in one fused projection): L = 16,
+ * q one byte (Q6_K: q in 0..63 with mn = 32 sc, dmin = d). Activations per row and super-block: one
+ * dx = max|x| / 127, xq in -127..127 and the integer sums bsum of each 16.
+ *
  * Every block's integer sum is exact, and the float work per row runs in block order, so a row's
  * result depends on nothing but that row (not on M, the tiling or the threads): batch invariant.
  */
@@ -30,6 +38,12 @@
 
 #define MRQ 6 /* rows per tile: 2 x (int + float) accumulators per row, 24 of 32 registers */
 #define RECB(bits) (2 * NR * 4 + ((bits) == 4 ? NR * QB / 2 : NR * QB)) /* bytes per record */
+#define FMT_K4 0x104
+#define FMT_K8 0x108
+#define QK 256                                    /* k per super-block */
+#define MRK 4                                     /* rows per K tile: acc, sum and dot, 2 each per row */
+#define KSUB(fmt) ((fmt) == FMT_K4 ? 8 : 16)      /* sub-blocks per super-block */
+#define KREC(fmt) (2 * NR * 4 + KSUB(fmt) * NR * 2 * 2 + KSUB(fmt) * 512) /* d, dmin, sc, mn, q */
 
 int gemm_i8_supported(void) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -39,7 +53,96 @@ int gemm_i8_supported(void) {
 #endif
 }
 
-int64_t packed_size_i8(int64_t N, int64_t K, int64_t bits) { return (N + NR - 1) / NR * (K / QB) * RECB(bits); }
+static int is_kfmt(int64_t fmt) { return fmt == FMT_K4 || fmt == FMT_K8; }
+
+int64_t packed_size_i8(int64_t N, int64_t K, int64_t bits) {
+  if (is_kfmt(bits)) return (N + NR - 1) / NR * (K / QK) * KREC(bits);
+  return (N + NR - 1) / NR * (K / QB) * RECB(bits);
+}
+
+/* Output j of a zeroed record of `bits` (4 or 8): d, m and the block's 32 q (0..15 for 4 bits,
+ * -128..127 for 8). */
+static void lay_output(uint8_t *rec, int j, float d, float m, const int32_t *q, const int bits) {
+  uint8_t *qs = rec + 2 * NR * 4;
+  ((float *)rec)[j] = d;
+  const int half = j / 16, lane = j % 16;
+  if (bits == 4) {
+    ((float *)rec)[NR + j] = m;
+    for (int k = 0; k < QB; ++k) {
+      const int g = k / 4; /* group of 4 k: vector g % 4, low nibbles for g < 4 */
+      qs[(half * 4 + g % 4) * 64 + lane * 4 + k % 4] |= (uint8_t)(q[k] << (g < 4 ? 0 : 4));
+    }
+  } else {
+    int32_t sum = 0;
+    for (int k = 0; k < QB; ++k) {
+      qs[(half * 8 + k / 4) * 64 + lane * 4 + k % 4] = (uint8_t)(int8_t)q[k];
+      sum += q[k];
+    }
+    ((int32_t *)rec)[NR + j] = -128 * sum;
+  }
+}
+
+/* Block (p, b) from explicit d, m [N, K / 32] and q [N, K]; outputs past N are zero. */
+static void put_block(uint8_t *rec, const float *d, const float *m, const int32_t *q, int64_t N, int64_t K,
+                      int64_t p, int64_t b, const int bits) {
+  memset(rec, 0, RECB(bits));
+  for (int j = 0; j < NR && p * NR + j < N; ++j) {
+    const int64_t n = p * NR + j;
+    lay_output(rec, j, d[n * (K / QB) + b], bits == 4 ? m[n * (K / QB) + b] : 0.f, q + n * K + b * QB, bits);
+  }
+}
+
+/* Pack GGUF blocks of 32 given as d, m and q (see put_block) without a float round trip; 1, or 0 for
+ * a K that is not a multiple of 32 or bits other than 4 and 8. */
+int pack_blocks_i8(uint8_t *dst, const float *d, const float *m, const int32_t *q, int64_t N, int64_t K,
+                   int64_t bits) {
+  if (K % QB != 0 || (bits != 4 && bits != 8)) return 0;
+  const int64_t P = (N + NR - 1) / NR, B = K / QB;
+#pragma omp parallel for schedule(static)
+  for (int64_t pb = 0; pb < P * B; ++pb) put_block(dst + pb * RECB(bits), d, m, q, N, K, pb / B, pb % B, (int)bits);
+  return 1;
+}
+
+/* Pack K-quant super-blocks: d, dmin [N, K / 256], sc, mn [N, K / 16] (each L = 32 sub-block's
+ * value given for both its 16s in K4), q [N, K] unsigned (0..15 for K4, 0..255 for K8); 1, or 0 for
+ * a K that is not a multiple of 256 or another fmt. Record: d[32], dmin[32] float, sc[S][32],
+ * mn[S][32] int16, then per sub-block 512 bytes of q laid out as the 4-bit (K4) or 8-bit (K8) legacy
+ * blocks of 32 k (K8: 16 k, 4 vectors per half). */
+int pack_kquant(uint8_t *dst, const float *d, const float *dmin, const int16_t *sc, const int16_t *mn,
+                const uint8_t *q, int64_t N, int64_t K, int64_t fmt) {
+  if (K % QK != 0 || !is_kfmt(fmt)) return 0;
+  const int64_t P = (N + NR - 1) / NR, B = K / QK, S = KSUB(fmt), L = QK / S, rec_size = KREC(fmt);
+#pragma omp parallel for schedule(static)
+  for (int64_t pb = 0; pb < P * B; ++pb) {
+    const int64_t p = pb / B, b = pb % B;
+    uint8_t *rec = dst + pb * rec_size;
+    memset(rec, 0, rec_size);
+    float *d_rec = (float *)rec, *dm_rec = (float *)rec + NR;
+    int16_t *sc_rec = (int16_t *)(rec + 2 * NR * 4), *mn_rec = sc_rec + S * NR;
+    uint8_t *qs = (uint8_t *)(mn_rec + S * NR);
+    for (int j = 0; j < NR; ++j) {
+      const int64_t n = p * NR + j;
+      if (n >= N) continue;
+      d_rec[j] = d[n * B + b];
+      dm_rec[j] = dmin[n * B + b];
+      const int half = j / 16, lane = j % 16;
+      for (int64_t s = 0; s < S; ++s) {
+        sc_rec[s * NR + j] = sc[n * (K / 16) + b * 16 + s * L / 16];
+        mn_rec[s * NR + j] = mn[n * (K / 16) + b * 16 + s * L / 16];
+        const uint8_t *qn = q + n * K + b * QK + s * L;
+        uint8_t *qsub = qs + s * 512;
+        for (int k = 0; k < L; ++k) {
+          const int g = k / 4;
+          if (fmt == FMT_K4)
+            qsub[(half * 4 + g % 4) * 64 + lane * 4 + k % 4] |= (uint8_t)(qn[k] << (g < 4 ? 0 : 4));
+          else
+            qsub[(half * 4 + g) * 64 + lane * 4 + k % 4] = qn[k];
+        }
+      }
+    }
+  }
+  return 1;
+}
 
 /* Pack w [N, K] (K a multiple of 32) into dst (packed_size_i8 bytes) if every run of 32 is exactly a
  * block of `bits`; 1 if it packed, 0 if not (dst is then garbage). */
@@ -53,32 +156,12 @@ int pack_weight_i8(uint8_t *dst, const float *w, int64_t N, int64_t K, int64_t b
     if (__atomic_load_n(&failed, __ATOMIC_RELAXED)) continue;
     const int64_t p = pb / B, b = pb % B;
     uint8_t *rec = dst + pb * rec_size;
-    float *d_rec = (float *)rec;
-    float *m_rec = (float *)rec + NR;
-    int32_t *c_rec = (int32_t *)rec + NR;
-    uint8_t *qs = rec + 2 * NR * 4;
-    memset(qs, 0, rec_size - 2 * NR * 4);
-    for (int j = 0; j < NR; ++j) {
-      const int64_t n = p * NR + j;
-      int q[QB] = {0};
-      float d = 0.f, m = 0.f; /* padding outputs: d = m = q = 0 */
-      if (n < N && !fit_q(w + n * K + b * QB, &d, &m, q, (int)bits)) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
-      d_rec[j] = d;
-      const int half = j / 16, lane = j % 16;
-      if (bits == 4) {
-        m_rec[j] = m;
-        for (int k = 0; k < QB; ++k) {
-          const int g = k / 4; /* group of 4 k: vector g % 4, low nibbles for g < 4 */
-          qs[(half * 4 + g % 4) * 64 + lane * 4 + k % 4] |= (uint8_t)(q[k] << (g < 4 ? 0 : 4));
-        }
-      } else {
-        int32_t sum = 0;
-        for (int k = 0; k < QB; ++k) {
-          qs[(half * 8 + k / 4) * 64 + lane * 4 + k % 4] = (uint8_t)(int8_t)q[k];
-          sum += q[k];
-        }
-        c_rec[j] = -128 * sum;
-      }
+    memset(rec, 0, rec_size);
+    for (int j = 0; j < NR && p * NR + j < N; ++j) { /* padding outputs: d = m = q = 0 */
+      int32_t q[QB] = {0};
+      float d = 0.f, m = 0.f;
+      if (!fit_q(w + (p * NR + j) * K + b * QB, &d, &m, q, (int)bits)) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+      lay_output(rec, j, d, m, q, (int)bits);
     }
   }
   return !failed;
@@ -166,6 +249,150 @@ static inline __attribute__((always_inline)) void tile_i8(float *y, int64_t ldy,
   store_tile(y, ldy, acc, bias, m0, m1, R);
 }
 
+/* One row of x for the K formats: xq[K] int8, and per super-block dx, per 16 values bsum = sum(xq). */
+static void quantize_row_k(const float *x, int8_t *xq, float *dx, int32_t *bsum, int64_t K) {
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const float *xb = x + b * QK;
+    __m512 amax = _mm512_setzero_ps();
+    for (int i = 0; i < QK; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xb + i)));
+    const float a = _mm512_reduce_max_ps(amax), id = a > 0.f ? 127.f / a : 0.f;
+    const __m512 s = _mm512_set1_ps(id);
+    dx[b] = a / 127.f;
+    for (int i = 0; i < QK; i += 16) {
+      const __m512i q = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), s), RN);
+      _mm_storeu_si128((__m128i *)(xq + b * QK + i), _mm512_cvtsepi32_epi8(q));
+      bsum[b * (QK / 16) + i / 16] = _mm512_reduce_add_epi32(q);
+    }
+  }
+}
+
+/* Rows [0, R) of one panel of a K format over all super-blocks (see the header comment). */
+static inline __attribute__((always_inline)) void tile_k(float *y, int64_t ldy, const int8_t *xq, const float *dx,
+                                                         const int32_t *bsum, const uint8_t *rec, const float *bias,
+                                                         int64_t K, __mmask16 m0, __mmask16 m1, const int R,
+                                                         const int fmt) {
+  const int64_t B = K / QK, S = KSUB(fmt), rec_size = KREC(fmt);
+  __m512 acc[MRK][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < B; ++b, rec += rec_size) {
+    _mm_prefetch((const char *)(rec + rec_size), _MM_HINT_T0);
+    const int16_t *sc = (const int16_t *)(rec + 2 * NR * 4), *mn = sc + S * NR;
+    const uint8_t *qs = (const uint8_t *)(mn + S * NR);
+    __m512i sum[MRK][2];
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
+    for (int64_t j = 0; j < S; ++j, qs += 512) {
+      __m512i dot[MRK][2];
+      for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+      if (fmt == FMT_K4) {
+        const int32_t *xk = (const int32_t *)(xq + b * QK + j * 32);
+        for (int g = 0; g < 4; ++g) {
+          const __m512i v0 = _mm512_loadu_si512(qs + g * 64), v1 = _mm512_loadu_si512(qs + (4 + g) * 64);
+          const __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+          const __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+          for (int r = 0; r < R; ++r) {
+            const __m512i xa = _mm512_set1_epi32(xk[r * K / 4 + g]), xb = _mm512_set1_epi32(xk[r * K / 4 + g + 4]);
+            dot[r][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][0], lo0, xa), hi0, xb);
+            dot[r][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][1], lo1, xa), hi1, xb);
+          }
+        }
+      } else {
+        const int32_t *xk = (const int32_t *)(xq + b * QK + j * 16);
+        for (int g = 0; g < 4; ++g) {
+          const __m512i w0 = _mm512_loadu_si512(qs + g * 64), w1 = _mm512_loadu_si512(qs + (4 + g) * 64);
+          for (int r = 0; r < R; ++r) {
+            const __m512i xa = _mm512_set1_epi32(xk[r * K / 4 + g]);
+            dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], w0, xa);
+            dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], w1, xa);
+          }
+        }
+      }
+      const __m512i s0 = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(sc + j * NR)));
+      const __m512i s1 = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(sc + j * NR + 16)));
+      for (int r = 0; r < R; ++r) {
+        sum[r][0] = _mm512_add_epi32(sum[r][0], _mm512_mullo_epi32(dot[r][0], s0));
+        sum[r][1] = _mm512_add_epi32(sum[r][1], _mm512_mullo_epi32(dot[r][1], s1));
+      }
+    }
+    const __m512 d0 = _mm512_loadu_ps((const float *)rec), d1 = _mm512_loadu_ps((const float *)rec + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = _mm512_set1_ps(dx[r * B + b]);
+      acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), _mm512_mul_ps(d0, s), acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][1]), _mm512_mul_ps(d1, s), acc[r][1]);
+      sum[r][0] = sum[r][1] = _mm512_setzero_si512(); /* now the mins' sum */
+    }
+    const int64_t per = QK / 16 / S; /* 16s of x per sub-block */
+    for (int64_t j = 0; j < S; ++j) {
+      const __m512i n0 = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(mn + j * NR)));
+      const __m512i n1 = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(mn + j * NR + 16)));
+      for (int r = 0; r < R; ++r) {
+        const int32_t *bs = bsum + r * (K / 16) + b * (QK / 16) + j * per;
+        const __m512i x = _mm512_set1_epi32(per == 2 ? bs[0] + bs[1] : bs[0]);
+        sum[r][0] = _mm512_add_epi32(sum[r][0], _mm512_mullo_epi32(n0, x));
+        sum[r][1] = _mm512_add_epi32(sum[r][1], _mm512_mullo_epi32(n1, x));
+      }
+    }
+    const __m512 e0 = _mm512_loadu_ps((const float *)rec + NR), e1 = _mm512_loadu_ps((const float *)rec + NR + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = _mm512_set1_ps(dx[r * B + b]);
+      acc[r][0] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(sum[r][0]), _mm512_mul_ps(e0, s), acc[r][0]);
+      acc[r][1] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(sum[r][1]), _mm512_mul_ps(e1, s), acc[r][1]);
+    }
+  }
+  store_tile(y, ldy, acc, bias, m0, m1, R);
+}
+
+#define CASE_K(R) case R: TILE_K(R); break;
+#define TILE_K(R)                                                                          \
+  if (fmt == FMT_K4) tile_k(yy, ldy, xx, dd, bb_sum, w, bb, K, m0, m1, R, FMT_K4);         \
+  else tile_k(yy, ldy, xx, dd, bb_sum, w, bb, K, m0, m1, R, FMT_K8)
+
+/* Rows [0, M) of a K format against every panel (split between threads in contiguous ranges). */
+static void row_block_k(float *y, int64_t ldy, const int8_t *xq, const float *dx, const int32_t *bsum,
+                        const uint8_t *wp, const float *bias, int64_t M, int64_t N, int64_t K, const int fmt) {
+  const int64_t P = (N + NR - 1) / NR, B = K / QK, panel = B * KREC(fmt);
+  const int64_t tiles = (M + MRK - 1) / MRK;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < P; ++p) {
+    const uint8_t *w = wp + p * panel;
+    const PanelOut out = panel_out(p, N, bias);
+    const __mmask16 m0 = out.m0, m1 = out.m1;
+    const float *bb = out.bias;
+    int64_t m = 0;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t rows = tile_height(M, m, tiles, t);
+      float *yy = y + m * ldy + p * NR;
+      const int8_t *xx = xq + m * K;
+      const float *dd = dx + m * B;
+      const int32_t *bb_sum = bsum + m * (K / 16);
+      switch (rows) {
+        CASE_K(1) CASE_K(2) CASE_K(3)
+        default: TILE_K(4); break;
+      }
+      m += rows;
+    }
+  }
+}
+
+/* The K formats' gemm_packed_i8. */
+static int gemm_packed_k(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *wp, const float *bias,
+                         int64_t M, int64_t N, int64_t K, const int fmt) {
+  const int64_t B = K / QK;
+  int8_t *xq = (int8_t *)malloc((size_t)(M ? M : 1) * (K + 4 * B + 4 * (K / 16)));
+  if (xq == NULL) return -1;
+  float *dx = (float *)(xq + M * K);
+  int32_t *bsum = (int32_t *)(dx + M * B);
+#pragma omp parallel for schedule(static) if (M * K >= 8192)
+  for (int64_t m = 0; m < M; ++m) quantize_row_k(x + m * ldx, xq + m * K, dx + m * B, bsum + m * (K / 16), K);
+  const int64_t rows = 256 / MRK * MRK;
+  for (int64_t m = 0; m < M; m += rows) {
+    const int64_t r = M - m < rows ? M - m : rows;
+    row_block_k(y + m * ldy, ldy, xq + m * K, dx + m * B, bsum + m * (K / 16), wp, bias, r, N, K, fmt);
+  }
+  free(xq);
+  return 0;
+}
+
 #define CASE_I8(R) case R: TILE_I8(R); break;
 #define TILE_I8(R)                                                                                  \
   if (bits == 4) tile_i8(yy, ldy, xx, dd, ss, w, bb, K, m0, m1, R, wn, tiles, t, 4);                \
@@ -204,6 +431,7 @@ static void row_block_i8(float *y, int64_t ldy, const int8_t *xq, const float *d
 int gemm_packed_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *wp, const float *bias,
                    int64_t M, int64_t N, int64_t K, int64_t bits) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (is_kfmt(bits)) return gemm_packed_k(y, ldy, x, ldx, wp, bias, M, N, K, (int)bits);
   const int64_t B = K / QB;
   int8_t *xq = (int8_t *)malloc((size_t)(M ? M : 1) * (K + 8 * B));
   if (xq == NULL) return -1;

@@ -1,5 +1,6 @@
-"""The int8 GEMM over GGUF blocks (``gemm_int8.c``): weights at their stored 4 or 8 bits, activations
-quantized to int8 per block of 32 values on the fly, AVX512-VNNI integer dot products.
+"""The int8 GEMM over GGUF blocks (``gemm_int8.c``): weights at their stored width, activations
+quantized to int8 on the fly (per block of 32 values, or per super-block of 256 for the K formats),
+AVX512-VNNI integer dot products.
 
 Unlike ``gemm.linear(..., bits=4)``, which rebuilds float32 weights and is bit-exact with the float32
 kernel, this path changes the numbers (activations are rounded to 8 bits, as in llama.cpp), so it
@@ -12,16 +13,23 @@ from __future__ import annotations
 import ctypes
 import os
 
+import numpy as np
 import torch
 
 from pagellm import kernels
 from pagellm.kernels import gemm
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+# The weight formats (``bits`` in the C interface): GGUF's legacy blocks of 32 at 4 or 8 bits, and
+# K-quant super-blocks of 256 (K4: Q4_K's 4 bits; K8: a byte per weight, any K type).
+Q4_BLOCKS, Q8_BLOCKS, K4, K8 = 4, 8, 0x104, 0x108
+FORMATS = {Q4_BLOCKS: "4-bit blocks", Q8_BLOCKS: "8-bit blocks", K4: "K4 super-blocks", K8: "K8 super-blocks"}
 SIGNATURES: kernels.Signatures = {
     "gemm_i8_supported": (ctypes.c_int, []),
     "packed_size_i8": (_I, [_I, _I, _I]),
     "pack_weight_i8": (ctypes.c_int, [_P, _P, _I, _I, _I]),
+    "pack_blocks_i8": (ctypes.c_int, [_P, _P, _P, _P, _I, _I, _I]),
+    "pack_kquant": (ctypes.c_int, [_P, _P, _P, _P, _P, _P, _I, _I, _I]),
     "gemm_packed_i8": (ctypes.c_int, [_P, _I, _P, _I, _P, _P, _I, _I, _I, _I]),
 }
 
@@ -53,6 +61,39 @@ def pack(weight: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     return None
 
 
+def _c(a: np.ndarray, dtype: type) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=dtype)
+
+
+def pack_blocks(d: np.ndarray, m: np.ndarray, q: np.ndarray, bits: int) -> torch.Tensor:
+    """The packed weight of GGUF blocks of 32 given as fields (``weights/gguf_quant.legacy_fields``):
+    ``w = d q + m`` per block, d and m ``[N, K / 32]``, q ``[N, K]``."""
+    lib = _lib()
+    assert lib is not None, "check supported() first"
+    n, k = q.shape
+    d, m, q = _c(d, np.float32), _c(m, np.float32), _c(q, np.int32)
+    out = torch.empty(lib.packed_size_i8(n, k, bits), dtype=torch.uint8)
+    if not lib.pack_blocks_i8(out.data_ptr(), d.ctypes.data, m.ctypes.data, q.ctypes.data, n, k, bits):
+        raise ValueError(f"cannot pack [{n}, {k}] as {bits}-bit blocks of 32")
+    return out
+
+
+def pack_kquant(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, mn: np.ndarray, q: np.ndarray,
+                fmt: int) -> torch.Tensor:
+    """The packed weight of K-quant super-blocks given as fields (``weights/gguf_quant.kquant_fields``)
+    in format ``K4`` or ``K8``."""
+    lib = _lib()
+    assert lib is not None, "check supported() first"
+    n, k = q.shape
+    f32, i16 = (_c(d, np.float32), _c(dmin, np.float32)), (_c(sc, np.int16), _c(mn, np.int16))
+    q = _c(q, np.uint8)
+    out = torch.empty(lib.packed_size_i8(n, k, fmt), dtype=torch.uint8)
+    if not lib.pack_kquant(out.data_ptr(), f32[0].ctypes.data, f32[1].ctypes.data, i16[0].ctypes.data,
+                           i16[1].ctypes.data, q.ctypes.data, n, k, fmt):
+        raise ValueError(f"cannot pack [{n}, {k}] as {FORMATS.get(fmt, fmt)}")
+    return out
+
+
 class BoundWeight:
     """A packed weight bound to the kernel once: sizes checked and pointers taken when bound, so
     a call is one allocation and one ctypes call. (Checking everything on every call cost ~10 us
@@ -65,7 +106,7 @@ class BoundWeight:
                  bias: torch.Tensor | None = None) -> None:
         lib = _lib()
         assert lib is not None, "check supported() before pack()"
-        if (bits not in (4, 8) or in_features % 32
+        if (bits not in FORMATS or in_features % (256 if bits in (K4, K8) else 32)
                 or packed.numel() != lib.packed_size_i8(out_features, in_features, bits)):
             raise ValueError(f"packed {bits}-bit weight of {packed.numel()} bytes does not fit "
                              f"[{out_features}, {in_features}]")
@@ -80,7 +121,7 @@ class BoundWeight:
         return [self._wp, self._bp or 0, self.bits]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., K] @ W^T (+ bias)`` -> ``[..., out_features]``, x rounded to int8 per block of 32."""
+        """``x [..., K] @ W^T (+ bias)`` -> ``[..., out_features]``, x rounded to int8 per block."""
         k, n = self.in_features, self.out_features
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
             raise ValueError(f"x must be float32 [..., {k}] on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")

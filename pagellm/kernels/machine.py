@@ -160,11 +160,13 @@ def probe_bf16_speedup(weights: list[torch.Tensor]) -> float:
     return _cached_probe("bf16", weights, measure)
 
 
-def probe_int8_speedup(weights: list[torch.Tensor], other: torch.dtype) -> float:
+def probe_int8_speedup(weights: list[torch.Tensor], other: torch.dtype,
+                       int8_weights: list[tuple[torch.Tensor, int]] | None = None) -> float:
     """The ``other`` kernel's time (float32 or bfloat16) / the int8 kernel's, per row count of
-    ``PROBE_ROWS`` over the given weights (GGUF blocks), geometric mean over the row counts: a
-    single stream's decode (1 row) counts as much as a batch's; 0.0 if a weight is not GGUF blocks."""
-    packed = [p for p in (gemm_int8.pack(w) for w in weights) if p is not None]
+    ``PROBE_ROWS`` over the given weights (GGUF blocks, or ``int8_weights``: the same weights packed
+    from a file's blocks), geometric mean over the row counts: a single stream's decode (1 row)
+    counts as much as a batch's; 0.0 if a weight is not GGUF blocks."""
+    packed = int8_weights or [p for p in (gemm_int8.pack(w) for w in weights) if p is not None]
     if not weights or len(packed) != len(weights):
         return 0.0
 
@@ -182,11 +184,13 @@ def probe_int8_speedup(weights: list[torch.Tensor], other: torch.dtype) -> float
             log_sum += math.log(t_other / t_int8)
         return math.exp(log_sum / len(PROBE_ROWS))
 
-    return _cached_probe(f"int8-vs-{other}", weights, measure)
+    formats = sorted({fmt for _, fmt in packed})
+    return _cached_probe(f"int8{formats}-vs-{other}", weights, measure)
 
 
 def choose_numerics(requested: str, layer_weights: list[torch.Tensor], probe: bool = True,
-                    quantization: str | None = None) -> Numerics:
+                    quantization: str | None = None,
+                    int8_weights: list[tuple[torch.Tensor, int]] | None = None) -> Numerics:
     """GEMM numerics for a float32 model on this CPU. ``requested`` is the engine's ``dtype``:
     ``float32`` (the exact oracle), ``bfloat16`` (the bf16 kernel if this machine has one), or
     ``auto``: bfloat16 where the kernel exists and measures at least ``MIN_SPEEDUP`` faster on
@@ -194,7 +198,8 @@ def choose_numerics(requested: str, layer_weights: list[torch.Tensor], probe: bo
     weights are GGUF blocks (a Q4_1 / Q8_0 checkpoint), int8 GEMMs where that kernel measures
     ``MIN_SPEEDUP`` faster still (``probe=False``: never). With ``quantization="gguf"`` int8 is
     asked for: a ``ValueError`` if this machine has no int8 kernel; weights that are not GGUF
-    blocks take the dtype chosen as above."""
+    blocks take the dtype chosen as above. ``int8_weights``: ``layer_weights`` packed from a GGUF
+    file's own blocks (the K types, which no float weight is recognised as)."""
     if quantization == "gguf":
         if not gemm_int8.supported():
             raise ValueError("quantization='gguf' needs the int8 GEMM kernel (AVX512-VNNI and a C compiler); "
@@ -204,7 +209,7 @@ def choose_numerics(requested: str, layer_weights: list[torch.Tensor], probe: bo
     chosen = _choose_dtype(requested, layer_weights, probe)
     if requested != "auto" or not probe or not gemm_int8.supported():
         return chosen
-    speedup = probe_int8_speedup(layer_weights, chosen.compute_dtype)
+    speedup = probe_int8_speedup(layer_weights, chosen.compute_dtype, int8_weights)
     if speedup >= MIN_SPEEDUP:
         return Numerics(chosen.compute_dtype, f"GGUF blocks: int8 GEMMs (AVX512-VNNI) measured {speedup:.2f}x "
                         f"{chosen.name} on this model's shapes (geometric mean over {PROBE_ROWS} rows)", int8=True)

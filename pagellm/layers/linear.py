@@ -20,11 +20,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagellm.kernels import decode_graph, gemm, gemm_int8
+from pagellm.weights.gguf_quant import GGUFBlocks, int8_format, kquant_fields, legacy_fields
 
 # Rows up to which a quantized copy beats the float32 kernel. benchmarks/gemm.py --quantized, all
 # 120 projections of SmolLM2 in 4 bits: 2.8x at 1 row, 1.9x at 8, 1.1-1.2x at 16, 0.98x at 20;
@@ -53,6 +55,9 @@ class Linear(nn.Linear):
     # The int8 weight and the bias bound to the kernel (a plain attribute: a buffer's lookup through
     # nn.Module.__getattr__ is itself a microsecond), which ``forward`` calls directly.
     bound_i8: gemm_int8.BoundWeight | None = None
+    # A GGUF checkpoint's blocks, per fused part, kept at their width until packed (the float
+    # weight is then never written: ``materialize`` dequantizes if the int8 kernel does not take them).
+    gguf_parts: dict[int, GGUFBlocks] | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -63,12 +68,63 @@ class Linear(nn.Linear):
         self.q_bits = self.i8_bits = 0
         self.amx = False
 
+    def load_gguf_blocks(self, blocks: GGUFBlocks, part: int | None) -> None:
+        """Keep a GGUF tensor (this projection, or part ``part`` of a fused one) at its width."""
+        if self.gguf_parts is None:
+            self.gguf_parts = {}
+        self.gguf_parts[part or 0] = blocks
+
+    def gguf_format(self) -> int | None:
+        """The int8 kernel format of the kept GGUF blocks (``None``: none kept, or no common format)."""
+        if not self.gguf_parts or not gemm_int8.supported():
+            return None
+        return int8_format([b.qtype for b in self.gguf_parts.values()])
+
+    def _gguf_rows(self) -> GGUFBlocks:
+        parts = [self.gguf_parts[i] for i in sorted(self.gguf_parts)] if self.gguf_parts else []
+        if len(parts) == 1:
+            return parts[0]
+        data = np.concatenate([np.asarray(b.data, dtype=np.uint8).reshape(b.shape[0], -1) for b in parts])
+        return GGUFBlocks(data, parts[0].qtype, (data.shape[0], parts[0].shape[1]))
+
+    def pack_gguf(self) -> tuple[torch.Tensor, int]:
+        """``(packed, format)`` of the kept blocks for the int8 kernel, from the file's own fields."""
+        fmt = self.gguf_format()
+        assert self.gguf_parts and fmt is not None, "no GGUF blocks the int8 kernel takes"
+        parts = [self.gguf_parts[i] for i in sorted(self.gguf_parts)]
+        if fmt in (gemm_int8.K4, gemm_int8.K8):
+            d, dmin, sc, mn, q = (np.concatenate(f) for f in zip(*map(kquant_fields, parts), strict=True))
+            return gemm_int8.pack_kquant(d, dmin, sc, mn, q, fmt), fmt
+        d, m, q = (np.concatenate(f) for f in zip(*map(legacy_fields, parts), strict=True))
+        return gemm_int8.pack_blocks(d, m, q, fmt), fmt
+
+    def dense_weight(self) -> torch.Tensor:
+        """The float32 weight: the loaded one, or the kept GGUF blocks dequantized (a new tensor)."""
+        if not self.gguf_parts:
+            return self.weight
+        return torch.cat([self.gguf_parts[i].dequantize() for i in sorted(self.gguf_parts)])
+
+    def materialize(self) -> None:
+        """Write the kept GGUF blocks into the float weight (they have no int8 kernel here)."""
+        if self.gguf_parts:
+            with torch.no_grad():
+                self.weight.copy_(self.dense_weight())
+            self.gguf_parts = None
+
     def pack_for_cpu(self, compute_dtype: torch.dtype = torch.float32, int8: bool = False) -> bool:
         """Pack the loaded weight for the GEMM kernel if it can run here; ``True`` if packed. With
-        ``int8``, a weight that is exactly GGUF blocks goes to the int8 kernel, any other to
-        ``compute_dtype``'s."""
+        ``int8``, kept GGUF blocks of a type the kernel takes, or a weight that is exactly GGUF
+        blocks, go to the int8 kernel, any other to ``compute_dtype``'s."""
         if self.packed is not None or self.packed_bf16 is not None or self.packed_i8 is not None:
             return True
+        if int8 and self.gguf_format() is not None:
+            blocks, fmt = self.pack_gguf()
+            self.packed_i8, self.i8_bits = blocks, fmt
+            self.bound_i8 = gemm_int8.BoundWeight(blocks, fmt, self.out_features, self.in_features, self.bias)
+            self.gguf_parts = None
+            self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"), requires_grad=False)
+            return True
+        self.materialize()
         if not gemm.usable(self.weight):
             return False
         if int8 and gemm_int8.supported():

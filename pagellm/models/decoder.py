@@ -29,6 +29,7 @@ from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_shard
 from pagellm.layers.rotary import ApplyRotary, RotaryEmbedding
 from pagellm.models.decode_graph import decode_group
+from pagellm.weights.gguf_quant import GGUFBlocks
 
 
 def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -210,6 +211,7 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else ColumnParallelLinear(config.hidden_size, [vocab], False)
         # A tied LM head, made by ``pack_for_cpu`` to hold the embedding's packed copy.
         self.tied_head: Linear | None = None
+        self.tied_head_blocks: GGUFBlocks | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -236,6 +238,11 @@ class DecoderForCausalLM(nn.Module):
             with torch.device("meta"):
                 head = Linear(embed.embedding_dim, embed.num_embeddings, bias=False)
             head.weight = embed.weight  # shared: batches past the kernel's read the embedding itself
+            if self.tied_head_blocks is not None and int8:
+                head.load_gguf_blocks(self.tied_head_blocks, None)
+                if head.gguf_format() is None:
+                    head.gguf_parts = None  # (the embedding holds its floats already)
+            self.tied_head_blocks = None
             if head.pack_for_cpu(compute_dtype, int8):
                 self.tied_head = head
         return sum(m.packed_i8 is not None for m in self.modules() if isinstance(m, Linear))  # tied_head included
@@ -270,6 +277,14 @@ class DecoderForCausalLM(nn.Module):
             module = self.get_submodule(target.rsplit(".", 1)[0])
             shard_idx = None if shard is None else shard[1]
             loader = getattr(module, "weight_loader", None)
+            if isinstance(tensor, GGUFBlocks):
+                if name == "model.embed_tokens.weight" and self.lm_head is None:
+                    self.tied_head_blocks = tensor  # the tied LM head may take the file's blocks
+                if isinstance(module, Linear) and param.shape[1] == tensor.shape[1]:
+                    module.load_gguf_blocks(tensor, shard_idx)
+                    loaded.add(target if shard_idx is None else f"{target}#{shard_idx}")
+                    continue
+                tensor = tensor.dequantize()  # (an embedding, or a shape only a copy checks)
             with torch.no_grad():
                 try:
                     if loader is not None:

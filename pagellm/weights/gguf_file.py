@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagellm.weights.gguf_quant import KERNEL_TYPES, GGUFBlocks
+
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -223,27 +225,38 @@ def rope_freq_factors(path: str) -> torch.Tensor | None:
     return None
 
 
-def iter_gguf_weights(path: str, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor dequantized to float32, under its Hugging Face name."""
+def iter_gguf_weights(path: str, config: Any,
+                      keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+    """Every tensor under its Hugging Face name, dequantized to float32; with ``keep_blocks``, a
+    matrix of a type the int8 kernel takes comes as its file's bytes (``GGUFBlocks``)."""
     r = _reader(path)
     permute = gguf_architecture(path) == "llama"
     for t in r.tensors:
         if t.name == "rope_freqs.weight":
             continue
-        arr = _to_array(t)
+        arr: np.ndarray | GGUFBlocks
+        if keep_blocks and t.tensor_type in KERNEL_TYPES and len(t.shape) == 2:
+            arr = GGUFBlocks(t.data, t.tensor_type, (int(t.shape[1]), int(t.shape[0])))
+        else:
+            arr = _to_array(t)
         m = _BLK.match(t.name)
         if m:
             layer, kind, suffix = m.groups()
             if kind not in _LAYER_NAMES:
                 raise ValueError(f"unexpected GGUF tensor {t.name!r}")
             name = f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
-            if permute and kind == "attn_q":
-                arr = _reverse_permute(arr, config.num_attention_heads)
-            elif permute and kind == "attn_k":
-                arr = _reverse_permute(arr, config.num_key_value_heads)
+            if permute and kind in ("attn_q", "attn_k"):
+                heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
+                if isinstance(arr, GGUFBlocks):  # the same rows, in the same order: a row is its blocks
+                    arr = arr.rows(_reverse_permute(np.arange(arr.shape[0]), heads))
+                else:
+                    arr = _reverse_permute(arr, heads)
         else:
             base, _, suffix = t.name.rpartition(".")
             if base not in _GLOBAL_NAMES:
                 raise ValueError(f"unexpected GGUF tensor {t.name!r}")
             name = f"{_GLOBAL_NAMES[base]}.{suffix}"
-        yield name, torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
+        if isinstance(arr, GGUFBlocks):
+            yield name, arr
+        else:
+            yield name, torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy

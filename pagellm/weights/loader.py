@@ -55,20 +55,22 @@ class LazyTensor:
         return self._slice[(slice(None),) * dim + (slice(start, start + size),)]
 
 
-def iter_weights(source: ModelSource, config: Any, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(source: ModelSource, config: Any, lazy: bool = False,
+                 keep_gguf_blocks: bool = False) -> Iterator[tuple[str, Any]]:
     """``(hf_name, tensor)`` for every tensor of the checkpoint; with ``lazy``, safetensors come as
-    ``LazyTensor`` (a GGUF tensor is dequantized whole either way)."""
+    ``LazyTensor``; with ``keep_gguf_blocks``, a GGUF matrix of a type the int8 kernel takes as its
+    file's blocks (``GGUFBlocks``), any other GGUF tensor dequantized whole."""
     if source.is_gguf:
         from pagellm.weights.gguf_file import iter_gguf_weights
 
-        yield from iter_gguf_weights(source.path, config)
+        yield from iter_gguf_weights(source.path, config, keep_gguf_blocks)
         return
     from safetensors import safe_open
 
     for path in _safetensors_files(source.path):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, LazyTensor(f.get_slice(name)) if lazy else f.get_tensor(name)  # type: ignore[misc]
+                yield name, LazyTensor(f.get_slice(name)) if lazy else f.get_tensor(name)
 
 
 def freq_factors(source: ModelSource) -> torch.Tensor | None:

@@ -18,7 +18,7 @@ from pagellm.attention import select_attention_backend
 from pagellm.config import EngineConfig, default_num_threads, resolve_model_source
 from pagellm.core.scheduler_output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed import init_parallel
-from pagellm.kernels import gemm
+from pagellm.kernels import gemm, gemm_int8
 from pagellm.kernels.machine import Numerics, choose_numerics, cpu_info
 from pagellm.layers.custom_op import select_kernels
 from pagellm.layers.linear import Linear
@@ -28,6 +28,7 @@ from pagellm.lora_request import AdapterSpec
 from pagellm.models import get_model_class
 from pagellm.models.decoder import DecoderForCausalLM
 from pagellm.weights import freq_factors, iter_weights, load_model_config
+from pagellm.weights.gguf_quant import KERNEL_TYPES, int8_format
 from pagellm.worker.cache_engine import CacheEngine, HostKVMemory, KVCacheSpec
 from pagellm.worker.draft_runner import DraftRunner
 from pagellm.worker.host_malloc import tune_malloc
@@ -39,7 +40,25 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+
+def gguf_weight_types(model: DecoderForCausalLM) -> dict[tuple[str, int | None], int]:
+    """``(GGUF type, int8 kernel format or None)`` -> how many projections hold such blocks, before
+    packing (what the start-up ``numerics:`` line reports)."""
+    counts: dict[tuple[str, int | None], int] = {}
+    for m in model.modules():
+        if isinstance(m, Linear) and m.gguf_parts:
+            fmt = m.gguf_format()
+            for b in m.gguf_parts.values():
+                counts[(b.qtype.name, fmt)] = counts.get((b.qtype.name, fmt), 0) + 1
+    tied = model.tied_head_blocks  # (packed for the LM head with the rest, if the kernel takes it)
+    if tied is not None:
+        key = (f"{tied.qtype.name} (tied LM head)", int8_format([tied.qtype]) if gemm_int8.supported() else None)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 @dataclass(frozen=True, slots=True)
+
 class ModelInfo:
     """What the engine needs to know about the loaded model (plain data, crosses process bounds)."""
 
@@ -114,8 +133,15 @@ class Worker:
                                  f"{hf_config.num_hidden_layers} layers")
             model = cls(hf_config, freq_factors(source), tp=self.tp, pp=self.pp)
         model = model.to_empty(device=self.device)
-        model.load_weights(iter_weights(source, hf_config, lazy=self.tp.world_size * self.pp.num_stages > 1))
+        sharded = self.tp.world_size * self.pp.num_stages > 1
+        model.load_weights(iter_weights(source, hf_config, lazy=sharded,
+                                        keep_gguf_blocks=source.is_gguf and not sharded and self._int8_possible()))
         return model.to(self.dtype).eval(), hf_config, source
+
+    def _int8_possible(self) -> bool:
+        """Whether the numerics may come out int8 (GGUF blocks are then kept at their width)."""
+        return (self.cpu_numerics and gemm_int8.supported()
+                and (self.config.model.quantization == "gguf" or self.config.model.dtype == "auto"))
 
     def load_model(self) -> ModelInfo:
         cache = self.config.cache
@@ -138,7 +164,8 @@ class Worker:
             logger.info("numerics: %s GEMMs (float32 between them): %s [%s]", self.numerics.name, self.numerics.reason,
                         cpu_info().summary())
         if self.numerics.int8 and packed_int8 == 0:
-            raise ValueError(f"quantization='gguf' found no Q4_1 / Q8_0 weights in {source.path}")
+            raise ValueError(f"quantization='gguf' found no GGUF weights the int8 kernel takes in {source.path} "
+                             f"(types {sorted(t.name for t in KERNEL_TYPES)})")
         if self.config.model.quantization is not None and not self.numerics.int8:
             raise ValueError(f"quantization={self.config.model.quantization!r} runs on the CPU with dtype auto, "
                              f"float32 or bfloat16 only (here: {self.device}, dtype {self.config.model.dtype})")
@@ -222,11 +249,19 @@ class Worker:
         numerics = self.numerics
         if self.cpu_numerics:
             first = model.model.start  # (this pipeline stage's first layer)
-            layer0 = [m.weight for m in model.get_submodule(f"model.layers.{first}").modules() if isinstance(m, Linear)]
-            numerics = choose_numerics(self.config.model.dtype, layer0, probe=probe, quantization=quantization)
+            linears = [m for m in model.get_submodule(f"model.layers.{first}").modules() if isinstance(m, Linear)]
+            kept = [m.pack_gguf() for m in linears if m.gguf_format() is not None]
+            numerics = choose_numerics(self.config.model.dtype, [m.dense_weight() for m in linears], probe=probe,
+                                       quantization=quantization,
+                                       int8_weights=kept if kept and len(kept) == len(linears) else None)
+        weight_types = gguf_weight_types(model)
         packed_int8 = 0
         if self.device.type == "cpu" and hasattr(model, "pack_for_cpu"):
             packed_int8 = model.pack_for_cpu(numerics.compute_dtype, numerics.int8)
+        if weight_types:
+            logger.info("numerics: GGUF projections %s", ", ".join(
+                f"{t} x{n}: {'int8 GEMMs (' + gemm_int8.FORMATS[f] + ')' if numerics.int8 and f else 'dequantized'}"
+                for (t, f), n in sorted(weight_types.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0))))
         return numerics, packed_int8
 
     def _kv_spec(self, model: DecoderForCausalLM, hf_config: Any, numerics: Numerics) -> KVCacheSpec:

@@ -1,0 +1,171 @@
+"""GGUF's quantized blocks read as the integer fields the int8 kernels take, and a K-quant writer.
+
+A projection stored as blocks reaches ``kernels/gemm_int8.c`` without a float round trip: the file's
+bytes are split into scales, mins and integer quants here (vectorised, one tensor at a time) and
+laid out for the kernel there. Legacy types (blocks of 32 with a half-precision scale) become the
+kernel's 4- or 8-bit blocks; K types (super-blocks of 256 with 6- or 8-bit sub-block scales) its K4
+or K8 super-blocks. Types without a kernel format are dequantized (``gguf.dequantize``).
+
+``quantize_q4_k`` / ``quantize_q6_k`` write K-quant bytes (``gguf`` can only read them), with a plain
+max-min fit rather than llama.cpp's iterative search: for benchmark checkpoints and tests, whose
+reference is always ``gguf.dequantize`` of what was written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import dequantize
+
+from pagellm.kernels.gemm_int8 import K4, K8, Q4_BLOCKS, Q8_BLOCKS
+
+_LEGACY_FORMAT = {T.Q4_0: Q4_BLOCKS, T.Q4_1: Q4_BLOCKS, T.Q5_0: Q8_BLOCKS, T.Q8_0: Q8_BLOCKS}
+_K_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
+KERNEL_TYPES = frozenset(_LEGACY_FORMAT) | frozenset(_K_TYPES)
+QK = 256
+
+
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """A 2-D GGUF tensor kept as its file's bytes: ``data [rows, bytes per row]`` (uint8), ``shape``
+    the weight's ``(rows, K)`` in PyTorch order."""
+
+    data: np.ndarray
+    qtype: T
+    shape: tuple[int, int]
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.from_numpy(np.array(dequantize(self.data, self.qtype), dtype=np.float32).reshape(self.shape))
+
+    def rows(self, order: np.ndarray) -> GGUFBlocks:
+        """The rows in ``order`` (a row of blocks is a row of the weight)."""
+        return GGUFBlocks(self.data[order], self.qtype, self.shape)
+
+
+def int8_format(qtypes: list[T]) -> int | None:
+    """The kernel format that holds every one of ``qtypes`` exactly (the parts of one fused
+    projection), or ``None`` (a type without a kernel, or legacy and K types mixed)."""
+    if all(t in (T.Q4_0, T.Q4_1) for t in qtypes):
+        return Q4_BLOCKS
+    if all(t in (T.Q5_0, T.Q8_0) for t in qtypes):
+        return Q8_BLOCKS
+    if all(t == T.Q4_K for t in qtypes):
+        return K4
+    if all(t in _K_TYPES for t in qtypes):
+        return K8
+    return None
+
+
+def _blocks(b: GGUFBlocks, size: int) -> np.ndarray:
+    n, k = b.shape
+    return b.data.reshape(n * k // (32 if b.qtype in _LEGACY_FORMAT else QK), size)
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    return x.copy().view(np.float16).astype(np.float32)
+
+
+def legacy_fields(b: GGUFBlocks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(d, m, q)``: per block of 32 ``w = d q + m`` (``m`` 0 for the 8-bit types), d and m float32
+    ``[N, K / 32]``, q int32 ``[N, K]`` (0..15 for Q4_0 / Q4_1, -128..127 for Q5_0 / Q8_0)."""
+    n, k = b.shape
+    t = b.qtype
+    size = {T.Q4_0: 18, T.Q4_1: 20, T.Q5_0: 22, T.Q8_0: 34}[t]
+    blk = _blocks(b, size)
+    d = _f16(blk[:, :2]).reshape(-1)
+    m = np.zeros_like(d)
+    if t == T.Q8_0:
+        q = blk[:, 2:].view(np.int8).astype(np.int32)
+    else:
+        start = 4 if t == T.Q4_1 else 6 if t == T.Q5_0 else 2
+        qs = blk[:, start:start + 16]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int32)
+        if t == T.Q4_0:
+            m = -8.0 * d  # w = d (q - 8): exact, a power of two
+        elif t == T.Q4_1:
+            m = _f16(blk[:, 2:4]).reshape(-1)
+        else:  # Q5_0: the fifth bits in a 32-bit word, w = d (q - 16)
+            qh = blk[:, 2:6].copy().view(np.uint32).reshape(-1, 1)
+            q = (q | (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.int32)) - 16
+    return d.reshape(n, k // 32), m.reshape(n, k // 32), q.reshape(n, k)
+
+
+def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: the 12 bytes of 6-bit scales and mins of 8 sub-blocks."""
+    s = scales.reshape(-1, 3, 4)
+    a, b, c = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=1)
+    mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=1)
+    return sc, mn
+
+
+def kquant_fields(b: GGUFBlocks) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(d, dmin, sc, mn, q)``: per sub-block ``w = d sc q - dmin mn`` with d and dmin float32
+    ``[N, K / 256]``, sc and mn int16 per 16 values ``[N, K / 16]``, q uint8 ``[N, K]``."""
+    n, k = b.shape
+    t = b.qtype
+    blk = _blocks(b, {T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}[t])
+    if t == T.Q6_K:
+        ql, qh, scales, d = blk[:, :128], blk[:, 128:192], blk[:, 192:208], _f16(blk[:, 208:210])
+        lo = np.stack([ql.reshape(-1, 2, 64) & 0x0F, ql.reshape(-1, 2, 64) >> 4], axis=2).reshape(-1, 8, 32)
+        hi = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+        q = lo | (hi.reshape(-1, 8, 32) << 4)
+        sc16 = scales.view(np.int8).astype(np.int16)
+        mn16, dmin = 32 * sc16, d  # w = d sc (q - 32)
+    else:
+        d, dmin = _f16(blk[:, 0:2]), _f16(blk[:, 2:4])
+        sc8, mn8 = _scale_min_k4(blk[:, 4:16])
+        qs = blk[:, -128:].reshape(-1, 4, 32)
+        q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)
+        if t == T.Q5_K:
+            qh = blk[:, 16:48].reshape(-1, 1, 32)
+            q = q | (((qh >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1) << 4)
+        sc16, mn16 = np.repeat(sc8, 2, axis=1).astype(np.int16), np.repeat(mn8, 2, axis=1).astype(np.int16)
+    return (d.reshape(n, k // QK), dmin.reshape(n, k // QK), sc16.reshape(n, k // 16), mn16.reshape(n, k // 16),
+            np.ascontiguousarray(q.reshape(n, k), dtype=np.uint8))
+
+
+def _to_f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """Q4_K bytes ``[rows, K / 256 * 144]`` of a float ``[rows, K]`` (K a multiple of 256)."""
+    x = np.asarray(w, dtype=np.float32).reshape(-1, 8, 32)
+    lo = np.minimum(x.min(axis=2), 0.0)
+    scale = (x.max(axis=2) - lo) / 15.0
+    d = (scale.max(axis=1) / 63.0).astype(np.float16).astype(np.float32)
+    dmin = ((-lo).max(axis=1) / 63.0).astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.clip(np.nan_to_num(np.rint(scale / d[:, None])), 0, 63).astype(np.uint8)
+        mn = np.clip(np.nan_to_num(np.rint(-lo / dmin[:, None])), 0, 63).astype(np.uint8)
+        step, off = (d[:, None] * sc)[..., None], (dmin[:, None] * mn)[..., None]
+        q = np.clip(np.nan_to_num(np.rint((x + off) / step)), 0, 15).astype(np.uint8)
+    packed = np.empty((x.shape[0], 12), dtype=np.uint8)
+    packed[:, 0:4] = (sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = (mn[:, :4] & 0x3F) | ((mn[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)
+    qs = q.reshape(-1, 4, 2, 32)
+    qs = (qs[:, :, 0] | (qs[:, :, 1] << 4)).reshape(-1, 128)
+    out = np.concatenate([_to_f16(d), _to_f16(dmin), packed, qs], axis=1)
+    return out.reshape(np.shape(w)[0], -1)
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """Q6_K bytes ``[rows, K / 256 * 210]`` of a float ``[rows, K]`` (K a multiple of 256)."""
+    x = np.asarray(w, dtype=np.float32).reshape(-1, 16, 16)
+    scale = np.abs(x).max(axis=2) / 31.0
+    d = (scale.max(axis=1) / 127.0).astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.clip(np.nan_to_num(np.rint(scale / d[:, None])), -128, 127).astype(np.int8)
+        step = (d[:, None] * sc)[..., None]
+        q = (np.clip(np.nan_to_num(np.rint(x / step)), -32, 31) + 32).astype(np.uint8).reshape(-1, 8, 32)
+    lo = (q & 0x0F).reshape(-1, 2, 2, 64)
+    ql = (lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(-1, 128)
+    hi = (q >> 4).reshape(-1, 2, 4, 32)
+    qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(-1, 64)
+    out = np.concatenate([ql, qh, sc.view(np.uint8), _to_f16(d)], axis=1)
+    return out.reshape(np.shape(w)[0], -1)

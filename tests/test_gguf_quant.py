@@ -1,0 +1,255 @@
+"""GGUF blocks kept at their width: the fields read from a file's bytes against ``gguf``'s own
+dequantizer (bit for bit), the int8 kernel over them against a float64 GEMM of ``gguf``'s floats
+(within the bound that rounding x to 8 bits allows), batch invariance, and a model written as
+K-quants that runs on those kernels and equals Hugging Face's GGUF loader in float32."""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as T
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagellm.kernels import gemm_int8
+from pagellm.weights import gguf_quant as gq
+
+from conftest import require_int8_kernel
+
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+F16_SCALES = [0.0, 6e-8, 1e-4, 0.01, 1.0, 300.0, 65504.0]  # zero, subnormal, up to half precision's max
+
+
+def random_blocks(qtype: T, rows: int, k: int, seed: int, scale: float | None = None) -> gq.GGUFBlocks:
+    """Valid blocks with random bytes: any quants and 6-bit scales are valid, and every half-precision
+    scale is set to a finite value (``scale``, or random magnitudes in [1e-3, 1e-1])."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (rows * k // block, size), dtype=np.uint8)
+    nb = data.shape[0]
+
+    def f16(n: int) -> np.ndarray:
+        v = np.full(n, scale, np.float32) if scale is not None else rng.uniform(1e-3, 1e-1, n).astype(np.float32)
+        return v.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if qtype == T.Q6_K:
+        data[:, 208:210] = f16(nb)
+    else:
+        data[:, 0:2] = f16(nb)
+        if qtype in (T.Q4_1, T.Q4_K, T.Q5_K):
+            data[:, 2:4] = f16(nb)
+    return gq.GGUFBlocks(data.reshape(rows, -1), qtype, (rows, k))
+
+
+def reference(b: gq.GGUFBlocks) -> np.ndarray:
+    return gguf.dequantize(b.data, b.qtype).reshape(b.shape)
+
+
+def rebuilt(b: gq.GGUFBlocks) -> np.ndarray:
+    """The weight from the fields pagellm read, in float32 with the operations GGUF's format defines."""
+    f32 = np.float32
+    if b.qtype in (T.Q4_K, T.Q5_K, T.Q6_K):
+        d, dmin, sc, mn, q = gq.kquant_fields(b)
+        d16, dmin16 = np.repeat(d, 16, axis=1), np.repeat(dmin, 16, axis=1)
+        if b.qtype == T.Q6_K:  # w = (d sc)(q - 32), and mn must be 32 sc with dmin = d
+            assert np.array_equal(mn, 32 * sc) and np.array_equal(d, dmin)
+            return np.repeat((d16 * sc).astype(f32), 16, axis=1) * (q.astype(f32) - 32)
+        return (np.repeat((d16 * sc).astype(f32), 16, axis=1) * q.astype(f32)
+                - np.repeat((dmin16 * mn).astype(f32), 16, axis=1))
+    d, m, q = gq.legacy_fields(b)
+    d32, m32 = np.repeat(d, 32, axis=1), np.repeat(m, 32, axis=1)
+    if b.qtype == T.Q4_0:  # w = d (q - 8), and m must be -8 d
+        assert np.array_equal(m, -8 * d)
+        return d32 * (q.astype(f32) - 8)
+    return d32 * q.astype(f32) + m32
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([None, *F16_SCALES]))
+def test_fields_equal_gguf_dequantize_bit_for_bit(qtype, seed, scale):
+    b = random_blocks(qtype, 3, 512, seed, scale)
+    np.testing.assert_array_equal(rebuilt(b), reference(b))
+
+
+def packed(b: gq.GGUFBlocks, fmt: int) -> torch.Tensor:
+    if fmt in (gemm_int8.K4, gemm_int8.K8):
+        return gemm_int8.pack_kquant(*gq.kquant_fields(b), fmt)
+    return gemm_int8.pack_blocks(*gq.legacy_fields(b), fmt)
+
+
+def error_bound(x: torch.Tensor, w: np.ndarray, block: int) -> torch.Tensor:
+    """|x W^T - y| allowed per output: each x rounded to the nearest of 255 levels of its block's
+    max |x| (error <= max / 254) times |w|, plus float32 rounding of the result."""
+    m, k = x.shape
+    step = x.double().abs().reshape(m, k // block, block).amax(dim=2) / 254.0
+    absw = torch.from_numpy(np.abs(w)).double().reshape(w.shape[0], k // block, block).sum(dim=2)
+    exact = x.double().abs() @ torch.from_numpy(np.abs(w)).double().T
+    return step @ absw.T * 1.001 + 1e-5 * exact + 1e-30
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_int8_kernel_matches_float64_within_the_rounding_bound(qtype):
+    require_int8_kernel()
+    n, k = 70, 768  # a partial panel of outputs, three super-blocks
+    b = random_blocks(qtype, n, k, seed=1)
+    w = reference(b)
+    fmt = gq.int8_format([qtype])
+    assert fmt is not None
+    x = torch.randn(13, k)
+    x[5] *= 1000.0  # rows of very different magnitudes
+    bound_w = gemm_int8.BoundWeight(packed(b, fmt), fmt, n, k)
+    y = bound_w(x)
+    exact = x.double() @ torch.from_numpy(w).double().T
+    block = 256 if fmt in (gemm_int8.K4, gemm_int8.K8) else 32
+    err = (y.double() - exact).abs()
+    bound = error_bound(x, w, block)
+    assert bool((err <= bound).all()), f"max error / bound {float((err / bound).max()):.3f}"
+    assert float((err / bound).max()) > 0.01  # (the activations really were rounded)
+    for rows in (1, 4, 7):  # batch invariance: a row alone, or in other batches, gives the same bits
+        assert torch.equal(bound_w(x[2:2 + rows]), y[2:2 + rows])
+    if fmt == gemm_int8.K4:  # the byte-wide K8 format holds Q4_K too (a fused projection of mixed K types)
+        assert torch.equal(gemm_int8.BoundWeight(packed(b, gemm_int8.K8), gemm_int8.K8, n, k)(x), y)
+
+
+def test_formats_for_fused_parts():
+    assert gq.int8_format([T.Q4_K, T.Q4_K]) == gemm_int8.K4
+    assert gq.int8_format([T.Q4_K, T.Q6_K]) == gemm_int8.K8
+    assert gq.int8_format([T.Q4_0, T.Q4_1]) == gemm_int8.Q4_BLOCKS
+    assert gq.int8_format([T.Q5_0, T.Q8_0]) == gemm_int8.Q8_BLOCKS
+    assert gq.int8_format([T.Q4_K, T.Q8_0]) is None  # legacy and K mixed: dequantized
+    assert gq.int8_format([T.Q5_1]) is None  # no kernel format
+
+
+@pytest.mark.parametrize("qtype, quantize, tol", [(T.Q4_K, gq.quantize_q4_k, 0.12), (T.Q6_K, gq.quantize_q6_k, 0.03)],
+                         ids=["Q4_K", "Q6_K"])
+def test_k_quant_writer_round_trips_through_gguf(qtype, quantize, tol):
+    rng = np.random.default_rng(2)
+    w = (rng.standard_normal((40, 512)) * rng.uniform(1e-3, 1.0, (40, 1))).astype(np.float32)
+    w[3] = 0.0  # an all-zero row: zero scales, no NaN
+    raw = quantize(w)
+    assert raw.shape == (40, 512 // 256 * gguf.GGML_QUANT_SIZES[qtype][1])
+    back = gguf.dequantize(raw, qtype).reshape(w.shape)
+    assert np.isfinite(back).all() and not back[3].any()
+    rel = np.linalg.norm(back - w, axis=1) / np.maximum(np.linalg.norm(w, axis=1), 1e-30)
+    assert rel.max() < tol, rel.max()
+
+
+# ---------------------------------------------------------------- a model written as K-quants
+
+# Q4_K_M's pattern on a tiny Llama whose rows are multiples of 256: Q4_K, with Q6_K for some
+# attn_v / ffn_down and for the tied embedding; one Q8_0 and one Q5_0 from the legacy fallbacks.
+KQ_TYPES = {"blk.0.attn_v": T.Q6_K, "blk.0.ffn_down": T.Q6_K, "blk.1.attn_v": T.Q8_0, "blk.1.ffn_down": T.Q5_0,
+            "token_embd": T.Q6_K}
+
+
+def write_kquant_llama(path: str, bundled: str) -> None:
+    """A 2-layer Llama (hidden 256, 4 heads, 2 KV heads, MLP 512) with the bundled SmolLM2's
+    tokenizer and random weights, every matrix quantized as ``KQ_TYPES`` says (Q4_K otherwise)."""
+    src = gguf.GGUFReader(bundled)
+    w = gguf.GGUFWriter(path, "llama")
+    hidden, ffn, layers, heads, kv_heads, vocab = 256, 512, 2, 4, 2, 49152
+    w.add_context_length(2048)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_rope_dimension_count(hidden // heads)
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template"):
+        w.add_string(key, src.fields[key].contents())
+    w.add_token_list(src.fields["tokenizer.ggml.tokens"].contents())
+    w.add_token_types(src.fields["tokenizer.ggml.token_type"].contents())
+    w.add_token_merges(src.fields["tokenizer.ggml.merges"].contents())
+    for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id"):
+        w.add_uint32(f"tokenizer.ggml.{key}", src.fields[f"tokenizer.ggml.{key}"].contents())
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    rng = np.random.default_rng(0)
+
+    def matrix(name: str, rows: int, cols: int, std: float) -> None:
+        qtype = KQ_TYPES.get(name, T.Q4_K)
+        v = (rng.standard_normal((rows, cols)) * std).astype(np.float32)
+        if qtype == T.Q4_K:
+            raw = gq.quantize_q4_k(v)
+        elif qtype == T.Q6_K:
+            raw = gq.quantize_q6_k(v)
+        else:
+            raw = gguf.quantize(v, qtype)
+        w.add_tensor(f"{name}.weight", raw, raw_dtype=qtype)
+    matrix("token_embd", vocab, hidden, 0.05)
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for i in range(layers):
+        for name, rows, cols in (("attn_q", hidden, hidden), ("attn_k", hidden // 2, hidden),
+                                 ("attn_v", hidden // 2, hidden), ("attn_output", hidden, hidden),
+                                 ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn)):
+            matrix(f"blk.{i}.{name}", rows, cols, 0.08)
+        for name in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{name}.weight", (1.0 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def kquant_gguf(tmp_path_factory, smollm2_path):
+    path = str(tmp_path_factory.mktemp("kquant") / "tiny-llama-Q4_K_M.gguf")
+    write_kquant_llama(path, smollm2_path)
+    return path
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5,", "Once upon a time, in a small village"]
+
+
+def test_kquant_gguf_in_float32_equals_hf_gguf_loader(kquant_gguf):
+    from test_hf_parity import assert_equal_but_float32_ties, engine_greedy, hf_greedy
+
+    directory, name = os.path.split(kquant_gguf)
+    tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    prompts = [tok.encode(p) for p in PROMPTS]
+    ref = hf_greedy(hf, prompts)
+    got, _ = engine_greedy(kquant_gguf, prompts, dtype="float32")
+    assert_equal_but_float32_ties(hf, prompts, got, ref)
+
+
+def test_kquant_gguf_runs_its_blocks_on_the_int8_kernel(kquant_gguf, caplog):
+    """quantization="gguf": every matrix the kernel takes is packed from the file's blocks (no float
+    weight is written for it), the numerics line names each type, and greedy tokens stay
+    logprob-close to float32 (each side's token in the other's top 5)."""
+    require_int8_kernel()
+    from test_numerics import check_logprobs_close, engine_greedy_top
+
+    from pagellm import LLM
+
+    with caplog.at_level("INFO", logger="pagellm.worker.worker"):
+        llm = LLM(model=kquant_gguf, quantization="gguf", kv_cache_memory="32MiB")
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("numerics: GGUF"))
+    for part in ("Q4_K x6: int8 GEMMs (K4 super-blocks)", "Q4_K x2: int8 GEMMs (K8 super-blocks)",
+                 "Q6_K x2: int8 GEMMs (K8", "Q6_K (tied LM head) x1: int8 GEMMs (K8", "Q5_0 x1: int8 GEMMs (8-bit",
+                 "Q4_K x2: dequantized", "Q8_0 x1: dequantized"):
+        assert part in line, line
+    model = llm.llm_engine.executor.worker.model
+    from pagellm.layers.linear import Linear
+
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+    formats = {n: m.i8_bits for n, m in linears.items() if m.bound_i8 is not None}
+    assert formats["model.layers.0.self_attn.qkv_proj"] == gemm_int8.K8  # Q4_K q, k with a Q6_K v
+    assert formats["model.layers.0.mlp.gate_up_proj"] == gemm_int8.K4
+    assert formats["model.layers.1.mlp.down_proj"] == gemm_int8.Q8_BLOCKS  # Q5_0
+    assert model.tied_head.i8_bits == gemm_int8.K8  # the Q6_K embedding's blocks
+    assert "model.layers.1.self_attn.qkv_proj" not in formats  # Q4_K with Q8_0: dequantized
+    assert all(m.weight.is_meta for n, m in linears.items() if n in formats)
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS]
+    got, _ = engine_greedy_top(kquant_gguf, prompts, 16, quantization="gguf")
+    ref, _ = engine_greedy_top(kquant_gguf, prompts, 16, dtype="float32")
+    gaps = check_logprobs_close(got, ref)
+    assert len(gaps) <= len(prompts) // 2, gaps
