@@ -203,7 +203,7 @@ def test_int8_needs_gguf_blocks_and_the_kernel(ckpt_root, monkeypatch):
         choose_numerics("auto", [torch.randn(64, 64)], quantization="gguf")
     monkeypatch.delenv("PAGELLM_CPU_INT8")
     require_int8_kernel()
-    with pytest.raises(ValueError, match="found no Q4_1 / Q8_0 weights"):  # random float32 weights
+    with pytest.raises(ValueError, match="found no GGUF weights the int8 kernel takes"):  # random float32 weights
         LLMEngine.from_engine_args(EngineArgs(model=path, quantization="gguf", kv_cache_memory="16MiB"))
 
 

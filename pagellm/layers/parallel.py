@@ -22,6 +22,7 @@ from torch import nn
 
 from pagellm.distributed import TensorParallelGroup, shard_range
 from pagellm.layers.linear import Linear
+from pagellm.weights.gguf_quant import GGUFBlocks
 
 
 class ColumnParallelLinear(Linear):
@@ -75,10 +76,23 @@ class VocabParallelEmbedding(nn.Embedding):
         super().__init__(self.vocab_range[1], hidden_size)
         self.tp = tp
 
+    # A GGUF file's blocks, whose rows are dequantized as tokens need them (an unsharded embedding
+    # whose float copy would outweigh the quantized model; ``DecoderForCausalLM.pack_for_cpu`` decides).
+    gguf_blocks: GGUFBlocks | None = None
+
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, part: int | None) -> None:
         copy_shard(param, loaded, 0, *self.vocab_range)
 
+    def materialize(self) -> None:
+        """Write the kept blocks into the float weight and read rows from it from now on."""
+        if self.gguf_blocks is not None:
+            with torch.no_grad():
+                self.weight.copy_(self.gguf_blocks.dequantize())
+            self.gguf_blocks = None
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.gguf_blocks is not None:
+            return self.gguf_blocks.gather_rows(input_ids)
         if self.tp.world_size == 1:
             return super().forward(input_ids)
         start, size = self.vocab_range

@@ -16,12 +16,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention import AttentionMetadata
 from pagellm.distributed import PipelineStage, TensorParallelGroup
+from pagellm.kernels import gemm_int8
 from pagellm.kernels.decode_graph import DecodeGraph
 from pagellm.layers.activation import SiluAndMul
 from pagellm.layers.linear import Linear
@@ -29,7 +31,7 @@ from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_shard
 from pagellm.layers.rotary import ApplyRotary, RotaryEmbedding
 from pagellm.models.decode_graph import decode_group
-from pagellm.weights.gguf_quant import GGUFBlocks
+from pagellm.weights.gguf_quant import GGUFBlocks, int8_format
 
 
 def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -230,11 +232,18 @@ class DecoderForCausalLM(nn.Module):
         (``layers/linear.py``) where it can run, for ``compute_dtype`` GEMMs (float32 or
         bfloat16; with ``int8``, the int8 kernel for weights stored as GGUF blocks); a tied head's
         packed copy is held here. Returns how many weights the int8 kernel took."""
+        embed = self.model.embed_tokens
+        tied = self.tied_head_blocks
+        # The embedding's blocks are kept only where no float copy is needed: the LM head is its own
+        # weight, or takes the same blocks on the int8 kernel.
+        keep_embed = int8 and gemm_int8.supported() and (
+            self.lm_head is not None or (tied is not None and int8_format([tied.qtype]) is not None))
+        if not keep_embed:
+            embed.materialize()
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu(compute_dtype, int8)
         if self.lm_head is None and self.tied_head is None:
-            embed = self.model.embed_tokens
             with torch.device("meta"):
                 head = Linear(embed.embedding_dim, embed.num_embeddings, bias=False)
             head.weight = embed.weight  # shared: batches past the kernel's read the embedding itself
@@ -245,6 +254,8 @@ class DecoderForCausalLM(nn.Module):
             self.tied_head_blocks = None
             if head.pack_for_cpu(compute_dtype, int8):
                 self.tied_head = head
+        if embed.gguf_blocks is not None:
+            embed.weight = nn.Parameter(torch.empty(embed.weight.shape, device="meta"), requires_grad=False)
         return sum(m.packed_i8 is not None for m in self.modules() if isinstance(m, Linear))  # tied_head included
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -278,8 +289,15 @@ class DecoderForCausalLM(nn.Module):
             shard_idx = None if shard is None else shard[1]
             loader = getattr(module, "weight_loader", None)
             if isinstance(tensor, GGUFBlocks):
+                if name == "model.embed_tokens.weight":  # kept past loading: a copy, not the file's mapping
+                    tensor = GGUFBlocks(np.array(tensor.data), tensor.qtype, tensor.shape)
                 if name == "model.embed_tokens.weight" and self.lm_head is None:
                     self.tied_head_blocks = tensor  # the tied LM head may take the file's blocks
+                if (isinstance(module, VocabParallelEmbedding) and module.tp.world_size == 1
+                        and tuple(param.shape) == tensor.shape):
+                    module.gguf_blocks = tensor
+                    loaded.add(target)
+                    continue
                 if isinstance(module, Linear) and param.shape[1] == tensor.shape[1]:
                     module.load_gguf_blocks(tensor, shard_idx)
                     loaded.add(target if shard_idx is None else f"{target}#{shard_idx}")

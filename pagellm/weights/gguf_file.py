@@ -260,3 +260,5 @@ def iter_gguf_weights(path: str, config: Any,
             yield name, arr
         else:
             yield name, torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
+    del r
+    _reader.cache_clear()  # the file's mapping goes once the last kept view of it is packed

@@ -40,6 +40,14 @@ class GGUFBlocks:
     def dequantize(self) -> torch.Tensor:
         return torch.from_numpy(np.array(dequantize(self.data, self.qtype), dtype=np.float32).reshape(self.shape))
 
+    def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [...]`` -> their rows, dequantized ``[..., K]`` float32 (an embedding lookup)."""
+        flat = ids.reshape(-1).cpu().numpy()
+        uniq, inverse = np.unique(flat, return_inverse=True)
+        rows = dequantize(self.data[uniq], self.qtype).reshape(len(uniq), self.shape[1])
+        out = torch.from_numpy(np.asarray(rows, dtype=np.float32))[torch.from_numpy(inverse.reshape(-1))]
+        return out.reshape(*ids.shape, self.shape[1]).to(ids.device)
+
     def rows(self, order: np.ndarray) -> GGUFBlocks:
         """The rows in ``order`` (a row of blocks is a row of the weight)."""
         return GGUFBlocks(self.data[order], self.qtype, self.shape)

@@ -1,0 +1,223 @@
+"""Models at the sizes people run, without a hub: random-weight checkpoints in real shapes, measured
+side by side in one invocation (speed does not depend on weight values).
+
+Builds once, cached under ``~/.cache/pagellm/scale/<shape>/``: GGUF files (Q4_K_M with llama.cpp's
+type choices, Q8_0) written by ``pagellm.weights.gguf_write`` with the bundled SmolLM2's tokenizer,
+and optionally an HF bfloat16 safetensors directory. Each engine runs in a fresh process:
+
+- ``tg128``: single-stream decode, 128 tokens after a 16-token prompt (llama-bench's tg128);
+- ``pp2048``: one 2,048-token prompt's prefill (llama-bench's pp2048, here through the scheduler);
+- ``w64``: the shared W64 workload's requests (its token ids are SmolLM2's vocabulary, as here);
+- start-up seconds and peak RSS (``VmHWM``), against the file's size.
+
+llama.cpp runs through ``llama-cpp-python`` from another venv (``--llama-python``, 2 threads;
+benchmark-only, never a dependency). The decode roofline is the bytes a token reads (every matrix
+once; K/V is negligible at this context) over the machine's copy bandwidth, measured here.
+
+    python benchmarks/scale.py --shapes 1.7b --formats q4_k_m --llama-python ../llama-venv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+W64 = os.path.join(HERE, "..", "..", "shared", "bench", "workload_n64_seed0.json")
+
+from pagellm.weights.gguf_write import LlamaShape, q4_k_m, write_llama_gguf  # noqa: E402
+
+SHAPES = {
+    "360m": LlamaShape(hidden=960, intermediate=2560, layers=32, heads=15, kv_heads=5),  # SmolLM2-360M
+    "1.7b": LlamaShape(hidden=2048, intermediate=8192, layers=24, heads=32, kv_heads=32),  # SmolLM2-1.7B
+    "3b": LlamaShape(hidden=3072, intermediate=8192, layers=28, heads=24, kv_heads=8),  # Llama-3.2-3B, SmolLM2 vocab
+}
+
+
+def cache_dir(shape: str) -> str:
+    return os.path.join(os.path.expanduser("~"), ".cache", "pagellm", "scale", shape)
+
+
+def build_gguf(shape: str, fmt: str) -> str:
+    """The cached GGUF of ``shape`` in ``fmt`` (q4_k_m or q8_0), written on first use."""
+    from gguf import GGMLQuantizationType as T
+
+    from pagellm.config import resolve_model_source
+
+    path = os.path.join(cache_dir(shape), f"model-{fmt}.gguf")
+    if os.path.exists(path):
+        return path
+    os.makedirs(cache_dir(shape), exist_ok=True)
+    s = SHAPES[shape]
+    rng = np.random.default_rng(0)
+
+    def tensor(name: str, dims: tuple[int, ...]) -> np.ndarray:
+        if len(dims) == 1:
+            return np.ones(dims, np.float32)
+        return (rng.standard_normal(dims, dtype=np.float32) * 0.02).astype(np.float32)
+    qtype = (lambda n: q4_k_m(n, s.layers)) if fmt == "q4_k_m" else (lambda n: T.Q8_0)
+    t0 = time.perf_counter()
+    tmp = path + ".tmp"
+    counts = write_llama_gguf(tmp, s, tensor, qtype, resolve_model_source(None).path)
+    os.replace(tmp, path)
+    print(f"# wrote {path} ({os.path.getsize(path) / 2**30:.2f} GiB, {counts}) in {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    return path
+
+
+def weight_bytes_per_token(path: str) -> int:
+    """Bytes of every matrix a decode step reads once (the embedding: one row, unless it is the LM head)."""
+    from pagellm.weights.gguf_file import _reader
+
+    tensors = _reader(path).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    return sum(t.data.nbytes for t in tensors if t.name != "token_embd.weight" or tied)
+
+
+def memory_bandwidth() -> float:
+    """Bytes/s of a 512 MiB copy (read + write), best of 5: the roofline's denominator."""
+    import torch
+
+    a = torch.ones(2**27)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.numel() * 4 / best
+
+
+def peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+
+def child_pagellm(args: argparse.Namespace) -> dict:
+    from pagellm import LLM, SamplingParams
+
+    extra = json.loads(args.engine_args)
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, max_model_len=4096, kv_cache_memory=args.kv_cache_memory, **extra)
+    out: dict = {"startup_s": time.perf_counter() - t0, "rss_after_load": peak_rss(),
+                 "numerics": llm.llm_engine.model_info.dtype}
+    rng = np.random.default_rng(1)
+
+    def timed(prompt: list[int], n: int) -> float:
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                     use_tqdm=False)
+        return time.perf_counter() - t
+    short = rng.integers(100, 40000, 16).tolist()
+    timed(short, 4)  # warm-up (decode graphs, caches)
+    out["tg128"] = 128 / (timed(short, 129) - timed(short, 1))
+    out["pp2048"] = 2048 / timed(rng.integers(100, 40000, 2048).tolist(), 1)
+    if args.w64:
+        with open(W64) as f:
+            reqs = json.load(f)["requests"][:args.w64]
+        params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs], params, use_tqdm=False)
+        wall = time.perf_counter() - t
+        out["w64_total"] = sum(r["prompt_len"] + r["max_tokens"] for r in reqs) / wall
+        out["w64_output"] = sum(r["max_tokens"] for r in reqs) / wall
+    out["peak_rss"] = peak_rss()
+    return out
+
+
+LLAMA_CHILD = r"""
+import json, sys, time
+import numpy as np
+from llama_cpp import Llama
+path, threads = sys.argv[1], int(sys.argv[2])
+def rss():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
+t0 = time.perf_counter()
+llm = Llama(model_path=path, n_ctx=4096, n_batch=512, n_ubatch=512, n_threads=threads, n_threads_batch=threads,
+            verbose=False, logits_all=False)
+out = {"startup_s": time.perf_counter() - t0, "rss_after_load": rss()}
+rng = np.random.default_rng(1)
+def decode(prompt, n):
+    llm.reset()
+    t = time.perf_counter()
+    llm.eval(prompt)
+    for _ in range(n):
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    return time.perf_counter() - t
+short = rng.integers(100, 40000, 16).tolist()
+decode(short, 4)
+out["tg128"] = 128 / (decode(short, 128) - decode(short, 0))
+llm.reset()
+t = time.perf_counter()
+llm.eval(rng.integers(100, 40000, 2048).tolist())
+out["pp2048"] = 2048 / (time.perf_counter() - t)
+out["peak_rss"] = rss()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def run_child(cmd: list[str]) -> dict:
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]}
+    return json.loads(lines[-1][7:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="1.7b", help=f"comma-separated, of {sorted(SHAPES)}")
+    p.add_argument("--formats", default="q4_k_m", help="comma-separated: q4_k_m, q8_0")
+    p.add_argument("--w64", type=int, default=64, help="W64 requests to run (0: none)")
+    p.add_argument("--kv-cache-memory", default="2GiB")
+    p.add_argument("--pagellm-args", default='{"quantization": "gguf"}', help="engine keywords, as JSON")
+    p.add_argument("--llama-python", help="a python with llama-cpp-python (built from source) for llama.cpp")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--child", choices=["pagellm"], help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--engine-args", default="{}", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child_pagellm(args)), flush=True)
+        return
+    from pagellm.kernels.machine import cpu_info
+
+    print(f"# machine: {cpu_info().summary()}")
+    bw = memory_bandwidth()
+    print(f"# copy bandwidth: {bw / 1e9:.1f} GB/s")
+    rows = []
+    for shape in args.shapes.split(","):
+        for fmt in args.formats.split(","):
+            path = build_gguf(shape, fmt)
+            size = os.path.getsize(path)
+            roof = bw / weight_bytes_per_token(path)
+            me = [sys.executable, os.path.abspath(__file__), "--child", "pagellm", "--model", path,
+                  "--engine-args", args.pagellm_args, "--kv-cache-memory", args.kv_cache_memory, "--w64", str(args.w64)]
+            results = {"pagellm": run_child(me)}
+            if args.llama_python:
+                results["llama.cpp"] = run_child([args.llama_python, "-c", LLAMA_CHILD, path, str(args.threads)])
+            for engine, r in results.items():
+                rows.append((shape, fmt, size, roof, engine, r))
+                print(json.dumps({"shape": shape, "format": fmt, "engine": engine, **r}), flush=True)
+    print("\n| shape | file | engine | start-up s | peak RSS / file | tg128 tok/s (% of roofline) | pp2048 tok/s "
+          "| W64 total tok/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for shape, fmt, size, roof, engine, r in rows:
+        if "error" in r:
+            print(f"| {shape} | {fmt} | {engine} | error: {r['error']} | | | | |")
+            continue
+        w64 = f"{r['w64_total']:.0f}" if "w64_total" in r else "-"
+        print(f"| {shape} | {fmt} {size / 2**30:.2f} GiB | {engine} | {r['startup_s']:.1f} | "
+              f"{r['peak_rss'] / size:.2f} | {r['tg128']:.1f} ({100 * r['tg128'] / roof:.0f} % of {roof:.1f}) | "
+              f"{r['pp2048']:.0f} | {w64} |")
+
+
+if __name__ == "__main__":
+    main()

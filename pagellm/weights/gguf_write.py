@@ -1,0 +1,118 @@
+"""Writing Llama-architecture GGUF files (``gguf.GGUFWriter``) with llama.cpp's tensor names and
+type choices, for checkpoints made locally: tests' K-quant models and ``benchmarks/scale.py``'s
+models at real size. The tokenizer is copied from another GGUF file (the bundled SmolLM2's)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+from pagellm.weights.gguf_quant import quantize_q4_k, quantize_q6_k
+
+# The legacy type llama.cpp falls back to when a row is not a multiple of 256 (llama-quant.cpp).
+K_FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int = 49152
+    context: int = 8192
+    rope_theta: float = 100000.0
+    tied: bool = True
+
+
+def _use_more_bits(layer: int, layers: int) -> bool:
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def q4_k_m(name: str, layers: int) -> T:
+    """llama.cpp's Q4_K_M choice for a tensor (``llama_tensor_get_type``): Q6_K for the output (or
+    a tied embedding) and for attn_v / ffn_down in the layers that get more bits, Q4_K elsewhere."""
+    if name in ("output", "token_embd"):
+        return T.Q6_K
+    parts = name.split(".")
+    if parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down") and _use_more_bits(int(parts[1]), layers):
+        return T.Q6_K
+    return T.Q4_K
+
+
+def encode(w: np.ndarray, qtype: T) -> tuple[np.ndarray, T]:
+    """``(bytes or floats, type)`` of a float32 matrix, with llama.cpp's fallback for K types on rows
+    that are not a multiple of 256."""
+    if qtype in K_FALLBACK and w.shape[-1] % 256:
+        qtype = K_FALLBACK[qtype]
+    if qtype == T.Q4_K:
+        return quantize_q4_k(w), qtype
+    if qtype == T.Q6_K:
+        return quantize_q6_k(w), qtype
+    if qtype in (T.F32, T.F16):
+        return w.astype(np.float32 if qtype == T.F32 else np.float16), qtype
+    return gguf.quantize(w, qtype), qtype
+
+
+def _copy_tokenizer(w: gguf.GGUFWriter, source: str) -> None:
+    src = gguf.GGUFReader(source)
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template"):
+        if key in src.fields:
+            w.add_string(key, src.fields[key].contents())
+    w.add_token_list(src.fields["tokenizer.ggml.tokens"].contents())
+    w.add_token_types(src.fields["tokenizer.ggml.token_type"].contents())
+    w.add_token_merges(src.fields["tokenizer.ggml.merges"].contents())
+    for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id"):
+        if f"tokenizer.ggml.{key}" in src.fields:
+            w.add_uint32(f"tokenizer.ggml.{key}", src.fields[f"tokenizer.ggml.{key}"].contents())
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+
+
+def llama_tensor_shapes(s: LlamaShape) -> Iterable[tuple[str, tuple[int, ...]]]:
+    """llama.cpp's tensor names and PyTorch-order shapes of a Llama of shape ``s``."""
+    head_dim = s.hidden // s.heads
+    yield "token_embd", (s.vocab, s.hidden)
+    yield "output_norm", (s.hidden,)
+    if not s.tied:
+        yield "output", (s.vocab, s.hidden)
+    for i in range(s.layers):
+        yield from ((f"blk.{i}.{n}", shape) for n, shape in (
+            ("attn_norm", (s.hidden,)), ("ffn_norm", (s.hidden,)),
+            ("attn_q", (s.heads * head_dim, s.hidden)), ("attn_k", (s.kv_heads * head_dim, s.hidden)),
+            ("attn_v", (s.kv_heads * head_dim, s.hidden)), ("attn_output", (s.hidden, s.heads * head_dim)),
+            ("ffn_gate", (s.intermediate, s.hidden)), ("ffn_up", (s.intermediate, s.hidden)),
+            ("ffn_down", (s.hidden, s.intermediate))))
+
+
+def write_llama_gguf(path: str, s: LlamaShape, tensor: Callable[[str, tuple[int, ...]], np.ndarray],
+                     qtype_for: Callable[[str], T], tokenizer_from: str) -> dict[str, int]:
+    """Write a Llama GGUF whose tensors come from ``tensor(name, shape)`` (float32), matrices encoded
+    as ``qtype_for(name)`` says (norms stay float32); returns how many tensors of each type."""
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_context_length(s.context)
+    w.add_embedding_length(s.hidden)
+    w.add_block_count(s.layers)
+    w.add_feed_forward_length(s.intermediate)
+    w.add_head_count(s.heads)
+    w.add_head_count_kv(s.kv_heads)
+    w.add_rope_freq_base(s.rope_theta)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(s.vocab)
+    w.add_rope_dimension_count(s.hidden // s.heads)
+    _copy_tokenizer(w, tokenizer_from)
+    counts: dict[str, int] = {}
+    for name, shape in llama_tensor_shapes(s):
+        values = tensor(name, shape)
+        data, qtype = (values.astype(np.float32), T.F32) if len(shape) == 1 else encode(values, qtype_for(name))
+        w.add_tensor(f"{name}.weight", data, raw_dtype=qtype if qtype not in (T.F32, T.F16) else None)
+        counts[qtype.name] = counts.get(qtype.name, 0) + 1
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=False)
+    w.close()
+    return counts
