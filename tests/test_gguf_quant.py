@@ -56,8 +56,8 @@ def rebuilt(b: gq.GGUFBlocks) -> np.ndarray:
     if b.qtype in (T.Q4_K, T.Q5_K, T.Q6_K):
         d, dmin, sc, mn, q = gq.kquant_fields(b)
         d16, dmin16 = np.repeat(d, 16, axis=1), np.repeat(dmin, 16, axis=1)
-        if b.qtype == T.Q6_K:  # w = (d sc)(q - 32), and mn must be 32 sc with dmin = d
-            assert np.array_equal(mn, 32 * sc) and np.array_equal(d, dmin)
+        if b.qtype == T.Q6_K:  # w = (d sc)(q - 32), and mn must be sc with dmin = 32 d
+            assert np.array_equal(mn, sc) and np.array_equal(32 * d, dmin)
             return np.repeat((d16 * sc).astype(f32), 16, axis=1) * (q.astype(f32) - 32)
         return (np.repeat((d16 * sc).astype(f32), 16, axis=1) * q.astype(f32)
                 - np.repeat((dmin16 * mn).astype(f32), 16, axis=1))
@@ -78,7 +78,7 @@ def test_fields_equal_gguf_dequantize_bit_for_bit(qtype, seed, scale):
 
 
 def packed(b: gq.GGUFBlocks, fmt: int) -> torch.Tensor:
-    if fmt in (gemm_int8.K4, gemm_int8.K8):
+    if fmt in (gemm_int8.K4, gemm_int8.K6):
         return gemm_int8.pack_kquant(*gq.kquant_fields(b), fmt)
     return gemm_int8.pack_blocks(*gq.legacy_fields(b), fmt)
 
@@ -106,20 +106,20 @@ def test_int8_kernel_matches_float64_within_the_rounding_bound(qtype):
     bound_w = gemm_int8.BoundWeight(packed(b, fmt), fmt, n, k)
     y = bound_w(x)
     exact = x.double() @ torch.from_numpy(w).double().T
-    block = 256 if fmt in (gemm_int8.K4, gemm_int8.K8) else 32
+    block = 256 if fmt in (gemm_int8.K4, gemm_int8.K6) else 32
     err = (y.double() - exact).abs()
     bound = error_bound(x, w, block)
     assert bool((err <= bound).all()), f"max error / bound {float((err / bound).max()):.3f}"
     assert float((err / bound).max()) > 0.01  # (the activations really were rounded)
     for rows in (1, 4, 7):  # batch invariance: a row alone, or in other batches, gives the same bits
         assert torch.equal(bound_w(x[2:2 + rows]), y[2:2 + rows])
-    if fmt == gemm_int8.K4:  # the byte-wide K8 format holds Q4_K too (a fused projection of mixed K types)
-        assert torch.equal(gemm_int8.BoundWeight(packed(b, gemm_int8.K8), gemm_int8.K8, n, k)(x), y)
+    if fmt == gemm_int8.K4:  # the 6-bit K6 format holds Q4_K too (a fused projection of mixed K types)
+        assert torch.equal(gemm_int8.BoundWeight(packed(b, gemm_int8.K6), gemm_int8.K6, n, k)(x), y)
 
 
 def test_formats_for_fused_parts():
     assert gq.int8_format([T.Q4_K, T.Q4_K]) == gemm_int8.K4
-    assert gq.int8_format([T.Q4_K, T.Q6_K]) == gemm_int8.K8
+    assert gq.int8_format([T.Q4_K, T.Q6_K]) == gemm_int8.K6
     assert gq.int8_format([T.Q4_0, T.Q4_1]) == gemm_int8.Q4_BLOCKS
     assert gq.int8_format([T.Q5_0, T.Q8_0]) == gemm_int8.Q8_BLOCKS
     assert gq.int8_format([T.Q4_K, T.Q8_0]) is None  # legacy and K mixed: dequantized
@@ -196,8 +196,8 @@ def test_kquant_gguf_runs_its_blocks_on_the_int8_kernel(kquant_gguf, caplog):
     with caplog.at_level("INFO", logger="pagellm.worker.worker"):
         llm = LLM(model=kquant_gguf, quantization="gguf", kv_cache_memory="32MiB")
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("numerics: GGUF"))
-    for part in ("Q4_K x6: int8 GEMMs (K4 super-blocks)", "Q4_K x2: int8 GEMMs (K8 super-blocks)",
-                 "Q6_K x2: int8 GEMMs (K8", "Q6_K (tied LM head) x1: int8 GEMMs (K8", "Q5_0 x1: int8 GEMMs (8-bit",
+    for part in ("Q4_K x6: int8 GEMMs (K4 super-blocks)", "Q4_K x2: int8 GEMMs (K6 super-blocks)",
+                 "Q6_K x2: int8 GEMMs (K6", "Q6_K (tied LM head) x1: int8 GEMMs (K6", "Q5_0 x1: int8 GEMMs (8-bit",
                  "Q4_K x2: dequantized", "Q8_0 x1: dequantized"):
         assert part in line, line
     model = llm.llm_engine.executor.worker.model
@@ -205,10 +205,10 @@ def test_kquant_gguf_runs_its_blocks_on_the_int8_kernel(kquant_gguf, caplog):
 
     linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
     formats = {n: m.i8_bits for n, m in linears.items() if m.bound_i8 is not None}
-    assert formats["model.layers.0.self_attn.qkv_proj"] == gemm_int8.K8  # Q4_K q, k with a Q6_K v
+    assert formats["model.layers.0.self_attn.qkv_proj"] == gemm_int8.K6  # Q4_K q, k with a Q6_K v
     assert formats["model.layers.0.mlp.gate_up_proj"] == gemm_int8.K4
     assert formats["model.layers.1.mlp.down_proj"] == gemm_int8.Q8_BLOCKS  # Q5_0
-    assert model.tied_head.i8_bits == gemm_int8.K8  # the Q6_K embedding's blocks
+    assert model.tied_head.i8_bits == gemm_int8.K6  # the Q6_K embedding's blocks
     assert "model.layers.1.self_attn.qkv_proj" not in formats  # Q4_K with Q8_0: dequantized
     assert all(m.weight.is_meta for n, m in linears.items() if n in formats)
     tok = llm.get_tokenizer()

@@ -16,12 +16,12 @@
  * vectors whose 32-bit lane j holds the q of 4 consecutive k of output j. 4 bits: 4 vectors per half,
  * vector g holding k-groups g (low nibbles) and g + 4 (high nibbles); 8 bits: 8 vectors per half.
  *
- * K-quant super-blocks (formats K4 and K8, packed by pack_kquant from the file's own blocks, as
+ * K-quant super-blocks (formats K4 and K6, packed by pack_kquant from the file's own blocks, as
  * llama.cpp's vec_dot_q4_K_q8_K does it): 256 k per super-block with one float d and dmin per output,
- * S sub-blocks of L k each with integer scale sc and min mn, q unsigned:
+ * S sub-blocks of L k each with int8 scale sc and min mn, q unsigned:
  *   w = d sc q - dmin mn   ->  sum_k w x_k = dx (d sum_j sc_j sum_{k in j} q xq_k - dmin sum_j mn_j bsum_j)
- * K4 (Q4_K): L = 32, q 4 bits. K8 (Q5_K, Q6_K, or a mix of K types in one fused projection): L = 16,
- * q one byte (Q6_K: q in 0..63 with mn = 32 sc, dmin = d). Activations per row and super-block: one
+ * K4 (Q4_K): L = 32, q 4 bits. K6 (Q5_K, Q6_K, or a mix of K types in one fused projection): L = 16,
+ * q 6 bits (Q6_K: q in 0..63 with mn = sc, dmin = 32 d). Activations per row and super-block: one
  * dx = max|x| / 127, xq in -127..127 and the integer sums bsum of each 16.
  *
  * Every block's integer sum is exact, and the float work per row runs in block order, so a row's
@@ -39,11 +39,12 @@
 #define MRQ 6 /* rows per tile: 2 x (int + float) accumulators per row, 24 of 32 registers */
 #define RECB(bits) (2 * NR * 4 + ((bits) == 4 ? NR * QB / 2 : NR * QB)) /* bytes per record */
 #define FMT_K4 0x104
-#define FMT_K8 0x108
+#define FMT_K6 0x106
 #define QK 256                                    /* k per super-block */
 #define MRK 4                                     /* rows per K tile: acc, sum and dot, 2 each per row */
 #define KSUB(fmt) ((fmt) == FMT_K4 ? 8 : 16)      /* sub-blocks per super-block */
-#define KREC(fmt) (2 * NR * 4 + KSUB(fmt) * NR * 2 * 2 + KSUB(fmt) * 512) /* d, dmin, sc, mn, q */
+#define KQB(fmt) ((fmt) == FMT_K4 ? 512 : 384)  /* bytes of q per sub-block of a panel */
+#define KREC(fmt) (2 * NR * 4 + KSUB(fmt) * NR * 2 + KSUB(fmt) * KQB(fmt)) /* d, dmin, sc, mn, q */
 
 int gemm_i8_supported(void) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -53,7 +54,7 @@ int gemm_i8_supported(void) {
 #endif
 }
 
-static int is_kfmt(int64_t fmt) { return fmt == FMT_K4 || fmt == FMT_K8; }
+static int is_kfmt(int64_t fmt) { return fmt == FMT_K4 || fmt == FMT_K6; }
 
 int64_t packed_size_i8(int64_t N, int64_t K, int64_t bits) {
   if (is_kfmt(bits)) return (N + NR - 1) / NR * (K / QK) * KREC(bits);
@@ -104,11 +105,12 @@ int pack_blocks_i8(uint8_t *dst, const float *d, const float *m, const int32_t *
 }
 
 /* Pack K-quant super-blocks: d, dmin [N, K / 256], sc, mn [N, K / 16] (each L = 32 sub-block's
- * value given for both its 16s in K4), q [N, K] unsigned (0..15 for K4, 0..255 for K8); 1, or 0 for
+ * value given for both its 16s in K4), q [N, K] unsigned (0..15 for K4, 0..63 for K6); 1, or 0 for
  * a K that is not a multiple of 256 or another fmt. Record: d[32], dmin[32] float, sc[S][32],
- * mn[S][32] int16, then per sub-block 512 bytes of q laid out as the 4-bit (K4) or 8-bit (K8) legacy
- * blocks of 32 k (K8: 16 k, 4 vectors per half). */
-int pack_kquant(uint8_t *dst, const float *d, const float *dmin, const int16_t *sc, const int16_t *mn,
+ * mn[S][32] int8, then per sub-block the q: K4 as the 4-bit legacy blocks of 32 k (512 bytes); K6
+ * per half of 16 outputs three vectors over the 4 groups of 4 k: low nibbles of groups 0 | 1 << 4,
+ * of groups 2 | 3 << 4, and the high 2 bits of group g at bits 2g (384 bytes). */
+int pack_kquant(uint8_t *dst, const float *d, const float *dmin, const int8_t *sc, const int8_t *mn,
                 const uint8_t *q, int64_t N, int64_t K, int64_t fmt) {
   if (K % QK != 0 || !is_kfmt(fmt)) return 0;
   const int64_t P = (N + NR - 1) / NR, B = K / QK, S = KSUB(fmt), L = QK / S, rec_size = KREC(fmt);
@@ -118,7 +120,7 @@ int pack_kquant(uint8_t *dst, const float *d, const float *dmin, const int16_t *
     uint8_t *rec = dst + pb * rec_size;
     memset(rec, 0, rec_size);
     float *d_rec = (float *)rec, *dm_rec = (float *)rec + NR;
-    int16_t *sc_rec = (int16_t *)(rec + 2 * NR * 4), *mn_rec = sc_rec + S * NR;
+    int8_t *sc_rec = (int8_t *)(rec + 2 * NR * 4), *mn_rec = sc_rec + S * NR;
     uint8_t *qs = (uint8_t *)(mn_rec + S * NR);
     for (int j = 0; j < NR; ++j) {
       const int64_t n = p * NR + j;
@@ -130,13 +132,15 @@ int pack_kquant(uint8_t *dst, const float *d, const float *dmin, const int16_t *
         sc_rec[s * NR + j] = sc[n * (K / 16) + b * 16 + s * L / 16];
         mn_rec[s * NR + j] = mn[n * (K / 16) + b * 16 + s * L / 16];
         const uint8_t *qn = q + n * K + b * QK + s * L;
-        uint8_t *qsub = qs + s * 512;
+        uint8_t *qsub = qs + s * KQB(fmt);
         for (int k = 0; k < L; ++k) {
-          const int g = k / 4;
-          if (fmt == FMT_K4)
-            qsub[(half * 4 + g % 4) * 64 + lane * 4 + k % 4] |= (uint8_t)(qn[k] << (g < 4 ? 0 : 4));
-          else
-            qsub[(half * 4 + g) * 64 + lane * 4 + k % 4] = qn[k];
+          const int g = k / 4, at = lane * 4 + k % 4;
+          if (fmt == FMT_K4) {
+            qsub[(half * 4 + g % 4) * 64 + at] |= (uint8_t)(qn[k] << (g < 4 ? 0 : 4));
+          } else {
+            qsub[(half * 3 + g / 2) * 64 + at] |= (uint8_t)((qn[k] & 0x0F) << (4 * (g % 2)));
+            qsub[(half * 3 + 2) * 64 + at] |= (uint8_t)((qn[k] >> 4) << (2 * g));
+          }
         }
       }
     }
@@ -277,11 +281,11 @@ static inline __attribute__((always_inline)) void tile_k(float *y, int64_t ldy, 
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < B; ++b, rec += rec_size) {
     _mm_prefetch((const char *)(rec + rec_size), _MM_HINT_T0);
-    const int16_t *sc = (const int16_t *)(rec + 2 * NR * 4), *mn = sc + S * NR;
+    const int8_t *sc = (const int8_t *)(rec + 2 * NR * 4), *mn = sc + S * NR;
     const uint8_t *qs = (const uint8_t *)(mn + S * NR);
     __m512i sum[MRK][2];
     for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
-    for (int64_t j = 0; j < S; ++j, qs += 512) {
+    for (int64_t j = 0; j < S; ++j, qs += KQB(fmt)) {
       __m512i dot[MRK][2];
       for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
       if (fmt == FMT_K4) {
@@ -298,8 +302,13 @@ static inline __attribute__((always_inline)) void tile_k(float *y, int64_t ldy, 
         }
       } else {
         const int32_t *xk = (const int32_t *)(xq + b * QK + j * 16);
+        const __m512i h0 = _mm512_loadu_si512(qs + 2 * 64), h1 = _mm512_loadu_si512(qs + 5 * 64), three = _mm512_set1_epi8(3);
         for (int g = 0; g < 4; ++g) {
-          const __m512i w0 = _mm512_loadu_si512(qs + g * 64), w1 = _mm512_loadu_si512(qs + (4 + g) * 64);
+          const __m512i n0 = _mm512_loadu_si512(qs + (g / 2) * 64), n1 = _mm512_loadu_si512(qs + (3 + g / 2) * 64);
+          const __m512i l0 = _mm512_and_si512(g % 2 ? _mm512_srli_epi16(n0, 4) : n0, low);
+          const __m512i l1 = _mm512_and_si512(g % 2 ? _mm512_srli_epi16(n1, 4) : n1, low);
+          const __m512i w0 = _mm512_or_si512(l0, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h0, 2 * g), three), 4));
+          const __m512i w1 = _mm512_or_si512(l1, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h1, 2 * g), three), 4));
           for (int r = 0; r < R; ++r) {
             const __m512i xa = _mm512_set1_epi32(xk[r * K / 4 + g]);
             dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], w0, xa);
@@ -307,8 +316,8 @@ static inline __attribute__((always_inline)) void tile_k(float *y, int64_t ldy, 
           }
         }
       }
-      const __m512i s0 = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(sc + j * NR)));
-      const __m512i s1 = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(sc + j * NR + 16)));
+      const __m512i s0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + j * NR)));
+      const __m512i s1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + j * NR + 16)));
       for (int r = 0; r < R; ++r) {
         sum[r][0] = _mm512_add_epi32(sum[r][0], _mm512_mullo_epi32(dot[r][0], s0));
         sum[r][1] = _mm512_add_epi32(sum[r][1], _mm512_mullo_epi32(dot[r][1], s1));
@@ -323,8 +332,8 @@ static inline __attribute__((always_inline)) void tile_k(float *y, int64_t ldy, 
     }
     const int64_t per = QK / 16 / S; /* 16s of x per sub-block */
     for (int64_t j = 0; j < S; ++j) {
-      const __m512i n0 = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(mn + j * NR)));
-      const __m512i n1 = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(mn + j * NR + 16)));
+      const __m512i n0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(mn + j * NR)));
+      const __m512i n1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(mn + j * NR + 16)));
       for (int r = 0; r < R; ++r) {
         const int32_t *bs = bsum + r * (K / 16) + b * (QK / 16) + j * per;
         const __m512i x = _mm512_set1_epi32(per == 2 ? bs[0] + bs[1] : bs[0]);
@@ -345,7 +354,7 @@ static inline __attribute__((always_inline)) void tile_k(float *y, int64_t ldy, 
 #define CASE_K(R) case R: TILE_K(R); break;
 #define TILE_K(R)                                                                          \
   if (fmt == FMT_K4) tile_k(yy, ldy, xx, dd, bb_sum, w, bb, K, m0, m1, R, FMT_K4);         \
-  else tile_k(yy, ldy, xx, dd, bb_sum, w, bb, K, m0, m1, R, FMT_K8)
+  else tile_k(yy, ldy, xx, dd, bb_sum, w, bb, K, m0, m1, R, FMT_K6)
 
 /* Rows [0, M) of a K format against every panel (split between threads in contiguous ranges). */
 static void row_block_k(float *y, int64_t ldy, const int8_t *xq, const float *dx, const int32_t *bsum,

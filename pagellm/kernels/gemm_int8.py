@@ -21,9 +21,9 @@ from pagellm.kernels import gemm
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 # The weight formats (``bits`` in the C interface): GGUF's legacy blocks of 32 at 4 or 8 bits, and
-# K-quant super-blocks of 256 (K4: Q4_K's 4 bits; K8: a byte per weight, any K type).
-Q4_BLOCKS, Q8_BLOCKS, K4, K8 = 4, 8, 0x104, 0x108
-FORMATS = {Q4_BLOCKS: "4-bit blocks", Q8_BLOCKS: "8-bit blocks", K4: "K4 super-blocks", K8: "K8 super-blocks"}
+# K-quant super-blocks of 256 (K4: Q4_K's 4 bits; K6: 6 bits, any K type).
+Q4_BLOCKS, Q8_BLOCKS, K4, K6 = 4, 8, 0x104, 0x106
+FORMATS = {Q4_BLOCKS: "4-bit blocks", Q8_BLOCKS: "8-bit blocks", K4: "K4 super-blocks", K6: "K6 super-blocks"}
 SIGNATURES: kernels.Signatures = {
     "gemm_i8_supported": (ctypes.c_int, []),
     "packed_size_i8": (_I, [_I, _I, _I]),
@@ -81,15 +81,15 @@ def pack_blocks(d: np.ndarray, m: np.ndarray, q: np.ndarray, bits: int) -> torch
 def pack_kquant(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, mn: np.ndarray, q: np.ndarray,
                 fmt: int) -> torch.Tensor:
     """The packed weight of K-quant super-blocks given as fields (``weights/gguf_quant.kquant_fields``)
-    in format ``K4`` or ``K8``."""
+    in format ``K4`` or ``K6``."""
     lib = _lib()
     assert lib is not None, "check supported() first"
     n, k = q.shape
-    f32, i16 = (_c(d, np.float32), _c(dmin, np.float32)), (_c(sc, np.int16), _c(mn, np.int16))
+    f32, i8 = (_c(d, np.float32), _c(dmin, np.float32)), (_c(sc, np.int8), _c(mn, np.int8))
     q = _c(q, np.uint8)
     out = torch.empty(lib.packed_size_i8(n, k, fmt), dtype=torch.uint8)
-    if not lib.pack_kquant(out.data_ptr(), f32[0].ctypes.data, f32[1].ctypes.data, i16[0].ctypes.data,
-                           i16[1].ctypes.data, q.ctypes.data, n, k, fmt):
+    if not lib.pack_kquant(out.data_ptr(), f32[0].ctypes.data, f32[1].ctypes.data, i8[0].ctypes.data,
+                           i8[1].ctypes.data, q.ctypes.data, n, k, fmt):
         raise ValueError(f"cannot pack [{n}, {k}] as {FORMATS.get(fmt, fmt)}")
     return out
 
@@ -106,7 +106,7 @@ class BoundWeight:
                  bias: torch.Tensor | None = None) -> None:
         lib = _lib()
         assert lib is not None, "check supported() before pack()"
-        if (bits not in FORMATS or in_features % (256 if bits in (K4, K8) else 32)
+        if (bits not in FORMATS or in_features % (256 if bits in (K4, K6) else 32)
                 or packed.numel() != lib.packed_size_i8(out_features, in_features, bits)):
             raise ValueError(f"packed {bits}-bit weight of {packed.numel()} bytes does not fit "
                              f"[{out_features}, {in_features}]")

@@ -92,7 +92,7 @@ class Linear(nn.Linear):
         fmt = self.gguf_format()
         assert self.gguf_parts and fmt is not None, "no GGUF blocks the int8 kernel takes"
         parts = [self.gguf_parts[i] for i in sorted(self.gguf_parts)]
-        if fmt in (gemm_int8.K4, gemm_int8.K8):
+        if fmt in (gemm_int8.K4, gemm_int8.K6):
             d, dmin, sc, mn, q = (np.concatenate(f) for f in zip(*map(kquant_fields, parts), strict=True))
             return gemm_int8.pack_kquant(d, dmin, sc, mn, q, fmt), fmt
         d, m, q = (np.concatenate(f) for f in zip(*map(legacy_fields, parts), strict=True))
@@ -119,6 +119,8 @@ class Linear(nn.Linear):
             return True
         if int8 and self.gguf_format() is not None:
             blocks, fmt = self.pack_gguf()
+            for part in (self.gguf_parts or {}).values():
+                part.release()
             self.packed_i8, self.i8_bits = blocks, fmt
             self.bound_i8 = gemm_int8.BoundWeight(blocks, fmt, self.out_features, self.in_features, self.bias)
             self.gguf_parts = None

@@ -4,7 +4,7 @@ A projection stored as blocks reaches ``kernels/gemm_int8.c`` without a float ro
 bytes are split into scales, mins and integer quants here (vectorised, one tensor at a time) and
 laid out for the kernel there. Legacy types (blocks of 32 with a half-precision scale) become the
 kernel's 4- or 8-bit blocks; K types (super-blocks of 256 with 6- or 8-bit sub-block scales) its K4
-or K8 super-blocks. Types without a kernel format are dequantized (``gguf.dequantize``).
+or K6 super-blocks. Types without a kernel format are dequantized (``gguf.dequantize``).
 
 ``quantize_q4_k`` / ``quantize_q6_k`` write K-quant bytes (``gguf`` can only read them), with a plain
 max-min fit rather than llama.cpp's iterative search: for benchmark checkpoints and tests, whose
@@ -13,6 +13,7 @@ reference is always ``gguf.dequantize`` of what was written.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +21,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import dequantize
 
-from pagellm.kernels.gemm_int8 import K4, K8, Q4_BLOCKS, Q8_BLOCKS
+from pagellm.kernels.gemm_int8 import K4, K6, Q4_BLOCKS, Q8_BLOCKS
 
 _LEGACY_FORMAT = {T.Q4_0: Q4_BLOCKS, T.Q4_1: Q4_BLOCKS, T.Q5_0: Q8_BLOCKS, T.Q8_0: Q8_BLOCKS}
 _K_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
@@ -48,6 +49,16 @@ class GGUFBlocks:
         out = torch.from_numpy(np.asarray(rows, dtype=np.float32))[torch.from_numpy(inverse.reshape(-1))]
         return out.reshape(*ids.shape, self.shape[1]).to(ids.device)
 
+    def release(self) -> None:
+        """Drop the file's pages from this process once read (they stay in the page cache): a mapped
+        file's touched pages count in the RSS until unmapped, and loading touches all of them."""
+        base: np.ndarray | None = self.data
+        while base is not None and not isinstance(base, np.memmap):
+            base = base.base
+        mapping = getattr(base, "_mmap", None)
+        if mapping is not None and hasattr(mapping, "madvise"):
+            mapping.madvise(mmap.MADV_DONTNEED)
+
     def rows(self, order: np.ndarray) -> GGUFBlocks:
         """The rows in ``order`` (a row of blocks is a row of the weight)."""
         return GGUFBlocks(self.data[order], self.qtype, self.shape)
@@ -63,7 +74,7 @@ def int8_format(qtypes: list[T]) -> int | None:
     if all(t == T.Q4_K for t in qtypes):
         return K4
     if all(t in _K_TYPES for t in qtypes):
-        return K8
+        return K6
     return None
 
 
@@ -112,7 +123,7 @@ def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def kquant_fields(b: GGUFBlocks) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``(d, dmin, sc, mn, q)``: per sub-block ``w = d sc q - dmin mn`` with d and dmin float32
-    ``[N, K / 256]``, sc and mn int16 per 16 values ``[N, K / 16]``, q uint8 ``[N, K]``."""
+    ``[N, K / 256]``, sc and mn int8 per 16 values ``[N, K / 16]``, q uint8 ``[N, K]`` (0..63)."""
     n, k = b.shape
     t = b.qtype
     blk = _blocks(b, {T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}[t])
@@ -121,8 +132,8 @@ def kquant_fields(b: GGUFBlocks) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
         lo = np.stack([ql.reshape(-1, 2, 64) & 0x0F, ql.reshape(-1, 2, 64) >> 4], axis=2).reshape(-1, 8, 32)
         hi = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
         q = lo | (hi.reshape(-1, 8, 32) << 4)
-        sc16 = scales.view(np.int8).astype(np.int16)
-        mn16, dmin = 32 * sc16, d  # w = d sc (q - 32)
+        sc16 = scales.view(np.int8)
+        mn16, dmin = sc16, 32 * d  # w = d sc (q - 32) = d sc q - (32 d) sc: exact, a power of two
     else:
         d, dmin = _f16(blk[:, 0:2]), _f16(blk[:, 2:4])
         sc8, mn8 = _scale_min_k4(blk[:, 4:16])
@@ -131,7 +142,7 @@ def kquant_fields(b: GGUFBlocks) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
         if t == T.Q5_K:
             qh = blk[:, 16:48].reshape(-1, 1, 32)
             q = q | (((qh >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1) << 4)
-        sc16, mn16 = np.repeat(sc8, 2, axis=1).astype(np.int16), np.repeat(mn8, 2, axis=1).astype(np.int16)
+        sc16, mn16 = np.repeat(sc8, 2, axis=1).view(np.int8), np.repeat(mn8, 2, axis=1).view(np.int8)
     return (d.reshape(n, k // QK), dmin.reshape(n, k // QK), sc16.reshape(n, k // 16), mn16.reshape(n, k // 16),
             np.ascontiguousarray(q.reshape(n, k), dtype=np.uint8))
 

@@ -17,6 +17,7 @@ the process. Set ``PAGELLM_MALLOC_TUNING=0`` to leave the allocator as it is.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -55,3 +56,12 @@ def tune_malloc() -> bool:
         logger.debug("glibc malloc: mmap threshold %d MiB, trim threshold %d MiB",
                      MMAP_THRESHOLD >> 20, TRIM_THRESHOLD >> 20)
     return _done
+
+
+def trim() -> None:
+    """Hand the heap's free memory back to the system (after loading: the transient copies of
+    packing weights stay in the heap under ``tune_malloc``'s trim threshold)."""
+    if platform.libc_ver()[0] != "glibc":
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)

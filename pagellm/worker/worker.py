@@ -31,7 +31,7 @@ from pagellm.weights import freq_factors, iter_weights, load_model_config
 from pagellm.weights.gguf_quant import KERNEL_TYPES, int8_format
 from pagellm.worker.cache_engine import CacheEngine, HostKVMemory, KVCacheSpec
 from pagellm.worker.draft_runner import DraftRunner
-from pagellm.worker.host_malloc import tune_malloc
+from pagellm.worker.host_malloc import trim, tune_malloc
 from pagellm.worker.kv_connector import DiskConnectorWorker, KVConnectorWorker, TcpConnectorWorker
 from pagellm.worker.model_runner import ModelRunner
 
@@ -250,14 +250,21 @@ class Worker:
         if self.cpu_numerics:
             first = model.model.start  # (this pipeline stage's first layer)
             linears = [m for m in model.get_submodule(f"model.layers.{first}").modules() if isinstance(m, Linear)]
-            kept = [m.pack_gguf() for m in linears if m.gguf_format() is not None]
-            numerics = choose_numerics(self.config.model.dtype, [m.dense_weight() for m in linears], probe=probe,
-                                       quantization=quantization,
-                                       int8_weights=kept if kept and len(kept) == len(linears) else None)
+            if quantization == "gguf" and all(m.gguf_format() is not None for m in linears):
+                # Every projection goes to the int8 kernel: nothing left to time (a probe would
+                # dequantize and pack a layer in every format: a transient GB at 1.7B).
+                numerics = Numerics(torch.float32, "quantization='gguf': every projection is GGUF blocks the "
+                                    "int8 kernel takes (float32 between them)", int8=True)
+            else:
+                kept = [m.pack_gguf() for m in linears if m.gguf_format() is not None]
+                numerics = choose_numerics(self.config.model.dtype, [m.dense_weight() for m in linears],
+                                           probe=probe, quantization=quantization,
+                                           int8_weights=kept if kept and len(kept) == len(linears) else None)
         weight_types = gguf_weight_types(model)
         packed_int8 = 0
         if self.device.type == "cpu" and hasattr(model, "pack_for_cpu"):
             packed_int8 = model.pack_for_cpu(numerics.compute_dtype, numerics.int8)
+            trim()
         if weight_types:
             logger.info("numerics: GGUF projections %s", ", ".join(
                 f"{t} x{n}: {'int8 GEMMs (' + gemm_int8.FORMATS[f] + ')' if numerics.int8 and f else 'dequantized'}"
