@@ -72,27 +72,77 @@ def build_gguf(shape: str, fmt: str) -> str:
     return path
 
 
+def build_hf_bf16(shape: str) -> str:
+    """The cached HF directory of ``shape``: config, the bundled tokenizer, random bfloat16 safetensors."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    from pagellm.config import resolve_model_source
+
+    path = os.path.join(cache_dir(shape), "hf-bf16")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    s = SHAPES[shape]
+    os.makedirs(path, exist_ok=True)
+    config = transformers.LlamaConfig(
+        vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=s.layers,
+        num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, max_position_embeddings=s.context,
+        rope_theta=s.rope_theta, tie_word_embeddings=s.tied, rms_norm_eps=1e-5, torch_dtype="bfloat16")
+    bundled = resolve_model_source(None).path
+    transformers.AutoTokenizer.from_pretrained(os.path.dirname(bundled), gguf_file=os.path.basename(bundled)) \
+        .save_pretrained(path)
+    g = torch.Generator().manual_seed(0)
+    head_dim = s.hidden // s.heads
+    tensors = {"model.embed_tokens.weight": (s.vocab, s.hidden), "model.norm.weight": (s.hidden,)}
+    for i in range(s.layers):
+        p = f"model.layers.{i}."
+        tensors |= {p + "input_layernorm.weight": (s.hidden,), p + "post_attention_layernorm.weight": (s.hidden,),
+                    p + "self_attn.q_proj.weight": (s.heads * head_dim, s.hidden),
+                    p + "self_attn.k_proj.weight": (s.kv_heads * head_dim, s.hidden),
+                    p + "self_attn.v_proj.weight": (s.kv_heads * head_dim, s.hidden),
+                    p + "self_attn.o_proj.weight": (s.hidden, s.heads * head_dim),
+                    p + "mlp.gate_proj.weight": (s.intermediate, s.hidden),
+                    p + "mlp.up_proj.weight": (s.intermediate, s.hidden),
+                    p + "mlp.down_proj.weight": (s.hidden, s.intermediate)}
+    shard: dict = {}
+    for name, dims in tensors.items():
+        shard[name] = torch.ones(dims, dtype=torch.bfloat16) if len(dims) == 1 else \
+            (torch.randn(dims, generator=g) * 0.02).to(torch.bfloat16)
+    save_file(shard, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(path)
+    return path
+
+
 def weight_bytes_per_token(path: str) -> int:
     """Bytes of every matrix a decode step reads once (the embedding: one row, unless it is the LM head)."""
     from pagellm.weights.gguf_file import _reader
 
+    if os.path.isdir(path):
+        return os.path.getsize(os.path.join(path, "model.safetensors"))
     tensors = _reader(path).tensors
     tied = not any(t.name == "output.weight" for t in tensors)
     return sum(t.data.nbytes for t in tensors if t.name != "token_embd.weight" or tied)
 
 
 def memory_bandwidth() -> float:
-    """Bytes/s of a 512 MiB copy (read + write), best of 5: the roofline's denominator."""
+    """Bytes/s of a 512 MiB copy (read + write), best of 10: the roofline's denominator."""
     import torch
 
     a = torch.ones(2**27)
     b = torch.empty_like(a)
     best = float("inf")
-    for _ in range(5):
+    for _ in range(10):
         t0 = time.perf_counter()
         b.copy_(a)
         best = min(best, time.perf_counter() - t0)
     return 2 * a.numel() * 4 / best
+
+
+def kv_bytes(text: str) -> int:
+    from pagellm.utils import parse_size
+
+    return parse_size(text)
 
 
 def peak_rss() -> int:
@@ -174,7 +224,7 @@ def run_child(cmd: list[str]) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="1.7b", help=f"comma-separated, of {sorted(SHAPES)}")
-    p.add_argument("--formats", default="q4_k_m", help="comma-separated: q4_k_m, q8_0")
+    p.add_argument("--formats", default="q4_k_m", help="comma-separated: q4_k_m, q8_0 (GGUF), bf16 (HF directory)")
     p.add_argument("--w64", type=int, default=64, help="W64 requests to run (0: none)")
     p.add_argument("--kv-cache-memory", default="2GiB")
     p.add_argument("--pagellm-args", default='{"quantization": "gguf"}', help="engine keywords, as JSON")
@@ -195,19 +245,23 @@ def main() -> None:
     rows = []
     for shape in args.shapes.split(","):
         for fmt in args.formats.split(","):
-            path = build_gguf(shape, fmt)
-            size = os.path.getsize(path)
+            path = build_hf_bf16(shape) if fmt == "bf16" else build_gguf(shape, fmt)
+            size = os.path.getsize(os.path.join(path, "model.safetensors")) if fmt == "bf16" else os.path.getsize(path)
             roof = bw / weight_bytes_per_token(path)
             me = [sys.executable, os.path.abspath(__file__), "--child", "pagellm", "--model", path,
-                  "--engine-args", args.pagellm_args, "--kv-cache-memory", args.kv_cache_memory, "--w64", str(args.w64)]
+                  "--engine-args", "{}" if fmt == "bf16" else args.pagellm_args,
+                  "--kv-cache-memory", args.kv_cache_memory, "--w64", str(args.w64)]
             results = {"pagellm": run_child(me)}
-            if args.llama_python:
+            if args.llama_python and fmt != "bf16":
                 results["llama.cpp"] = run_child([args.llama_python, "-c", LLAMA_CHILD, path, str(args.threads)])
             for engine, r in results.items():
                 rows.append((shape, fmt, size, roof, engine, r))
                 print(json.dumps({"shape": shape, "format": fmt, "engine": engine, **r}), flush=True)
-    print("\n| shape | file | engine | start-up s | peak RSS / file | tg128 tok/s (% of roofline) | pp2048 tok/s "
-          "| W64 total tok/s |")
+    kv = kv_bytes(args.kv_cache_memory)
+    print(f"\n(peak RSS less pagellm's {args.kv_cache_memory} KV budget, over the file's size; llama.cpp's "
+          "n_ctx=4096 cache is counted in its RSS)")
+    print("\n| shape | file | engine | start-up s | (peak RSS - KV) / file | tg128 tok/s (% of roofline) | "
+          "pp2048 tok/s | W64 total tok/s |")
     print("|---|---|---|---|---|---|---|---|")
     for shape, fmt, size, roof, engine, r in rows:
         if "error" in r:
@@ -215,7 +269,8 @@ def main() -> None:
             continue
         w64 = f"{r['w64_total']:.0f}" if "w64_total" in r else "-"
         print(f"| {shape} | {fmt} {size / 2**30:.2f} GiB | {engine} | {r['startup_s']:.1f} | "
-              f"{r['peak_rss'] / size:.2f} | {r['tg128']:.1f} ({100 * r['tg128'] / roof:.0f} % of {roof:.1f}) | "
+              f"{(r['peak_rss'] - (kv if engine == 'pagellm' else 0)) / size:.2f} | "
+              f"{r['tg128']:.1f} ({100 * r['tg128'] / roof:.0f} % of {roof:.1f}) | "
               f"{r['pp2048']:.0f} | {w64} |")
 
 

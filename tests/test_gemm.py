@@ -154,11 +154,13 @@ def test_linear_layer_takes_the_quantized_copy_for_the_smallest_batches(bits: in
     real = gemm.linear
     monkeypatch.setattr(gemm, "linear", lambda *a, bits=32: taken.append(bits) or real(*a, bits=bits))
     with torch.no_grad():
-        layer.weight.copy_(_gguf_weight(40, 64, 2, bits))
+        w = _gguf_weight(40, 64, 2, bits)
+        layer.weight.copy_(w)
         assert layer.pack_for_cpu() and layer.packed_q is not None and layer.q_bits == bits
+        assert layer.weight.is_meta  # every batch reads a packed copy: the float weight is dropped
         small, mid = torch.randn(rows, 64), torch.randn(rows + 1, 64)
-        _close(layer(small), F.linear(small, layer.weight, layer.bias), 64)
-        _close(layer(mid), F.linear(mid, layer.weight, layer.bias), 64)
+        _close(layer(small), F.linear(small, w, layer.bias), 64)
+        _close(layer(mid), F.linear(mid, w, layer.bias), 64)
         assert taken == [bits, 32]
         plain = Linear(64, 40, bias=False)
         assert plain.pack_for_cpu() and plain.packed_q is None  # random float32: no quantized copy

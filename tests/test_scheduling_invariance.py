@@ -6,6 +6,8 @@ token ids as the default configuration; invariants are checked after every step.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -105,6 +107,10 @@ def test_fast_numerics_outputs_do_not_depend_on_scheduling(baseline, ckpt_root, 
         require_int8_kernel()
         path, prompts = build_tiny_gguf_valued_checkpoint(ckpt_root, arch), random_prompts(10, seed=7, hi=150)
         kwargs = {"quantization": "gguf"}
+    _assert_invariant(path, prompts, mode, kwargs)
+
+
+def _assert_invariant(path: str, prompts: list[list[int]], mode: str, kwargs: dict) -> None:
     ref, engine = engine_greedy(path, prompts, MAX_TOKENS, **kwargs)
     assert engine.model_info.dtype == mode
     for name in BF16_CONFIGS:
@@ -112,6 +118,17 @@ def test_fast_numerics_outputs_do_not_depend_on_scheduling(baseline, ckpt_root, 
         assert got == ref, name
         if name.startswith("tight"):
             assert engine.scheduler.num_preemptions > 0
+
+
+def test_kquant_gguf_outputs_do_not_depend_on_scheduling(ckpt_root, smollm2_path):
+    """The same over a file written as K-quants (Q4_K / Q6_K super-blocks, per-256 activations)."""
+    require_int8_kernel()
+    from test_gguf_quant import write_kquant_llama
+
+    path = os.path.join(ckpt_root, "tiny-llama-Q4_K_M.gguf")
+    if not os.path.exists(path):
+        write_kquant_llama(path, smollm2_path)
+    _assert_invariant(path, random_prompts(10, seed=7, hi=150), "int8", {"quantization": "gguf"})
 
 
 @pytest.mark.slow

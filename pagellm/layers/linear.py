@@ -1,4 +1,4 @@
-"""``Linear``: ``nn.Linear`` with a second copy of its weight packed for the CPU GEMM kernel.
+"""``Linear``: ``nn.Linear`` whose weight is packed once for the CPU GEMM kernel.
 
 ``F.linear`` on a CPU calls MKL's sgemm, which re-packs the weight on every call; at decode
 batch sizes that is a large share of the work. :meth:`Linear.pack_for_cpu` packs the weight once
@@ -6,8 +6,9 @@ batch sizes that is a large share of the work. :meth:`Linear.pack_for_cpu` packs
 over k whatever the batch: a row's result never depends on the rows beside it, in float32 as in
 the other dtypes (MKL's result for a row changes with the batch's size, and a 16-bit or int8 K/V
 cache turns such last-bit differences into different greedy tokens under chunking or preemption:
-docs/performance.md, "Measurements behind code choices"). The price is the packed
-copy: one more float32 copy of the projections (0.42 GB for SmolLM2-135M). A weight whose values
+docs/performance.md, "Measurements behind code choices"). The packed copy replaces the weight
+(a meta tensor keeps its shape). A GGUF checkpoint's blocks go to the int8 kernel as the file
+holds them (``pack_gguf``), with ``quantization="gguf"`` or where ``auto`` measures it faster. A weight whose values
 are exactly GGUF blocks (a Q4_1 or Q8_0 model, dequantized: every projection of the bundled
 SmolLM2 is Q4_1, its tied LM head Q8_0) is also packed in 4 or 8 bits (``gemm.pack_quantized``,
 checked value by value): batches of up to ``QUANTIZED_MAX_ROWS`` rows read that copy, with results
@@ -114,9 +115,17 @@ class Linear(nn.Linear):
     def pack_for_cpu(self, compute_dtype: torch.dtype = torch.float32, int8: bool = False) -> bool:
         """Pack the loaded weight for the GEMM kernel if it can run here; ``True`` if packed. With
         ``int8``, kept GGUF blocks of a type the kernel takes, or a weight that is exactly GGUF
-        blocks, go to the int8 kernel, any other to ``compute_dtype``'s."""
+        blocks, go to the int8 kernel, any other to ``compute_dtype``'s. Every batch then reads the
+        packed copy, so the float weight is dropped (a meta tensor keeps its shape): a bfloat16
+        model is not held in float32 as well, nor a float32 one twice."""
         if self.packed is not None or self.packed_bf16 is not None or self.packed_i8 is not None:
             return True
+        packed = self._pack(compute_dtype, int8)
+        if packed:
+            self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"), requires_grad=False)
+        return packed
+
+    def _pack(self, compute_dtype: torch.dtype, int8: bool) -> bool:
         if int8 and self.gguf_format() is not None:
             blocks, fmt = self.pack_gguf()
             for part in (self.gguf_parts or {}).values():
@@ -124,7 +133,6 @@ class Linear(nn.Linear):
             self.packed_i8, self.i8_bits = blocks, fmt
             self.bound_i8 = gemm_int8.BoundWeight(blocks, fmt, self.out_features, self.in_features, self.bias)
             self.gguf_parts = None
-            self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"), requires_grad=False)
             return True
         self.materialize()
         if not gemm.usable(self.weight):
