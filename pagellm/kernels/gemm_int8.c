@@ -192,6 +192,23 @@ static void quantize_row(const float *x, int8_t *xq, float *dx, float *sx, int64
   }
 }
 
+/* acc[r] += the 32 k of a 4-bit block (lay_output's nibble layout, 512 bytes at qs) against rows
+ * [0, R) of xq (xk: the block's 8 groups of 4 int8 in row 0; rows K bytes apart). */
+static inline __attribute__((always_inline)) void dot_q4(__m512i acc[][2], const uint8_t *qs, const int32_t *xk,
+                                                         int64_t K, const int R) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int g = 0; g < 4; ++g) {
+    const __m512i v0 = _mm512_loadu_si512(qs + g * 64), v1 = _mm512_loadu_si512(qs + (4 + g) * 64);
+    const __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+    const __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+    for (int r = 0; r < R; ++r) {
+      const __m512i xa = _mm512_set1_epi32(xk[r * K / 4 + g]), xb = _mm512_set1_epi32(xk[r * K / 4 + g + 4]);
+      acc[r][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r][0], lo0, xa), hi0, xb);
+      acc[r][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r][1], lo1, xa), hi1, xb);
+    }
+  }
+}
+
 /* Rows [0, R) of one panel over all blocks. xq rows are K bytes apart, dx / sx rows B floats apart.
  * Tile t of T also prefetches the next panel's records t, t + T, ... */
 static inline __attribute__((always_inline)) void tile_i8(float *y, int64_t ldy, const int8_t *xq, const float *dx,
@@ -201,7 +218,7 @@ static inline __attribute__((always_inline)) void tile_i8(float *y, int64_t ldy,
   const int64_t B = K / QB, rec_size = RECB(bits);
   __m512 acc[MRQ][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
+  const __m512i flip = _mm512_set1_epi8((char)0x80);
   for (int64_t b = 0; b < B; ++b, rec += rec_size) {
     if (b % T == t)
       for (int64_t c = 0; c < rec_size; c += 64) _mm_prefetch((const char *)(next + b * rec_size + c), _MM_HINT_T1);
@@ -210,16 +227,7 @@ static inline __attribute__((always_inline)) void tile_i8(float *y, int64_t ldy,
     for (int r = 0; r < R; ++r) is[r][0] = is[r][1] = _mm512_setzero_si512();
     const int32_t *xk = (const int32_t *)(xq + b * QB); /* the 8 groups of 4 int8 of this block */
     if (bits == 4) {
-      for (int g = 0; g < 4; ++g) {
-        const __m512i v0 = _mm512_loadu_si512(qs + g * 64), v1 = _mm512_loadu_si512(qs + (4 + g) * 64);
-        const __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
-        const __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
-        for (int r = 0; r < R; ++r) {
-          const __m512i xa = _mm512_set1_epi32(xk[r * K / 4 + g]), xb = _mm512_set1_epi32(xk[r * K / 4 + g + 4]);
-          is[r][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(is[r][0], lo0, xa), hi0, xb);
-          is[r][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(is[r][1], lo1, xa), hi1, xb);
-        }
-      }
+      dot_q4(is, qs, xk, K, R);
     } else {
       for (int g = 0; g < 8; ++g) {
         const __m512i w0 = _mm512_loadu_si512(qs + g * 64), w1 = _mm512_loadu_si512(qs + (8 + g) * 64);
@@ -289,17 +297,7 @@ static inline __attribute__((always_inline)) void tile_k(float *y, int64_t ldy, 
       __m512i dot[MRK][2];
       for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
       if (fmt == FMT_K4) {
-        const int32_t *xk = (const int32_t *)(xq + b * QK + j * 32);
-        for (int g = 0; g < 4; ++g) {
-          const __m512i v0 = _mm512_loadu_si512(qs + g * 64), v1 = _mm512_loadu_si512(qs + (4 + g) * 64);
-          const __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
-          const __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
-          for (int r = 0; r < R; ++r) {
-            const __m512i xa = _mm512_set1_epi32(xk[r * K / 4 + g]), xb = _mm512_set1_epi32(xk[r * K / 4 + g + 4]);
-            dot[r][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][0], lo0, xa), hi0, xb);
-            dot[r][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][1], lo1, xa), hi1, xb);
-          }
-        }
+        dot_q4(dot, qs, (const int32_t *)(xq + b * QK + j * 32), K, R);
       } else {
         const int32_t *xk = (const int32_t *)(xq + b * QK + j * 16);
         const __m512i h0 = _mm512_loadu_si512(qs + 2 * 64), h1 = _mm512_loadu_si512(qs + 5 * 64), three = _mm512_set1_epi8(3);
