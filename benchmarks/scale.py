@@ -88,7 +88,8 @@ def build_hf_bf16(shape: str) -> str:
     config = transformers.LlamaConfig(
         vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=s.layers,
         num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, max_position_embeddings=s.context,
-        rope_theta=s.rope_theta, tie_word_embeddings=s.tied, rms_norm_eps=1e-5, torch_dtype="bfloat16")
+        rope_theta=s.rope_theta, tie_word_embeddings=s.tied, rms_norm_eps=1e-5, torch_dtype="bfloat16",
+        architectures=["LlamaForCausalLM"])
     bundled = resolve_model_source(None).path
     transformers.AutoTokenizer.from_pretrained(os.path.dirname(bundled), gguf_file=os.path.basename(bundled)) \
         .save_pretrained(path)
