@@ -81,13 +81,6 @@ class Linear(nn.Linear):
             return None
         return int8_format([b.qtype for b in self.gguf_parts.values()])
 
-    def _gguf_rows(self) -> GGUFBlocks:
-        parts = [self.gguf_parts[i] for i in sorted(self.gguf_parts)] if self.gguf_parts else []
-        if len(parts) == 1:
-            return parts[0]
-        data = np.concatenate([np.asarray(b.data, dtype=np.uint8).reshape(b.shape[0], -1) for b in parts])
-        return GGUFBlocks(data, parts[0].qtype, (data.shape[0], parts[0].shape[1]))
-
     def pack_gguf(self) -> tuple[torch.Tensor, int]:
         """``(packed, format)`` of the kept blocks for the int8 kernel, from the file's own fields."""
         fmt = self.gguf_format()
