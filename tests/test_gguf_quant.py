@@ -117,13 +117,64 @@ def test_int8_kernel_matches_float64_within_the_rounding_bound(qtype):
         assert torch.equal(gemm_int8.BoundWeight(packed(b, gemm_int8.K6), gemm_int8.K6, n, k)(x), y)
 
 
+def cpu_has(flag: str) -> bool:
+    with open("/proc/cpuinfo") as f:
+        return any(line.startswith("flags") and flag in line.split() for line in f)
+
+
+def test_amx_tiles_give_the_vnni_path_bits():
+    """K4 rows in tiles of 16 on AMX, the rest on VNNI: every row's bits are those of the VNNI path alone."""
+    require_int8_kernel()
+    if not cpu_has("amx_int8") or os.environ.get("PAGELLM_CPU_AMX") == "0":
+        pytest.skip("no AMX int8 on this CPU (or PAGELLM_CPU_AMX=0)")
+    assert gemm_int8.amx(), "the CPU has AMX int8 but the int8 kernel does not use it"
+    n, k = 70, 768
+    fmt = gemm_int8.K4
+    b = random_blocks(T.Q4_K, n, k, seed=2)
+    bound_w = gemm_int8.BoundWeight(packed(b, fmt), fmt, n, k)
+    x = torch.randn(37, k)  # two tiles of 16 and five rows left over (AMX takes 32 rows and more)
+    x[20] *= 1000.0
+    try:
+        y = bound_w(x)
+        gemm_int8.amx(False)
+        assert not gemm_int8.amx()
+        assert torch.equal(bound_w(x), y)
+        for r in (0, 20, 36):
+            assert torch.equal(bound_w(x[r:r + 1]), y[r:r + 1])
+    finally:
+        gemm_int8.amx(True)
+    exact = x.double() @ torch.from_numpy(reference(b)).double().T
+    assert bool(((y.double() - exact).abs() <= error_bound(x, reference(b), 256)).all())
+
+
 def test_formats_for_fused_parts():
     assert gq.int8_format([T.Q4_K, T.Q4_K]) == gemm_int8.K4
-    assert gq.int8_format([T.Q4_K, T.Q6_K]) == gemm_int8.K6
+    assert gq.int8_format([T.Q5_K, T.Q6_K]) == gemm_int8.K6
     assert gq.int8_format([T.Q4_0, T.Q4_1]) == gemm_int8.Q4_BLOCKS
     assert gq.int8_format([T.Q5_0, T.Q8_0]) == gemm_int8.Q8_BLOCKS
-    assert gq.int8_format([T.Q4_K, T.Q8_0]) is None  # legacy and K mixed: dequantized
-    assert gq.int8_format([T.Q5_1]) is None  # no kernel format
+    assert gq.int8_format([T.Q4_K, T.Q4_K, T.Q6_K]) == gemm_int8.PARTS  # q, k 4-bit beside a 6-bit v
+    assert gq.int8_format([T.Q4_K, T.Q8_0]) == gemm_int8.PARTS  # legacy and K mixed
+    assert gq.int8_format([T.Q4_K, T.Q5_1]) is None  # no kernel format for one: dequantized
+
+
+def test_parts_run_each_in_its_own_format():
+    """A fused weight of Q4_K, Q6_K and Q8_0 runs of rows: each run's columns are bit for bit what its
+    own packed weight gives, in batches that use AMX and that do not."""
+    require_int8_kernel()
+    k = 512
+    runs = [(random_blocks(T.Q4_K, 64, k, seed=3), gemm_int8.K4), (random_blocks(T.Q6_K, 40, k, seed=4), gemm_int8.K6),
+            (random_blocks(T.Q8_0, 30, k, seed=5), gemm_int8.Q8_BLOCKS)]
+    alone = [gemm_int8.BoundWeight(packed(b, fmt), fmt, b.shape[0], k) for b, fmt in runs]
+    fused = gemm_int8.pack_parts([(packed(b, fmt), fmt, b.shape[0]) for b, fmt in runs])
+    assert [(f, n) for f, n, _ in gemm_int8.parts_of(fused)] == [(gemm_int8.K4, 64), (gemm_int8.K6, 40),
+                                                                 (gemm_int8.Q8_BLOCKS, 30)]
+    bias = torch.randn(134)
+    bound = gemm_int8.BoundWeight(fused, gemm_int8.PARTS, 134, k, bias)
+    for m in (1, 37):
+        x = torch.randn(m, k)
+        assert torch.equal(bound(x), torch.cat([w(x) for w in alone], dim=1) + bias)
+    with pytest.raises(ValueError, match="does not fit"):
+        gemm_int8.BoundWeight(fused, gemm_int8.PARTS, 133, k)
 
 
 @pytest.mark.parametrize("qtype, quantize, tol", [(T.Q4_K, gq.quantize_q4_k, 0.12), (T.Q6_K, gq.quantize_q6_k, 0.03)],
@@ -143,9 +194,10 @@ def test_k_quant_writer_round_trips_through_gguf(qtype, quantize, tol):
 # ---------------------------------------------------------------- a model written as K-quants
 
 # Q4_K_M's pattern on a tiny Llama whose rows are multiples of 256: Q4_K, with Q6_K for some
-# attn_v / ffn_down and for the tied embedding; one Q8_0 and one Q5_0 from the legacy fallbacks.
+# attn_v / ffn_down and for the tied embedding; one Q8_0 and one Q5_0 from the legacy fallbacks, and
+# one Q5_1 (no kernel format: dequantized).
 KQ_TYPES = {"blk.0.attn_v": T.Q6_K, "blk.0.ffn_down": T.Q6_K, "blk.1.attn_v": T.Q8_0, "blk.1.ffn_down": T.Q5_0,
-            "token_embd": T.Q6_K}
+            "blk.1.attn_output": T.Q5_1, "token_embd": T.Q6_K}
 
 
 def write_kquant_llama(path: str, bundled: str) -> None:
@@ -159,7 +211,7 @@ def write_kquant_llama(path: str, bundled: str) -> None:
         return (rng.standard_normal(shape) * (0.25 if name == "token_embd" else 0.08)).astype(np.float32)
     shape = LlamaShape(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, context=2048, rope_theta=10000.0)
     counts = write_llama_gguf(path, shape, tensor, lambda name: KQ_TYPES.get(name, T.Q4_K), bundled)
-    assert counts == {"Q6_K": 3, "Q8_0": 1, "Q5_0": 1, "Q4_K": 10, "F32": 5}, counts
+    assert counts == {"Q6_K": 3, "Q8_0": 1, "Q5_0": 1, "Q5_1": 1, "Q4_K": 9, "F32": 5}, counts
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +237,7 @@ def test_kquant_gguf_in_float32_equals_hf_gguf_loader(kquant_gguf):
 
 
 def test_kquant_gguf_runs_its_blocks_on_the_int8_kernel(kquant_gguf, caplog):
-    """quantization="gguf": every matrix the kernel takes is packed from the file's blocks (no float
+    """quantization="gguf" (dtype auto alike): every matrix the kernel takes is packed from the file's blocks (no float
     weight is written for it), the numerics line names each type, and greedy tokens stay
     logprob-close to float32 (each side's token in the other's top 5)."""
     require_int8_kernel()
@@ -194,22 +246,29 @@ def test_kquant_gguf_runs_its_blocks_on_the_int8_kernel(kquant_gguf, caplog):
     from pagellm import LLM
 
     with caplog.at_level("INFO", logger="pagellm.worker.worker"):
+        LLM(model=kquant_gguf, kv_cache_memory="32MiB")  # dtype auto: the same, unasked
+        auto = [r.getMessage() for r in caplog.records if r.getMessage().startswith("numerics: ")]
+        caplog.clear()
         llm = LLM(model=kquant_gguf, quantization="gguf", kv_cache_memory="32MiB")
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("numerics: GGUF"))
-    for part in ("Q4_K x6: int8 GEMMs (K4 super-blocks)", "Q4_K x2: int8 GEMMs (K6 super-blocks)",
-                 "Q6_K x2: int8 GEMMs (K6", "Q6_K (tied LM head) x1: int8 GEMMs (K6", "Q5_0 x1: int8 GEMMs (8-bit",
-                 "Q4_K x2: dequantized", "Q8_0 x1: dequantized"):
+    assert auto[0] == line and "dtype auto on a GGUF file: every projection is GGUF blocks" in auto[1], auto
+    for part in ("Q4_K x9: int8 GEMMs (K4 super-blocks)", "Q6_K x2: int8 GEMMs (K6", "Q8_0 x1: int8 GEMMs (8-bit",
+                 "Q6_K (tied LM head) x1: int8 GEMMs (K6", "Q5_0 x1: int8 GEMMs (8-bit", "Q5_1 x1: dequantized"):
         assert part in line, line
     model = llm.llm_engine.executor.worker.model
     from pagellm.layers.linear import Linear
 
     linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
     formats = {n: m.i8_bits for n, m in linears.items() if m.bound_i8 is not None}
-    assert formats["model.layers.0.self_attn.qkv_proj"] == gemm_int8.K6  # Q4_K q, k with a Q6_K v
+    parts = {n: [(f, rows) for f, rows, _ in gemm_int8.parts_of(m.packed_i8)]
+             for n, m in linears.items() if m.i8_bits == gemm_int8.PARTS}
+    # q and k (256 + 128 rows) in Q4_K's own format beside a Q6_K, then a Q8_0, v
+    assert parts == {"model.layers.0.self_attn.qkv_proj": [(gemm_int8.K4, 384), (gemm_int8.K6, 128)],
+                     "model.layers.1.self_attn.qkv_proj": [(gemm_int8.K4, 384), (gemm_int8.Q8_BLOCKS, 128)]}
     assert formats["model.layers.0.mlp.gate_up_proj"] == gemm_int8.K4
     assert formats["model.layers.1.mlp.down_proj"] == gemm_int8.Q8_BLOCKS  # Q5_0
     assert model.tied_head.i8_bits == gemm_int8.K6  # the Q6_K embedding's blocks
-    assert "model.layers.1.self_attn.qkv_proj" not in formats  # Q4_K with Q8_0: dequantized
+    assert "model.layers.1.self_attn.o_proj" not in formats  # Q5_1: dequantized
     assert all(m.weight.is_meta for n, m in linears.items() if n in formats)
     tok = llm.get_tokenizer()
     prompts = [tok.encode(p) for p in PROMPTS]

@@ -307,24 +307,6 @@ void pack_weight_bf16(uint32_t *dst, const float *w, int64_t N, int64_t K) {
 }
 
 #ifdef __AMX_BF16__
-#include <sys/syscall.h>
-#include <unistd.h>
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* Linux hands out the AMX tile state only on request, once per process. */
-static int amx_ready(void) {
-  static int state = 0; /* 0 unknown, 1 granted, -1 refused */
-  if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-  return state == 1;
-}
-
-typedef struct {
-  uint8_t palette_id, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-} TileConfig;
-
 /* Tiles 0-3: C (2 row tiles x 2 column halves of the panel, 16 x 16 floats each); 4-5: A (16 rows x
  * 16 pairs of x); 6-7: B (16 pairs x 16 outputs of the panel). */
 static void amx_configure(void) {

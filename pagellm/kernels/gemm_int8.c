@@ -40,6 +40,7 @@
 #define RECB(bits) (2 * NR * 4 + ((bits) == 4 ? NR * QB / 2 : NR * QB)) /* bytes per record */
 #define FMT_K4 0x104
 #define FMT_K6 0x106
+#define FMT_PARTS 0x200 /* int64 header [count, (format, rows, byte offset) per part], then the parts */
 #define QK 256                                    /* k per super-block */
 #define MRK 4                                     /* rows per K tile: acc, sum and dot, 2 each per row */
 #define KSUB(fmt) ((fmt) == FMT_K4 ? 8 : 16)      /* sub-blocks per super-block */
@@ -349,6 +350,109 @@ static inline __attribute__((always_inline)) void tile_k(float *y, int64_t ldy, 
   store_tile(y, ldy, acc, bias, m0, m1, R);
 }
 
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+/* K4 on AMX (Sapphire Rapids on), rows in tiles of 16. Q4_K's 6-bit sub-block scale splits as
+ * sc = 8 sh + sl (sh, sl in 0..7), so sh q and sl q fit a byte and the scales fold into three
+ * tdpbsud operands per half-panel: Bh = sh q, Bl = sl q and Bm = mn (broadcast over its sub-block).
+ * Over a super-block's 256 k the tiles then hold 8 Ch + Cl = sum_j sc_j dot_j and Cm = sum_j mn_j
+ * bsum_j, exactly tile_k's two integer sums; the float epilogue is tile_k's op for op in the same
+ * order, so a row's result is bit for bit what tile_k gives it (batch invariance holds across the
+ * two paths). Tiles: 0 the 16 rows' xq of 64 k, 1 an operand, 2-7 the sums (half x h, l, m). */
+#define AMX_ROWS 16
+static int amx_enabled = -1; /* -1: not asked yet */
+
+static void amx_configure(void) {
+  TileConfig c;
+  memset(&c, 0, sizeof c);
+  c.palette_id = 1;
+  for (int t = 0; t < 8; ++t) c.rows[t] = AMX_ROWS, c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+
+/* One super-block of a K4 panel as tdpbsud operands: ops[chunk of 64 k][half][h, l, m][16 groups of
+ * 4 k][16 outputs x 4 bytes], the groups as tile_k feeds vpdpbusd. */
+typedef uint8_t K4Operands[4][2][3][16][64];
+
+static void k4_operands(K4Operands ops, const uint8_t *rec) {
+  const int8_t *sc = (const int8_t *)(rec + 2 * NR * 4), *mn = sc + 8 * NR;
+  const uint8_t *qs = (const uint8_t *)(mn + 8 * NR);
+  const __m512i low = _mm512_set1_epi8(0x0F), seven = _mm512_set1_epi32(7), bytes = _mm512_set1_epi32(0x01010101);
+  for (int j = 0; j < 8; ++j, qs += KQB(FMT_K4))
+    for (int h = 0; h < 2; ++h) {
+      const __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + j * NR + h * 16)));
+      const __m512i sh = _mm512_srli_epi32(s, 3), sl = _mm512_and_si512(s, seven);
+      const __m512i shw = _mm512_or_si512(sh, _mm512_slli_epi32(sh, 16)), slw = _mm512_or_si512(sl, _mm512_slli_epi32(sl, 16));
+      const __m512i m = _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mn + j * NR + h * 16))), bytes);
+      for (int g = 0; g < 8; ++g) {
+        const __m512i v = _mm512_loadu_si512(qs + (h * 4 + g % 4) * 64);
+        const __m512i q = _mm512_and_si512(g < 4 ? v : _mm512_srli_epi16(v, 4), low);
+        const int c = j / 2, row = (j % 2) * 8 + g; /* 8 groups per sub-block, 16 per chunk */
+        /* byte products below 256 in both bytes of a 16-bit lane: vpmullw multiplies them apart */
+        _mm512_store_si512(ops[c][h][0][row], _mm512_mullo_epi16(q, shw));
+        _mm512_store_si512(ops[c][h][1][row], _mm512_mullo_epi16(q, slw));
+        _mm512_store_si512(ops[c][h][2][row], m);
+      }
+    }
+}
+
+#define K4_DP(h, t, T) _tile_loadd(1, ops[c][h][t], 64); _tile_dpbsud(T, 0, 1) /* T = 2 + 3 h + t */
+#define K4_ST(h, t, T) _tile_stored(T, sums[h][t], 64)
+
+/* 16 rows of one super-block b of a K4 panel into acc[16][32] (tile_k's float accumulators). */
+static void amx_rows_k4(float acc[][NR], const int8_t *xq, const float *dx, const K4Operands ops, const uint8_t *rec,
+                        int64_t K, int64_t b) {
+  const int64_t B = K / QK;
+  int32_t sums[2][3][AMX_ROWS][16] __attribute__((aligned(64)));
+  _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+  for (int c = 0; c < 4; ++c) {
+    _tile_loadd(0, xq + b * QK + c * 64, K);
+    K4_DP(0, 0, 2); K4_DP(0, 1, 3); K4_DP(0, 2, 4); K4_DP(1, 0, 5); K4_DP(1, 1, 6); K4_DP(1, 2, 7);
+  }
+  K4_ST(0, 0, 2); K4_ST(0, 1, 3); K4_ST(0, 2, 4); K4_ST(1, 0, 5); K4_ST(1, 1, 6); K4_ST(1, 2, 7);
+  const __m512 d0 = _mm512_loadu_ps((const float *)rec), d1 = _mm512_loadu_ps((const float *)rec + 16);
+  const __m512 e0 = _mm512_loadu_ps((const float *)rec + NR), e1 = _mm512_loadu_ps((const float *)rec + NR + 16);
+  for (int r = 0; r < AMX_ROWS; ++r) {
+    const __m512i sum0 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[0][0][r]), 3), _mm512_load_si512(sums[0][1][r]));
+    const __m512i sum1 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[1][0][r]), 3), _mm512_load_si512(sums[1][1][r]));
+    const __m512 s = _mm512_set1_ps(dx[r * B + b]);
+    __m512 a0 = _mm512_load_ps(acc[r]), a1 = _mm512_load_ps(acc[r] + 16);
+    a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum0), _mm512_mul_ps(d0, s), a0);
+    a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum1), _mm512_mul_ps(d1, s), a1);
+    a0 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[0][2][r])), _mm512_mul_ps(e0, s), a0);
+    a1 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[1][2][r])), _mm512_mul_ps(e1, s), a1);
+    _mm512_store_ps(acc[r], a0);
+    _mm512_store_ps(acc[r] + 16, a1);
+  }
+}
+
+/* Rows [0, M16) of one K4 panel on AMX (M16 a multiple of 16, at most 256): each super-block's
+ * operands built once for all row tiles. */
+static void amx_panel_k4(float *y, int64_t ldy, const int8_t *xq, const float *dx, const uint8_t *rec,
+                         const float *bias, int64_t M16, int64_t K, __mmask16 m0, __mmask16 m1) {
+  static __thread K4Operands ops __attribute__((aligned(64)));
+  float acc[256][NR] __attribute__((aligned(64)));
+  const int64_t B = K / QK;
+  memset(acc, 0, (size_t)M16 * sizeof acc[0]);
+  for (int64_t b = 0; b < B; ++b, rec += KREC(FMT_K4)) {
+    k4_operands(ops, rec);
+    for (int64_t m = 0; m < M16; m += AMX_ROWS) amx_rows_k4(acc + m, xq + m * K, dx + m * B, ops, rec, K, b);
+  }
+  for (int64_t r = 0; r < M16; ++r) {
+    __m512 a[1][2] = {{_mm512_load_ps(acc[r]), _mm512_load_ps(acc[r] + 16)}};
+    store_tile(y + r * ldy, ldy, a, bias, m0, m1, 1);
+  }
+}
+
+/* Whether AMX is used (asking Linux for the tile state once); PAGELLM_CPU_AMX=0 says no. */
+static int amx_usable(void) {
+  if (amx_enabled < 0) {
+    const char *env = getenv("PAGELLM_CPU_AMX");
+    amx_enabled = (env == NULL || strcmp(env, "0") != 0) && amx_ready();
+  }
+  return amx_enabled;
+}
+#endif
+
 #define CASE_K(R) case R: TILE_K(R); break;
 #define TILE_K(R)                                                                          \
   if (fmt == FMT_K4) tile_k(yy, ldy, xx, dd, bb_sum, w, bb, K, m0, m1, R, FMT_K4);         \
@@ -358,16 +462,31 @@ static inline __attribute__((always_inline)) void tile_k(float *y, int64_t ldy, 
 static void row_block_k(float *y, int64_t ldy, const int8_t *xq, const float *dx, const int32_t *bsum,
                         const uint8_t *wp, const float *bias, int64_t M, int64_t N, int64_t K, const int fmt) {
   const int64_t P = (N + NR - 1) / NR, B = K / QK, panel = B * KREC(fmt);
-  const int64_t tiles = (M + MRK - 1) / MRK;
-#pragma omp parallel for schedule(static)
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+  /* below 2 tiles of rows, building a super-block's operands costs more than AMX saves */
+  const int64_t amx_rows = fmt == FMT_K4 && M >= 2 * AMX_ROWS && amx_usable() ? M / AMX_ROWS * AMX_ROWS : 0;
+#else
+  const int64_t amx_rows = 0;
+#endif
+  const int64_t tiles = (M - amx_rows + MRK - 1) / MRK;
+#pragma omp parallel
+  {
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+  if (amx_rows) amx_configure(); /* tile state is per thread */
+#endif
+#pragma omp for schedule(static)
   for (int64_t p = 0; p < P; ++p) {
     const uint8_t *w = wp + p * panel;
     const PanelOut out = panel_out(p, N, bias);
     const __mmask16 m0 = out.m0, m1 = out.m1;
     const float *bb = out.bias;
     int64_t m = 0;
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+    if (amx_rows) amx_panel_k4(y + p * NR, ldy, xq, dx, w, bb, amx_rows, K, m0, m1);
+    m = amx_rows;
+#endif
     for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t rows = tile_height(M, m, tiles, t);
+      const int64_t rows = tile_height(M - amx_rows, m - amx_rows, tiles, t);
       float *yy = y + m * ldy + p * NR;
       const int8_t *xx = xq + m * K;
       const float *dd = dx + m * B;
@@ -378,6 +497,10 @@ static void row_block_k(float *y, int64_t ldy, const int8_t *xq, const float *dx
       }
       m += rows;
     }
+  }
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+  if (amx_rows) _tile_release();
+#endif
   }
 }
 
@@ -438,6 +561,15 @@ static void row_block_i8(float *y, int64_t ldy, const int8_t *xq, const float *d
 int gemm_packed_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *wp, const float *bias,
                    int64_t M, int64_t N, int64_t K, int64_t bits) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (bits == FMT_PARTS) { /* each run of output rows in its own format, into its columns of y */
+    const int64_t *h = (const int64_t *)wp;
+    for (int64_t i = 0, n0 = 0; i < h[0]; n0 += h[2 + 3 * i], ++i) {
+      const int rc = gemm_packed_i8(y + n0, ldy, x, ldx, wp + h[3 + 3 * i], bias ? bias + n0 : NULL, M, h[2 + 3 * i], K,
+                                    h[1 + 3 * i]);
+      if (rc) return rc;
+    }
+    return 0;
+  }
   if (is_kfmt(bits)) return gemm_packed_k(y, ldy, x, ldx, wp, bias, M, N, K, (int)bits);
   const int64_t B = K / QB;
   int8_t *xq = (int8_t *)malloc((size_t)(M ? M : 1) * (K + 8 * B));
@@ -461,5 +593,18 @@ int gemm_packed_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const uin
 #else
   (void)y; (void)ldy; (void)x; (void)ldx; (void)wp; (void)bias; (void)M; (void)N; (void)K; (void)bits;
   return -1;
+#endif
+}
+
+/* 1 if the K formats run their 16-row tiles on AMX here; `enable` 0 or 1 turns that off or on (tests
+ * compare the two paths bit for bit), -1 only asks. */
+int gemm_i8_amx(int enable) {
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (enable == 0) amx_enabled = 0;
+  else if (enable == 1 && amx_enabled == 0) amx_enabled = -1;
+  return amx_usable();
+#else
+  (void)enable;
+  return 0;
 #endif
 }

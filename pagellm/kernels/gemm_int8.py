@@ -20,12 +20,15 @@ from pagellm import kernels
 from pagellm.kernels import gemm
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-# The weight formats (``bits`` in the C interface): GGUF's legacy blocks of 32 at 4 or 8 bits, and
-# K-quant super-blocks of 256 (K4: Q4_K's 4 bits; K6: 6 bits, any K type).
-Q4_BLOCKS, Q8_BLOCKS, K4, K6 = 4, 8, 0x104, 0x106
-FORMATS = {Q4_BLOCKS: "4-bit blocks", Q8_BLOCKS: "8-bit blocks", K4: "K4 super-blocks", K6: "K6 super-blocks"}
+# The weight formats (``bits`` in the C interface): GGUF's legacy blocks of 32 at 4 or 8 bits,
+# K-quant super-blocks of 256 (K4: Q4_K's 4 bits; K6: 6 bits, any K type), and PARTS: runs of
+# output rows each in its own format (a fused projection whose tensors differ in type).
+Q4_BLOCKS, Q8_BLOCKS, K4, K6, PARTS = 4, 8, 0x104, 0x106, 0x200
+FORMATS = {Q4_BLOCKS: "4-bit blocks", Q8_BLOCKS: "8-bit blocks", K4: "K4 super-blocks", K6: "K6 super-blocks",
+           PARTS: "parts in their own formats"}
 SIGNATURES: kernels.Signatures = {
     "gemm_i8_supported": (ctypes.c_int, []),
+    "gemm_i8_amx": (ctypes.c_int, [ctypes.c_int]),
     "packed_size_i8": (_I, [_I, _I, _I]),
     "pack_weight_i8": (ctypes.c_int, [_P, _P, _I, _I, _I]),
     "pack_blocks_i8": (ctypes.c_int, [_P, _P, _P, _P, _I, _I, _I]),
@@ -44,6 +47,14 @@ def supported() -> bool:
     ``PAGELLM_CPU_GEMM=0`` say no."""
     return (os.environ.get("PAGELLM_CPU_INT8", "1") != "0" and os.environ.get("PAGELLM_CPU_GEMM", "1") != "0"
             and _lib() is not None)
+
+
+def amx(enable: bool | None = None) -> bool:
+    """Whether the K formats run 16-row tiles on AMX (Sapphire Rapids and later; the results are bit
+    for bit those of the VNNI path). ``enable`` turns it off or back on (tests compare the two);
+    ``PAGELLM_CPU_AMX=0`` starts with it off."""
+    lib = _lib()
+    return lib is not None and bool(lib.gemm_i8_amx(-1 if enable is None else int(enable)))
 
 
 def pack(weight: torch.Tensor) -> tuple[torch.Tensor, int] | None:
@@ -94,6 +105,39 @@ def pack_kquant(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, mn: np.ndarray,
     return out
 
 
+def pack_parts(parts: list[tuple[torch.Tensor, int, int]]) -> torch.Tensor:
+    """One ``PARTS`` weight from ``(packed, format, rows)`` runs of output rows, in order: a header
+    of int64 ``[count, (format, rows, byte offset) per part]``, then the parts 64-byte aligned."""
+    header = 8 * (1 + 3 * len(parts))
+    offsets, at = [], -(-header // 64) * 64
+    for packed, _, _ in parts:
+        offsets.append(at)
+        at += -(-packed.numel() // 64) * 64
+    out = torch.zeros(at, dtype=torch.uint8)
+    fields = [len(parts)] + [v for (_, fmt, n), off in zip(parts, offsets, strict=True) for v in (fmt, n, off)]
+    out[:header] = torch.tensor(fields, dtype=torch.int64).view(torch.uint8)
+    for (packed, _, _), off in zip(parts, offsets, strict=True):
+        out[off:off + packed.numel()] = packed
+    return out
+
+
+def parts_of(packed: torch.Tensor) -> list[tuple[int, int, int]]:
+    """A ``PARTS`` weight's ``(format, rows, byte offset)`` per part, read from its header."""
+    count = int(packed[:8].view(torch.int64))
+    return [tuple(f) for f in packed[8:8 + 24 * count].view(torch.int64).view(count, 3).tolist()]
+
+
+def _fits(packed: torch.Tensor, bits: int, n: int, k: int) -> bool:
+    lib = _lib()
+    assert lib is not None
+    if bits == PARTS:
+        parts = parts_of(packed) if packed.numel() >= 8 else []
+        return (sum(rows for _, rows, _ in parts) == n and all(fmt != PARTS and _fits(
+            packed[off:off + lib.packed_size_i8(rows, k, fmt)], fmt, rows, k) for fmt, rows, off in parts))
+    return bits in FORMATS and not k % (256 if bits in (K4, K6) else 32) and \
+        packed.numel() == lib.packed_size_i8(n, k, bits)
+
+
 class BoundWeight:
     """A packed weight bound to the kernel once: sizes checked and pointers taken when bound, so
     a call is one allocation and one ctypes call. (Checking everything on every call cost ~10 us
@@ -106,8 +150,7 @@ class BoundWeight:
                  bias: torch.Tensor | None = None) -> None:
         lib = _lib()
         assert lib is not None, "check supported() before pack()"
-        if (bits not in FORMATS or in_features % (256 if bits in (K4, K6) else 32)
-                or packed.numel() != lib.packed_size_i8(out_features, in_features, bits)):
+        if not _fits(packed, bits, out_features, in_features):
             raise ValueError(f"packed {bits}-bit weight of {packed.numel()} bytes does not fit "
                              f"[{out_features}, {in_features}]")
         gemm.check_bias(bias, out_features)

@@ -50,4 +50,26 @@ static inline __attribute__((always_inline)) void store_tile(float *y, int64_t l
 
 #endif
 
+#ifdef __AMX_TILE__
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* Linux hands out the AMX tile state only on request, once per process. */
+static int amx_ready(void) {
+  static int state = 0; /* 0 unknown, 1 granted, -1 refused */
+  if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+  return state == 1;
+}
+
+/* ldtilecfg's 64-byte operand (palette 1). */
+typedef struct {
+  uint8_t palette_id, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} TileConfig;
+#endif
+
 #endif

@@ -114,7 +114,7 @@ def _cached_probe(kind: str, weights: list[torch.Tensor], measure: Callable[[], 
     one's answer instead of timing each other, so they all choose alike."""
     info = cpu_info()
     shapes = [tuple(w.shape) for w in weights]
-    key = json.dumps([kind, info.model, info.flags, shapes, gemm.amx_supported(), PROBE_ROWS])
+    key = json.dumps([kind, info.model, info.flags, shapes, gemm.amx_supported(), gemm_int8.amx(), PROBE_ROWS])
     path = os.path.join(cache_dir("probe"), hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".lock", "w") as lock:

@@ -19,6 +19,7 @@ kernel (no AVX-512 or compiler, ``PAGELLM_CPU_KERNELS=0``, a GPU, bfloat16) noth
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -27,12 +28,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.kernels import decode_graph, gemm, gemm_int8
-from pagellm.weights.gguf_quant import GGUFBlocks, int8_format, kquant_fields, legacy_fields
+from pagellm.weights.gguf_quant import GGUFBlocks, int8_format, kquant_fields, legacy_fields, part_format
 
 # Rows up to which a quantized copy beats the float32 kernel. benchmarks/gemm.py --quantized, all
 # 120 projections of SmolLM2 in 4 bits: 2.8x at 1 row, 1.9x at 8, 1.1-1.2x at 16, 0.98x at 20;
 # its 49,152 x 576 LM head alone in 8 bits: 2.2x at 1 row, 1.2x at 8, 0.88x at 16.
 QUANTIZED_MAX_ROWS = {4: 16, 8: 8}
+
+
+def _pack_blocks(parts: list[GGUFBlocks], fmt: int) -> torch.Tensor:
+    """Tensors of one kernel format, stacked along the outputs, packed from their fields."""
+    if fmt in (gemm_int8.K4, gemm_int8.K6):
+        d, dmin, sc, mn, q = (np.concatenate(f) for f in zip(*map(kquant_fields, parts), strict=True))
+        return gemm_int8.pack_kquant(d, dmin, sc, mn, q, fmt)
+    d, m, q = (np.concatenate(f) for f in zip(*map(legacy_fields, parts), strict=True))
+    return gemm_int8.pack_blocks(d, m, q, fmt)
 
 
 class Linear(nn.Linear):
@@ -86,11 +96,14 @@ class Linear(nn.Linear):
         fmt = self.gguf_format()
         assert self.gguf_parts and fmt is not None, "no GGUF blocks the int8 kernel takes"
         parts = [self.gguf_parts[i] for i in sorted(self.gguf_parts)]
-        if fmt in (gemm_int8.K4, gemm_int8.K6):
-            d, dmin, sc, mn, q = (np.concatenate(f) for f in zip(*map(kquant_fields, parts), strict=True))
-            return gemm_int8.pack_kquant(d, dmin, sc, mn, q, fmt), fmt
-        d, m, q = (np.concatenate(f) for f in zip(*map(legacy_fields, parts), strict=True))
-        return gemm_int8.pack_blocks(d, m, q, fmt), fmt
+        if fmt != gemm_int8.PARTS:
+            return _pack_blocks(parts, fmt), fmt
+        runs = []  # consecutive parts of one format packed together (a q and k beside a v)
+        for run_fmt, run in itertools.groupby(parts, key=lambda b: part_format(b.qtype)):
+            blocks = list(run)
+            assert run_fmt is not None
+            runs.append((_pack_blocks(blocks, run_fmt), run_fmt, sum(b.shape[0] for b in blocks)))
+        return gemm_int8.pack_parts(runs), fmt
 
     def dense_weight(self) -> torch.Tensor:
         """The float32 weight: the loaded one, or the kept GGUF blocks dequantized (a new tensor)."""

@@ -16,9 +16,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType as T
 
-from pagellm.weights.gguf_quant import KERNEL_TYPES, GGUFBlocks
+from pagellm.weights.gguf_quant import GGUFBlocks
 
+_FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -228,14 +230,15 @@ def rope_freq_factors(path: str) -> torch.Tensor | None:
 def iter_gguf_weights(path: str, config: Any,
                       keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     """Every tensor under its Hugging Face name, dequantized to float32; with ``keep_blocks``, a
-    matrix of a type the int8 kernel takes comes as its file's bytes (``GGUFBlocks``)."""
+    quantized matrix comes as its file's bytes (``GGUFBlocks``: packed for the int8 kernel if it
+    takes the type, else dequantized once the numerics are chosen, and named in their log line)."""
     r = _reader(path)
     permute = gguf_architecture(path) == "llama"
     for t in r.tensors:
         if t.name == "rope_freqs.weight":
             continue
         arr: np.ndarray | GGUFBlocks
-        if keep_blocks and t.tensor_type in KERNEL_TYPES and len(t.shape) == 2:
+        if keep_blocks and t.tensor_type not in _FLOAT_TYPES and len(t.shape) == 2:
             arr = GGUFBlocks(t.data, t.tensor_type, (int(t.shape[1]), int(t.shape[0])))
         else:
             arr = _to_array(t)

@@ -21,10 +21,11 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import dequantize
 
-from pagellm.kernels.gemm_int8 import K4, K6, Q4_BLOCKS, Q8_BLOCKS
+from pagellm.kernels.gemm_int8 import K4, K6, PARTS, Q4_BLOCKS, Q8_BLOCKS
 
 _LEGACY_FORMAT = {T.Q4_0: Q4_BLOCKS, T.Q4_1: Q4_BLOCKS, T.Q5_0: Q8_BLOCKS, T.Q8_0: Q8_BLOCKS}
 _K_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
+_FORMAT = {**_LEGACY_FORMAT, T.Q4_K: K4, T.Q5_K: K6, T.Q6_K: K6}
 KERNEL_TYPES = frozenset(_LEGACY_FORMAT) | frozenset(_K_TYPES)
 QK = 256
 
@@ -64,18 +65,19 @@ class GGUFBlocks:
         return GGUFBlocks(self.data[order], self.qtype, self.shape)
 
 
+def part_format(qtype: T) -> int | None:
+    """The int8 kernel format of one tensor's blocks (``None``: no kernel for the type)."""
+    return _FORMAT.get(qtype)
+
+
 def int8_format(qtypes: list[T]) -> int | None:
-    """The kernel format that holds every one of ``qtypes`` exactly (the parts of one fused
-    projection), or ``None`` (a type without a kernel, or legacy and K types mixed)."""
-    if all(t in (T.Q4_0, T.Q4_1) for t in qtypes):
-        return Q4_BLOCKS
-    if all(t in (T.Q5_0, T.Q8_0) for t in qtypes):
-        return Q8_BLOCKS
-    if all(t == T.Q4_K for t in qtypes):
-        return K4
-    if all(t in _K_TYPES for t in qtypes):
-        return K6
-    return None
+    """The kernel format of a projection whose parts (a fused one's tensors, in order) have
+    ``qtypes``: their common format, ``PARTS`` where they differ (each run of parts in its own
+    format: a Q4_K q and k stay 4-bit beside a Q6_K v), or ``None`` if a type has no kernel."""
+    formats = {part_format(t) for t in qtypes}
+    if not formats or None in formats:
+        return None
+    return formats.pop() if len(formats) == 1 else PARTS
 
 
 def _blocks(b: GGUFBlocks, size: int) -> np.ndarray:

@@ -28,7 +28,7 @@ from pagellm.lora_request import AdapterSpec
 from pagellm.models import get_model_class
 from pagellm.models.decoder import DecoderForCausalLM
 from pagellm.weights import freq_factors, iter_weights, load_model_config
-from pagellm.weights.gguf_quant import KERNEL_TYPES, int8_format
+from pagellm.weights.gguf_quant import KERNEL_TYPES, int8_format, part_format
 from pagellm.worker.cache_engine import CacheEngine, HostKVMemory, KVCacheSpec
 from pagellm.worker.draft_runner import DraftRunner
 from pagellm.worker.host_malloc import trim, tune_malloc
@@ -49,7 +49,8 @@ def gguf_weight_types(model: DecoderForCausalLM) -> dict[tuple[str, int | None],
         if isinstance(m, Linear) and m.gguf_parts:
             fmt = m.gguf_format()
             for b in m.gguf_parts.values():
-                counts[(b.qtype.name, fmt)] = counts.get((b.qtype.name, fmt), 0) + 1
+                key = (b.qtype.name, None if fmt is None else part_format(b.qtype))
+                counts[key] = counts.get(key, 0) + 1
     tied = model.tied_head_blocks  # (packed for the LM head with the rest, if the kernel takes it)
     if tied is not None:
         key = (f"{tied.qtype.name} (tied LM head)", int8_format([tied.qtype]) if gemm_int8.supported() else None)
@@ -250,11 +251,14 @@ class Worker:
         if self.cpu_numerics:
             first = model.model.start  # (this pipeline stage's first layer)
             linears = [m for m in model.get_submodule(f"model.layers.{first}").modules() if isinstance(m, Linear)]
-            if quantization == "gguf" and all(m.gguf_format() is not None for m in linears):
-                # Every projection goes to the int8 kernel: nothing left to time (a probe would
-                # dequantize and pack a layer in every format: a transient GB at 1.7B).
-                numerics = Numerics(torch.float32, "quantization='gguf': every projection is GGUF blocks the "
-                                    "int8 kernel takes (float32 between them)", int8=True)
+            asked = "quantization='gguf'" if quantization == "gguf" else "dtype auto on a GGUF file" \
+                if self.config.model.dtype == "auto" and probe else None
+            if asked and all(m.gguf_format() is not None for m in linears):
+                # Every projection goes to the int8 kernel, the file's blocks kept at their width (a
+                # float copy takes 3-7x the file's memory). Nothing left to time: a probe would
+                # dequantize and pack a layer in every format, a transient GB at 1.7B.
+                numerics = Numerics(torch.float32, f"{asked}: every projection is GGUF blocks the int8 kernel "
+                                    "takes, kept at their width (float32 between them)", int8=True)
             else:
                 kept = [m.pack_gguf() for m in linears if m.gguf_format() is not None]
                 numerics = choose_numerics(self.config.model.dtype, [m.dense_weight() for m in linears],
