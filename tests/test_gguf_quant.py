@@ -157,6 +157,21 @@ def test_formats_for_fused_parts():
     assert gq.int8_format([T.Q4_K, T.Q5_1]) is None  # no kernel format for one: dequantized
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+def test_packing_a_slice_of_rows_at_a_time_gives_the_same_bytes(qtype, monkeypatch):
+    require_int8_kernel()
+    from pagellm.layers import linear
+
+    parts = [random_blocks(qtype, 70, 512, seed=6), random_blocks(qtype, 50, 512, seed=7)]
+    fmt = gq.int8_format([qtype])
+    whole = packed(gq.GGUFBlocks(np.concatenate([b.data for b in parts]), qtype, (120, 512)), fmt)
+    monkeypatch.setattr(linear, "PACK_ROWS", 32)  # slices that cut across the parts' boundary
+    assert torch.equal(linear._pack_blocks(parts, fmt), whole)
+    with pytest.raises(ValueError, match="whole panels"):
+        gemm_int8.pack_kquant(*gq.kquant_fields(random_blocks(T.Q4_K, 8, 256, seed=8)), gemm_int8.K4,
+                              torch.empty(gemm_int8.packed_size(64, 256, gemm_int8.K4), dtype=torch.uint8), 16)
+
+
 def test_parts_run_each_in_its_own_format():
     """A fused weight of Q4_K, Q6_K and Q8_0 runs of rows: each run's columns are bit for bit what its
     own packed weight gives, in batches that use AMX and that do not."""

@@ -76,33 +76,55 @@ def _c(a: np.ndarray, dtype: type) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=dtype)
 
 
-def pack_blocks(d: np.ndarray, m: np.ndarray, q: np.ndarray, bits: int) -> torch.Tensor:
+def _into(out: torch.Tensor | None, rows: int, k: int, fmt: int, row0: int) -> tuple[torch.Tensor, int]:
+    """``(out, address)`` for packing ``rows`` outputs from output ``row0`` on (a multiple of 32:
+    panels are whole) into ``out``, a weight's packed bytes (a new one for ``out=None``)."""
+    lib = _lib()
+    assert lib is not None, "check supported() first"
+    if out is None:
+        out = torch.empty(lib.packed_size_i8(rows, k, fmt), dtype=torch.uint8)
+    at = row0 // 32 * lib.packed_size_i8(32, k, fmt)
+    if row0 % 32 or at + lib.packed_size_i8(rows, k, fmt) > out.numel():
+        raise ValueError(f"rows {row0}..{row0 + rows} do not fit the packed weight's whole panels")
+    return out, out.data_ptr() + at
+
+
+def pack_blocks(d: np.ndarray, m: np.ndarray, q: np.ndarray, bits: int, out: torch.Tensor | None = None,
+                row0: int = 0) -> torch.Tensor:
     """The packed weight of GGUF blocks of 32 given as fields (``weights/gguf_quant.legacy_fields``):
-    ``w = d q + m`` per block, d and m ``[N, K / 32]``, q ``[N, K]``."""
+    ``w = d q + m`` per block, d and m ``[N, K / 32]``, q ``[N, K]``; into ``out`` from output
+    ``row0`` on if given (a weight packed a slice of rows at a time)."""
     lib = _lib()
     assert lib is not None, "check supported() first"
     n, k = q.shape
     d, m, q = _c(d, np.float32), _c(m, np.float32), _c(q, np.int32)
-    out = torch.empty(lib.packed_size_i8(n, k, bits), dtype=torch.uint8)
-    if not lib.pack_blocks_i8(out.data_ptr(), d.ctypes.data, m.ctypes.data, q.ctypes.data, n, k, bits):
+    out, at = _into(out, n, k, bits, row0)
+    if not lib.pack_blocks_i8(at, d.ctypes.data, m.ctypes.data, q.ctypes.data, n, k, bits):
         raise ValueError(f"cannot pack [{n}, {k}] as {bits}-bit blocks of 32")
     return out
 
 
 def pack_kquant(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, mn: np.ndarray, q: np.ndarray,
-                fmt: int) -> torch.Tensor:
+                fmt: int, out: torch.Tensor | None = None, row0: int = 0) -> torch.Tensor:
     """The packed weight of K-quant super-blocks given as fields (``weights/gguf_quant.kquant_fields``)
-    in format ``K4`` or ``K6``."""
+    in format ``K4`` or ``K6``; ``out`` and ``row0`` as for :func:`pack_blocks`."""
     lib = _lib()
     assert lib is not None, "check supported() first"
     n, k = q.shape
     f32, i8 = (_c(d, np.float32), _c(dmin, np.float32)), (_c(sc, np.int8), _c(mn, np.int8))
     q = _c(q, np.uint8)
-    out = torch.empty(lib.packed_size_i8(n, k, fmt), dtype=torch.uint8)
-    if not lib.pack_kquant(out.data_ptr(), f32[0].ctypes.data, f32[1].ctypes.data, i8[0].ctypes.data,
+    out, at = _into(out, n, k, fmt, row0)
+    if not lib.pack_kquant(at, f32[0].ctypes.data, f32[1].ctypes.data, i8[0].ctypes.data,
                            i8[1].ctypes.data, q.ctypes.data, n, k, fmt):
         raise ValueError(f"cannot pack [{n}, {k}] as {FORMATS.get(fmt, fmt)}")
     return out
+
+
+def packed_size(n: int, k: int, fmt: int) -> int:
+    """Bytes of a ``[n, k]`` weight packed in ``fmt`` (not ``PARTS``)."""
+    lib = _lib()
+    assert lib is not None, "check supported() first"
+    return int(lib.packed_size_i8(n, k, fmt))
 
 
 def pack_parts(parts: list[tuple[torch.Tensor, int, int]]) -> torch.Tensor:

@@ -36,13 +36,29 @@ from pagellm.weights.gguf_quant import GGUFBlocks, int8_format, kquant_fields, l
 QUANTIZED_MAX_ROWS = {4: 16, 8: 8}
 
 
+PACK_ROWS = 2048  # outputs whose fields are unpacked at a time (a multiple of 32): a 100M-weight
+# embedding's fields at once were ~240 MiB of transient memory at load
+
+
 def _pack_blocks(parts: list[GGUFBlocks], fmt: int) -> torch.Tensor:
-    """Tensors of one kernel format, stacked along the outputs, packed from their fields."""
-    if fmt in (gemm_int8.K4, gemm_int8.K6):
-        d, dmin, sc, mn, q = (np.concatenate(f) for f in zip(*map(kquant_fields, parts), strict=True))
-        return gemm_int8.pack_kquant(d, dmin, sc, mn, q, fmt)
-    d, m, q = (np.concatenate(f) for f in zip(*map(legacy_fields, parts), strict=True))
-    return gemm_int8.pack_blocks(d, m, q, fmt)
+    """Tensors of one kernel format, stacked along the outputs, packed from their fields
+    ``PACK_ROWS`` outputs at a time."""
+    n, k = sum(b.shape[0] for b in parts), parts[0].shape[1]
+    out = torch.empty(gemm_int8.packed_size(n, k, fmt), dtype=torch.uint8)
+    for row0 in range(0, n, PACK_ROWS):
+        rows, at = [], 0  # the parts' slices that make outputs row0 .. row0 + PACK_ROWS
+        for b in parts:
+            lo, hi = max(row0 - at, 0), min(row0 + PACK_ROWS - at, b.shape[0])
+            if lo < hi:
+                rows.append(GGUFBlocks(b.data[lo:hi], b.qtype, (hi - lo, k)))
+            at += b.shape[0]
+        if fmt in (gemm_int8.K4, gemm_int8.K6):
+            d, dmin, sc, mn, q = (np.concatenate(f) for f in zip(*map(kquant_fields, rows), strict=True))
+            gemm_int8.pack_kquant(d, dmin, sc, mn, q, fmt, out, row0)
+        else:
+            d, m, q = (np.concatenate(f) for f in zip(*map(legacy_fields, rows), strict=True))
+            gemm_int8.pack_blocks(d, m, q, fmt, out, row0)
+    return out
 
 
 class Linear(nn.Linear):
