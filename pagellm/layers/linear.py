@@ -50,7 +50,7 @@ def _pack_blocks(parts: list[GGUFBlocks], fmt: int) -> torch.Tensor:
         for b in parts:
             lo, hi = max(row0 - at, 0), min(row0 + PACK_ROWS - at, b.shape[0])
             if lo < hi:
-                rows.append(GGUFBlocks(b.data[lo:hi], b.qtype, (hi - lo, k)))
+                rows.append(b.take(lo, hi))
             at += b.shape[0]
         if fmt in (gemm_int8.K4, gemm_int8.K6):
             d, dmin, sc, mn, q = (np.concatenate(f) for f in zip(*map(kquant_fields, rows), strict=True))

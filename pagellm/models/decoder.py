@@ -13,7 +13,7 @@ residual go from stage to stage.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -227,11 +227,14 @@ class DecoderForCausalLM(nn.Module):
         logits = F.linear(hidden, embed.weight) if head is None else head(hidden)
         return self.tp.all_gather_last_dim(logits, embed.vocab_sizes)
 
-    def pack_for_cpu(self, compute_dtype: torch.dtype = torch.float32, int8: bool = False) -> int:
+    def pack_for_cpu(self, compute_dtype: torch.dtype = torch.float32, int8: bool = False,
+                     after_each: Callable[[], None] | None = None) -> int:
         """After ``load_weights``: pack every projection and the LM head for the CPU GEMM kernel
         (``layers/linear.py``) where it can run, for ``compute_dtype`` GEMMs (float32 or
         bfloat16; with ``int8``, the int8 kernel for weights stored as GGUF blocks); a tied head's
-        packed copy is held here. Returns how many weights the int8 kernel took."""
+        packed copy is held here. Returns how many weights the int8 kernel took. ``after_each``
+        runs after each projection (the worker hands the heap's free memory back there, so the
+        transient fields of packing do not pile up into the load's peak)."""
         embed = self.model.embed_tokens
         tied = self.tied_head_blocks
         # The embedding's blocks are kept only where no float copy is needed: the LM head is its own
@@ -243,6 +246,8 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu(compute_dtype, int8)
+                if after_each is not None:
+                    after_each()
         if self.lm_head is None and self.tied_head is None:
             with torch.device("meta"):
                 head = Linear(embed.embedding_dim, embed.num_embeddings, bias=False)
@@ -290,7 +295,7 @@ class DecoderForCausalLM(nn.Module):
             loader = getattr(module, "weight_loader", None)
             if isinstance(tensor, GGUFBlocks):
                 if name == "model.embed_tokens.weight":  # kept past loading: a copy, not the file's mapping
-                    tensor = GGUFBlocks(np.array(tensor.data), tensor.qtype, tensor.shape)
+                    tensor = GGUFBlocks(np.array(tensor.array()), tensor.qtype, tensor.shape)
                 if name == "model.embed_tokens.weight" and self.lm_head is None:
                     self.tied_head_blocks = tensor  # the tied LM head may take the file's blocks
                 if (isinstance(module, VocabParallelEmbedding) and module.tp.world_size == 1

@@ -33,22 +33,33 @@ QK = 256
 @dataclass(frozen=True)
 class GGUFBlocks:
     """A 2-D GGUF tensor kept as its file's bytes: ``data [rows, bytes per row]`` (uint8), ``shape``
-    the weight's ``(rows, K)`` in PyTorch order."""
+    the weight's ``(rows, K)`` in PyTorch order, and ``order``, the rows of ``data`` in the weight's
+    order if they differ (llama's q / k permutation, applied as rows are read: no copy at load)."""
 
     data: np.ndarray
     qtype: T
     shape: tuple[int, int]
+    order: np.ndarray | None = None
+
+    def array(self) -> np.ndarray:
+        """The blocks in the weight's row order (a copy if ``order`` is set)."""
+        return self.data if self.order is None else self.data[self.order]
+
+    def take(self, lo: int, hi: int) -> GGUFBlocks:
+        """Rows ``lo .. hi`` of the weight as blocks in order (only these rows read)."""
+        data = self.data[lo:hi] if self.order is None else self.data[self.order[lo:hi]]
+        return GGUFBlocks(data, self.qtype, (hi - lo, self.shape[1]))
 
     def dequantize(self) -> torch.Tensor:
-        return torch.from_numpy(np.array(dequantize(self.data, self.qtype), dtype=np.float32).reshape(self.shape))
+        return torch.from_numpy(np.array(dequantize(self.array(), self.qtype), dtype=np.float32).reshape(self.shape))
 
     def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids [...]`` -> their rows, dequantized ``[..., K]`` float32 (an embedding lookup)."""
         flat = ids.reshape(-1).cpu().numpy()
         uniq, inverse = np.unique(flat, return_inverse=True)
-        rows = dequantize(self.data[uniq], self.qtype).reshape(len(uniq), self.shape[1])
-        out = torch.from_numpy(np.asarray(rows, dtype=np.float32))[torch.from_numpy(inverse.reshape(-1))]
-        return out.reshape(*ids.shape, self.shape[1]).to(ids.device)
+        rows = dequantize(self.data[uniq if self.order is None else self.order[uniq]], self.qtype)
+        out = torch.from_numpy(np.asarray(rows.reshape(len(uniq), self.shape[1]), dtype=np.float32))
+        return out[torch.from_numpy(inverse.reshape(-1))].reshape(*ids.shape, self.shape[1]).to(ids.device)
 
     def release(self) -> None:
         """Drop the file's pages from this process once read (they stay in the page cache): a mapped
@@ -61,8 +72,8 @@ class GGUFBlocks:
             mapping.madvise(mmap.MADV_DONTNEED)
 
     def rows(self, order: np.ndarray) -> GGUFBlocks:
-        """The rows in ``order`` (a row of blocks is a row of the weight)."""
-        return GGUFBlocks(self.data[order], self.qtype, self.shape)
+        """The rows in ``order`` (a row of blocks is a row of the weight), read lazily."""
+        return GGUFBlocks(self.data, self.qtype, self.shape, order if self.order is None else self.order[order])
 
 
 def part_format(qtype: T) -> int | None:
@@ -82,7 +93,7 @@ def int8_format(qtypes: list[T]) -> int | None:
 
 def _blocks(b: GGUFBlocks, size: int) -> np.ndarray:
     n, k = b.shape
-    return b.data.reshape(n * k // (32 if b.qtype in _LEGACY_FORMAT else QK), size)
+    return b.array().reshape(n * k // (32 if b.qtype in _LEGACY_FORMAT else QK), size)
 
 
 def _f16(x: np.ndarray) -> np.ndarray:
