@@ -42,7 +42,7 @@ PACK_ROWS = 2048  # outputs whose fields are unpacked at a time (a multiple of 3
 
 def _pack_blocks(parts: list[GGUFBlocks], fmt: int) -> torch.Tensor:
     """Tensors of one kernel format, stacked along the outputs, packed from their fields
-    ``PACK_ROWS`` outputs at a time."""
+    ``PACK_ROWS`` outputs at a time, the file's pages released as they are read."""
     n, k = sum(b.shape[0] for b in parts), parts[0].shape[1]
     out = torch.empty(gemm_int8.packed_size(n, k, fmt), dtype=torch.uint8)
     for row0 in range(0, n, PACK_ROWS):
@@ -58,6 +58,8 @@ def _pack_blocks(parts: list[GGUFBlocks], fmt: int) -> torch.Tensor:
         else:
             d, m, q = (np.concatenate(f) for f in zip(*map(legacy_fields, rows), strict=True))
             gemm_int8.pack_blocks(d, m, q, fmt, out, row0)
+        for b in parts:  # the file's pages read so far, out of the RSS (a 100 MB embedding's too)
+            b.release()
     return out
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -294,8 +293,8 @@ class DecoderForCausalLM(nn.Module):
             shard_idx = None if shard is None else shard[1]
             loader = getattr(module, "weight_loader", None)
             if isinstance(tensor, GGUFBlocks):
-                if name == "model.embed_tokens.weight":  # kept past loading: a copy, not the file's mapping
-                    tensor = GGUFBlocks(np.array(tensor.array()), tensor.qtype, tensor.shape)
+                # (An embedding kept as blocks reads its rows from the file's read-only mapping, as
+                # tokens need them: only the pages of rows used count in the RSS, as in llama.cpp.)
                 if name == "model.embed_tokens.weight" and self.lm_head is None:
                     self.tied_head_blocks = tensor  # the tied LM head may take the file's blocks
                 if (isinstance(module, VocabParallelEmbedding) and module.tp.world_size == 1

@@ -264,4 +264,5 @@ def iter_gguf_weights(path: str, config: Any,
         else:
             yield name, torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
     del r
-    _reader.cache_clear()  # the file's mapping goes once the last kept view of it is packed
+    _reader.cache_clear()  # the file's mapping goes once the last kept view of it is packed (or with the
+    # embedding, where that keeps its blocks)
