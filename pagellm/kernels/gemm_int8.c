@@ -20,7 +20,7 @@
  * llama.cpp's vec_dot_q4_K_q8_K does it): 256 k per super-block with one float d and dmin per output,
  * S sub-blocks of L k each with int8 scale sc and min mn, q unsigned:
  *   w = d sc q - dmin mn   ->  sum_k w x_k = dx (d sum_j sc_j sum_{k in j} q xq_k - dmin sum_j mn_j bsum_j)
- * K4 (Q4_K): L = 32, q 4 bits. K6 (Q5_K, Q6_K, or a mix of K types in one fused projection): L = 16,
+ * K4 (Q4_K): L = 32, q 4 bits. K6 (Q5_K, Q6_K, or a fused mix of the two; it holds Q4_K too): L = 16,
  * q 6 bits (Q6_K: q in 0..63 with mn = sc, dmin = 32 d). Activations per row and super-block: one
  * dx = max|x| / 127, xq in -127..127 and the integer sums bsum of each 16.
  *

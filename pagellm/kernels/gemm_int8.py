@@ -76,15 +76,21 @@ def _c(a: np.ndarray, dtype: type) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=dtype)
 
 
+def packed_size(n: int, k: int, fmt: int) -> int:
+    """Bytes of a ``[n, k]`` weight packed in ``fmt`` (not ``PARTS``)."""
+    lib = _lib()
+    assert lib is not None, "check supported() first"
+    return int(lib.packed_size_i8(n, k, fmt))
+
+
 def _into(out: torch.Tensor | None, rows: int, k: int, fmt: int, row0: int) -> tuple[torch.Tensor, int]:
     """``(out, address)`` for packing ``rows`` outputs from output ``row0`` on (a multiple of 32:
     panels are whole) into ``out``, a weight's packed bytes (a new one for ``out=None``)."""
-    lib = _lib()
-    assert lib is not None, "check supported() first"
+    size = packed_size(rows, k, fmt)
     if out is None:
-        out = torch.empty(lib.packed_size_i8(rows, k, fmt), dtype=torch.uint8)
-    at = row0 // 32 * lib.packed_size_i8(32, k, fmt)
-    if row0 % 32 or at + lib.packed_size_i8(rows, k, fmt) > out.numel():
+        out = torch.empty(size, dtype=torch.uint8)
+    at = row0 // 32 * packed_size(32, k, fmt)
+    if row0 % 32 or at + size > out.numel():
         raise ValueError(f"rows {row0}..{row0 + rows} do not fit the packed weight's whole panels")
     return out, out.data_ptr() + at
 
@@ -120,13 +126,6 @@ def pack_kquant(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, mn: np.ndarray,
     return out
 
 
-def packed_size(n: int, k: int, fmt: int) -> int:
-    """Bytes of a ``[n, k]`` weight packed in ``fmt`` (not ``PARTS``)."""
-    lib = _lib()
-    assert lib is not None, "check supported() first"
-    return int(lib.packed_size_i8(n, k, fmt))
-
-
 def pack_parts(parts: list[tuple[torch.Tensor, int, int]]) -> torch.Tensor:
     """One ``PARTS`` weight from ``(packed, format, rows)`` runs of output rows, in order: a header
     of int64 ``[count, (format, rows, byte offset) per part]``, then the parts 64-byte aligned."""
@@ -150,14 +149,12 @@ def parts_of(packed: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 def _fits(packed: torch.Tensor, bits: int, n: int, k: int) -> bool:
-    lib = _lib()
-    assert lib is not None
     if bits == PARTS:
         parts = parts_of(packed) if packed.numel() >= 8 else []
         return (sum(rows for _, rows, _ in parts) == n and all(fmt != PARTS and _fits(
-            packed[off:off + lib.packed_size_i8(rows, k, fmt)], fmt, rows, k) for fmt, rows, off in parts))
+            packed[off:off + packed_size(rows, k, fmt)], fmt, rows, k) for fmt, rows, off in parts))
     return bits in FORMATS and not k % (256 if bits in (K4, K6) else 32) and \
-        packed.numel() == lib.packed_size_i8(n, k, bits)
+        packed.numel() == packed_size(n, k, bits)
 
 
 class BoundWeight:

@@ -151,9 +151,7 @@ class Linear(nn.Linear):
 
     def _pack(self, compute_dtype: torch.dtype, int8: bool) -> bool:
         if int8 and self.gguf_format() is not None:
-            blocks, fmt = self.pack_gguf()
-            for part in (self.gguf_parts or {}).values():
-                part.release()
+            blocks, fmt = self.pack_gguf()  # (the file's pages released as they were packed)
             self.packed_i8, self.i8_bits = blocks, fmt
             self.bound_i8 = gemm_int8.BoundWeight(blocks, fmt, self.out_features, self.in_features, self.bias)
             self.gguf_parts = None

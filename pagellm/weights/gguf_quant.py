@@ -24,9 +24,8 @@ from gguf import dequantize
 from pagellm.kernels.gemm_int8 import K4, K6, PARTS, Q4_BLOCKS, Q8_BLOCKS
 
 _LEGACY_FORMAT = {T.Q4_0: Q4_BLOCKS, T.Q4_1: Q4_BLOCKS, T.Q5_0: Q8_BLOCKS, T.Q8_0: Q8_BLOCKS}
-_K_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
 _FORMAT = {**_LEGACY_FORMAT, T.Q4_K: K4, T.Q5_K: K6, T.Q6_K: K6}
-KERNEL_TYPES = frozenset(_LEGACY_FORMAT) | frozenset(_K_TYPES)
+KERNEL_TYPES = frozenset(_FORMAT)
 QK = 256
 
 
