@@ -504,8 +504,9 @@ _HELP = {
     "dtype": "compute dtype; auto = per machine on CPU (bfloat16 GEMMs where pagellm's kernel measures faster, "
              "else float32, the HF-exact oracle; then int8 GEMMs for a GGUF checkpoint where faster still), "
              "bfloat16 on CUDA",
-    "quantization": "gguf: keep a GGUF checkpoint's Q4_1 / Q8_0 weights at their width and run int8 GEMMs "
-                    "(activations rounded to int8 per 32 values, AVX512-VNNI); default: none",
+    "quantization": "gguf: keep a GGUF checkpoint's quantized weights at their width and run int8 GEMMs "
+                    "(activations rounded to int8 per 32 or 256 values; AVX512-VNNI, AVX2 or plain C); "
+                    "default: none",
     "kv_cache_memory": "KV cache byte budget, e.g. 2GiB (ignored with --num-gpu-blocks-override)",
     "num_gpu_blocks_override": "exact number of KV blocks (on any device)",
     "long_prefill_token_threshold": "most prompt tokens one request computes per step (0 = no cap)",

@@ -20,7 +20,7 @@ from pagellm.kernels import gemm_int8
 from pagellm.weights import gguf_quant as gq
 from pagellm.weights.gguf_write import LlamaShape, write_llama_gguf
 
-from conftest import require_int8_kernel
+from conftest import require_int8_kernel, round_to_gguf_blocks
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 F16_SCALES = [0.0, 6e-8, 1e-4, 0.01, 1.0, 300.0, 65504.0]  # zero, subnormal, up to half precision's max
@@ -125,8 +125,9 @@ def cpu_has(flag: str) -> bool:
 def test_amx_tiles_give_the_vnni_path_bits():
     """K4 rows in tiles of 16 on AMX, the rest on VNNI: every row's bits are those of the VNNI path alone."""
     require_int8_kernel()
-    if not cpu_has("amx_int8") or os.environ.get("PAGELLM_CPU_AMX") == "0":
-        pytest.skip("no AMX int8 on this CPU (or PAGELLM_CPU_AMX=0)")
+    if not cpu_has("amx_int8") or os.environ.get("PAGELLM_CPU_AMX") == "0" or \
+            "-mno-amx-int8" in os.environ.get("PAGELLM_CPU_CFLAGS", ""):
+        pytest.skip("no AMX int8 on this CPU (or turned off by PAGELLM_CPU_AMX=0 or PAGELLM_CPU_CFLAGS)")
     assert gemm_int8.amx(), "the CPU has AMX int8 but the int8 kernel does not use it"
     n, k = 70, 768
     fmt = gemm_int8.K4
@@ -145,6 +146,55 @@ def test_amx_tiles_give_the_vnni_path_bits():
         gemm_int8.amx(True)
     exact = x.double() @ torch.from_numpy(reference(b)).double().T
     assert bool(((y.double() - exact).abs() <= error_bound(x, reference(b), 256)).all())
+
+
+# Builds of the int8 kernel for the paths other CPUs take, beside this machine's own.
+ISA_BUILDS = {"AVX2": (["-mno-avx512f", "-mno-avxvnni"], ("avx2", "fma")), "plain C": (["-march=x86-64"], ())}
+
+
+@pytest.mark.parametrize("isa", ISA_BUILDS)
+def test_every_isa_path_gives_the_same_bits(isa):
+    """The kernel built for AVX2 and for plain C gives, row for row, the bits of this machine's own
+    build (AVX512-VNNI and AMX here, where the CPU has them), in every format, with a bias, a partial
+    panel and rows of very different magnitudes: a row's result depends on neither the batch nor
+    the CPU."""
+    require_int8_kernel()
+    extra, needs = ISA_BUILDS[isa]
+    if not all(cpu_has(f) for f in needs):
+        pytest.skip(f"this CPU cannot run {isa} code")
+    from pagellm import kernels
+
+    lib = kernels.build_source(os.path.join(os.path.dirname(gemm_int8.__file__), "gemm_int8.c"),
+                               gemm_int8.SIGNATURES, extra)
+    assert gemm_int8.isa(lib) == isa
+    n, k = 70, 512
+    runs = [(random_blocks(T.Q4_1, n, k, seed=9), gemm_int8.Q4_BLOCKS),
+            (random_blocks(T.Q8_0, n, k, seed=10), gemm_int8.Q8_BLOCKS),
+            (random_blocks(T.Q4_K, n, k, seed=11), gemm_int8.K4), (random_blocks(T.Q6_K, n, k, seed=12), gemm_int8.K6),
+            (random_blocks(T.Q5_K, n, k, seed=13), gemm_int8.K6)]
+    weights = [(packed(b, fmt), fmt, n) for b, fmt in runs]
+    weights.append((gemm_int8.pack_parts(weights[2:4] + weights[:1]), gemm_int8.PARTS, 3 * n))
+    x = torch.randn(37, k)  # 37 rows: AMX tiles for K4 on this machine's build
+    x[3] *= 1000.0
+    x[20] *= 1e-3
+    for w, fmt, rows in weights:
+        bias = torch.randn(rows)
+        own = gemm_int8.BoundWeight(w, fmt, rows, k, bias)
+        for m in (1, 6, 37):
+            y = torch.empty(m, rows)
+            assert lib.gemm_packed_i8(y.data_ptr(), rows, x.data_ptr(), k, w.data_ptr(), bias.data_ptr(),
+                                      m, rows, k, fmt) == 0
+            assert torch.equal(y, own(x[:m])), f"{gemm_int8.FORMATS[fmt]}, {m} rows"
+    recognised = 0  # float weights that are exact blocks (half-precision d: subnormal to large) alike
+    for bits in (4, 8):
+        for scale in (1e-6, 1e-4, 0.05, 30.0, 3e4):
+            w = round_to_gguf_blocks(torch.randn(40, 256) * scale, bits)
+            own_packed = gemm_int8.pack(w)
+            out = torch.zeros(gemm_int8.packed_size(40, 256, bits), dtype=torch.uint8)
+            assert lib.pack_weight_i8(out.data_ptr(), w.data_ptr(), 40, 256, bits) == (own_packed is not None)
+            assert own_packed is None or torch.equal(out, own_packed[0]), f"{bits} bits, scale {scale}"
+            recognised += own_packed is not None
+    assert recognised >= 8
 
 
 def test_formats_for_fused_parts():

@@ -40,10 +40,17 @@ def enabled() -> bool:
 Signatures = dict[str, tuple[Any, list[Any]]]
 
 
-def build_source(source: str, signatures: Signatures | None = None) -> ctypes.CDLL:
+def flags() -> list[str]:
+    """The compiler flags: ``-O3 -march=native -fopenmp``, then ``PAGELLM_CPU_CFLAGS`` (e.g.
+    ``-mno-avx512f`` to run the AVX2 paths an older CPU takes, on this one)."""
+    return _FLAGS + os.environ.get("PAGELLM_CPU_CFLAGS", "").split()
+
+
+def build_source(source: str, signatures: Signatures | None = None, extra: list[str] | None = None) -> ctypes.CDLL:
     """Compile any C file with the kernels' flags (cached the same way) and load it. :func:`load`
     builds the package's own kernels through this; benchmarks use it to time an older version of
-    a kernel (``git show REV:pagellm/kernels/gemm.c``) against the current one in one process."""
+    a kernel (``git show REV:pagellm/kernels/gemm.c``) against the current one in one process, and
+    tests build a kernel with ``extra`` flags (another ISA's path) beside the machine's own."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler on PATH")
@@ -55,7 +62,8 @@ def build_source(source: str, signatures: Signatures | None = None) -> ctypes.CD
         with open(os.path.join(src_dir, header), "rb") as f:
             src += f.read()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + version.encode()).hexdigest()[:16]
+    cflags = flags() + (extra or [])
+    key = hashlib.sha256(src + " ".join(cflags).encode() + version.encode()).hexdigest()[:16]
     out_dir = cache_dir("kernels")
     path = os.path.join(out_dir, f"{name}_{key}.so")
     if not os.path.exists(path):
@@ -63,7 +71,7 @@ def build_source(source: str, signatures: Signatures | None = None) -> ctypes.CD
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
         try:
-            subprocess.run([cc, *_FLAGS, source, "-o", tmp, "-lm"], capture_output=True, text=True, check=True)
+            subprocess.run([cc, *cflags, source, "-o", tmp, "-lm"], capture_output=True, text=True, check=True)
             os.replace(tmp, path)  # atomic: concurrent builders never load a half-written file
         except subprocess.CalledProcessError as e:
             raise RuntimeError(f"{cc} failed: {e.stderr.strip()[:500]}") from e

@@ -1,6 +1,7 @@
 /* y = x W^T (+ bias) with W kept in GGUF's 4- or 8-bit blocks and x quantized to int8 on the fly, per
  * block of 32 values (llama.cpp's scheme): integer dot products on AVX512-VNNI (vpdpbusd, 64
  * multiply-adds per instruction, twice vdpbf16ps), one float multiply-add per block and output.
+ * Without VNNI the same records are read by an AVX2 path, or plain C, that gives the same bits.
  * Built on first use by pagellm/kernels/__init__.py; wrapped by pagellm/kernels/gemm_int8.py.
  *
  * Weights (pack_weight_i8, from the dequantized float32 weight, each block checked value by value
@@ -47,11 +48,14 @@
 #define KQB(fmt) ((fmt) == FMT_K4 ? 512 : 384)  /* bytes of q per sub-block of a panel */
 #define KREC(fmt) (2 * NR * 4 + KSUB(fmt) * NR * 2 + KSUB(fmt) * KQB(fmt)) /* d, dmin, sc, mn, q */
 
+/* The path this build takes: 3 AVX512-VNNI, 2 AVX2 + FMA, 1 plain C (every one gives the same bits). */
 int gemm_i8_supported(void) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  return 1;
+  return 3;
+#elif defined(__AVX2__) && defined(__FMA__)
+  return 2;
 #else
-  return 0;
+  return 1;
 #endif
 }
 
@@ -152,7 +156,6 @@ int pack_kquant(uint8_t *dst, const float *d, const float *dmin, const int8_t *s
 /* Pack w [N, K] (K a multiple of 32) into dst (packed_size_i8 bytes) if every run of 32 is exactly a
  * block of `bits`; 1 if it packed, 0 if not (dst is then garbage). */
 int pack_weight_i8(uint8_t *dst, const float *w, int64_t N, int64_t K, int64_t bits) {
-#if defined(__AVX512F__)
   if (K % QB != 0 || (bits != 4 && bits != 8)) return 0;
   const int64_t P = (N + NR - 1) / NR, B = K / QB, rec_size = RECB(bits);
   int failed = 0;
@@ -170,10 +173,6 @@ int pack_weight_i8(uint8_t *dst, const float *w, int64_t N, int64_t K, int64_t b
     }
   }
   return !failed;
-#else
-  (void)dst; (void)w; (void)N; (void)K; (void)bits;
-  return 0;
-#endif
 }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -554,13 +553,278 @@ static void row_block_i8(float *y, int64_t ldy, const int8_t *xq, const float *d
     }
   }
 }
+#else
+/* Without AVX512-VNNI: the same packed records read 8 outputs at a time (a quarter of a panel: half
+ * q / 2, bytes (q % 2) * 32 on of that half's 64-byte vectors), with AVX2 byte dot products where the
+ * compiler targets AVX2 and FMA (vpmaddubsw + vpmaddwd, llama.cpp's pre-VNNI idiom) and plain C
+ * otherwise. Every integer sum is the VNNI path's exactly (8-bit blocks multiply signed by signed
+ * instead of correcting an unsigned x, the same integer), and the float work is its ops in its
+ * order with explicit fmaf, so every path gives the same bits: a row's result depends neither on
+ * the batch nor on the machine's ISA. */
+#include <math.h>
+#define LANES 8
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+typedef __m256i VB; /* 8 lanes of 4 bytes */
+typedef __m256i VI; /* 8 int32 */
+static inline VB vb_load(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline VB vb_nib(VB v, int hi) {
+  return _mm256_and_si256(hi ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+}
+static inline VB vb_or(VB a, VB b) { return _mm256_or_si256(a, b); }
+/* (v >> 2g & 3) << 4 per byte: K6's high 2 bits of group g */
+static inline VB vb_high2(VB v, int g) {
+  return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 2 * g), _mm256_set1_epi8(3)), 4);
+}
+static inline VI vi_zero(void) { return _mm256_setzero_si256(); }
+/* lane l += sum of its 4 unsigned bytes times x's 4 signed bytes (pairs stay below 2^15: u <= 63) */
+static inline VI vi_dot_us(VI acc, VB u, int32_t x4) {
+  const __m256i p = _mm256_maddubs_epi16(u, _mm256_set1_epi32(x4));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+/* the same with signed weight bytes: |w| times x carrying w's sign (|x| <= 127, so no pair saturates) */
+static inline VI vi_dot_ss(VI acc, VB w, int32_t x4) {
+  const __m256i x = _mm256_set1_epi32(x4);
+  const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+static inline VI vi_add(VI a, VI b) { return _mm256_add_epi32(a, b); }
+static inline VI vi_mul_i8(VI a, const int8_t *s) {
+  return _mm256_mullo_epi32(a, _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)s)));
+}
+static inline VI vi_mul_i8_x(const int8_t *s, int32_t x) {
+  return _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)s)), _mm256_set1_epi32(x));
+}
+static inline void vi_store(int32_t *out, VI v) { _mm256_storeu_si256((__m256i *)out, v); }
+#else
+typedef struct { uint8_t b[4 * LANES]; } VB;
+typedef struct { int32_t l[LANES]; } VI;
+static inline VB vb_load(const uint8_t *p) { VB v; memcpy(v.b, p, sizeof v.b); return v; }
+static inline VB vb_nib(VB v, int hi) {
+  for (int i = 0; i < 4 * LANES; ++i) v.b[i] = (uint8_t)((hi ? v.b[i] >> 4 : v.b[i]) & 0x0F);
+  return v;
+}
+static inline VB vb_or(VB a, VB b) {
+  for (int i = 0; i < 4 * LANES; ++i) a.b[i] |= b.b[i];
+  return a;
+}
+static inline VB vb_high2(VB v, int g) {
+  for (int i = 0; i < 4 * LANES; ++i) v.b[i] = (uint8_t)(((v.b[i] >> (2 * g)) & 3) << 4);
+  return v;
+}
+static inline VI vi_zero(void) { VI v; memset(&v, 0, sizeof v); return v; }
+static inline VI vi_dot_us(VI acc, VB u, int32_t x4) {
+  int8_t x[4];
+  memcpy(x, &x4, 4);
+  for (int l = 0; l < LANES; ++l)
+    for (int i = 0; i < 4; ++i) acc.l[l] += (int32_t)u.b[4 * l + i] * x[i];
+  return acc;
+}
+static inline VI vi_dot_ss(VI acc, VB w, int32_t x4) {
+  int8_t x[4];
+  memcpy(x, &x4, 4);
+  for (int l = 0; l < LANES; ++l)
+    for (int i = 0; i < 4; ++i) acc.l[l] += (int32_t)(int8_t)w.b[4 * l + i] * x[i];
+  return acc;
+}
+static inline VI vi_add(VI a, VI b) {
+  for (int l = 0; l < LANES; ++l) a.l[l] += b.l[l];
+  return a;
+}
+static inline VI vi_mul_i8(VI a, const int8_t *s) {
+  for (int l = 0; l < LANES; ++l) a.l[l] *= s[l];
+  return a;
+}
+static inline VI vi_mul_i8_x(const int8_t *s, int32_t x) {
+  VI v;
+  for (int l = 0; l < LANES; ++l) v.l[l] = s[l] * x;
+  return v;
+}
+static inline void vi_store(int32_t *out, VI v) { memcpy(out, v.l, sizeof v.l); }
+#endif
+
+#define MRV 4 /* rows per tile */
+
+/* acc[l] = fma(is[l], d[l] * s, acc[l]) (sign -1: fnmadd), lane by lane as the VNNI path does */
+static inline void fma_lanes(float *acc, VI is, const float *d, float s, float sign) {
+  int32_t v[LANES];
+  vi_store(v, is);
+  for (int l = 0; l < LANES; ++l) acc[l] = fmaf(sign * (float)v[l], d[l] * s, acc[l]);
+}
+
+/* y[r][0:8] = acc[r] (+ bias), the first `live` lanes */
+static void store_lanes(float *y, int64_t ldy, float acc[][LANES], const float *bias, int live, int R) {
+  for (int r = 0; r < R; ++r)
+    for (int l = 0; l < live; ++l) y[r * ldy + l] = bias ? acc[r][l] + bias[l] : acc[r][l];
+}
+
+/* One row, one block of 32 for the legacy formats: xq, dx and sx = dx * sum(xq) (quantize_row). */
+static void quantize_row(const float *x, int8_t *xq, float *dx, float *sx, int64_t K) {
+  for (int64_t b = 0; b < K / QB; ++b) {
+    const float *xb = x + b * QB;
+    float amax = 0.f;
+    for (int i = 0; i < QB; ++i) amax = fmaxf(amax, fabsf(xb[i]));
+    const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t sum = 0;
+    for (int i = 0; i < QB; ++i) {
+      float v = nearbyintf(xb[i] * id);
+      v = v < -128.f ? -128.f : v > 127.f ? 127.f : v;
+      xq[b * QB + i] = (int8_t)v;
+      sum += (int32_t)v;
+    }
+    dx[b] = d;
+    sx[b] = d * (float)sum;
+  }
+}
+
+static void quantize_row_k(const float *x, int8_t *xq, float *dx, int32_t *bsum, int64_t K) {
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const float *xb = x + b * QK;
+    float a = 0.f;
+    for (int i = 0; i < QK; ++i) a = fmaxf(a, fabsf(xb[i]));
+    const float id = a > 0.f ? 127.f / a : 0.f;
+    dx[b] = a / 127.f;
+    for (int i = 0; i < QK; i += 16) {
+      int32_t sum = 0;
+      for (int k = i; k < i + 16; ++k) {
+        float v = nearbyintf(xb[k] * id);
+        sum += (int32_t)v;
+        v = v < -128.f ? -128.f : v > 127.f ? 127.f : v;
+        xq[b * QK + k] = (int8_t)v;
+      }
+      bsum[b * (QK / 16) + i / 16] = sum;
+    }
+  }
+}
+
+/* acc[r] += a 4-bit block's 32 k (a half's 4 vectors at qs, this quarter's bytes) against rows [0, R)
+ * of xq (xk: the block's 8 groups of 4 int8 in row 0; rows K bytes apart), weights decoded once. */
+static inline __attribute__((always_inline)) void dot_q4_v(VI acc[], const uint8_t *qs, const int32_t *xk, int64_t K,
+                                                           const int R) {
+  for (int g = 0; g < 4; ++g) {
+    const VB v = vb_load(qs + g * 64), lo = vb_nib(v, 0), hi = vb_nib(v, 1);
+    for (int r = 0; r < R; ++r) acc[r] = vi_dot_us(vi_dot_us(acc[r], lo, xk[r * K / 4 + g]), hi, xk[r * K / 4 + g + 4]);
+  }
+}
+
+/* Rows [0, R) of quarter q of one panel of a legacy format over all blocks (tile_i8's arithmetic). */
+static inline __attribute__((always_inline)) void tile_v(float *y, int64_t ldy, const int8_t *xq, const float *dx,
+                                                         const float *sx, const uint8_t *rec, const float *bias,
+                                                         int64_t K, int q, int live, const int R, const int bits) {
+  const int64_t B = K / QB, rec_size = RECB(bits);
+  const int half = q / 2, off = (q % 2) * 32;
+  float acc[MRV][LANES] = {{0.f}};
+  for (int64_t b = 0; b < B; ++b, rec += rec_size) {
+    const uint8_t *qs = rec + 2 * NR * 4 + half * (bits == 4 ? 4 : 8) * 64 + off;
+    const float *d = (const float *)rec + q * LANES, *e = (const float *)rec + NR + q * LANES;
+    const int32_t *xk = (const int32_t *)(xq + b * QB);
+    VI is[MRV];
+    for (int r = 0; r < R; ++r) is[r] = vi_zero();
+    if (bits == 4) {
+      dot_q4_v(is, qs, xk, K, R);
+    } else {
+      for (int g = 0; g < 8; ++g) {
+        const VB w = vb_load(qs + g * 64);
+        for (int r = 0; r < R; ++r) is[r] = vi_dot_ss(is[r], w, xk[r * K / 4 + g]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      fma_lanes(acc[r], is[r], d, dx[r * B + b], 1.f);
+      if (bits == 4)
+        for (int l = 0; l < LANES; ++l) acc[r][l] = fmaf(e[l], sx[r * B + b], acc[r][l]);
+    }
+  }
+  store_lanes(y, ldy, acc, bias, live, R);
+}
+
+/* Rows [0, R) of quarter q of one panel of a K format over all super-blocks (tile_k's arithmetic). */
+static inline __attribute__((always_inline)) void tile_kv(float *y, int64_t ldy, const int8_t *xq, const float *dx,
+                                                          const int32_t *bsum, const uint8_t *rec, const float *bias,
+                                                          int64_t K, int q, int live, const int R, const int fmt) {
+  const int64_t B = K / QK, S = KSUB(fmt), rec_size = KREC(fmt), per = QK / 16 / S;
+  const int half = q / 2, off = (q % 2) * 32;
+  float acc[MRV][LANES] = {{0.f}};
+  for (int64_t b = 0; b < B; ++b, rec += rec_size) {
+    const int8_t *sc = (const int8_t *)(rec + 2 * NR * 4), *mn = sc + S * NR;
+    const uint8_t *qs = (const uint8_t *)(mn + S * NR);
+    const float *d = (const float *)rec + q * LANES, *e = (const float *)rec + NR + q * LANES;
+    VI sum[MRV];
+    for (int r = 0; r < R; ++r) sum[r] = vi_zero();
+    for (int64_t j = 0; j < S; ++j, qs += KQB(fmt)) {
+      VI dot[MRV];
+      for (int r = 0; r < R; ++r) dot[r] = vi_zero();
+      if (fmt == FMT_K4) {
+        dot_q4_v(dot, qs + half * 4 * 64 + off, (const int32_t *)(xq + b * QK + j * 32), K, R);
+      } else {
+        const int32_t *xk = (const int32_t *)(xq + b * QK + j * 16);
+        const uint8_t *h = qs + half * 3 * 64 + off;
+        const VB hb = vb_load(h + 2 * 64);
+        for (int g = 0; g < 4; ++g) {
+          const VB w = vb_or(vb_nib(vb_load(h + (g / 2) * 64), g % 2), vb_high2(hb, g));
+          for (int r = 0; r < R; ++r) dot[r] = vi_dot_us(dot[r], w, xk[r * K / 4 + g]);
+        }
+      }
+      for (int r = 0; r < R; ++r) sum[r] = vi_add(sum[r], vi_mul_i8(dot[r], sc + j * NR + q * LANES));
+    }
+    for (int r = 0; r < R; ++r) {
+      fma_lanes(acc[r], sum[r], d, dx[r * B + b], 1.f);
+      VI msum = vi_zero();
+      for (int64_t j = 0; j < S; ++j) {
+        const int32_t *bs = bsum + r * (K / 16) + b * (QK / 16) + j * per;
+        msum = vi_add(msum, vi_mul_i8_x(mn + j * NR + q * LANES, per == 2 ? bs[0] + bs[1] : bs[0]));
+      }
+      fma_lanes(acc[r], msum, e, dx[r * B + b], -1.f);
+    }
+  }
+  store_lanes(y, ldy, acc, bias, live, R);
+}
+
+#define CASE_V(R)                                                                                            \
+  case R:                                                                                                    \
+    if (kf) tile_kv(yy, ldy, xq + m * K, dx + m * B, bsum + m * (K / 16), w, bb, K, (int)q, live, R, fmt);   \
+    else if (fmt == 4) tile_v(yy, ldy, xq + m * K, dx + m * B, sx + m * B, w, bb, K, (int)q, live, R, 4);    \
+    else tile_v(yy, ldy, xq + m * K, dx + m * B, sx + m * B, w, bb, K, (int)q, live, R, 8);                  \
+    break;
+
+/* gemm_packed_i8 for one format without VNNI: quantize every row, then panels x quarters x row tiles. */
+static int gemm_packed_v(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *wp, const float *bias,
+                         int64_t M, int64_t N, int64_t K, const int fmt) {
+  const int kf = is_kfmt(fmt);
+  const int64_t blk = kf ? QK : QB, B = K / blk, panel = B * (kf ? KREC(fmt) : RECB(fmt));
+  int8_t *xq = (int8_t *)malloc((size_t)(M ? M : 1) * (K + 8 * B + 4 * (K / 16)));
+  if (xq == NULL) return -1;
+  float *dx = (float *)(xq + M * K), *sx = dx + M * B;
+  int32_t *bsum = (int32_t *)(sx + M * B);
+#pragma omp parallel for schedule(static) if (M * K >= 8192)
+  for (int64_t m = 0; m < M; ++m) {
+    if (kf) quantize_row_k(x + m * ldx, xq + m * K, dx + m * B, bsum + m * (K / 16), K);
+    else quantize_row(x + m * ldx, xq + m * K, dx + m * B, sx + m * B, K);
+  }
+  const int64_t P = (N + NR - 1) / NR;
+#pragma omp parallel for schedule(static)
+  for (int64_t pq = 0; pq < P * 4; ++pq) {
+    const int64_t p = pq / 4, q = pq % 4, n0 = p * NR + q * LANES;
+    if (n0 >= N) continue;
+    const int live = N - n0 < LANES ? (int)(N - n0) : LANES;
+    for (int64_t m = 0; m < M; m += MRV) {
+      const int R = M - m < MRV ? (int)(M - m) : MRV;
+      float *yy = y + m * ldy + n0;
+      const float *bb = bias ? bias + n0 : NULL;
+      const uint8_t *w = wp + p * panel;
+      switch (R) {
+        CASE_V(1) CASE_V(2) CASE_V(3) CASE_V(4)
+      }
+    }
+  }
+  free(xq);
+  return 0;
+}
 #endif
 
 /* y = x W^T (+ bias) for W packed by pack_weight_i8 in `bits`; 0, or -1 if the scratch for the
- * quantized x could not be allocated (or the kernel is not built here). */
+ * quantized x could not be allocated. */
 int gemm_packed_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *wp, const float *bias,
                    int64_t M, int64_t N, int64_t K, int64_t bits) {
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (bits == FMT_PARTS) { /* each run of output rows in its own format, into its columns of y */
     const int64_t *h = (const int64_t *)wp;
     for (int64_t i = 0, n0 = 0; i < h[0]; n0 += h[2 + 3 * i], ++i) {
@@ -570,6 +834,7 @@ int gemm_packed_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const uin
     }
     return 0;
   }
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (is_kfmt(bits)) return gemm_packed_k(y, ldy, x, ldx, wp, bias, M, N, K, (int)bits);
   const int64_t B = K / QB;
   int8_t *xq = (int8_t *)malloc((size_t)(M ? M : 1) * (K + 8 * B));
@@ -591,8 +856,7 @@ int gemm_packed_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const uin
   free(xq);
   return 0;
 #else
-  (void)y; (void)ldy; (void)x; (void)ldx; (void)wp; (void)bias; (void)M; (void)N; (void)K; (void)bits;
-  return -1;
+  return gemm_packed_v(y, ldy, x, ldx, wp, bias, M, N, K, (int)bits);
 #endif
 }
 

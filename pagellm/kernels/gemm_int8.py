@@ -1,6 +1,6 @@
 """The int8 GEMM over GGUF blocks (``gemm_int8.c``): weights at their stored width, activations
 quantized to int8 on the fly (per block of 32 values, or per super-block of 256 for the K formats),
-AVX512-VNNI integer dot products.
+integer dot products on AVX512-VNNI, AVX2 or plain C: the same bits on each (:func:`isa`).
 
 Unlike ``gemm.linear(..., bits=4)``, which rebuilds float32 weights and is bit-exact with the float32
 kernel, this path changes the numbers (activations are rounded to 8 bits, as in llama.cpp), so it
@@ -43,10 +43,19 @@ def _lib() -> ctypes.CDLL | None:
 
 
 def supported() -> bool:
-    """Whether this machine runs the int8 kernel (AVX512-VNNI); ``PAGELLM_CPU_INT8=0`` or
-    ``PAGELLM_CPU_GEMM=0`` say no."""
+    """Whether the int8 kernel runs here (it builds wherever there is a C compiler);
+    ``PAGELLM_CPU_INT8=0`` or ``PAGELLM_CPU_GEMM=0`` say no."""
     return (os.environ.get("PAGELLM_CPU_INT8", "1") != "0" and os.environ.get("PAGELLM_CPU_GEMM", "1") != "0"
             and _lib() is not None)
+
+
+ISAS = {3: "AVX512-VNNI", 2: "AVX2", 1: "plain C"}
+
+
+def isa(lib: ctypes.CDLL | None = None) -> str:
+    """The instruction set the int8 kernel was built for here (or ``lib``'s, a build with other flags)."""
+    lib = lib or _lib()
+    return ISAS[lib.gemm_i8_supported()] if lib is not None else "none"
 
 
 def amx(enable: bool | None = None) -> bool:
@@ -61,7 +70,8 @@ def pack(weight: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     """``(packed, bits)`` for a float32 ``weight [N, K]`` whose every run of 32 values along K is
     exactly one GGUF block (Q4_1 tried first, then Q8_0; checked value by value), else ``None``."""
     lib = _lib()
-    if lib is None or not gemm.usable(weight) or weight.shape[1] % 32:
+    if lib is None or weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype != torch.float32 \
+            or weight.shape[1] % 32:
         return None
     n, k = weight.shape
     w = weight.detach().contiguous()

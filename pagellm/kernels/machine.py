@@ -4,7 +4,7 @@ Machines differ in ways that flip the answer: on one 2-core Xeon with AMX, pagel
 on AMX tiles runs 3-5x its float32 kernel at 16-2048 rows (``benchmarks/gemm.py --bf16``); on a
 machine with AVX512-BF16 dot products but no AMX the bf16 kernel can be *slower* than float32
 (vdpbf16ps issues at the FMA rate there); without either, only float32 is offered. A GGUF
-checkpoint (Q4_1 / Q8_0 blocks) can also run int8 GEMMs on AVX512-VNNI (``gemm_int8``): on a
+checkpoint (GGUF blocks) can also run int8 GEMMs (``gemm_int8``; AVX512-VNNI, AVX2 or C): on a
 2-core EPYC 1.7x the bf16 kernel at 1 row, 1.1x at 2048, while on AMX bf16 tiles may win. So
 ``auto`` reads the ISA, and where that is not enough, times the candidates once on the model's own
 layer shapes (cached per machine and shape under ``~/.cache/pagellm/probe``; the first engine to
@@ -134,11 +134,14 @@ def _cached_probe(kind: str, weights: list[torch.Tensor], measure: Callable[[], 
 
 
 def _kernel(w: torch.Tensor, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x -> x w^T`` through the GEMM kernel of ``dtype`` (float32 or bfloat16), ``w`` packed once."""
+    """``x -> x w^T`` through the GEMM kernel of ``dtype`` (float32 or bfloat16), ``w`` packed once;
+    MKL's ``F.linear`` where this machine has no float32 kernel (what a projection then runs)."""
     n = w.shape[0]
     if dtype == torch.bfloat16:
         p16, amx = gemm.pack_bf16(w), gemm.amx_supported()
         return lambda x: gemm.linear(x, p16, n, bits=16, amx=amx)
+    if not gemm.usable(w):
+        return lambda x: torch.nn.functional.linear(x, w)
     p32 = gemm.pack(w)
     return lambda x: gemm.linear(x, p32, n)
 
@@ -202,7 +205,7 @@ def choose_numerics(requested: str, layer_weights: list[torch.Tensor], probe: bo
     file's own blocks (the K types, which no float weight is recognised as)."""
     if quantization == "gguf":
         if not gemm_int8.supported():
-            raise ValueError("quantization='gguf' needs the int8 GEMM kernel (AVX512-VNNI and a C compiler); "
+            raise ValueError("quantization='gguf' needs the int8 GEMM kernel (a C compiler to build it); "
                              f"this machine: {cpu_info().summary()}")
         rest = choose_numerics(requested, layer_weights, probe)
         return Numerics(rest.compute_dtype, f"quantization='gguf' asked for (other weights: {rest.reason})", int8=True)
@@ -211,7 +214,7 @@ def choose_numerics(requested: str, layer_weights: list[torch.Tensor], probe: bo
         return chosen
     speedup = probe_int8_speedup(layer_weights, chosen.compute_dtype, int8_weights)
     if speedup >= MIN_SPEEDUP:
-        return Numerics(chosen.compute_dtype, f"GGUF blocks: int8 GEMMs (AVX512-VNNI) measured {speedup:.2f}x "
+        return Numerics(chosen.compute_dtype, f"GGUF blocks: int8 GEMMs ({gemm_int8.isa()}) measured {speedup:.2f}x "
                         f"{chosen.name} on this model's shapes (geometric mean over {PROBE_ROWS} rows)", int8=True)
     if speedup > 0.0:
         return Numerics(chosen.compute_dtype, f"{chosen.reason}; int8 GEMMs measured only {speedup:.2f}x")

@@ -157,15 +157,15 @@ class Linear(nn.Linear):
             self.gguf_parts = None
             return True
         self.materialize()
-        if not gemm.usable(self.weight):
-            return False
-        if int8 and gemm_int8.supported():
+        if int8 and gemm_int8.supported():  # (before the float32 kernel's check: int8 runs without AVX-512)
             packed = gemm_int8.pack(self.weight)
             if packed is not None:
                 self.packed_i8, self.i8_bits = packed
                 self.bound_i8 = gemm_int8.BoundWeight(packed[0], packed[1], self.out_features, self.in_features,
                                                       self.bias)
                 return True
+        if not gemm.usable(self.weight):
+            return False
         if compute_dtype == torch.bfloat16:
             if not gemm.bf16_supported():
                 return False

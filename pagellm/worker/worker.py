@@ -253,12 +253,15 @@ class Worker:
             linears = [m for m in model.get_submodule(f"model.layers.{first}").modules() if isinstance(m, Linear)]
             asked = "quantization='gguf'" if quantization == "gguf" else "dtype auto on a GGUF file" \
                 if self.config.model.dtype == "auto" and probe else None
-            if asked and all(m.gguf_format() is not None for m in linears):
+            # (Plain C, a CPU without AVX2, runs it at a few % of VNNI's speed: there it is timed.)
+            if asked and all(m.gguf_format() is not None for m in linears) and \
+                    (quantization == "gguf" or gemm_int8.isa() != "plain C"):
                 # Every projection goes to the int8 kernel, the file's blocks kept at their width (a
                 # float copy takes 3-7x the file's memory). Nothing left to time: a probe would
                 # dequantize and pack a layer in every format, a transient GB at 1.7B.
                 numerics = Numerics(torch.float32, f"{asked}: every projection is GGUF blocks the int8 kernel "
-                                    "takes, kept at their width (float32 between them)", int8=True)
+                                    f"({gemm_int8.isa()}) takes, kept at their width (float32 between them)",
+                                    int8=True)
             else:
                 kept = [m.pack_gguf() for m in linears if m.gguf_format() is not None]
                 numerics = choose_numerics(self.config.model.dtype, [m.dense_weight() for m in linears],
