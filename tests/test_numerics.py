@@ -240,6 +240,38 @@ def test_numerics_choice_for_gguf_blocks(monkeypatch):
     assert not choose_numerics("auto", w).int8
 
 
+def test_a_bfloat16_checkpoint_is_loaded_and_packed_without_a_float32_copy(ckpt_root, monkeypatch, caplog):
+    """An HF checkpoint stored in bfloat16, run with bfloat16 GEMMs: its projections are loaded in
+    bfloat16 (every Linear's weight is bfloat16 when loading ends, none float32) and give the bits of
+    the same values stored in float32 (loaded in float32, then rounded to bfloat16 when packed)."""
+    require_bf16_kernel()
+    from pagellm.layers.linear import Linear
+    from pagellm.models.decoder import DecoderForCausalLM
+
+    src = build_tiny_checkpoint(ckpt_root, "llama")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    paths = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        paths[dtype] = os.path.join(ckpt_root, f"tiny-llama-stored-{str(dtype)[6:]}")
+        hf.to(dtype).save_pretrained(paths[dtype], safe_serialization=True)
+        transformers.AutoTokenizer.from_pretrained(src).save_pretrained(paths[dtype])
+    seen: list[set[torch.dtype]] = []
+    load = DecoderForCausalLM.load_weights
+
+    def spy(self, weights):
+        load(self, weights)
+        seen.append({m.weight.dtype for m in self.modules() if isinstance(m, Linear)})
+    monkeypatch.setattr(DecoderForCausalLM, "load_weights", spy)
+    prompts = random_prompts(4, seed=3, hi=60)
+    with caplog.at_level("INFO", logger="pagellm.worker.worker"):
+        got16, _ = engine_greedy_top(paths[torch.bfloat16], prompts, 12, dtype="bfloat16")
+    assert seen == [{torch.bfloat16}]
+    assert any("projections loaded in bfloat16" in r.getMessage() for r in caplog.records)
+    got32, _ = engine_greedy_top(paths[torch.float32], prompts, 12, dtype="bfloat16")
+    assert seen[1] == {torch.float32}
+    assert got16 == got32
+
+
 # ---------------------------------------------------------------------- the quality gate
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_bfloat16_is_logprob_close_to_hf_float32(ckpt_root, arch):

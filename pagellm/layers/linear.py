@@ -147,6 +147,8 @@ class Linear(nn.Linear):
         packed = self._pack(compute_dtype, int8)
         if packed:
             self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"), requires_grad=False)
+        elif self.weight.dtype != torch.float32:  # loaded in bfloat16 for a kernel that did not take it
+            self.weight = nn.Parameter(self.weight.float(), requires_grad=False)
         return packed
 
     def _pack(self, compute_dtype: torch.dtype, int8: bool) -> bool:
@@ -157,24 +159,26 @@ class Linear(nn.Linear):
             self.gguf_parts = None
             return True
         self.materialize()
+        # (A projection loaded in bfloat16 is widened here, one at a time, for the packing only.)
+        weight = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
         if int8 and gemm_int8.supported():  # (before the float32 kernel's check: int8 runs without AVX-512)
-            packed = gemm_int8.pack(self.weight)
+            packed = gemm_int8.pack(weight)
             if packed is not None:
                 self.packed_i8, self.i8_bits = packed
                 self.bound_i8 = gemm_int8.BoundWeight(packed[0], packed[1], self.out_features, self.in_features,
                                                       self.bias)
                 return True
-        if not gemm.usable(self.weight):
+        if not gemm.usable(weight):
             return False
         if compute_dtype == torch.bfloat16:
             if not gemm.bf16_supported():
                 return False
-            self.packed_bf16 = gemm.pack_bf16(self.weight)
+            self.packed_bf16 = gemm.pack_bf16(weight)
             self.amx = gemm.amx_supported()
             return True
-        self.packed = gemm.pack(self.weight)
+        self.packed = gemm.pack(weight)
         for bits in (4, 8):  # a float32 weight fails each check on its first block
-            self.packed_q = gemm.pack_quantized(self.weight, bits)
+            self.packed_q = gemm.pack_quantized(weight, bits)
             if self.packed_q is not None:
                 self.q_bits = bits
                 break

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from pagellm.attention import select_attention_backend
 from pagellm.config import EngineConfig, default_num_threads, resolve_model_source
@@ -29,6 +30,7 @@ from pagellm.models import get_model_class
 from pagellm.models.decoder import DecoderForCausalLM
 from pagellm.weights import freq_factors, iter_weights, load_model_config
 from pagellm.weights.gguf_quant import KERNEL_TYPES, int8_format, part_format
+from pagellm.weights.loader import projection_dtype
 from pagellm.worker.cache_engine import CacheEngine, HostKVMemory, KVCacheSpec
 from pagellm.worker.draft_runner import DraftRunner
 from pagellm.worker.host_malloc import trim, tune_malloc
@@ -120,6 +122,7 @@ class Worker:
         self.model_runner: ModelRunner | None = None
         self.step_seconds, self.num_steps = 0.0, 0
         self.kv_connector: KVConnectorWorker | None = None  # (built with the cache)
+        self._chosen: dict[int, Numerics] = {}  # numerics chosen before a model's weights were loaded
         self._kv_memory: HostKVMemory | None = None
 
     def _build_model(self, path: str | None) -> tuple[DecoderForCausalLM, Any, Any]:
@@ -135,9 +138,33 @@ class Worker:
             model = cls(hf_config, freq_factors(source), tp=self.tp, pp=self.pp)
         model = model.to_empty(device=self.device)
         sharded = self.tp.world_size * self.pp.num_stages > 1
+        chosen = None if sharded else self._bf16_before_loading(model, source)
+        if chosen is not None:
+            # The projections are loaded in bfloat16 as the file holds them and packed from there: a
+            # float32 copy of every weight (2x the file) is never made.
+            self._chosen[id(model)] = chosen
+            logger.info("projections loaded in bfloat16 as %s stores them (numerics chosen from the first "
+                        "layer's shapes before loading)", source.path)
+            for m in model.modules():
+                if isinstance(m, Linear):
+                    m.weight = nn.Parameter(torch.empty(m.weight.shape, dtype=torch.bfloat16), requires_grad=False)
         model.load_weights(iter_weights(source, hf_config, lazy=sharded,
                                         keep_gguf_blocks=source.is_gguf and not sharded and self._int8_possible()))
-        return model.to(self.dtype).eval(), hf_config, source
+        return (model if chosen is not None else model.to(self.dtype)).eval(), hf_config, source
+
+    def _bf16_before_loading(self, model: DecoderForCausalLM, source: Any) -> Numerics | None:
+        """For an HF checkpoint stored in bfloat16 on a CPU: the GEMM numerics, chosen before any
+        weight is read (a probe times the first layer's shapes, not its values); returned only if
+        they are bfloat16, in which case the projections never need float32."""
+        if not self.cpu_numerics or source.is_gguf or self.config.model.quantization is not None \
+                or self.config.model.dtype == "float32" or projection_dtype(source) != torch.bfloat16:
+            return None
+        first = model.model.start
+        linears = [m for m in model.get_submodule(f"model.layers.{first}").modules() if isinstance(m, Linear)]
+        shapes = [torch.randn(m.weight.shape) * 0.02 for m in linears]
+        with self._kv_memory.paused() if self._kv_memory is not None else contextlib.nullcontext():
+            numerics = choose_numerics(self.config.model.dtype, shapes, probe=True)
+        return numerics if numerics.compute_dtype == torch.bfloat16 and not numerics.int8 else None
 
     def _int8_possible(self) -> bool:
         """Whether the numerics may come out int8 (GGUF blocks are then kept at their width)."""
@@ -247,8 +274,8 @@ class Worker:
         """The GEMM numerics for ``model`` (chosen per machine on a CPU, from its first layer's
         shapes; else the worker's) and its weights packed for them; returns how many weights the
         int8 kernel took."""
-        numerics = self.numerics
-        if self.cpu_numerics:
+        numerics = self._chosen.pop(id(model), None) or self.numerics
+        if self.cpu_numerics and numerics is self.numerics:
             first = model.model.start  # (this pipeline stage's first layer)
             linears = [m for m in model.get_submodule(f"model.layers.{first}").modules() if isinstance(m, Linear)]
             asked = "quantization='gguf'" if quantization == "gguf" else "dtype auto on a GGUF file" \

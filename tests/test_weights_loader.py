@@ -1,0 +1,31 @@
+"""The safetensors reader against the ``safetensors`` library's own loader."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagellm.weights.loader import read_safetensors
+
+
+def test_read_safetensors_equals_the_library_for_every_dtype(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"t.{dt}".replace("torch.", ""): (torch.randn(7, 33, generator=g) * 100).to(dt)
+               for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.int32,
+                          torch.int16, torch.int8, torch.uint8, torch.bool)}
+    tensors["empty"] = torch.zeros(0, 5)
+    tensors["scalar"] = torch.tensor(3.5)
+    path = str(tmp_path / "m.safetensors")
+    save_file(tensors, path, metadata={"format": "pt"})
+    got = dict(read_safetensors(path))
+    want = load_file(path)
+    assert got.keys() == want.keys() == tensors.keys()
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t), name
+    with open(path, "r+b") as f:  # a file cut short is an error naming the tensor, not garbage
+        f.truncate(os.path.getsize(path) - 10)
+    with pytest.raises(ValueError, match="cut short"):
+        dict(read_safetensors(path))
