@@ -18,7 +18,7 @@ from pagellm.utils import parse_size, reject_unknown
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 # vLLM's word for running a GGUF checkpoint at its stored width: int8 GEMMs over its Q4_1 / Q8_0 blocks.
-Quantization = Literal["gguf"]
+Quantization = Literal["gguf", "q8_0"]
 QUANTIZATIONS = (None, *get_args(Quantization))
 KVCacheDType = Literal["auto", "float32", "bfloat16", "float16", "int8"]  # "auto": chosen per machine (worker)
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -506,7 +506,8 @@ _HELP = {
              "bfloat16 on CUDA",
     "quantization": "gguf: keep a GGUF checkpoint's quantized weights at their width and run int8 GEMMs "
                     "(activations rounded to int8 per 32 or 256 values; AVX512-VNNI, AVX2 or plain C); "
-                    "default: none",
+                    "q8_0: quantize an HF checkpoint's projections on load to GGUF Q8_0 blocks (8 bits per "
+                    "weight and a scale per 32) for the same kernel; default: none",
     "kv_cache_memory": "KV cache byte budget, e.g. 2GiB (ignored with --num-gpu-blocks-override)",
     "num_gpu_blocks_override": "exact number of KV blocks (on any device)",
     "long_prefill_token_threshold": "most prompt tokens one request computes per step (0 = no cap)",

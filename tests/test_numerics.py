@@ -240,6 +240,17 @@ def test_numerics_choice_for_gguf_blocks(monkeypatch):
     assert not choose_numerics("auto", w).int8
 
 
+def stored_in_bfloat16(ckpt_root: str, dtype: torch.dtype) -> str:
+    """The tiny llama with its weights rounded to bfloat16, stored in ``dtype``."""
+    path = os.path.join(ckpt_root, f"tiny-llama-bf16-stored-{str(dtype)[6:]}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        src = build_tiny_checkpoint(ckpt_root, "llama")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+        hf.to(dtype).save_pretrained(path, safe_serialization=True)
+        transformers.AutoTokenizer.from_pretrained(src).save_pretrained(path)
+    return path
+
+
 def test_a_bfloat16_checkpoint_is_loaded_and_packed_without_a_float32_copy(ckpt_root, monkeypatch, caplog):
     """An HF checkpoint stored in bfloat16, run with bfloat16 GEMMs: its projections are loaded in
     bfloat16 (every Linear's weight is bfloat16 when loading ends, none float32) and give the bits of
@@ -248,13 +259,7 @@ def test_a_bfloat16_checkpoint_is_loaded_and_packed_without_a_float32_copy(ckpt_
     from pagellm.layers.linear import Linear
     from pagellm.models.decoder import DecoderForCausalLM
 
-    src = build_tiny_checkpoint(ckpt_root, "llama")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
-    paths = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        paths[dtype] = os.path.join(ckpt_root, f"tiny-llama-stored-{str(dtype)[6:]}")
-        hf.to(dtype).save_pretrained(paths[dtype], safe_serialization=True)
-        transformers.AutoTokenizer.from_pretrained(src).save_pretrained(paths[dtype])
+    paths = {dtype: stored_in_bfloat16(ckpt_root, dtype) for dtype in (torch.bfloat16, torch.float32)}
     seen: list[set[torch.dtype]] = []
     load = DecoderForCausalLM.load_weights
 
@@ -270,6 +275,29 @@ def test_a_bfloat16_checkpoint_is_loaded_and_packed_without_a_float32_copy(ckpt_
     got32, _ = engine_greedy_top(paths[torch.float32], prompts, 12, dtype="bfloat16")
     assert seen[1] == {torch.float32}
     assert got16 == got32
+
+
+def test_quantization_q8_0_quantizes_on_load_and_stays_logprob_close(ckpt_root, caplog):
+    """``quantization="q8_0"`` on an HF checkpoint stored in bfloat16: every projection of the layers
+    becomes gguf's Q8_0 blocks on load (loaded in bfloat16, never float32) and runs the int8 kernel;
+    greedy tokens stay logprob-close to Hugging Face float32 on the same (bfloat16-valued) weights.
+    A GGUF file is refused with an error naming the option."""
+    require_int8_kernel()
+    path = stored_in_bfloat16(ckpt_root, torch.bfloat16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = random_prompts(6, seed=7, hi=100)
+    ref = [hf_greedy_top(hf, p, NEW_TOKENS) for p in prompts]
+    with caplog.at_level("INFO", logger="pagellm.worker.worker"):
+        got, engine = engine_greedy_top(path, prompts, NEW_TOKENS, quantization="q8_0")
+    assert engine.model_info.dtype == "int8"
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("quantized 8 of 8 projections to Q8_0" in m for m in lines), lines  # 2 layers x qkv, o, gate_up, down
+    assert any("Q8_0 x8: int8 GEMMs (8-bit blocks)" in m for m in lines), lines
+    assert any("projections loaded in bfloat16" in m for m in lines), lines
+    gaps = check_logprobs_close(got, ref)
+    assert all(g <= MAX_GAP["int8"] for g in gaps), f"divergences at HF logprob gaps {gaps}"
+    with pytest.raises(ValueError, match="quantization='q8_0' quantizes an HF checkpoint"):
+        LLMEngine.from_engine_args(EngineArgs(model=None, quantization="q8_0", kv_cache_memory="32MiB"))
 
 
 # ---------------------------------------------------------------------- the quality gate

@@ -22,9 +22,11 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from pagellm.kernels import decode_graph, gemm, gemm_int8
@@ -122,6 +124,17 @@ class Linear(nn.Linear):
             assert run_fmt is not None
             runs.append((_pack_blocks(blocks, run_fmt), run_fmt, sum(b.shape[0] for b in blocks)))
         return gemm_int8.pack_parts(runs), fmt
+
+    def quantize_to_q8_0(self) -> bool:
+        """Replace the loaded weight with its GGUF Q8_0 blocks (``gguf``'s quantizer: 8 bits per
+        value, a half-precision scale per 32), which :meth:`pack_for_cpu` then packs for the int8
+        kernel; ``False`` (nothing changed) for K not a multiple of 32."""
+        if self.in_features % 32:
+            return False
+        w = self.weight.detach().float().numpy()
+        self.gguf_parts = {0: GGUFBlocks(gguf.quantize(w, T.Q8_0), T.Q8_0, (self.out_features, self.in_features))}
+        self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"), requires_grad=False)
+        return True
 
     def dense_weight(self) -> torch.Tensor:
         """The float32 weight: the loaded one, or the kept GGUF blocks dequantized (a new tensor)."""

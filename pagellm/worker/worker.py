@@ -125,7 +125,7 @@ class Worker:
         self._chosen: dict[int, Numerics] = {}  # numerics chosen before a model's weights were loaded
         self._kv_memory: HostKVMemory | None = None
 
-    def _build_model(self, path: str | None) -> tuple[DecoderForCausalLM, Any, Any]:
+    def _build_model(self, path: str | None, quantization: str | None) -> tuple[DecoderForCausalLM, Any, Any]:
         """``(model, HF config, source)``: built on meta (no random init), materialised
         uninitialised, then every weight loaded (sharded, a rank reads only its slice)."""
         source = resolve_model_source(path)
@@ -138,11 +138,12 @@ class Worker:
             model = cls(hf_config, freq_factors(source), tp=self.tp, pp=self.pp)
         model = model.to_empty(device=self.device)
         sharded = self.tp.world_size * self.pp.num_stages > 1
-        chosen = None if sharded else self._bf16_before_loading(model, source)
+        chosen = self._numerics_before_loading(model, source, sharded, quantization)
         if chosen is not None:
-            # The projections are loaded in bfloat16 as the file holds them and packed from there: a
-            # float32 copy of every weight (2x the file) is never made.
             self._chosen[id(model)] = chosen
+        if chosen is not None and projection_dtype(source) == torch.bfloat16:
+            # The projections are loaded in bfloat16 as the file holds them and packed (or quantized)
+            # from there: a float32 copy of every weight (2x the file) is never made.
             logger.info("projections loaded in bfloat16 as %s stores them (numerics chosen from the first "
                         "layer's shapes before loading)", source.path)
             for m in model.modules():
@@ -152,11 +153,19 @@ class Worker:
                                         keep_gguf_blocks=source.is_gguf and not sharded and self._int8_possible()))
         return (model if chosen is not None else model.to(self.dtype)).eval(), hf_config, source
 
-    def _bf16_before_loading(self, model: DecoderForCausalLM, source: Any) -> Numerics | None:
-        """For an HF checkpoint stored in bfloat16 on a CPU: the GEMM numerics, chosen before any
-        weight is read (a probe times the first layer's shapes, not its values); returned only if
-        they are bfloat16, in which case the projections never need float32."""
-        if not self.cpu_numerics or source.is_gguf or self.config.model.quantization is not None \
+    def _numerics_before_loading(self, model: DecoderForCausalLM, source: Any, sharded: bool,
+                                 quantization: str | None) -> Numerics | None:
+        """For an HF checkpoint on a CPU, the GEMM numerics chosen before any weight is read (a probe
+        times the first layer's shapes, not its values), where the choice lets the projections skip
+        float32: bfloat16 GEMMs on a checkpoint stored in bfloat16, or ``quantization="q8_0"``."""
+        if quantization == "q8_0":
+            if not self.cpu_numerics or source.is_gguf or sharded or not gemm_int8.supported():
+                raise ValueError("quantization='q8_0' quantizes an HF checkpoint's projections on load, on one CPU "
+                                 "worker with dtype auto, float32 or bfloat16 and a C compiler (a GGUF file keeps "
+                                 f"its own types: quantization='gguf'); here: {source.path} on {self.device}, "
+                                 f"dtype {self.config.model.dtype}, {self.tp.world_size * self.pp.num_stages} "
+                                 "workers")
+        elif not self.cpu_numerics or source.is_gguf or sharded or quantization is not None \
                 or self.config.model.dtype == "float32" or projection_dtype(source) != torch.bfloat16:
             return None
         first = model.model.start
@@ -164,6 +173,10 @@ class Worker:
         shapes = [torch.randn(m.weight.shape) * 0.02 for m in linears]
         with self._kv_memory.paused() if self._kv_memory is not None else contextlib.nullcontext():
             numerics = choose_numerics(self.config.model.dtype, shapes, probe=True)
+        if quantization == "q8_0":
+            return Numerics(numerics.compute_dtype, "quantization='q8_0': projections quantized on load to GGUF Q8_0 "
+                            f"blocks for the int8 kernel ({gemm_int8.isa()}); other weights: {numerics.reason}",
+                            int8=True)
         return numerics if numerics.compute_dtype == torch.bfloat16 and not numerics.int8 else None
 
     def _int8_possible(self) -> bool:
@@ -178,7 +191,7 @@ class Worker:
         self._kv_memory = HostKVMemory(cache.kv_cache_memory) \
             if self.device.type == "cpu" and cache.num_gpu_blocks_override is None else None
         try:
-            model, hf_config, source = self._build_model(self.config.model.model)
+            model, hf_config, source = self._build_model(self.config.model.model, self.config.model.quantization)
         except BaseException:
             if self._kv_memory is not None:
                 self._kv_memory.stop()
@@ -259,7 +272,7 @@ class Worker:
 
     def _load_draft(self, path: str, vocab_size: int) -> None:
         """The draft model of speculative decoding, with its own numerics and K/V layout."""
-        draft, hf_config, _ = self._build_model(path)
+        draft, hf_config, _ = self._build_model(path, None)
         if hf_config.vocab_size != vocab_size:
             raise ValueError(f"speculative_config model {path!r} has a vocabulary of {hf_config.vocab_size} tokens, "
                              f"the target {vocab_size}: a draft model must share the target's tokenizer")
@@ -294,6 +307,15 @@ class Worker:
                 numerics = choose_numerics(self.config.model.dtype, [m.dense_weight() for m in linears],
                                            probe=probe, quantization=quantization,
                                            int8_weights=kept if kept and len(kept) == len(linears) else None)
+        if numerics.int8 and quantization == "q8_0":
+            start = time.perf_counter()
+            layers = [m for m in model.model.layers.modules() if isinstance(m, Linear)]
+            done = 0
+            for m in layers:
+                done += m.quantize_to_q8_0()
+                trim()  # (each weight's float transient handed back before the next)
+            logger.info("quantized %d of %d projections to Q8_0 on load in %.1f s", done, len(layers),
+                        time.perf_counter() - start)
         weight_types = gguf_weight_types(model)
         packed_int8 = 0
         if self.device.type == "cpu" and hasattr(model, "pack_for_cpu"):
