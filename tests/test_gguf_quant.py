@@ -122,16 +122,18 @@ def cpu_has(flag: str) -> bool:
         return any(line.startswith("flags") and flag in line.split() for line in f)
 
 
-def test_amx_tiles_give_the_vnni_path_bits():
-    """K4 rows in tiles of 16 on AMX, the rest on VNNI: every row's bits are those of the VNNI path alone."""
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_K], ids=lambda t: t.name)
+def test_amx_tiles_give_the_vnni_path_bits(qtype):
+    """K4 and K6 rows in tiles of 16 on AMX, the rest on VNNI: every row's bits are those of the VNNI
+    path alone (Q6_K's signed scales and mins included)."""
     require_int8_kernel()
     if not cpu_has("amx_int8") or os.environ.get("PAGELLM_CPU_AMX") == "0" or \
             "-mno-amx-int8" in os.environ.get("PAGELLM_CPU_CFLAGS", ""):
         pytest.skip("no AMX int8 on this CPU (or turned off by PAGELLM_CPU_AMX=0 or PAGELLM_CPU_CFLAGS)")
     assert gemm_int8.amx(), "the CPU has AMX int8 but the int8 kernel does not use it"
     n, k = 70, 768
-    fmt = gemm_int8.K4
-    b = random_blocks(T.Q4_K, n, k, seed=2)
+    fmt = gq.int8_format([qtype])
+    b = random_blocks(qtype, n, k, seed=2)
     bound_w = gemm_int8.BoundWeight(packed(b, fmt), fmt, n, k)
     x = torch.randn(37, k)  # two tiles of 16 and five rows left over (AMX takes 32 rows and more)
     x[20] *= 1000.0

@@ -356,7 +356,10 @@ static inline __attribute__((always_inline)) void tile_k(float *y, int64_t ldy, 
  * Over a super-block's 256 k the tiles then hold 8 Ch + Cl = sum_j sc_j dot_j and Cm = sum_j mn_j
  * bsum_j, exactly tile_k's two integer sums; the float epilogue is tile_k's op for op in the same
  * order, so a row's result is bit for bit what tile_k gives it (batch invariance holds across the
- * two paths). Tiles: 0 the 16 rows' xq of 64 k, 1 an operand, 2-7 the sums (half x h, l, m). */
+ * two paths). Tiles: 0 the 16 rows' xq of 64 k, 1 an operand, 2-7 the sums (half x h, l, m).
+ * K6 the same way, with the product itself split: P = sc q (sc signed 8-bit, q 6-bit) is
+ * 256 Ph + Pl with Pl in 0..255 (tdpbsud) and Ph in -32..31 (tdpbssd), so 256 Ch + Cl is the sum,
+ * and Bm = mn (signed: tdpbssd). */
 #define AMX_ROWS 16
 static int amx_enabled = -1; /* -1: not asked yet */
 
@@ -370,9 +373,9 @@ static void amx_configure(void) {
 
 /* One super-block of a K4 panel as tdpbsud operands: ops[chunk of 64 k][half][h, l, m][16 groups of
  * 4 k][16 outputs x 4 bytes], the groups as tile_k feeds vpdpbusd. */
-typedef uint8_t K4Operands[4][2][3][16][64];
+typedef uint8_t KOperands[4][2][3][16][64];
 
-static void k4_operands(K4Operands ops, const uint8_t *rec) {
+static void k4_operands(KOperands ops, const uint8_t *rec) {
   const int8_t *sc = (const int8_t *)(rec + 2 * NR * 4), *mn = sc + 8 * NR;
   const uint8_t *qs = (const uint8_t *)(mn + 8 * NR);
   const __m512i low = _mm512_set1_epi8(0x0F), seven = _mm512_set1_epi32(7), bytes = _mm512_set1_epi32(0x01010101);
@@ -394,25 +397,60 @@ static void k4_operands(K4Operands ops, const uint8_t *rec) {
     }
 }
 
+/* One super-block of a K6 panel as operands, laid out as K4's: [chunk][half][Ph, Pl, mn][group][64]. */
+static void k6_operands(KOperands ops, const uint8_t *rec) {
+  const int8_t *sc = (const int8_t *)(rec + 2 * NR * 4), *mn = sc + 16 * NR;
+  const uint8_t *qs = (const uint8_t *)(mn + 16 * NR);
+  const __m512i low = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3), bytes = _mm512_set1_epi32(0x01010101);
+  const __m512i lo16 = _mm512_set1_epi16(0x00FF);
+  for (int j = 0; j < 16; ++j, qs += KQB(FMT_K6))
+    for (int h = 0; h < 2; ++h) {
+      const __m512i s32 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + j * NR + h * 16)));
+      const __m512i s16 = _mm512_or_si512(_mm512_and_si512(s32, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(s32, 16));
+      const __m512i m = _mm512_mullo_epi32(_mm512_and_si512(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+          (const __m128i *)(mn + j * NR + h * 16))), _mm512_set1_epi32(0xFF)), bytes);
+      const __m512i hb = _mm512_loadu_si512(qs + (h * 3 + 2) * 64);
+      for (int g = 0; g < 4; ++g) {
+        const __m512i n = _mm512_loadu_si512(qs + (h * 3 + g / 2) * 64);
+        const __m512i q = _mm512_or_si512(_mm512_and_si512(g % 2 ? _mm512_srli_epi16(n, 4) : n, low),
+                                          _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 2 * g), three), 4));
+        /* sc q per byte, exact in 16 bits: the even and the odd bytes apart */
+        const __m512i pe = _mm512_mullo_epi16(_mm512_and_si512(q, lo16), s16);
+        const __m512i po = _mm512_mullo_epi16(_mm512_srli_epi16(q, 8), s16);
+        const int c = j / 4, row = (j % 4) * 4 + g; /* 4 groups per sub-block, 16 per chunk */
+        _mm512_store_si512(ops[c][h][0][row], _mm512_or_si512(_mm512_and_si512(_mm512_srai_epi16(pe, 8), lo16),
+                                                               _mm512_slli_epi16(_mm512_srai_epi16(po, 8), 8)));
+        _mm512_store_si512(ops[c][h][1][row], _mm512_or_si512(_mm512_and_si512(pe, lo16), _mm512_slli_epi16(po, 8)));
+        _mm512_store_si512(ops[c][h][2][row], m);
+      }
+    }
+}
+
 #define K4_DP(h, t, T) _tile_loadd(1, ops[c][h][t], 64); _tile_dpbsud(T, 0, 1) /* T = 2 + 3 h + t */
+#define K6_DP(h, t, T) _tile_loadd(1, ops[c][h][t], 64); _tile_dpbssd(T, 0, 1)
 #define K4_ST(h, t, T) _tile_stored(T, sums[h][t], 64)
 
-/* 16 rows of one super-block b of a K4 panel into acc[16][32] (tile_k's float accumulators). */
-static void amx_rows_k4(float acc[][NR], const int8_t *xq, const float *dx, const K4Operands ops, const uint8_t *rec,
-                        int64_t K, int64_t b) {
+/* 16 rows of one super-block b of a K4 or K6 panel into acc[16][32] (tile_k's float accumulators). */
+static void amx_rows_k(float acc[][NR], const int8_t *xq, const float *dx, const KOperands ops, const uint8_t *rec,
+                       int64_t K, int64_t b, const int fmt) {
   const int64_t B = K / QK;
+  const int shift = fmt == FMT_K4 ? 3 : 8; /* sum = Ch << shift + Cl */
   int32_t sums[2][3][AMX_ROWS][16] __attribute__((aligned(64)));
   _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
   for (int c = 0; c < 4; ++c) {
     _tile_loadd(0, xq + b * QK + c * 64, K);
-    K4_DP(0, 0, 2); K4_DP(0, 1, 3); K4_DP(0, 2, 4); K4_DP(1, 0, 5); K4_DP(1, 1, 6); K4_DP(1, 2, 7);
+    if (fmt == FMT_K4) {
+      K4_DP(0, 0, 2); K4_DP(0, 1, 3); K4_DP(0, 2, 4); K4_DP(1, 0, 5); K4_DP(1, 1, 6); K4_DP(1, 2, 7);
+    } else {
+      K6_DP(0, 0, 2); K4_DP(0, 1, 3); K6_DP(0, 2, 4); K6_DP(1, 0, 5); K4_DP(1, 1, 6); K6_DP(1, 2, 7);
+    }
   }
   K4_ST(0, 0, 2); K4_ST(0, 1, 3); K4_ST(0, 2, 4); K4_ST(1, 0, 5); K4_ST(1, 1, 6); K4_ST(1, 2, 7);
   const __m512 d0 = _mm512_loadu_ps((const float *)rec), d1 = _mm512_loadu_ps((const float *)rec + 16);
   const __m512 e0 = _mm512_loadu_ps((const float *)rec + NR), e1 = _mm512_loadu_ps((const float *)rec + NR + 16);
   for (int r = 0; r < AMX_ROWS; ++r) {
-    const __m512i sum0 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[0][0][r]), 3), _mm512_load_si512(sums[0][1][r]));
-    const __m512i sum1 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[1][0][r]), 3), _mm512_load_si512(sums[1][1][r]));
+    const __m512i sum0 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[0][0][r]), shift), _mm512_load_si512(sums[0][1][r]));
+    const __m512i sum1 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[1][0][r]), shift), _mm512_load_si512(sums[1][1][r]));
     const __m512 s = _mm512_set1_ps(dx[r * B + b]);
     __m512 a0 = _mm512_load_ps(acc[r]), a1 = _mm512_load_ps(acc[r] + 16);
     a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum0), _mm512_mul_ps(d0, s), a0);
@@ -424,17 +462,18 @@ static void amx_rows_k4(float acc[][NR], const int8_t *xq, const float *dx, cons
   }
 }
 
-/* Rows [0, M16) of one K4 panel on AMX (M16 a multiple of 16, at most 256): each super-block's
- * operands built once for all row tiles. */
-static void amx_panel_k4(float *y, int64_t ldy, const int8_t *xq, const float *dx, const uint8_t *rec,
-                         const float *bias, int64_t M16, int64_t K, __mmask16 m0, __mmask16 m1) {
-  static __thread K4Operands ops __attribute__((aligned(64)));
+/* Rows [0, M16) of one K4 or K6 panel on AMX (M16 a multiple of 16, at most 256): each
+ * super-block's operands built once for all row tiles. */
+static void amx_panel_k(float *y, int64_t ldy, const int8_t *xq, const float *dx, const uint8_t *rec,
+                        const float *bias, int64_t M16, int64_t K, __mmask16 m0, __mmask16 m1, const int fmt) {
+  static __thread KOperands ops __attribute__((aligned(64)));
   float acc[256][NR] __attribute__((aligned(64)));
   const int64_t B = K / QK;
   memset(acc, 0, (size_t)M16 * sizeof acc[0]);
-  for (int64_t b = 0; b < B; ++b, rec += KREC(FMT_K4)) {
-    k4_operands(ops, rec);
-    for (int64_t m = 0; m < M16; m += AMX_ROWS) amx_rows_k4(acc + m, xq + m * K, dx + m * B, ops, rec, K, b);
+  for (int64_t b = 0; b < B; ++b, rec += KREC(fmt)) {
+    if (fmt == FMT_K4) k4_operands(ops, rec);
+    else k6_operands(ops, rec);
+    for (int64_t m = 0; m < M16; m += AMX_ROWS) amx_rows_k(acc + m, xq + m * K, dx + m * B, ops, rec, K, b, fmt);
   }
   for (int64_t r = 0; r < M16; ++r) {
     __m512 a[1][2] = {{_mm512_load_ps(acc[r]), _mm512_load_ps(acc[r] + 16)}};
@@ -463,7 +502,7 @@ static void row_block_k(float *y, int64_t ldy, const int8_t *xq, const float *dx
   const int64_t P = (N + NR - 1) / NR, B = K / QK, panel = B * KREC(fmt);
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
   /* below 2 tiles of rows, building a super-block's operands costs more than AMX saves */
-  const int64_t amx_rows = fmt == FMT_K4 && M >= 2 * AMX_ROWS && amx_usable() ? M / AMX_ROWS * AMX_ROWS : 0;
+  const int64_t amx_rows = M >= 2 * AMX_ROWS && amx_usable() ? M / AMX_ROWS * AMX_ROWS : 0;
 #else
   const int64_t amx_rows = 0;
 #endif
@@ -481,7 +520,7 @@ static void row_block_k(float *y, int64_t ldy, const int8_t *xq, const float *dx
     const float *bb = out.bias;
     int64_t m = 0;
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-    if (amx_rows) amx_panel_k4(y + p * NR, ldy, xq, dx, w, bb, amx_rows, K, m0, m1);
+    if (amx_rows) amx_panel_k(y + p * NR, ldy, xq, dx, w, bb, amx_rows, K, m0, m1, fmt);
     m = amx_rows;
 #endif
     for (int64_t t = 0; t < tiles; ++t) {
