@@ -146,17 +146,17 @@ def kquant_fields(b: GGUFBlocks) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
     sc16: np.ndarray
     mn16: np.ndarray
     if t == T.Q2_K:  # w = (d sc) q - (dmin m), 4-bit sc and m per 16, q 2 bits
-        scales, qs, d, dmin = blk[:, :16], blk[:, 16:80], _f16(blk[:, 80:82]), _f16(blk[:, 82:84])
-        q = (qs.reshape(-1, 2, 1, 32) >> shift2) & 3
+        scales, q2s, d, dmin = blk[:, :16], blk[:, 16:80], _f16(blk[:, 80:82]), _f16(blk[:, 82:84])
+        q = (q2s.reshape(-1, 2, 1, 32) >> shift2) & 3
         sc16, mn16 = (scales & 0x0F).view(np.int8), (scales >> 4).view(np.int8)
     elif t == T.Q3_K:  # w = (d s) (q - 4), s 6-bit - 32 per 16, q 3 bits (the high one set means +0)
-        hmask, qs, scales, d = blk[:, :32], blk[:, 32:96], blk[:, 96:108], _f16(blk[:, 108:110])
-        lo = (scales[:, :8].reshape(-1, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(-1, 16)
-        hi = (scales[:, 8:].reshape(-1, 1, 4) >> shift2[0]).reshape(-1, 16)
-        sc16 = (((lo & 0x0F) | ((hi & 3) << 4)).astype(np.int16) - 32).astype(np.int8)
-        ql = ((qs.reshape(-1, 2, 1, 32) >> shift2) & 3).reshape(-1, 256)
-        qh = ((hmask.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1).reshape(-1, 256)
-        q = ql + (qh << 2)  # q - 4 is gguf's ql - 4 (1 - qh)
+        hmask, q2s, scales, d = blk[:, :32], blk[:, 32:96], blk[:, 96:108], _f16(blk[:, 108:110])
+        s_lo = (scales[:, :8].reshape(-1, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(-1, 16)
+        s_hi = (scales[:, 8:].reshape(-1, 1, 4) >> shift2[0]).reshape(-1, 16)
+        sc16 = (((s_lo & 0x0F) | ((s_hi & 3) << 4)).astype(np.int16) - 32).astype(np.int8)
+        q_lo = ((q2s.reshape(-1, 2, 1, 32) >> shift2) & 3).reshape(-1, 256)
+        q_hi = ((hmask.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1).reshape(-1, 256)
+        q = q_lo + (q_hi << 2)  # q - 4 is gguf's ql - 4 (1 - qh)
         mn16, dmin = sc16, 4 * d  # w = d s q - (4 d) s: exact, a power of two
     elif t == T.Q6_K:
         ql, qh, scales, d = blk[:, :128], blk[:, 128:192], blk[:, 192:208], _f16(blk[:, 208:210])
