@@ -138,15 +138,17 @@ def test_amx_tiles_give_the_vnni_path_bits(qtype):
     fmt = gq.int8_format([qtype])
     b = random_blocks(qtype, n, k, seed=2)
     bound_w = gemm_int8.BoundWeight(packed(b, fmt), fmt, n, k)
-    x = torch.randn(37, k)  # two tiles of 16 and five rows left over (AMX takes 32 rows and more)
+    # 1,024 rows in one AMX call, then two tiles of 16 and five rows left over (AMX takes 32 rows and more)
+    x = torch.randn(1061, k)
     x[20] *= 1000.0
     try:
         y = bound_w(x)
         gemm_int8.amx(False)
         assert not gemm_int8.amx()
         assert torch.equal(bound_w(x), y)
-        for r in (0, 20, 36):
+        for r in (0, 20, 1030, 1060):
             assert torch.equal(bound_w(x[r:r + 1]), y[r:r + 1])
+        assert torch.equal(bound_w(x[1024:]), y[1024:])
     finally:
         gemm_int8.amx(True)
     exact = x.double() @ torch.from_numpy(reference(b)).double().T

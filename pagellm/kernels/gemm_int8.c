@@ -462,12 +462,16 @@ static void amx_rows_k(float acc[][NR], const int8_t *xq, const float *dx, const
   }
 }
 
-/* Rows [0, M16) of one K4 or K6 panel on AMX (M16 a multiple of 16, at most 256): each
+#ifndef AMX_ROW_BLOCK
+#define AMX_ROW_BLOCK 1024 /* rows per call on AMX: a super-block's operands cost about what 256 rows' tdp do */
+#endif
+
+/* Rows [0, M16) of one K4 or K6 panel on AMX (M16 a multiple of 16, at most AMX_ROW_BLOCK): each
  * super-block's operands built once for all row tiles. */
 static void amx_panel_k(float *y, int64_t ldy, const int8_t *xq, const float *dx, const uint8_t *rec,
                         const float *bias, int64_t M16, int64_t K, __mmask16 m0, __mmask16 m1, const int fmt) {
   static __thread KOperands ops __attribute__((aligned(64)));
-  float acc[256][NR] __attribute__((aligned(64)));
+  static __thread float acc[AMX_ROW_BLOCK][NR] __attribute__((aligned(64)));
   const int64_t B = K / QK;
   memset(acc, 0, (size_t)M16 * sizeof acc[0]);
   for (int64_t b = 0; b < B; ++b, rec += KREC(fmt)) {
@@ -552,7 +556,11 @@ static int gemm_packed_k(float *y, int64_t ldy, const float *x, int64_t ldx, con
   int32_t *bsum = (int32_t *)(dx + M * B);
 #pragma omp parallel for schedule(static) if (M * K >= 8192)
   for (int64_t m = 0; m < M; ++m) quantize_row_k(x + m * ldx, xq + m * K, dx + m * B, bsum + m * (K / 16), K);
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+  const int64_t rows = M >= 2 * AMX_ROWS && amx_usable() ? AMX_ROW_BLOCK : 256 / MRK * MRK;
+#else
   const int64_t rows = 256 / MRK * MRK;
+#endif
   for (int64_t m = 0; m < M; m += rows) {
     const int64_t r = M - m < rows ? M - m : rows;
     row_block_k(y + m * ldy, ldy, xq + m * K, dx + m * B, bsum + m * (K / 16), wp, bias, r, N, K, fmt);
