@@ -125,10 +125,11 @@ def cpu_has(flag: str) -> bool:
         return any(line.startswith("flags") and flag in line.split() for line in f)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_K, T.Q3_K, T.Q2_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_K, T.Q3_K, T.Q2_K, T.Q8_0, T.Q4_1, T.Q4_0, T.Q5_0],
+                         ids=lambda t: t.name)
 def test_amx_tiles_give_the_vnni_path_bits(qtype):
-    """K4 and K6 rows in tiles of 16 on AMX, the rest on VNNI: every row's bits are those of the VNNI
-    path alone (Q6_K's signed scales and mins included)."""
+    """Rows in tiles of 16 on AMX, the rest on VNNI, in every format: every row's bits are those of
+    the VNNI path alone (Q6_K's signed scales and mins, the legacy 4- and 8-bit blocks included)."""
     require_int8_kernel()
     if not cpu_has("amx_int8") or os.environ.get("PAGELLM_CPU_AMX") == "0" or \
             "-mno-amx-int8" in os.environ.get("PAGELLM_CPU_CFLAGS", ""):
@@ -152,7 +153,8 @@ def test_amx_tiles_give_the_vnni_path_bits(qtype):
     finally:
         gemm_int8.amx(True)
     exact = x.double() @ torch.from_numpy(reference(b)).double().T
-    assert bool(((y.double() - exact).abs() <= error_bound(x, reference(b), 256)).all())
+    block = 256 if fmt in (gemm_int8.K4, gemm_int8.K6) else 32
+    assert bool(((y.double() - exact).abs() <= error_bound(x, reference(b), block)).all())
 
 
 # Builds of the int8 kernel for the paths other CPUs take, beside this machine's own.

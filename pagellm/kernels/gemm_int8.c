@@ -485,6 +485,74 @@ static void amx_panel_k(float *y, int64_t ldy, const int8_t *xq, const float *dx
   }
 }
 
+/* The legacy blocks of 32 on AMX: per block one tdp per half-panel over 16 rows, the record's q
+ * vectors taken as they are as the B operand (8 groups of 4 k x 16 outputs; 4-bit nibbles unpacked
+ * first), then tile_i8's float epilogue for that block in the same order: the VNNI path's
+ * bits. Tiles: 0 the rows' 32 xq of a block, 1 a half's q, 2-3 the halves' sums. */
+static void amx_configure_legacy(void) {
+  TileConfig c;
+  memset(&c, 0, sizeof c);
+  c.palette_id = 1;
+  c.rows[0] = AMX_ROWS, c.colsb[0] = QB;
+  c.rows[1] = QB / 4, c.colsb[1] = 64;
+  c.rows[2] = c.rows[3] = AMX_ROWS, c.colsb[2] = c.colsb[3] = 64;
+  _tile_loadconfig(&c);
+}
+
+/* Rows [0, M16) of one panel of a legacy format on AMX (M16 a multiple of 16). */
+static void amx_panel_i8(float *y, int64_t ldy, const int8_t *xq, const float *dx, const float *sx,
+                         const uint8_t *rec, const float *bias, int64_t M16, int64_t K, __mmask16 m0, __mmask16 m1,
+                         const int bits) {
+  const int64_t B = K / QB, rec_size = RECB(bits);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  uint8_t u[2][8][64] __attribute__((aligned(64))); /* a 4-bit block's q as bytes */
+  int32_t c[2][AMX_ROWS][16] __attribute__((aligned(64)));
+  for (int64_t m = 0; m < M16; m += AMX_ROWS) {
+    __m512 acc[AMX_ROWS][2];
+    for (int r = 0; r < AMX_ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < B; ++b) {
+      const uint8_t *rb = rec + b * rec_size;
+      _tile_zero(2);
+      _tile_zero(3);
+      _tile_loadd(0, xq + m * K + b * QB, K);
+      if (bits == 8) {
+        _tile_loadd(1, rb + 2 * NR * 4, 64);
+        _tile_dpbssd(2, 0, 1);
+        _tile_loadd(1, rb + 2 * NR * 4 + 8 * 64, 64);
+        _tile_dpbssd(3, 0, 1);
+      } else {
+        for (int h = 0; h < 2; ++h)
+          for (int g = 0; g < 4; ++g) { /* vector g: groups g (low nibbles) and g + 4 (high) */
+            const __m512i v = _mm512_loadu_si512(rb + 2 * NR * 4 + (h * 4 + g) * 64);
+            _mm512_store_si512(u[h][g], _mm512_and_si512(v, low));
+            _mm512_store_si512(u[h][g + 4], _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+          }
+        _tile_loadd(1, u[0], 64);
+        _tile_dpbsud(2, 0, 1);
+        _tile_loadd(1, u[1], 64);
+        _tile_dpbsud(3, 0, 1);
+      }
+      _tile_stored(2, c[0], 64);
+      _tile_stored(3, c[1], 64);
+      const __m512 d0 = _mm512_loadu_ps((const float *)rb), d1 = _mm512_loadu_ps((const float *)rb + 16);
+      for (int r = 0; r < AMX_ROWS; ++r) {
+        const __m512 s = _mm512_set1_ps(dx[(m + r) * B + b]);
+        acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[0][r])), _mm512_mul_ps(d0, s), acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[1][r])), _mm512_mul_ps(d1, s), acc[r][1]);
+      }
+      if (bits == 4) {
+        const __m512 e0 = _mm512_loadu_ps((const float *)rb + NR), e1 = _mm512_loadu_ps((const float *)rb + NR + 16);
+        for (int r = 0; r < AMX_ROWS; ++r) {
+          const __m512 s = _mm512_set1_ps(sx[(m + r) * B + b]);
+          acc[r][0] = _mm512_fmadd_ps(e0, s, acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(e1, s, acc[r][1]);
+        }
+      }
+    }
+    store_tile(y + m * ldy, ldy, acc, bias, m0, m1, AMX_ROWS);
+  }
+}
+
 /* Whether AMX is used (asking Linux for the tile state once); PAGELLM_CPU_AMX=0 says no. */
 static int amx_usable(void) {
   if (amx_enabled < 0) {
@@ -578,8 +646,18 @@ static int gemm_packed_k(float *y, int64_t ldy, const float *x, int64_t ldx, con
 static void row_block_i8(float *y, int64_t ldy, const int8_t *xq, const float *dx, const float *sx,
                          const uint8_t *wp, const float *bias, int64_t M, int64_t N, int64_t K, const int bits) {
   const int64_t P = (N + NR - 1) / NR, B = K / QB, panel = B * RECB(bits);
-  const int64_t tiles = (M + MRQ - 1) / MRQ;
-#pragma omp parallel for schedule(static)
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+  const int64_t amx_rows = M >= 2 * AMX_ROWS && amx_usable() ? M / AMX_ROWS * AMX_ROWS : 0;
+#else
+  const int64_t amx_rows = 0;
+#endif
+  const int64_t tiles = (M - amx_rows + MRQ - 1) / MRQ;
+#pragma omp parallel
+  {
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+  if (amx_rows) amx_configure_legacy(); /* tile state is per thread */
+#endif
+#pragma omp for schedule(static)
   for (int64_t p = 0; p < P; ++p) {
     const uint8_t *w = wp + p * panel;
     const uint8_t *wn = p + 1 < P ? w + panel : w;
@@ -587,8 +665,12 @@ static void row_block_i8(float *y, int64_t ldy, const int8_t *xq, const float *d
     const __mmask16 m0 = out.m0, m1 = out.m1;
     const float *bb = out.bias;
     int64_t m = 0;
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+    if (amx_rows) amx_panel_i8(y + p * NR, ldy, xq, dx, sx, w, bb, amx_rows, K, m0, m1, bits);
+    m = amx_rows;
+#endif
     for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t rows = tile_height(M, m, tiles, t);
+      const int64_t rows = tile_height(M - amx_rows, m - amx_rows, tiles, t);
       float *yy = y + m * ldy + p * NR;
       const int8_t *xx = xq + m * K;
       const float *dd = dx + m * B, *ss = sx + m * B;
@@ -598,6 +680,10 @@ static void row_block_i8(float *y, int64_t ldy, const int8_t *xq, const float *d
       }
       m += rows;
     }
+  }
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+  if (amx_rows) _tile_release();
+#endif
   }
 }
 #else
@@ -892,7 +978,11 @@ int gemm_packed_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const uin
 #pragma omp parallel for schedule(static) if (M * K >= 8192)
   for (int64_t m = 0; m < M; ++m) quantize_row(x + m * ldx, xq + m * K, dx + m * B, sx + m * B, K);
   /* Row blocks whose quantized x stays in L2 while every panel streams past it. */
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+  const int64_t rows = M >= 2 * AMX_ROWS && amx_usable() ? AMX_ROW_BLOCK : 256 / MRQ * MRQ;
+#else
   const int64_t rows = 256 / MRQ * MRQ;
+#endif
   for (int64_t m = 0; m < M; m += rows) {
     const int64_t r = M - m < rows ? M - m : rows;
     if (bits == 4)
