@@ -38,6 +38,9 @@
 #include "gemm_tile.h"   /* NR, PanelOut, tile_height, store_tile */
 
 #define MRQ 6 /* rows per tile: 2 x (int + float) accumulators per row, 24 of 32 registers */
+#ifndef AMX_ROW_BLOCK
+#define AMX_ROW_BLOCK 1024 /* rows per call on AMX: a super-block's operands cost about what 256 rows' tdp do */
+#endif
 #define RECB(bits) (2 * NR * 4 + ((bits) == 4 ? NR * QB / 2 : NR * QB)) /* bytes per record */
 #define FMT_K4 0x104
 #define FMT_K6 0x106
@@ -462,10 +465,6 @@ static void amx_rows_k(float acc[][NR], const int8_t *xq, const float *dx, const
   }
 }
 
-#ifndef AMX_ROW_BLOCK
-#define AMX_ROW_BLOCK 1024 /* rows per call on AMX: a super-block's operands cost about what 256 rows' tdp do */
-#endif
-
 /* Rows [0, M16) of one K4 or K6 panel on AMX (M16 a multiple of 16, at most AMX_ROW_BLOCK): each
  * super-block's operands built once for all row tiles. */
 static void amx_panel_k(float *y, int64_t ldy, const int8_t *xq, const float *dx, const uint8_t *rec,
@@ -563,6 +562,17 @@ static int amx_usable(void) {
 }
 #endif
 
+/* Rows of [0, M) that go to AMX tiles: whole tiles of 16, from two tiles on (below that, building a
+ * super-block's operands costs more than AMX saves); 0 where AMX is not built or not usable. */
+static int64_t amx_rows_of(int64_t M) {
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+  return M >= 2 * AMX_ROWS && amx_usable() ? M / AMX_ROWS * AMX_ROWS : 0;
+#else
+  (void)M;
+  return 0;
+#endif
+}
+
 #define CASE_K(R) case R: TILE_K(R); break;
 #define TILE_K(R)                                                                          \
   if (fmt == FMT_K4) tile_k(yy, ldy, xx, dd, bb_sum, w, bb, K, m0, m1, R, FMT_K4);         \
@@ -572,12 +582,7 @@ static int amx_usable(void) {
 static void row_block_k(float *y, int64_t ldy, const int8_t *xq, const float *dx, const int32_t *bsum,
                         const uint8_t *wp, const float *bias, int64_t M, int64_t N, int64_t K, const int fmt) {
   const int64_t P = (N + NR - 1) / NR, B = K / QK, panel = B * KREC(fmt);
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-  /* below 2 tiles of rows, building a super-block's operands costs more than AMX saves */
-  const int64_t amx_rows = M >= 2 * AMX_ROWS && amx_usable() ? M / AMX_ROWS * AMX_ROWS : 0;
-#else
-  const int64_t amx_rows = 0;
-#endif
+  const int64_t amx_rows = amx_rows_of(M);
   const int64_t tiles = (M - amx_rows + MRK - 1) / MRK;
 #pragma omp parallel
   {
@@ -624,11 +629,7 @@ static int gemm_packed_k(float *y, int64_t ldy, const float *x, int64_t ldx, con
   int32_t *bsum = (int32_t *)(dx + M * B);
 #pragma omp parallel for schedule(static) if (M * K >= 8192)
   for (int64_t m = 0; m < M; ++m) quantize_row_k(x + m * ldx, xq + m * K, dx + m * B, bsum + m * (K / 16), K);
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-  const int64_t rows = M >= 2 * AMX_ROWS && amx_usable() ? AMX_ROW_BLOCK : 256 / MRK * MRK;
-#else
-  const int64_t rows = 256 / MRK * MRK;
-#endif
+  const int64_t rows = amx_rows_of(M) ? AMX_ROW_BLOCK : 256 / MRK * MRK;
   for (int64_t m = 0; m < M; m += rows) {
     const int64_t r = M - m < rows ? M - m : rows;
     row_block_k(y + m * ldy, ldy, xq + m * K, dx + m * B, bsum + m * (K / 16), wp, bias, r, N, K, fmt);
@@ -646,11 +647,7 @@ static int gemm_packed_k(float *y, int64_t ldy, const float *x, int64_t ldx, con
 static void row_block_i8(float *y, int64_t ldy, const int8_t *xq, const float *dx, const float *sx,
                          const uint8_t *wp, const float *bias, int64_t M, int64_t N, int64_t K, const int bits) {
   const int64_t P = (N + NR - 1) / NR, B = K / QB, panel = B * RECB(bits);
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-  const int64_t amx_rows = M >= 2 * AMX_ROWS && amx_usable() ? M / AMX_ROWS * AMX_ROWS : 0;
-#else
-  const int64_t amx_rows = 0;
-#endif
+  const int64_t amx_rows = amx_rows_of(M);
   const int64_t tiles = (M - amx_rows + MRQ - 1) / MRQ;
 #pragma omp parallel
   {
@@ -978,11 +975,7 @@ int gemm_packed_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const uin
 #pragma omp parallel for schedule(static) if (M * K >= 8192)
   for (int64_t m = 0; m < M; ++m) quantize_row(x + m * ldx, xq + m * K, dx + m * B, sx + m * B, K);
   /* Row blocks whose quantized x stays in L2 while every panel streams past it. */
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-  const int64_t rows = M >= 2 * AMX_ROWS && amx_usable() ? AMX_ROW_BLOCK : 256 / MRQ * MRQ;
-#else
-  const int64_t rows = 256 / MRQ * MRQ;
-#endif
+  const int64_t rows = amx_rows_of(M) ? AMX_ROW_BLOCK : 256 / MRQ * MRQ;
   for (int64_t m = 0; m < M; m += rows) {
     const int64_t r = M - m < rows ? M - m : rows;
     if (bits == 4)

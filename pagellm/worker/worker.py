@@ -43,6 +43,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 
+def first_layer_linears(model: DecoderForCausalLM) -> list[Linear]:
+    """The projections of this pipeline stage's first layer (what the numerics are chosen from)."""
+    layer = model.get_submodule(f"model.layers.{model.model.start}")
+    return [m for m in layer.modules() if isinstance(m, Linear)]
+
+
 def gguf_weight_types(model: DecoderForCausalLM) -> dict[tuple[str, int | None], int]:
     """``(GGUF type, int8 kernel format or None)`` -> how many projections hold such blocks, before
     packing (what the start-up ``numerics:`` line reports)."""
@@ -168,9 +174,7 @@ class Worker:
         elif not self.cpu_numerics or source.is_gguf or sharded or quantization is not None \
                 or self.config.model.dtype == "float32" or projection_dtype(source) != torch.bfloat16:
             return None
-        first = model.model.start
-        linears = [m for m in model.get_submodule(f"model.layers.{first}").modules() if isinstance(m, Linear)]
-        shapes = [torch.randn(m.weight.shape) * 0.02 for m in linears]
+        shapes = [torch.randn(m.weight.shape) * 0.02 for m in first_layer_linears(model)]
         with self._kv_memory.paused() if self._kv_memory is not None else contextlib.nullcontext():
             numerics = choose_numerics(self.config.model.dtype, shapes, probe=True)
         if quantization == "q8_0":
@@ -289,8 +293,7 @@ class Worker:
         int8 kernel took."""
         numerics = self._chosen.pop(id(model), None) or self.numerics
         if self.cpu_numerics and numerics is self.numerics:
-            first = model.model.start  # (this pipeline stage's first layer)
-            linears = [m for m in model.get_submodule(f"model.layers.{first}").modules() if isinstance(m, Linear)]
+            linears = first_layer_linears(model)
             asked = "quantization='gguf'" if quantization == "gguf" else "dtype auto on a GGUF file" \
                 if self.config.model.dtype == "auto" and probe else None
             # (Plain C, a CPU without AVX2, runs it at a few % of VNNI's speed: there it is timed.)
