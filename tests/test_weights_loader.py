@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -29,3 +31,14 @@ def test_read_safetensors_equals_the_library_for_every_dtype(tmp_path):
         f.truncate(os.path.getsize(path) - 10)
     with pytest.raises(ValueError, match="cut short"):
         dict(read_safetensors(path))
+
+
+def test_building_a_model_imports_no_compiler(tiny_llama):
+    """The model is built on the meta device and loaded: a random init there would import torch's
+    Python meta kernels and torch._dynamo with them (~70 MiB of RSS, a second of start-up)."""
+    code = ("import sys\nfrom pagellm import LLM\n"
+            f"LLM({tiny_llama!r}, kv_cache_memory='16MiB', max_model_len=256)\n"
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"

@@ -99,6 +99,13 @@ class Linear(nn.Linear):
         self.q_bits = self.i8_bits = 0
         self.amx = False
 
+    def reset_parameters(self) -> None:
+        # A model is built on the meta device and loaded from its checkpoint: a random init there
+        # has no values to write, and would import torch's Python meta kernels (and torch._dynamo
+        # with them: ~70 MiB of RSS and a second of start-up).
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def load_gguf_blocks(self, blocks: GGUFBlocks, part: int | None) -> None:
         """Keep a GGUF tensor (this projection, or part ``part`` of a fused one) at its width."""
         if self.gguf_parts is None:

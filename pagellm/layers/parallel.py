@@ -80,6 +80,10 @@ class VocabParallelEmbedding(nn.Embedding):
     # whose float copy would outweigh the quantized model; ``DecoderForCausalLM.pack_for_cpu`` decides).
     gguf_blocks: GGUFBlocks | None = None
 
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:  # (as ``Linear.reset_parameters``: nothing to write on meta)
+            super().reset_parameters()
+
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, part: int | None) -> None:
         copy_shard(param, loaded, 0, *self.vocab_range)
 
