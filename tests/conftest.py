@@ -14,6 +14,8 @@ ARCH_CONFIGS = {
     "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"]),
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]),
     "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32),
+    # A window far below the tests' prompt lengths (up to 200 tokens), so that it binds.
+    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=24),
 }
 
 

@@ -130,6 +130,59 @@ def _repeat_kv(x: torch.Tensor, g: int, head_dim: int) -> torch.Tensor:
     return x if g == 1 else x.repeat_interleave(g, dim=head_dim)
 
 
+def _sequences(grp: AttentionGroup, block_size: int) -> list[tuple[int, int, int, torch.Tensor | None]]:
+    """The group's sequences as ``(first flat row, query length, context length, block ids)``, for
+    any kind of group (``None`` blocks: a fresh chunk, whose K/V are its own rows' slots)."""
+    kind, b, ql = grp.kind, grp.batch_size, grp.query_len
+    if kind == AttentionKind.FRESH_PREFILL:
+        return [(grp.token_start, ql, ql, None)]
+    if grp.kv_blocks is None:
+        raise ValueError(f"a {kind.name} group needs kv_blocks")
+    if kind == AttentionKind.PREFILL_KERNEL and grp.prefill_chunks is not None:
+        rows, done, qls = grp.prefill_chunks.tolist()
+        return [(rows[c], qls[c], done[c] + qls[c], grp.kv_blocks[c]) for c in range(b)]
+    if kind == AttentionKind.DECODE_KERNEL and grp.seq_lens is not None:
+        return [(grp.token_start + i, 1, int(n), grp.kv_blocks[i]) for i, n in enumerate(grp.seq_lens.tolist())]
+    if grp.mask is None:
+        raise ValueError(f"a {kind.name} group needs its mask")
+    # PAGED and CASCADE_DECODE: each sequence's length is what its last query row may see.
+    valid = grp.mask if grp.mask.dtype == torch.bool else grp.mask == 0
+    lens = valid[:, 0, -1, :].sum(-1).tolist()
+    shared = grp.shared_blocks if grp.shared_blocks is not None else grp.kv_blocks.new_empty(0)
+    return [(grp.token_start + i * ql, ql, shared.numel() * block_size + int(n), torch.cat([shared, grp.kv_blocks[i]]))
+            for i, n in enumerate(lens)]
+
+
+def _windowed(out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor, key_cache: torch.Tensor,
+              value_cache: torch.Tensor, slot_mapping: torch.Tensor, block_size: int, scale: float,
+              window: int | None, softcap: float | None) -> None:
+    """A group's attention with a sliding window (a query at position p sees keys p - window < k <= p)
+    and/or logit soft-capping (``cap * tanh(s / cap)``), per sequence, in Hugging Face's eager order:
+    scores in the model dtype, capped, masked, softmax in float32. Only the blocks a window reaches
+    are read (blocks that left every window may be freed)."""
+    hq, d = query.shape[1], query.shape[2]
+    g = hq // key_cache.shape[1]
+    for row0, ql, kv_len, blocks in _sequences(grp, block_size):
+        lo = 0 if window is None else max(0, kv_len - ql - window + 1)  # the first key any query sees
+        kpos = torch.arange(lo, kv_len)
+        if blocks is None:
+            slots = slot_mapping[row0 + lo:row0 + kv_len]
+        else:
+            slots = blocks[kpos // block_size] * block_size + kpos % block_size
+        k = _repeat_kv(from_cache(key_cache.index_select(0, slots), query.dtype).transpose(0, 1), g, 0)
+        v = _repeat_kv(from_cache(value_cache.index_select(0, slots), query.dtype).transpose(0, 1), g, 0)
+        q = query[row0:row0 + ql].transpose(0, 1)  # [Hq, ql, D]
+        s = torch.matmul(q, k.transpose(1, 2)) * scale
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        qpos = torch.arange(kv_len - ql, kv_len)[:, None]
+        allowed = kpos[None, :] <= qpos
+        if window is not None:
+            allowed &= qpos - kpos[None, :] < window
+        p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1, dtype=torch.float32).to(query.dtype)
+        out[row0:row0 + ql] = torch.matmul(p, v).transpose(0, 1).reshape(ql, hq * d)
+
+
 # One group's attention: writes rows ``token_start:token_end`` of ``out [T, Hq * D]``.
 GroupImpl = Callable[[torch.Tensor, AttentionGroup, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                       torch.Tensor, int, float], None]
@@ -220,13 +273,19 @@ class TorchPagedAttention:
         value_cache.index_copy_(0, slot_mapping, to_cache(value, value_cache.dtype))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                value_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """``query [T, Hq, D]``, ``key/value [T, Hkv, D]``, caches ``[num_slots, Hkv, D]`` -> ``[T, Hq*D]``."""
+                value_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        """``query [T, Hq, D]``, ``key/value [T, Hkv, D]``, caches ``[num_slots, Hkv, D]`` -> ``[T, Hq*D]``.
+        ``window``: this layer's sliding window; ``softcap``: its attention logit soft-cap."""
         t, hq, d = query.shape
         self.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty(t, hq * d, dtype=query.dtype, device=query.device)
         for grp in meta.groups:
-            self.impls[grp.kind](out, grp, query, key, value, key_cache, value_cache, meta.block_size, scale)
+            if window is None and softcap is None:
+                self.impls[grp.kind](out, grp, query, key, value, key_cache, value_cache, meta.block_size, scale)
+            else:
+                _windowed(out, grp, query, key_cache, value_cache, meta.slot_mapping, meta.block_size, scale,
+                          window, softcap)
         return out
 
     @staticmethod

@@ -26,14 +26,10 @@ logger = logging.getLogger(__name__)
 PromptType = str | list[int] | dict[str, Any]
 
 
-def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int, sliding_window: int | None,
-                          kv_capacity_tokens: int) -> int:
+def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int, kv_capacity_tokens: int) -> int:
     """The longest sequence the engine serves: the model's limit (or the user's, checked against
     it), capped to what the KV cache holds and, without chunked prefill, to one step's budget."""
     limit = max_position_embeddings
-    if sliding_window:
-        # Full attention equals sliding-window attention while the context fits in the window.
-        limit = min(limit, sliding_window)
     requested = config.model.max_model_len
     if requested is not None and requested > limit:
         raise ValueError(f"max_model_len={requested} exceeds the model's limit of {limit} tokens")

@@ -86,7 +86,7 @@ class LLMEngine:
         self.tokenizer = tokenizer or Tokenizer(self.source, config.model.tokenizer, chat_template)
         self.block_size = config.cache.block_size
         info = self.model_info
-        self.max_model_len = resolve_max_model_len(config, info.max_position_embeddings, info.sliding_window,
+        self.max_model_len = resolve_max_model_len(config, info.max_position_embeddings,
                                                    self.num_blocks * self.block_size)
         self.input_processor = InputProcessor(config, self.tokenizer, info.vocab_size, self.max_model_len,
                                               self.num_blocks * self.block_size)

@@ -42,10 +42,32 @@ def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
     return float(getattr(config, "rope_theta", 10000.0)), getattr(config, "rope_scaling", None)
 
 
+def sliding_window(config: Any, layer: int) -> int | None:
+    """Layer ``layer``'s sliding window: ``config.layer_types`` where the config has them (Gemma,
+    Qwen2's ``max_window_layers``), else every layer's when ``sliding_window`` is set and not
+    switched off by ``use_sliding_window`` (Mistral)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window:
+        return None
+    if types is not None:
+        return int(window) if types[layer] == "sliding_attention" else None
+    return int(window) if getattr(config, "use_sliding_window", True) is not False else None
+
+
+def model_sliding_window(model: nn.Module) -> int | None:
+    """The window every attention layer of ``model`` keeps (the widest), or ``None`` where some
+    layer attends to the whole context: only then may K/V that left the window be dropped."""
+    windows = [m.sliding_window for m in model.modules() if isinstance(m, Attention)]
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(w for w in windows if w is not None)
+
+
 class Attention(nn.Module):
     """Fused qkv projection, optional q/k norm, rotary, paged attention, output projection."""
 
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, tp: TensorParallelGroup) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, tp: TensorParallelGroup, layer: int = 0) -> None:
         super().__init__()
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
@@ -65,6 +87,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = ApplyRotary()
+        self.sliding_window = sliding_window(config, layer)
+        self.logit_softcap: float | None = getattr(config, "attn_logit_softcapping", None)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -77,7 +101,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, rope)
-        o = meta.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        o = meta.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
+                                 self.logit_softcap)
         return self.o_proj(o)
 
 
@@ -119,10 +144,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, tp: TensorParallelGroup) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, tp: TensorParallelGroup, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, qkv_bias, qk_norm, tp)
+        self.self_attn = Attention(config, qkv_bias, qk_norm, tp, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, tp)
 
@@ -146,7 +171,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.start, self.end = pp.layer_range(config.num_hidden_layers)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, qk_norm, tp) if self.start <= i < self.end else nn.Identity()
+            DecoderLayer(config, qkv_bias, qk_norm, tp, i) if self.start <= i < self.end else nn.Identity()
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

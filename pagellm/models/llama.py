@@ -1,4 +1,4 @@
-"""Llama family (Llama 2/3, SmolLM, Mistral without sliding window)."""
+"""Llama family (Llama 2/3, SmolLM, Mistral)."""
 
 from pagellm.models.decoder import DecoderForCausalLM
 
@@ -8,4 +8,4 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
 
 class MistralForCausalLM(DecoderForCausalLM):
-    """Mistral: Llama's layout; the loader caps ``max_model_len`` at ``sliding_window``."""
+    """Mistral: Llama's layout, every layer attending within ``sliding_window`` (``decoder.sliding_window``)."""

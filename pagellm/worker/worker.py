@@ -27,7 +27,7 @@ from pagellm.lora.adapter import LoRAAdapter, load_adapter
 from pagellm.lora.layers import ModelLoRA, module_shapes
 from pagellm.lora_request import AdapterSpec
 from pagellm.models import get_model_class
-from pagellm.models.decoder import DecoderForCausalLM
+from pagellm.models.decoder import DecoderForCausalLM, model_sliding_window
 from pagellm.weights import freq_factors, iter_weights, load_model_config
 from pagellm.weights.gguf_quant import KERNEL_TYPES, int8_format, part_format
 from pagellm.weights.loader import projection_dtype
@@ -74,7 +74,7 @@ class ModelInfo:
     architecture: str
     vocab_size: int
     max_position_embeddings: int
-    sliding_window: int | None
+    sliding_window: int | None  # every layer's (the widest), or None where one attends to all
     dtype: str
     device: str
     block_bytes: int
@@ -234,8 +234,7 @@ class Worker:
             architecture=arch,
             vocab_size=hf_config.vocab_size,
             max_position_embeddings=hf_config.max_position_embeddings,
-            sliding_window=getattr(hf_config, "sliding_window", None)
-            if getattr(hf_config, "use_sliding_window", True) else None,
+            sliding_window=model_sliding_window(model),
             dtype=self.numerics.name,
             kv_cache_dtype=str(self.spec.dtype).removeprefix("torch."),
             device=str(self.device),
