@@ -16,6 +16,9 @@ ARCH_CONFIGS = {
     "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32),
     # A window far below the tests' prompt lengths (up to 200 tokens), so that it binds.
     "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=24),
+    # Soft-capping set low enough to bind on these random weights (Gemma 2's own are 50 and 30).
+    "gemma2": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], head_dim=32, sliding_window=24,
+                   query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=5.0),
 }
 
 

@@ -79,7 +79,7 @@ def random_prompts(n: int, seed: int, vocab: int = 49152, lo: int = 1, hi: int =
 
 @pytest.mark.parametrize("arch,tie,shard", [
     ("llama", False, False), ("llama", True, True), ("qwen2", False, False), ("qwen3", False, False),
-    ("mistral", False, False),
+    ("mistral", False, False), ("gemma2", True, False),
 ])
 def test_tiny_random_models_match_hf(ckpt_root, arch, tie, shard):
     path = build_tiny_checkpoint(ckpt_root, arch, tie=tie)
@@ -151,3 +151,26 @@ def test_smollm2_gguf_matches_hf(smollm2_path):
     ref = hf_greedy(hf, prompts)
     got, _ = engine_greedy(None, prompts)
     assert_equal_but_float32_ties(hf, prompts, got, ref)
+
+
+def test_gemma2_logprobs_equal_hf_with_its_final_soft_cap(ckpt_root):
+    """The head's soft-cap is monotonic, so greedy tokens cannot show it: logprobs do. Every sampled
+    token's logprob equals HF's log-softmax of its (capped) logits, teacher-forced, in float32."""
+    path = build_tiny_checkpoint(ckpt_root, "gemma2", tie=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = random_prompts(3, seed=11, lo=5, hi=40)
+    engine = LLMEngine.from_engine_args(EngineArgs(model=path, kv_cache_memory="64MiB", dtype="float32"))
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    done = run_to_completion(engine)
+    capped = 0
+    for i, p in enumerate(prompts):
+        out = done[str(i)].outputs[0]
+        with torch.no_grad():
+            logits = hf(torch.tensor([p + out.token_ids])).logits[0].double()
+        lp = torch.log_softmax(logits, -1)
+        for j, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+            assert abs(entry[tok].logprob - float(lp[len(p) - 1 + j, tok])) < 1e-4
+        capped += int((logits.abs() > 0.9 * hf.config.final_logit_softcapping).sum())
+    assert capped > 0, "no logit came near the cap: the test would not see it"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 
 _MODELS = {
+    "Gemma2ForCausalLM": ("pagellm.models.gemma", "Gemma2ForCausalLM"),
     "LlamaForCausalLM": ("pagellm.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("pagellm.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("pagellm.models.qwen", "Qwen2ForCausalLM"),

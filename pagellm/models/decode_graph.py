@@ -5,9 +5,10 @@ every one of them is a compiled kernel: every projection packed for one of the G
 over GGUF blocks, float32 with its quantized copy for small batches, or bfloat16; ``Linear.matmul``'s
 choice, made the same way in C), the compiled norms, rotary and SiLU*mul, the
 ``"cpu"`` attention backend's K/V write and decode kernels, one process (no tensor or pipeline
-split), no LoRA adapters, no per-head q/k norm, no sliding window or logit soft-cap. A step takes
-it when all its rows are decodes (one ``DECODE_KERNEL`` group); prefill and mixed steps run layer
-by layer. Outputs are the same bits either way (tested), so nothing about scheduling can tell the two apart.
+split), no LoRA adapters, no per-head q/k norm, no sliding window or logit soft-cap (a Llama-shaped
+layer with SwiGLU). A step takes it when all its rows are decodes (one ``DECODE_KERNEL`` group);
+prefill and mixed steps run layer by layer. Outputs are the same bits either way (tested), so
+nothing about scheduling can tell the two apart.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def capture(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tenso
     """The graph of ``model``'s layers over these caches, or ``None`` where it does not apply
     (see the module's docstring; every condition is checked here, once)."""
     from pagellm.attention.cpu_paged import CpuPagedAttention
+    from pagellm.layers.activation import SiluAndMul
     from pagellm.models.decoder import DecoderLayer
 
     backend = meta.backend
@@ -68,8 +70,9 @@ def capture(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tenso
     for layer in layers:
         a, m = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if a.q_norm is not None or a.sliding_window is not None or a.logit_softcap is not None \
-                or not a.rotary.use_kernel or not m.act_fn.use_kernel \
+        if type(layer) is not DecoderLayer or a.q_norm is not None or a.sliding_window is not None \
+                or a.logit_softcap is not None or not a.rotary.use_kernel or not isinstance(m.act_fn, SiluAndMul) \
+                or not m.act_fn.use_kernel \
                 or any(not n.use_kernel or n.eps != eps or n.weight.dtype != torch.float32 for n in norms) \
                 or (a.num_heads, a.num_kv_heads, a.head_dim, a.scale) != (attn.num_heads, attn.num_kv_heads, d,
                                                                           attn.scale):

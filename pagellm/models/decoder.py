@@ -24,7 +24,7 @@ from pagellm.attention import AttentionMetadata
 from pagellm.distributed import PipelineStage, TensorParallelGroup
 from pagellm.kernels import gemm_int8
 from pagellm.kernels.decode_graph import DecodeGraph
-from pagellm.layers.activation import SiluAndMul
+from pagellm.layers.activation import gated_activation
 from pagellm.layers.linear import Linear
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_shard
@@ -80,7 +80,8 @@ class Attention(nn.Module):
         self.num_heads = self.num_kv_heads * group
         self.q_size = self.num_heads * hd
         self.kv_size = self.num_kv_heads * hd
-        self.scale = hd ** -0.5
+        # (Gemma scales by its ``query_pre_attn_scalar`` rather than the head size.)
+        self.scale = float(getattr(config, "query_pre_attn_scalar", None) or hd) ** -0.5
         q_part, kv_part = (kv_start * group * hd, self.q_size), (kv_start * hd, self.kv_size)
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_part, kv_part, kv_part], bias=qkv_bias)
         self.o_proj = RowParallelLinear(q_part, config.hidden_size, getattr(config, "attention_bias", False), tp)
@@ -114,14 +115,14 @@ MLP_CHUNK_MIN_ROWS = 512
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
+    """Gated MLP: ``down(act(gate(x)) * up(x))`` with gate and up fused (SwiGLU, or Gemma's GeGLU)."""
 
     def __init__(self, config: Any, tp: TensorParallelGroup) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         part = tp.shard(config.intermediate_size)
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [part, part], bias=bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = gated_activation(config)
         self.down_proj = RowParallelLinear(part, config.hidden_size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,14 +165,18 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, freq_factors: torch.Tensor | None,
-                 tp: TensorParallelGroup, pp: PipelineStage) -> None:
+                 tp: TensorParallelGroup, pp: PipelineStage, layer_cls: type[DecoderLayer] | None = None,
+                 embed_scale: bool = False) -> None:
         super().__init__()
         self.pp = pp
         self.hidden_size = config.hidden_size
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        # Gemma multiplies the embeddings by sqrt(hidden_size), rounded to the model's dtype as HF does.
+        self.embed_scale = config.hidden_size ** 0.5 if embed_scale else None
         self.start, self.end = pp.layer_range(config.num_hidden_layers)
+        cls = layer_cls or DecoderLayer
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, qk_norm, tp, i) if self.start <= i < self.end else nn.Identity()
+            cls(config, qkv_bias, qk_norm, tp, i) if self.start <= i < self.end else nn.Identity()
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -193,6 +198,8 @@ class DecoderModel(nn.Module):
         pp = self.pp
         if pp.is_first:
             x, residual = self.embed_tokens(input_ids), None
+            if self.embed_scale is not None:
+                x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         else:
             shape = (input_ids.shape[0], self.hidden_size)
             x, residual = pp.recv([shape, shape], self.embed_tokens.weight.dtype, input_ids.device)
@@ -219,6 +226,8 @@ class DecoderForCausalLM(nn.Module):
 
     qkv_bias = False
     qk_norm = False
+    layer_cls: type[DecoderLayer] | None = None  # (None: ``DecoderLayer``)
+    embed_scale = False  # embeddings times sqrt(hidden_size) (Gemma)
     # Fused parameter -> (HF checkpoint name, shard index) pairs.
     packed_modules_mapping = {
         "qkv_proj": [("q_proj", 0), ("k_proj", 1), ("v_proj", 2)],
@@ -231,7 +240,9 @@ class DecoderForCausalLM(nn.Module):
         self.config = config
         self.tp = tp = tp or TensorParallelGroup()
         qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.model = DecoderModel(config, qkv_bias, self.qk_norm, freq_factors, tp, pp or PipelineStage())
+        self.model = DecoderModel(config, qkv_bias, self.qk_norm, freq_factors, tp, pp or PipelineStage(),
+                                  self.layer_cls, self.embed_scale)
+        self.final_logit_softcap: float | None = getattr(config, "final_logit_softcapping", None)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         vocab = self.model.embed_tokens.vocab_range  # the LM head's rows are the embedding's
         self.lm_head = None if self.tie_word_embeddings else ColumnParallelLinear(config.hidden_size, [vocab], False)
@@ -249,6 +260,8 @@ class DecoderForCausalLM(nn.Module):
         embed = self.model.embed_tokens
         head = self.lm_head if self.lm_head is not None else self.tied_head
         logits = F.linear(hidden, embed.weight) if head is None else head(hidden)
+        if self.final_logit_softcap is not None:
+            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
         return self.tp.all_gather_last_dim(logits, embed.vocab_sizes)
 
     def pack_for_cpu(self, compute_dtype: torch.dtype = torch.float32, int8: bool = False,
