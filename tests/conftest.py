@@ -19,6 +19,12 @@ ARCH_CONFIGS = {
     # Soft-capping set low enough to bind on these random weights (Gemma 2's own are 50 and 30).
     "gemma2": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], head_dim=32, sliding_window=24,
                    query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=5.0),
+    # Local and global rotary bases, the global one scaled as Gemma 3 4B's is.
+    "gemma3": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], head_dim=32, sliding_window=24,
+                   layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=32,
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                       "rope_theta": 1000000.0}}),
 }
 
 

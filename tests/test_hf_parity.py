@@ -79,7 +79,7 @@ def random_prompts(n: int, seed: int, vocab: int = 49152, lo: int = 1, hi: int =
 
 @pytest.mark.parametrize("arch,tie,shard", [
     ("llama", False, False), ("llama", True, True), ("qwen2", False, False), ("qwen3", False, False),
-    ("mistral", False, False), ("gemma2", True, False),
+    ("mistral", False, False), ("gemma2", True, False), ("gemma3", True, False),
 ])
 def test_tiny_random_models_match_hf(ckpt_root, arch, tie, shard):
     path = build_tiny_checkpoint(ckpt_root, arch, tie=tie)

@@ -6,6 +6,7 @@ import importlib
 
 _MODELS = {
     "Gemma2ForCausalLM": ("pagellm.models.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("pagellm.models.gemma", "Gemma3ForCausalLM"),
     "LlamaForCausalLM": ("pagellm.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("pagellm.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("pagellm.models.qwen", "Qwen2ForCausalLM"),

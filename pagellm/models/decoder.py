@@ -33,9 +33,12 @@ from pagellm.models.decode_graph import decode_group
 from pagellm.weights.gguf_quant import GGUFBlocks, int8_format
 
 
-def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
-    """``(rope_theta, scaling)`` from an HF config of transformers 4 (rope_scaling) or 5 (rope_parameters)."""
+def rope_parameters(config: Any, layer_type: str | None = None) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, scaling)`` from an HF config of transformers 4 (rope_scaling) or 5 (rope_parameters),
+    for the layers of ``layer_type`` where the config keys them by type (Gemma 3)."""
     params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and layer_type is not None:
+        params = params[layer_type]
     if isinstance(params, dict) and "rope_theta" in params:
         scaling = params if params.get("rope_type", "default") != "default" else None
         return float(params["rope_theta"]), scaling
@@ -64,6 +67,16 @@ def model_sliding_window(model: nn.Module) -> int | None:
     return max(w for w in windows if w is not None)
 
 
+def rope_layer_type(config: Any, layer: int) -> str | None:
+    """The key of ``layer``'s rotary table: its ``layer_types`` entry where the config keys rope
+    parameters by layer type (Gemma 3's local and global bases), else ``None`` (one table)."""
+    params = getattr(config, "rope_parameters", None)
+    types = getattr(config, "layer_types", None)
+    if isinstance(params, dict) and types is not None and types[layer] in params:
+        return str(types[layer])
+    return None
+
+
 class Attention(nn.Module):
     """Fused qkv projection, optional q/k norm, rotary, paged attention, output projection."""
 
@@ -90,6 +103,7 @@ class Attention(nn.Module):
         self.rotary = ApplyRotary()
         self.sliding_window = sliding_window(config, layer)
         self.logit_softcap: float | None = getattr(config, "attn_logit_softcapping", None)
+        self.rope_key = rope_layer_type(config, layer)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -183,6 +197,10 @@ class DecoderModel(nn.Module):
         attn = self.first_layer.self_attn
         theta, scaling = rope_parameters(config)
         self.rotary_emb = RotaryEmbedding(attn.head_dim, config.max_position_embeddings, theta, scaling, freq_factors)
+        # Tables per layer type, where the config keys rope by type (each step computes each once).
+        keys = sorted({la.self_attn.rope_key for la in self.layers if isinstance(la, DecoderLayer)} - {None})
+        self.rotary_by_type = {k: RotaryEmbedding(attn.head_dim, config.max_position_embeddings,
+                                                  *rope_parameters(config, k), freq_factors) for k in keys}
 
     @property
     def first_layer(self) -> DecoderLayer:
@@ -205,6 +223,7 @@ class DecoderModel(nn.Module):
             x, residual = pp.recv([shape, shape], self.embed_tokens.weight.dtype, input_ids.device)
         rope = self.rotary_emb.cos_sin(positions, x.dtype)
         group = decode_group(meta) if decode_graph is not None else None
+        ropes = {k: emb.cos_sin(positions, x.dtype) for k, emb in self.rotary_by_type.items()}
         if decode_graph is not None and group is not None:
             assert group.kv_blocks is not None and group.seq_lens is not None  # (decode_group checked)
             t = x.shape[0]
@@ -212,7 +231,8 @@ class DecoderModel(nn.Module):
                                            group.kv_blocks, group.seq_lens)
         else:
             for layer, kv_cache in zip(self.layers[self.start:self.end], kv_caches, strict=True):
-                x, residual = layer(rope, x, residual, kv_cache, meta)
+                key = layer.self_attn.rope_key
+                x, residual = layer(rope if key is None else ropes[key], x, residual, kv_cache, meta)
         assert residual is not None  # (every layer returns it)
         if not pp.is_last:
             pp.send([x, residual])

@@ -1,4 +1,4 @@
-"""Gemma 2: the shared decoder with Gemma's differences.
+"""Gemma 2 and Gemma 3 (text): the shared decoder with Gemma's differences.
 
 Structure: each sublayer's output is normalised again before the residual add (four norms per
 layer: ``input``, ``post_attention``, ``pre_feedforward``, ``post_feedforward``). Flags handled by
@@ -7,6 +7,8 @@ scaled by ``query_pre_attn_scalar``, logits soft-capped in attention and at the 
 sliding window on the layers ``layer_types`` names. Gemma's RMSNorm multiplies by ``1 + weight``:
 the checkpoint's weights get their 1 added once, at load (GGUF files hold ``1 + weight`` already;
 ``weights/gguf_file.py`` gives them back in the checkpoint's form, as transformers' loader does).
+Gemma 3 adds Gemma-style q/k norms, and rotary bases per layer type (local on its sliding layers,
+global, maybe scaled, on the others); it has no soft-caps.
 """
 
 from __future__ import annotations
@@ -51,3 +53,7 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_plus_one_norms(weights))
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    qk_norm = True
