@@ -198,9 +198,10 @@ class DecoderModel(nn.Module):
         theta, scaling = rope_parameters(config)
         self.rotary_emb = RotaryEmbedding(attn.head_dim, config.max_position_embeddings, theta, scaling, freq_factors)
         # Tables per layer type, where the config keys rope by type (each step computes each once).
-        keys = sorted({la.self_attn.rope_key for la in self.layers if isinstance(la, DecoderLayer)} - {None})
-        self.rotary_by_type = {k: RotaryEmbedding(attn.head_dim, config.max_position_embeddings,
-                                                  *rope_parameters(config, k), freq_factors) for k in keys}
+        keys = sorted({k for la in self.layers if isinstance(la, DecoderLayer) and (k := la.self_attn.rope_key)})
+        self.rotary_by_type: dict[str, RotaryEmbedding] = {
+            k: RotaryEmbedding(attn.head_dim, config.max_position_embeddings, *rope_parameters(config, k), freq_factors)
+            for k in keys}
 
     @property
     def first_layer(self) -> DecoderLayer:
@@ -231,7 +232,7 @@ class DecoderModel(nn.Module):
                                            group.kv_blocks, group.seq_lens)
         else:
             for layer, kv_cache in zip(self.layers[self.start:self.end], kv_caches, strict=True):
-                key = layer.self_attn.rope_key
+                key: str | None = layer.self_attn.rope_key  # type: ignore[union-attr,assignment]
                 x, residual = layer(rope if key is None else ropes[key], x, residual, kv_cache, meta)
         assert residual is not None  # (every layer returns it)
         if not pp.is_last:
