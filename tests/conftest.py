@@ -25,6 +25,22 @@ ARCH_CONFIGS = {
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                        "rope_theta": 1000000.0}}),
+    # Phi-4-mini's partial rotary and Phi-3.5's longrope (trained length 512 here), a window that binds.
+    "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], sliding_window=40, head_dim=16,
+                 original_max_position_embeddings=512,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                  "short_factor": [1.0, 1.3, 1.9, 2.6, 3.5, 4.0],
+                                  "long_factor": [1.5, 2.0, 3.0, 5.0, 8.0, 12.0]}),
+    # Mixture of experts: more experts than top-k, so routing decides; Qwen's with a dense layer and
+    # (Qwen2-MoE) a shared expert.
+    "mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=None),
+    "qwen2_moe": dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96,
+                      norm_topk_prob=False, mlp_only_layers=[1]),
+    "qwen3_moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, head_dim=32,
+                      decoder_sparse_step=1, mlp_only_layers=[0]),
 }
 
 

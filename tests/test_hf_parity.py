@@ -80,6 +80,7 @@ def random_prompts(n: int, seed: int, vocab: int = 49152, lo: int = 1, hi: int =
 @pytest.mark.parametrize("arch,tie,shard", [
     ("llama", False, False), ("llama", True, True), ("qwen2", False, False), ("qwen3", False, False),
     ("mistral", False, False), ("gemma2", True, False), ("gemma3", True, False),
+    ("mixtral", False, False), ("qwen2_moe", False, False), ("qwen3_moe", True, True),
 ])
 def test_tiny_random_models_match_hf(ckpt_root, arch, tie, shard):
     path = build_tiny_checkpoint(ckpt_root, arch, tie=tie)
@@ -174,3 +175,18 @@ def test_gemma2_logprobs_equal_hf_with_its_final_soft_cap(ckpt_root):
             assert abs(entry[tok].logprob - float(lp[len(p) - 1 + j, tok])) < 1e-4
         capped += int((logits.abs() > 0.9 * hf.config.final_logit_softcapping).sum())
     assert capped > 0, "no logit came near the cap: the test would not see it"
+
+
+def test_phi3_fused_weights_partial_longrope_match_hf(ckpt_root):
+    """Phi-3's checkpoint stores qkv_proj and gate_up_proj fused; rotary covers 3/4 of each head with
+    longrope's short factors (the served length, 512, is within the trained one, as HF picks for
+    these lengths), and a 40-token window binds."""
+    path = build_tiny_checkpoint(ckpt_root, "phi3")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    names = {n for n, _ in hf.named_parameters()}
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names and "model.layers.0.mlp.gate_up_proj.weight" in names
+    prompts = random_prompts(8, seed=3)
+    ref = hf_greedy(hf, prompts)
+    got, _ = engine_greedy(path, prompts, max_model_len=512)
+    assert_equal_but_float32_ties(hf, prompts, got, ref)
+    assert len({tuple(r) for r in ref}) > 5

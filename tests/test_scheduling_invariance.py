@@ -67,14 +67,14 @@ def _tight(cfg, prompts):
 @pytest.fixture(scope="module")
 def baseline(ckpt_root):
     out = {}
-    for arch in ("llama", "qwen3", "mistral", "gemma2", "gemma3"):
+    for arch in ("llama", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe"):
         path = build_tiny_checkpoint(ckpt_root, arch)
         prompts = random_prompts(10, seed=7, hi=150)
         out[arch] = (path, prompts, engine_greedy(path, prompts, MAX_TOKENS)[0])
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma2", "gemma3"])  # (windows that bind; soft-caps)
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe"])
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_tiny_model_outputs_do_not_depend_on_scheduling(baseline, arch, config):
     path, prompts, ref = baseline[arch]

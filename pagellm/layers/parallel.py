@@ -29,12 +29,25 @@ class ColumnParallelLinear(Linear):
     """Output features split across ranks. ``parts`` lists, per fused part (q, k, v or gate, up),
     this rank's ``(start, size)`` inside that part of the full weight."""
 
-    def __init__(self, input_size: int, parts: list[tuple[int, int]], bias: bool) -> None:
+    def __init__(self, input_size: int, parts: list[tuple[int, int]], bias: bool,
+                 full_sizes: list[int] | None = None) -> None:
         super().__init__(input_size, sum(size for _, size in parts), bias=bias)
         self.parts = parts
+        # Each part's size in the full weight: a checkpoint that stores the layer fused (Phi-3's
+        # qkv_proj, gate_up_proj) is cut into its parts by these.
+        self.full_sizes = full_sizes
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, part: int | None) -> None:
-        """Copy this rank's rows of checkpoint tensor ``loaded`` (part ``part`` of a fused layer)."""
+        """Copy this rank's rows of checkpoint tensor ``loaded`` (part ``part`` of a fused layer, or
+        the whole fused layer as one tensor)."""
+        if part is None and len(self.parts) > 1 and self.full_sizes is not None:
+            if loaded.shape[0] != sum(self.full_sizes):
+                raise ValueError(f"shape {tuple(loaded.shape)} is not the fused parts {self.full_sizes}")
+            at = 0
+            for i, full in enumerate(self.full_sizes):
+                self.weight_loader(param, loaded.narrow(0, at, full), i)
+                at += full
+            return
         idx = 0 if part is None else part
         if part is None and len(self.parts) != 1:
             raise ValueError(f"a fused layer of {len(self.parts)} parts needs the part of each checkpoint tensor")

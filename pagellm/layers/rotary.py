@@ -1,4 +1,5 @@
-"""Rotary position embedding (HF's rotate-half layout) with default, linear and llama3 scaling."""
+"""Rotary position embedding (HF's rotate-half layout) with default, linear, llama3 and longrope
+scaling, over the whole head or its first ``rotary_dim`` features (partial rotary, Phi-4-mini)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ def _inv_freq(rotary_dim: int, base: float, scaling: dict[str, Any] | None) -> t
     assert scaling is not None
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])
+    if rope_type in ("longrope", "su"):
+        # Phi-3's per-frequency factors: the long ones where the served length passes the trained
+        # one (``RotaryEmbedding(long=...)``, decided once, as vLLM does; HF switches per call).
+        factors = scaling["long_factor"] if scaling.get("_long") else scaling["short_factor"]
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** exponents)
     if rope_type == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -31,7 +38,7 @@ def _inv_freq(rotary_dim: int, base: float, scaling: dict[str, Any] | None) -> t
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3)")
+    raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3, longrope)")
 
 
 class RotaryEmbedding(nn.Module):
@@ -59,7 +66,8 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(self.max_position, dtype=torch.float32)
         freqs = t[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos, self._sin = emb.cos().to(device), emb.sin().to(device)
+        factor = attention_factor(self.scaling, self.max_position)
+        self._cos, self._sin = (emb.cos() * factor).to(device), (emb.sin() * factor).to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token ``[T, 1, D]`` cos and sin, computed once per step and shared by every layer."""
@@ -69,13 +77,30 @@ class RotaryEmbedding(nn.Module):
         return self._cos[positions].to(dtype).unsqueeze(1), self._sin[positions].to(dtype).unsqueeze(1)
 
 
+def attention_factor(scaling: dict[str, Any] | None, max_position: int) -> float:
+    """What longrope multiplies cos and sin by (HF's ``attention_factor``): given, or
+    ``sqrt(1 + ln(s) / ln(original))`` for ``s = max_position / original`` above 1."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) not in ("longrope", "su"):
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = float(scaling.get("original_max_position_embeddings") or max_position)
+    s = max_position / original
+    return 1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(original))
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by per-token ``cos``/``sin`` (HF's rotate-half)."""
+    """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by per-token ``cos``/``sin`` (HF's rotate-half);
+    with tables narrower than ``D``, only the first features (partial rotary)."""
+    rd = cos.shape[-1]
+    if rd < q.shape[-1]:
+        (qr, kr), qp, kp = apply_rotary(q[..., :rd], k[..., :rd], cos, sin), q[..., rd:], k[..., rd:]
+        return torch.cat([qr, qp], dim=-1), torch.cat([kr, kp], dim=-1)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -87,7 +112,8 @@ class ApplyRotary(CustomOp):
         return apply_rotary(q, k, *rope)
 
     def forward_cpu(self, q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
-        if q.stride(1) != q.shape[2] or k.stride(1) != k.shape[2]:  # the kernel needs contiguous heads
+        if q.stride(1) != q.shape[2] or k.stride(1) != k.shape[2] or rope[0].shape[-1] != q.shape[2]:
+            # (the kernel needs contiguous heads, rotated whole)
             return self.forward_native(q, k, rope)
         t, hq, d = q.shape
         if k.stride(0) == q.stride(0) and k.data_ptr() == q.data_ptr() + hq * d * q.element_size():

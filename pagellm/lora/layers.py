@@ -84,7 +84,10 @@ def lora_modules(model: nn.Module) -> dict[str, Linear]:
         if isinstance(layer, nn.Identity):  # another pipeline stage's layer
             continue
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
-            module = layer.get_submodule(name)
+            try:
+                module = layer.get_submodule(name)
+            except AttributeError:
+                continue  # (a mixture-of-experts layer has no dense MLP; LoRA is refused on those models)
             assert isinstance(module, Linear)
             out[f"{i}.{name}"] = module
     return out

@@ -9,8 +9,12 @@ _MODELS = {
     "Gemma3ForCausalLM": ("pagellm.models.gemma", "Gemma3ForCausalLM"),
     "LlamaForCausalLM": ("pagellm.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("pagellm.models.llama", "MistralForCausalLM"),
+    "MixtralForCausalLM": ("pagellm.models.moe", "MixtralForCausalLM"),
+    "Phi3ForCausalLM": ("pagellm.models.llama", "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": ("pagellm.models.qwen", "Qwen2ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("pagellm.models.moe", "Qwen2MoeForCausalLM"),
     "Qwen3ForCausalLM": ("pagellm.models.qwen", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("pagellm.models.moe", "Qwen3MoeForCausalLM"),
 }
 
 

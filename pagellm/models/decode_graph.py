@@ -52,7 +52,7 @@ def capture(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tenso
     if not (model.pp.is_first and model.pp.is_last) or model.embed_tokens.tp.world_size != 1 \
             or model.embed_tokens.weight.dtype != torch.float32:
         return None  # (a tensor-parallel layer all-reduces between the kernels)
-    layers = [la for la in model.layers if isinstance(la, DecoderLayer)]
+    layers = [la for la in model.layers if type(la) is DecoderLayer]  # (Llama-shaped: not Gemma's, not MoE)
     if not kv_caches or len(kv_caches) != len(layers) or len(layers) != len(model.layers):
         return None
     key_cache = kv_caches[0][0]
@@ -70,7 +70,7 @@ def capture(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tenso
     for layer in layers:
         a, m = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if type(layer) is not DecoderLayer or a.q_norm is not None or a.sliding_window is not None \
+        if a.q_norm is not None or a.sliding_window is not None \
                 or a.logit_softcap is not None or not a.rotary.use_kernel or not isinstance(m.act_fn, SiluAndMul) \
                 or not m.act_fn.use_kernel \
                 or any(not n.use_kernel or n.eps != eps or n.weight.dtype != torch.float32 for n in norms) \

@@ -40,9 +40,23 @@ def rope_parameters(config: Any, layer_type: str | None = None) -> tuple[float, 
     if isinstance(params, dict) and layer_type is not None:
         params = params[layer_type]
     if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
         scaling = params if params.get("rope_type", "default") != "default" else None
-        return float(params["rope_theta"]), scaling
-    return float(getattr(config, "rope_theta", 10000.0)), getattr(config, "rope_scaling", None)
+    else:
+        theta, scaling = float(getattr(config, "rope_theta", 10000.0)), getattr(config, "rope_scaling", None)
+    if scaling and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
+        # vLLM's rule: the long factors whenever the served length passes the trained one.
+        original = scaling.get("original_max_position_embeddings") or config.original_max_position_embeddings
+        served = getattr(config, "max_model_len", None) or config.max_position_embeddings
+        scaling = {**scaling, "original_max_position_embeddings": original, "_long": served > original}
+    return theta, scaling
+
+
+def rotary_dim(config: Any, head_dim: int) -> int:
+    """How many of a head's features are rotated (``partial_rotary_factor``, Phi-4-mini's 0.75)."""
+    params = getattr(config, "rope_parameters", None)
+    factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    return int(head_dim * float(factor or getattr(config, "partial_rotary_factor", None) or 1.0))
 
 
 def sliding_window(config: Any, layer: int) -> int | None:
@@ -96,7 +110,8 @@ class Attention(nn.Module):
         # (Gemma scales by its ``query_pre_attn_scalar`` rather than the head size.)
         self.scale = float(getattr(config, "query_pre_attn_scalar", None) or hd) ** -0.5
         q_part, kv_part = (kv_start * group * hd, self.q_size), (kv_start * hd, self.kv_size)
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_part, kv_part, kv_part], bias=qkv_bias)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_part, kv_part, kv_part], bias=qkv_bias,
+                                             full_sizes=[total_heads * hd, total_kv_heads * hd, total_kv_heads * hd])
         self.o_proj = RowParallelLinear(q_part, config.hidden_size, getattr(config, "attention_bias", False), tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -131,11 +146,12 @@ MLP_CHUNK_MIN_ROWS = 512
 class MLP(nn.Module):
     """Gated MLP: ``down(act(gate(x)) * up(x))`` with gate and up fused (SwiGLU, or Gemma's GeGLU)."""
 
-    def __init__(self, config: Any, tp: TensorParallelGroup) -> None:
+    def __init__(self, config: Any, tp: TensorParallelGroup, intermediate_size: int | None = None) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        part = tp.shard(config.intermediate_size)
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [part, part], bias=bias)
+        part = tp.shard(intermediate_size or config.intermediate_size)
+        full = intermediate_size or config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [part, part], bias=bias, full_sizes=[full, full])
         self.act_fn = gated_activation(config)
         self.down_proj = RowParallelLinear(part, config.hidden_size, bias, tp)
 
@@ -196,11 +212,12 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         attn = self.first_layer.self_attn
         theta, scaling = rope_parameters(config)
-        self.rotary_emb = RotaryEmbedding(attn.head_dim, config.max_position_embeddings, theta, scaling, freq_factors)
+        rd = rotary_dim(config, attn.head_dim)
+        self.rotary_emb = RotaryEmbedding(rd, config.max_position_embeddings, theta, scaling, freq_factors)
         # Tables per layer type, where the config keys rope by type (each step computes each once).
         keys = sorted({k for la in self.layers if isinstance(la, DecoderLayer) and (k := la.self_attn.rope_key)})
         self.rotary_by_type: dict[str, RotaryEmbedding] = {
-            k: RotaryEmbedding(attn.head_dim, config.max_position_embeddings, *rope_parameters(config, k), freq_factors)
+            k: RotaryEmbedding(rd, config.max_position_embeddings, *rope_parameters(config, k), freq_factors)
             for k in keys}
 
     @property
@@ -321,10 +338,11 @@ class DecoderForCausalLM(nn.Module):
             embed.weight = nn.Parameter(torch.empty(embed.weight.shape, device="meta"), requires_grad=False)
         return sum(m.packed_i8 is not None for m in self.modules() if isinstance(m, Linear))  # tied_head included
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded_elsewhere: Iterable[str] = ()) -> None:
         """Copy HF-named tensors into the (fused, sharded) parameters; missing or unexpected names raise.
 
-        Sharded layers cut this rank's slice out of each full tensor (``weight_loader``)."""
+        Sharded layers cut this rank's slice out of each full tensor (``weight_loader``).
+        ``loaded_elsewhere``: parameters a subclass loads itself (and checks)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         unexpected: list[str] = []
@@ -374,7 +392,11 @@ class DecoderForCausalLM(nn.Module):
                         copy_shard(param, tensor, None, 0, 0)
                 except ValueError as e:
                     raise ValueError(f"weight {name}: {e}") from None
-            loaded.add(target if shard_idx is None else f"{target}#{shard_idx}")
+            fused_parts = getattr(module, "parts", ())
+            if shard_idx is None and len(fused_parts) > 1:  # a fused layer stored fused (Phi-3)
+                loaded.update(f"{target}#{i}" for i in range(len(fused_parts)))
+            else:
+                loaded.add(target if shard_idx is None else f"{target}#{shard_idx}")
         expected: set[str] = set()
         for pname in params:
             fused_name = next((f for f in self.packed_modules_mapping if f".{f}." in pname), None)
@@ -382,7 +404,7 @@ class DecoderForCausalLM(nn.Module):
                 expected.add(pname)
             else:
                 expected.update(f"{pname}#{i}" for _, i in self.packed_modules_mapping[fused_name])
-        missing = sorted(expected - loaded)
+        missing = sorted(expected - loaded - set(loaded_elsewhere))
         if missing or unexpected:
             raise ValueError(
                 f"checkpoint does not match {type(self).__name__}: "

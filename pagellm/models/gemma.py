@@ -51,8 +51,8 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
     layer_cls = Gemma2DecoderLayer
     embed_scale = True
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_plus_one_norms(weights))
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded_elsewhere: Iterable[str] = ()) -> None:
+        super().load_weights(_plus_one_norms(weights), loaded_elsewhere)
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

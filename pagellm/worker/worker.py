@@ -23,6 +23,7 @@ from pagellm.kernels import gemm, gemm_int8
 from pagellm.kernels.machine import Numerics, choose_numerics, cpu_info
 from pagellm.layers.custom_op import select_kernels
 from pagellm.layers.linear import Linear
+from pagellm.layers.moe import SparseMoeBlock
 from pagellm.lora.adapter import LoRAAdapter, load_adapter
 from pagellm.lora.layers import ModelLoRA, module_shapes
 from pagellm.lora_request import AdapterSpec
@@ -136,6 +137,8 @@ class Worker:
         uninitialised, then every weight loaded (sharded, a rank reads only its slice)."""
         source = resolve_model_source(path)
         hf_config = load_model_config(source)
+        if self.config.model.max_model_len:
+            hf_config.max_model_len = self.config.model.max_model_len  # (what longrope decides by)
         cls = get_model_class(hf_config.architectures[0])
         with torch.device("meta"):
             if self.pp.num_stages > hf_config.num_hidden_layers:
@@ -227,6 +230,8 @@ class Worker:
             self._load_draft(spec_cfg.model, hf_config.vocab_size)
         self.max_positions = hf_config.max_position_embeddings
         lora = self.config.lora
+        if lora.enable_lora and any(isinstance(m, SparseMoeBlock) for m in model.modules()):
+            raise ValueError(f"enable_lora: LoRA adapters on a mixture-of-experts model ({arch}) are not supported")
         self.model_lora = ModelLoRA(model, lora.max_loras, lora.max_lora_rank, self.device) if lora.enable_lora \
             else None
         self._adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()  # by fingerprint, LRU order
