@@ -25,6 +25,15 @@ ARCH_CONFIGS = {
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                        "rope_theta": 1000000.0}}),
+    # As llama.cpp's converter and loader assume them: the query scale is the head size, Gemma 3's
+    # layers 5 sliding to 1 full (the GGUF tests convert these to GGUF files).
+    "gemma2-llamacpp": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], head_dim=32, sliding_window=24,
+                            query_pre_attn_scalar=32, attn_logit_softcapping=2.0, final_logit_softcapping=5.0),
+    "gemma3-llamacpp": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], head_dim=32,
+                            sliding_window=24, query_pre_attn_scalar=32, num_hidden_layers=6,
+                            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                             "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                "rope_theta": 1000000.0}}),
     # Phi-4-mini's partial rotary and Phi-3.5's longrope (trained length 512 here), a window that binds.
     "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], sliding_window=40, head_dim=16,
                  original_max_position_embeddings=512,

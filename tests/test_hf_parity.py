@@ -190,3 +190,77 @@ def test_phi3_fused_weights_partial_longrope_match_hf(ckpt_root):
     got, _ = engine_greedy(path, prompts, max_model_len=512)
     assert_equal_but_float32_ties(hf, prompts, got, ref)
     assert len({tuple(r) for r in ref}) > 5
+
+
+# HF name (after "model.layers.{i}." for layer tensors) -> llama.cpp's, for Gemma.
+_GEMMA_GGUF_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def write_gemma_gguf(hf_dir: str, path: str, tokenizer_from: str) -> None:
+    """The HF checkpoint as llama.cpp's converter writes it: its names, norms stored as 1 + w, the
+    metadata llama.cpp reads (float32 tensors, so the weights are the same numbers)."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from pagellm.weights.gguf_write import _copy_tokenizer
+
+    cfg = transformers.AutoConfig.from_pretrained(hf_dir)
+    arch = "gemma2" if cfg.model_type == "gemma2" else "gemma3"
+    w = gguf.GGUFWriter(path, arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_vocab_size(cfg.vocab_size)
+    if arch == "gemma2":
+        w.add_float32(f"{arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
+        w.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)
+        w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    else:
+        full = cfg.rope_parameters["full_attention"]
+        w.add_rope_freq_base(full["rope_theta"])
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+    _copy_tokenizer(w, tokenizer_from)
+    for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            gname = f"blk.{layer}.{_GEMMA_GGUF_NAMES[rest.removesuffix('.weight')]}.weight"
+        arr = t.float().numpy()
+        w.add_tensor(gname, (arr + np.float32(1.0)) if name.endswith("norm.weight") else arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=False)
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["gemma2-llamacpp", "gemma3-llamacpp"])
+def test_gemma_gguf_matches_hf(ckpt_root, arch, smollm2_path):
+    """A Gemma GGUF (llama.cpp's names, 1 + w norms, its metadata) runs as HF runs the checkpoint it
+    was converted from."""
+    path = build_tiny_checkpoint(ckpt_root, arch, tie=True)
+    gguf_path = os.path.join(ckpt_root, f"{arch}.gguf")
+    write_gemma_gguf(path, gguf_path, smollm2_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = random_prompts(6, seed=5)
+    ref = hf_greedy(hf, prompts)
+    got, _ = engine_greedy(gguf_path, prompts)
+    assert_equal_but_float32_ties(hf, prompts, got, ref)
+    assert len({tuple(r) for r in ref}) > 4

@@ -21,7 +21,8 @@ from gguf import GGMLQuantizationType as T
 from pagellm.weights.gguf_quant import GGUFBlocks
 
 _FLOAT_TYPES = (T.F32, T.F16, T.BF16)
-_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+          "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -35,6 +36,10 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's four norms per layer: llama.cpp's ffn_norm is the norm before the MLP there.
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                      "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_GEMMA = ("gemma2", "gemma3")
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -199,11 +204,39 @@ def gguf_config(path: str):
         kwargs["rope_scaling"] = {"rope_type": "linear", "factor": float(_field(r, p + "rope.scaling.factor"))}
     elif scaling not in (None, "none"):
         raise ValueError(f"GGUF rope scaling {scaling!r} is not supported")
+    if arch in _GEMMA:
+        kwargs.update(_gemma_config(r, arch, kwargs))
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-           "qwen3": transformers.Qwen3Config}[arch]
+           "qwen3": transformers.Qwen3Config, "gemma2": transformers.Gemma2Config,
+           "gemma3": transformers.Gemma3TextConfig}[arch]
     config = cls(**kwargs)
     config.architectures = [_ARCHS[arch]]
     return config
+
+
+def _gemma_config(r: GGUFIndex, arch: str, base: dict[str, Any]) -> dict[str, Any]:
+    """Gemma's settings as llama.cpp reads them: the window and soft-caps from the metadata; the
+    query scale is the head size, except Gemma 2 27B's (46 layers: hidden / heads), which llama.cpp
+    infers the same way; Gemma 3's sliding layers are 5 of every 6 with a local rotary base of
+    10,000, the global base (and its linear scaling) on the others."""
+    p = f"{arch}."
+    layers = base["num_hidden_layers"]
+    out: dict[str, Any] = {"sliding_window": int(_field(r, p + "attention.sliding_window", 4096)),
+                           "query_pre_attn_scalar": base["head_dim"]}
+    if arch == "gemma2":
+        out["attn_logit_softcapping"] = _field(r, p + "attn_logit_softcapping")
+        out["final_logit_softcapping"] = _field(r, p + "final_logit_softcapping")
+        if layers == 46:
+            out["query_pre_attn_scalar"] = base["hidden_size"] // base["num_attention_heads"]
+        out["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    else:
+        full: dict[str, Any] = {"rope_type": "default", "rope_theta": base.pop("rope_theta")}
+        if "rope_scaling" in base:
+            full = {**full, **base.pop("rope_scaling")}
+        out["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                  "full_attention": full}
+        out["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+    return out
 
 
 def _reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -233,7 +266,9 @@ def iter_gguf_weights(path: str, config: Any,
     quantized matrix comes as its file's bytes (``GGUFBlocks``: packed for the int8 kernel if it
     takes the type, else dequantized once the numerics are chosen, and named in their log line)."""
     r = _reader(path)
-    permute = gguf_architecture(path) == "llama"
+    arch = gguf_architecture(path)
+    permute = arch == "llama"
+    layer_names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES
     for t in r.tensors:
         if t.name == "rope_freqs.weight":
             continue
@@ -245,9 +280,9 @@ def iter_gguf_weights(path: str, config: Any,
         m = _BLK.match(t.name)
         if m:
             layer, kind, suffix = m.groups()
-            if kind not in _LAYER_NAMES:
+            if kind not in layer_names:
                 raise ValueError(f"unexpected GGUF tensor {t.name!r}")
-            name = f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
+            name = f"model.layers.{layer}.{layer_names[kind]}.{suffix}"
             if permute and kind in ("attn_q", "attn_k"):
                 heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
                 if isinstance(arr, GGUFBlocks):  # the same rows, in the same order: a row is its blocks
@@ -261,6 +296,10 @@ def iter_gguf_weights(path: str, config: Any,
             name = f"{_GLOBAL_NAMES[base]}.{suffix}"
         if isinstance(arr, GGUFBlocks):
             yield name, arr
+        elif arch in _GEMMA and name.endswith("norm.weight"):
+            # llama.cpp stores Gemma's norms as 1 + w; the model adds its 1 to the checkpoint's w
+            # (as transformers' GGUF loader gives them back: exact for 1 + w in [0.5, 2]).
+            yield name, torch.from_numpy(np.array(arr, dtype=np.float32) - np.float32(1.0))
         else:
             yield name, torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
     del r
