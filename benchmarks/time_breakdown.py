@@ -4,7 +4,8 @@ Wraps the engine's functions with exclusive timers (a nested call's time is not 
 
     scheduling          Scheduler.schedule + update_from_output
     input preparation   ModelRunner.execute_model's own Python (flat batch, slot_mapping) + build_metadata
-    linear (GEMM)       every nn.Linear in the layers
+    linear (GEMM)       every nn.Linear in the layers, but the experts'
+    mixture of experts  the MoE layers whole: routing, grouping, the experts' and shared expert's GEMMs
     attention           the paged attention backend (K/V write, decode kernel / SDPA)
     other model ops     embedding, RMSNorm, rotary, SiLU*mul, residual adds (model time minus the above)
     lm head             compute_logits at the sampled rows
@@ -31,8 +32,8 @@ from collections import defaultdict
 
 from workload import add_workload_args, load_workload
 
-CATEGORIES = ("scheduling", "input preparation", "linear (GEMM)", "attention", "other model ops", "decode graph",
-              "lm head", "sampling", "output processing")
+CATEGORIES = ("scheduling", "input preparation", "linear (GEMM)", "mixture of experts", "attention", "other model ops",
+              "decode graph", "lm head", "sampling", "output processing")
 
 
 class ExclusiveTimers:
@@ -64,7 +65,6 @@ class ExclusiveTimers:
 def instrument(engine, timers: ExclusiveTimers) -> None:
     import torch
 
-
     sched = engine.scheduler
     sched.schedule = timers.wrap(sched.schedule, "scheduling")
     sched.update_from_output = timers.wrap(sched.update_from_output, "scheduling")
@@ -79,8 +79,15 @@ def instrument(engine, timers: ExclusiveTimers) -> None:
     runner.sampler.forward = timers.wrap(runner.sampler.forward, "sampling")
     from pagellm.kernels.decode_graph import DecodeGraph
     DecodeGraph.run = timers.wrap(DecodeGraph.run, "decode graph")  # (slotted: wrapped on the class)
+    from pagellm.layers.moe import SparseMoeBlock
+    moe = [m for m in model.model.layers.modules() if isinstance(m, SparseMoeBlock)]
+    in_moe = {id(p) for block in moe for p in block.modules()}
+    for block in moe:  # routing, grouping, every expert's and the shared expert's GEMMs
+        for m in block.modules():
+            if m is block or isinstance(m, torch.nn.Linear):
+                m.forward = timers.wrap(m.forward, "mixture of experts")
     for m in model.model.layers.modules():  # not the LM head's, which counts as "lm head"
-        if isinstance(m, torch.nn.Linear):
+        if isinstance(m, torch.nn.Linear) and id(m) not in in_moe:
             m.forward = timers.wrap(m.forward, "linear (GEMM)")
 
 
