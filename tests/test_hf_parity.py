@@ -209,22 +209,17 @@ def write_gemma_gguf(hf_dir: str, path: str, tokenizer_from: str) -> None:
     import numpy as np
     from safetensors.torch import load_file
 
-    from pagellm.weights.gguf_write import _copy_tokenizer
+    from pagellm.weights.gguf_write import _copy_tokenizer, add_decoder_metadata
 
     cfg = transformers.AutoConfig.from_pretrained(hf_dir)
     arch = "gemma2" if cfg.model_type == "gemma2" else "gemma3"
     w = gguf.GGUFWriter(path, arch)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_decoder_metadata(w, cfg.max_position_embeddings, cfg.hidden_size, cfg.num_hidden_layers,
+                         cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps,
+                         cfg.vocab_size)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_sliding_window(cfg.sliding_window)
-    w.add_vocab_size(cfg.vocab_size)
     if arch == "gemma2":
         w.add_float32(f"{arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
         w.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)

@@ -182,12 +182,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, tp)
 
-    def forward(self, rope, x, residual, kv_cache, meta):
+    def input_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's normalised input and the residual stream it continues (the first layer's
+        starts it)."""
         if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+            return self.input_layernorm(x), x
+        return self.input_layernorm(x, residual)
+
+    def forward(self, rope, x, residual, kv_cache, meta):
+        x, residual = self.input_norm(x, residual)
         x = self.self_attn(rope, x, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual

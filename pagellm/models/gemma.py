@@ -29,11 +29,7 @@ class Gemma2DecoderLayer(DecoderLayer):
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, rope, x, residual, kv_cache, meta):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.input_norm(x, residual)
         x = self.post_attention_layernorm(self.self_attn(rope, x, kv_cache, meta))
         x, residual = self.pre_feedforward_layernorm(x, residual)
         return self.post_feedforward_layernorm(self.mlp(x)), residual

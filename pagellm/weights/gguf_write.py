@@ -89,20 +89,26 @@ def llama_tensor_shapes(s: LlamaShape) -> Iterable[tuple[str, tuple[int, ...]]]:
             ("ffn_down", (s.hidden, s.intermediate))))
 
 
+def add_decoder_metadata(w: gguf.GGUFWriter, context: int, hidden: int, layers: int, intermediate: int, heads: int,
+                         kv_heads: int, rms_eps: float, vocab: int) -> None:
+    """The shape keys every decoder architecture's GGUF has (under the writer's architecture)."""
+    w.add_context_length(context)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(intermediate)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(rms_eps)
+    w.add_vocab_size(vocab)
+
+
 def write_llama_gguf(path: str, s: LlamaShape, tensor: Callable[[str, tuple[int, ...]], np.ndarray],
                      qtype_for: Callable[[str], T], tokenizer_from: str) -> dict[str, int]:
     """Write a Llama GGUF whose tensors come from ``tensor(name, shape)`` (float32), matrices encoded
     as ``qtype_for(name)`` says (norms stay float32); returns how many tensors of each type."""
     w = gguf.GGUFWriter(path, "llama")
-    w.add_context_length(s.context)
-    w.add_embedding_length(s.hidden)
-    w.add_block_count(s.layers)
-    w.add_feed_forward_length(s.intermediate)
-    w.add_head_count(s.heads)
-    w.add_head_count_kv(s.kv_heads)
+    add_decoder_metadata(w, s.context, s.hidden, s.layers, s.intermediate, s.heads, s.kv_heads, 1e-5, s.vocab)
     w.add_rope_freq_base(s.rope_theta)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(s.vocab)
     w.add_rope_dimension_count(s.hidden // s.heads)
     _copy_tokenizer(w, tokenizer_from)
     counts: dict[str, int] = {}
