@@ -164,7 +164,7 @@ def _windowed(out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor, key_c
     g = hq // key_cache.shape[1]
     for row0, ql, kv_len, blocks in _sequences(grp, block_size):
         lo = 0 if window is None else max(0, kv_len - ql - window + 1)  # the first key any query sees
-        kpos = torch.arange(lo, kv_len)
+        kpos = torch.arange(lo, kv_len, device=query.device)
         if blocks is None:
             slots = slot_mapping[row0 + lo:row0 + kv_len]
         else:
@@ -175,7 +175,7 @@ def _windowed(out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor, key_c
         s = torch.matmul(q, k.transpose(1, 2)) * scale
         if softcap is not None:
             s = torch.tanh(s / softcap) * softcap
-        qpos = torch.arange(kv_len - ql, kv_len)[:, None]
+        qpos = torch.arange(kv_len - ql, kv_len, device=query.device)[:, None]
         allowed = kpos[None, :] <= qpos
         if window is not None:
             allowed &= qpos - kpos[None, :] < window
