@@ -259,3 +259,37 @@ def test_gemma_gguf_matches_hf(ckpt_root, arch, smollm2_path):
     got, _ = engine_greedy(gguf_path, prompts)
     assert_equal_but_float32_ties(hf, prompts, got, ref)
     assert len({tuple(r) for r in ref}) > 4
+
+
+# Gemma's own chat template (as Gemma 2 checkpoints ship it): no system role, alternating turns.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}")
+
+
+def test_gemma_chat_uses_the_checkpoints_template_and_its_refusals(ckpt_root):
+    """``LLM.chat`` renders the checkpoint's own template; a system message, which Gemma's template
+    refuses, fails with the template's own words (as transformers does), and the engine keeps serving."""
+    import shutil
+
+    from pagellm import LLM
+
+    src = build_tiny_checkpoint(ckpt_root, "gemma2", tie=True)
+    path = src + "-chat"
+    if not os.path.exists(path):
+        shutil.copytree(src, path)
+        tok = transformers.AutoTokenizer.from_pretrained(src)
+        tok.chat_template = GEMMA_TEMPLATE
+        tok.save_pretrained(path)
+    llm = LLM(path, kv_cache_memory="16MiB", max_model_len=256)
+    with pytest.raises(Exception, match="System role not supported"):
+        llm.chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    tok = llm.llm_engine.get_tokenizer()
+    text = tok.chat_prompt([{"role": "user", "content": "hi"}])["prompt"]
+    assert text.endswith("<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"), text
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
