@@ -31,6 +31,11 @@ EXPERT_PARTS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w
                 "w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", None)}
 
 
+def num_experts(config: Any) -> int:
+    """The routed experts an HF config declares (Mixtral's ``num_local_experts``, Qwen's ``num_experts``)."""
+    return int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
+
+
 class FusedMoE(nn.Module):
     """``forward(x [T, H], weights [T, k], ids [T, k]) -> [T, H]``: ``sum_j weights[t, j] *
     expert_{ids[t, j]}(x[t])``, summed over the tensor-parallel group."""
@@ -88,7 +93,7 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, config: Any, tp: TensorParallelGroup, mlp_cls: Any) -> None:
         super().__init__()
-        self.num_experts = int(getattr(config, "num_local_experts", None) or config.num_experts)
+        self.num_experts = num_experts(config)
         self.top_k = int(config.num_experts_per_tok)
         self.norm_topk_prob = bool(getattr(config, "norm_topk_prob", True))
         inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size

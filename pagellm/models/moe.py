@@ -4,8 +4,8 @@ The shared decoder with a ``SparseMoeBlock`` (``layers/moe.py``) in place of the
 sparse layers: Mixtral's every layer; Qwen's every ``decoder_sparse_step``-th layer not listed in
 ``mlp_only_layers``. Attention is each family's own flag (Qwen2's qkv bias, Qwen3's q/k norm).
 Checkpoints name experts per expert (``mlp.experts.{e}.gate_proj``, Mixtral's
-``block_sparse_moe.experts.{e}.w1``) or, as transformers 5 saves them, fused
-(``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H, I]``); both load.
+``block_sparse_moe.experts.{e}.w1``), as the published ones and transformers' ``save_pretrained``
+write them.
 """
 
 from __future__ import annotations
@@ -17,20 +17,19 @@ from typing import Any
 import torch
 
 from pagellm.distributed import TensorParallelGroup
-from pagellm.layers.moe import EXPERT_PARTS, FusedMoE, SparseMoeBlock
+from pagellm.layers.moe import EXPERT_PARTS, SparseMoeBlock, num_experts
 from pagellm.models.decoder import MLP, DecoderForCausalLM, DecoderLayer
 from pagellm.weights.gguf_quant import GGUFBlocks
 
 _PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
-_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 
 
 def is_sparse_layer(config: Any, layer: int) -> bool:
     """Qwen's rule (every ``decoder_sparse_step``-th layer not in ``mlp_only_layers``); Mixtral,
     which has neither, has experts on every layer."""
     step = int(getattr(config, "decoder_sparse_step", 1) or 1)
-    experts = int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0)
-    return layer not in (getattr(config, "mlp_only_layers", None) or []) and experts > 0 and (layer + 1) % step == 0
+    return layer not in (getattr(config, "mlp_only_layers", None) or []) and num_experts(config) > 0 \
+        and (layer + 1) % step == 0
 
 
 class MoeDecoderLayer(DecoderLayer):
@@ -51,35 +50,26 @@ class MoeForCausalLM(DecoderForCausalLM):
         def others() -> Iterator[tuple[str, Any]]:
             for name, tensor in weights:
                 name = name.replace(".block_sparse_moe.", ".mlp.")  # (Mixtral's name for it)
-                per, fused = _PER_EXPERT.fullmatch(name), _FUSED.fullmatch(name)
-                if per is None and fused is None:
+                per = _PER_EXPERT.fullmatch(name)
+                if per is None:
                     yield name, tensor
                     continue
-                layer = int((per or fused).group(1))  # type: ignore[union-attr]
+                layer, expert = int(per.group(1)), int(per.group(2))
                 if not self.model.start <= layer < self.model.end:
                     continue  # another pipeline stage's
                 moe = experts.get(layer)
                 if moe is None:
                     raise ValueError(f"weight {name}: layer {layer} has no experts")
+                if per.group(3) not in EXPERT_PARTS:
+                    raise ValueError(f"unexpected expert weight {name}")
                 if isinstance(tensor, GGUFBlocks):
                     tensor = tensor.dequantize()
-                if per is not None:
-                    if per.group(3) not in EXPERT_PARTS:
-                        raise ValueError(f"unexpected expert weight {name}")
-                    which, part = EXPERT_PARTS[per.group(3)]
-                    _load(moe, name, which, int(per.group(2)), part, tensor)
-                    got.add((layer, int(per.group(2)), which, part))
-                else:
-                    full = tensor[:] if not isinstance(tensor, torch.Tensor) else tensor
-                    for e in range(moe.num_experts):
-                        if fused.group(2) == "down_proj":  # type: ignore[union-attr]
-                            _load(moe, name, "w2", e, None, full[e])
-                            got.add((layer, e, "w2", None))
-                        else:
-                            for part in (0, 1):
-                                half = full[e].shape[0] // 2
-                                _load(moe, name, "w13", e, part, full[e].narrow(0, part * half, half))
-                                got.add((layer, e, "w13", part))
+                which, part = EXPERT_PARTS[per.group(3)]
+                try:
+                    moe.weight_loader(which, expert, part, tensor)
+                except ValueError as e:
+                    raise ValueError(f"weight {name}: {e}") from None
+                got.add((layer, expert, which, part))
 
         params = [f"model.layers.{i}.mlp.experts.{n}" for i, moe in experts.items() for n, _ in moe.named_parameters()]
         super().load_weights(others(), [*loaded_elsewhere, *params])
@@ -89,13 +79,6 @@ class MoeForCausalLM(DecoderForCausalLM):
             missing = sorted(want - got, key=str)
             raise ValueError(f"checkpoint does not match {type(self).__name__}: {len(missing)} expert weights "
                              f"missing (layer, expert, tensor, part) {missing[:8]}")
-
-
-def _load(moe: FusedMoE, name: str, which: str, expert: int, part: int | None, tensor: torch.Tensor) -> None:
-    try:
-        moe.weight_loader(which, expert, part, tensor)
-    except ValueError as e:
-        raise ValueError(f"weight {name}: {e}") from None
 
 
 class MixtralForCausalLM(MoeForCausalLM):
