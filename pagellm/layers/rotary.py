@@ -14,7 +14,8 @@ from pagellm.layers.custom_op import CustomOp
 
 
 def _inv_freq(rotary_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    inv_freq = 1.0 / (base ** exponents)
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type in (None, "default"):
         return inv_freq
@@ -23,9 +24,9 @@ def _inv_freq(rotary_dim: int, base: float, scaling: dict[str, Any] | None) -> t
         return inv_freq / float(scaling["factor"])
     if rope_type in ("longrope", "su"):
         # Phi-3's per-frequency factors: the long ones where the served length passes the trained
-        # one (``RotaryEmbedding(long=...)``, decided once, as vLLM does; HF switches per call).
+        # one (``_long``, set by ``models/decoder.rope_parameters``, as vLLM decides; HF switches per
+        # call). HF's order of operations: the factor times the base power, then the reciprocal.
         factors = scaling["long_factor"] if scaling.get("_long") else scaling["short_factor"]
-        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
         return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** exponents)
     if rope_type == "llama3":
         factor = float(scaling["factor"])

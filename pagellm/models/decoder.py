@@ -149,8 +149,8 @@ class MLP(nn.Module):
     def __init__(self, config: Any, tp: TensorParallelGroup, intermediate_size: int | None = None) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        part = tp.shard(intermediate_size or config.intermediate_size)
         full = intermediate_size or config.intermediate_size
+        part = tp.shard(full)
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [part, part], bias=bias, full_sizes=[full, full])
         self.act_fn = gated_activation(config)
         self.down_proj = RowParallelLinear(part, config.hidden_size, bias, tp)
@@ -213,13 +213,11 @@ class DecoderModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        attn = self.first_layer.self_attn
-        theta, scaling = rope_parameters(config)
-        rd = rotary_dim(config, attn.head_dim)
-        self.rotary_emb = RotaryEmbedding(rd, config.max_position_embeddings, theta, scaling, freq_factors)
-        # Tables per layer type, where the config keys rope by type (each step computes each once).
-        keys = sorted({k for la in self.layers if isinstance(la, DecoderLayer) and (k := la.self_attn.rope_key)})
-        self.rotary_by_type: dict[str, RotaryEmbedding] = {
+        rd = rotary_dim(config, self.first_layer.self_attn.head_dim)
+        # One rotary table per key the layers use (``None``: the model's one table; a layer type where
+        # the config keys rope by type, Gemma 3): each step computes each once, none that no layer reads.
+        keys = {la.self_attn.rope_key for la in self.layers if isinstance(la, DecoderLayer)}
+        self.rotary_tables: dict[str | None, RotaryEmbedding] = {
             k: RotaryEmbedding(rd, config.max_position_embeddings, *rope_parameters(config, k), freq_factors)
             for k in keys}
 
@@ -242,18 +240,17 @@ class DecoderModel(nn.Module):
         else:
             shape = (input_ids.shape[0], self.hidden_size)
             x, residual = pp.recv([shape, shape], self.embed_tokens.weight.dtype, input_ids.device)
-        rope = self.rotary_emb.cos_sin(positions, x.dtype)
+        ropes = {k: emb.cos_sin(positions, x.dtype) for k, emb in self.rotary_tables.items()}
         group = decode_group(meta) if decode_graph is not None else None
-        ropes = {k: emb.cos_sin(positions, x.dtype) for k, emb in self.rotary_by_type.items()}
         if decode_graph is not None and group is not None:
             assert group.kv_blocks is not None and group.seq_lens is not None  # (decode_group checked)
             t = x.shape[0]
-            x, residual = decode_graph.run(x, rope[0].view(t, -1), rope[1].view(t, -1), meta.slot_mapping,
+            cos, sin = ropes[None]  # (the graph takes only Llama-shaped layers: one table)
+            x, residual = decode_graph.run(x, cos.view(t, -1), sin.view(t, -1), meta.slot_mapping,
                                            group.kv_blocks, group.seq_lens)
         else:
             for layer, kv_cache in zip(self.layers[self.start:self.end], kv_caches, strict=True):
-                key: str | None = layer.self_attn.rope_key  # type: ignore[union-attr,assignment]
-                x, residual = layer(rope if key is None else ropes[key], x, residual, kv_cache, meta)
+                x, residual = layer(ropes[layer.self_attn.rope_key], x, residual, kv_cache, meta)  # type: ignore[union-attr,index]
         assert residual is not None  # (every layer returns it)
         if not pp.is_last:
             pp.send([x, residual])
