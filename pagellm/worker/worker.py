@@ -45,9 +45,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def first_layer_linears(model: DecoderForCausalLM) -> list[Linear]:
-    """The projections of this pipeline stage's first layer (what the numerics are chosen from)."""
+    """The projections of this pipeline stage's first layer, one per weight shape: what the numerics
+    are chosen from. The probe's answer depends only on shapes, and a mixture-of-experts layer's
+    experts all share two (timing each of 64 would repeat one measurement 64 times)."""
     layer = model.get_submodule(f"model.layers.{model.model.start}")
-    return [m for m in layer.modules() if isinstance(m, Linear)]
+    shapes: dict[tuple[int, ...], Linear] = {}
+    for m in layer.modules():
+        if isinstance(m, Linear):
+            shapes.setdefault(tuple(m.weight.shape), m)
+    return list(shapes.values())
 
 
 def gguf_weight_types(model: DecoderForCausalLM) -> dict[tuple[str, int | None], int]:
