@@ -10,6 +10,7 @@ grouping and every expert's GEMMs).
 
     python benchmarks/moe.py                       # W64
     python benchmarks/moe.py --num-requests 16     # a quicker look
+    python benchmarks/moe.py --dtype float32       # both models in the same numerics
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def build(kind: str) -> str:
 def child(args: argparse.Namespace) -> None:
     from pagellm import LLM, SamplingParams
 
-    llm = LLM(model=args.model, max_model_len=4096)
+    llm = LLM(model=args.model, max_model_len=4096, dtype=args.dtype)
     reqs = load_workload(args.workload, args.num_requests)
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs]
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
@@ -103,6 +104,8 @@ def main() -> None:
     add_workload_args(ap)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-breakdown", action="store_true", help="skip the MoE model's time breakdown")
+    ap.add_argument("--dtype", default="auto",
+                    help="numerics of both models (default: what the engine picks for each on this machine)")
     args = ap.parse_args()
     if args.child:
         child(args)
@@ -110,7 +113,7 @@ def main() -> None:
     out = {}
     for kind in ("dense", "moe"):
         path = build(kind)
-        cmd = [sys.executable, __file__, "--child", "--model", path, "--workload", args.workload]
+        cmd = [sys.executable, __file__, "--child", "--model", path, "--workload", args.workload, "--dtype", args.dtype]
         if args.num_requests:
             cmd += ["--num-requests", str(args.num_requests)]
         res = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -119,7 +122,7 @@ def main() -> None:
     print(f"MoE / dense of the same active shape: {out['moe']['total_tok_s'] / out['dense']['total_tok_s']:.2f}x")
     if not args.no_breakdown:
         cmd = [sys.executable, os.path.join(HERE, "time_breakdown.py"), "--model", build("moe"),
-               "--workload", args.workload]
+               "--workload", args.workload, "--dtype", args.dtype]
         if args.num_requests:
             cmd += ["--num-requests", str(args.num_requests)]
         subprocess.run(cmd, check=True)

@@ -87,6 +87,24 @@ def test_silu_and_mul():
     assert torch.allclose(cpu_ops.silu_and_mul(gu), ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("t,k", [(1, 1), (3, 2), (40, 4)])
+def test_moe_combine_equals_pytorchs_products_and_adds(t, k):
+    """Each token's weighted expert rows added in slot order: the reference op's bits (a mul, then
+    one add per slot), and a float64 formula's value."""
+    from pagellm.layers.moe import CombineExperts
+
+    torch.manual_seed(t)
+    y = torch.randn(t * k + 5, 96)
+    pos = torch.randperm(t * k + 5)[:t * k].view(t, k)
+    w = torch.rand(t, k)
+    got = cpu_ops.moe_combine(y, pos, w)
+    assert torch.equal(got, CombineExperts().forward_native(y, pos, w))
+    ref = (y.double()[pos] * w.double()[..., None]).sum(1)
+    assert torch.allclose(got.double(), ref, atol=1e-6)
+    with pytest.raises(ValueError, match="pos must index"):
+        cpu_ops.moe_combine(y, pos + 100, w)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.int8])
 def test_write_kv_from_strided_views(cache_dtype):
     t, hkv, d = 20, 3, 64

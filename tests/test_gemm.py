@@ -181,3 +181,33 @@ def test_disabled_keeps_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
     layer = Linear(8, 4, bias=False)
     assert not layer.pack_for_cpu()
     assert layer.weight is not None and layer.packed is None
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "bfloat16_amx"])
+def test_grouped_weights_give_each_row_its_own_weights_bits(kind: str) -> None:
+    """``linear_grouped`` (a mixture of experts' projections in one call) against each group's own
+    ``linear`` call: the same bits for every row (empty groups, a partial last panel, a group longer
+    than a row block), and close to ``F.linear`` over the weights as packed (bfloat16-rounded)."""
+    from conftest import require_amx_kernel, require_bf16_kernel
+
+    bits, amx = (32, False) if kind == "float32" else (16, kind.endswith("amx"))
+    if bits == 16:
+        (require_amx_kernel if amx else require_bf16_kernel)()
+    torch.manual_seed(0)
+    n, k, counts = 100, 1536, [0, 1, 5, 0, 40, 200, 13]
+    weights = [torch.randn(n, k) * 0.05 for _ in counts]
+    packed = [gemm.pack(w) if bits == 32 else gemm.pack_bf16(w) for w in weights]
+    x = torch.randn(sum(counts), k)
+    offsets = torch.tensor([0, *np.cumsum(counts)], dtype=torch.int64)
+    got = gemm.linear_grouped(x, torch.tensor([p.data_ptr() for p in packed]), offsets, n, bits, amx)
+    for g, (w, p) in enumerate(zip(weights, packed, strict=True)):
+        rows = x[offsets[g]:offsets[g + 1]]
+        own = gemm.linear(rows, p, n, bits=bits, amx=amx)
+        assert torch.equal(got[offsets[g]:offsets[g + 1]], own), g
+        if bits == 16:  # the kernel's inputs, rounded as it rounds them; float32 sums in another order
+            torch.testing.assert_close(own, F.linear(rows.bfloat16().float(), w.bfloat16().float()),
+                                       rtol=1e-4, atol=1e-4)
+        else:
+            _close(own, F.linear(rows, w), k)
+    with pytest.raises(ValueError, match="offsets must rise"):
+        gemm.linear_grouped(x, torch.tensor([p.data_ptr() for p in packed]), offsets - 1, n, bits, amx)

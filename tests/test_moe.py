@@ -7,6 +7,7 @@ import torch
 from transformers import PretrainedConfig
 
 from pagellm.distributed import TensorParallelGroup
+from pagellm.kernels import gemm
 from pagellm.layers.linear import Linear
 from pagellm.layers.moe import FusedMoE, SparseMoeBlock
 from pagellm.models.decoder import MLP
@@ -75,7 +76,36 @@ def test_a_tokens_output_does_not_depend_on_its_batch():
         alone = torch.cat([block(x[i:i + 1]) for i in range(64)])
         _, ids = block.route(x)
     assert ids.unique().numel() == 8  # every expert shared by several tokens
+    assert isinstance(block.experts._grouped, tuple)  # (all experts in one call per projection)
     assert torch.equal(whole, alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_experts_in_one_call_equal_the_experts_one_by_one(dtype):
+    """The grouped GEMM against the experts' own ``Linear`` calls (the path int8 experts take):
+    the same bits; in float32 also the float64 formula's value (in bfloat16 the router's own
+    rounding changes some tokens' near-tied choices, which the formula cannot follow)."""
+    from conftest import require_amx_kernel, require_bf16_kernel
+
+    require_f32_gemm_kernel()
+    if dtype == torch.bfloat16:
+        (require_amx_kernel if gemm.amx_supported() else require_bf16_kernel)()
+    block = _block(e=16, k=4)
+    x = torch.randn(45, 256)
+    with torch.no_grad():
+        ref = _reference(block, x)
+    for m in block.modules():
+        if isinstance(m, Linear):
+            assert m.pack_for_cpu(dtype, False)
+    with torch.no_grad():
+        grouped = block(x)
+        grouped_kind = block.experts._grouped
+        assert isinstance(grouped_kind, tuple) and grouped_kind[0] == (16 if dtype == torch.bfloat16 else 32)
+        block.experts._grouped = None  # (checked already: the experts now run one by one)
+        one_by_one = block(x)
+    assert torch.equal(grouped, one_by_one)
+    if dtype == torch.float32:
+        assert torch.allclose(grouped.double(), ref, atol=1e-5, rtol=1e-4), float((grouped.double() - ref).abs().max())
 
 
 def test_lora_on_a_moe_model_is_refused_at_start_up(ckpt_root):

@@ -87,6 +87,25 @@ void silu_and_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I) {
   }
 }
 
+/* A mixture of experts' outputs, combined per token: out[t] = sum_j fl(y[pos[t, j]] * w[t, j]), the
+ * products added in j order starting from the first (no zero: the same bits as PyTorch's mul, then
+ * one add per slot). y [*, H] holds every (token, slot)'s expert output, rows grouped by expert. */
+void moe_combine_f32(const float *y, const int64_t *pos, const float *w, float *out, int64_t T, int64_t K,
+                     int64_t H) {
+#pragma omp parallel for if (T >= PAR_MIN_ROWS)
+  for (int64_t t = 0; t < T; ++t) {
+    float *o = out + t * H;
+    const float *y0 = y + pos[t * K] * H;
+    const float w0 = w[t * K];
+    for (int64_t h = 0; h < H; ++h) o[h] = y0[h] * w0;
+    for (int64_t j = 1; j < K; ++j) {
+      const float *yj = y + pos[t * K + j] * H;
+      const float wj = w[t * K + j];
+      for (int64_t h = 0; h < H; ++h) o[h] = o[h] + yj[h] * wj;
+    }
+  }
+}
+
 /* Scatter this step's K and V rows ([T, Hkv * D] with row strides) into their cache slots. Every
  * write_kv_* takes the same arguments, whatever the cache holds. */
 void write_kv_f32(const float *key, int64_t key_stride, const float *value, int64_t value_stride,

@@ -19,6 +19,7 @@ _SIGNATURES: kernels.Signatures = {
     "rms_norm_f32": (None, [_P, _I, _P, _P, _P, _I, _I, _F]),
     "rotary_f32": (None, [_P, _I, _P, _P, _I, _I, _I]),
     "silu_and_mul_f32": (None, [_P, _P, _I, _I]),
+    "moe_combine_f32": (None, [_P, _P, _P, _P, _I, _I, _I]),
     "write_kv_f32": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I]),
     "write_kv_f16": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I]),
     "write_kv_i8": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I]),
@@ -91,6 +92,22 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
     _lib().silu_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2)
+    return out
+
+
+def moe_combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_j y[pos[t, j]] * weights[t, j]`` (products added in ``j`` order) for ``y
+    [R, H]`` float32, ``pos`` int64 ``[T, k]`` (rows of ``y``) and ``weights`` float32 ``[T, k]``."""
+    t, k = pos.shape
+    h = y.shape[1]
+    if y.dtype != torch.float32 or weights.dtype != torch.float32 or pos.dtype != torch.int64 \
+            or weights.shape != (t, k):
+        raise ValueError("moe_combine takes float32 y and weights [T, k] and int64 pos [T, k]")
+    if t and (int(pos.min()) < 0 or int(pos.max()) >= y.shape[0]):
+        raise ValueError(f"pos must index the {y.shape[0]} rows of y")
+    y, pos, weights = y.contiguous(), pos.contiguous(), weights.contiguous()
+    out = torch.empty(t, h, dtype=torch.float32)
+    _lib().moe_combine_f32(y.data_ptr(), pos.data_ptr(), weights.data_ptr(), out.data_ptr(), t, k, h)
     return out
 
 

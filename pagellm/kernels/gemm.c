@@ -205,6 +205,34 @@ static inline __attribute__((always_inline)) void tile_q(float *y, int64_t ldy, 
   else tile(yy, ldy, xx, ldx, w, bb, K, m0, m1, R, wn + t * K / tiles * NR, tiles, 0)
 #endif
 
+#ifdef __AVX512F__
+/* Rows [0, M) of x against one panel `w` (`wn`: the panel this thread takes next, prefetched a share
+ * per tile) into y's columns of that panel. */
+static inline __attribute__((always_inline)) void panel_rows(float *y, int64_t ldy, const float *x, int64_t ldx,
+                                                             const float *w, const float *wn, const PanelOut out,
+                                                             int64_t M, int64_t K, const int bits) {
+  const __mmask16 m0 = out.m0, m1 = out.m1;
+  const float *bb = out.bias;
+  /* Rows in tiles of near-equal height (tile_height in gemm_tile.h). */
+  const int64_t tiles = (M + MR - 1) / MR;
+  int64_t m = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t rows = tile_height(M, m, tiles, t);
+    float *yy = y + m * ldy;
+    const float *xx = x + m * ldx;
+    switch (rows) { /* a constant R per case, so the accumulators stay in registers */
+      CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7)
+      CASE(8) CASE(9) CASE(10) CASE(11) CASE(12) CASE(13)
+      default: TILE(14); break;
+    }
+    m += rows;
+  }
+}
+#endif
+
+/* Floats (or bf16 pairs) per panel of `bits` weights. */
+#define PANEL(bits, K) ((bits) == 32 || (bits) == 16 ? (K) * NR : (K) / QB * QREC(bits))
+
 /* Rows [0, M) against every panel; the panels are split between the threads in contiguous ranges
  * (static schedule), so the panel after p is the one this thread takes next. bits: 32 for float32
  * panels (pack_weight_f32), 4 or 8 for quantized records (pack_weight_q), 16 for bfloat16 pair
@@ -214,28 +242,11 @@ static inline __attribute__((always_inline)) void row_block(float *y, int64_t ld
                                                             int64_t N, int64_t K, const int bits) {
 #ifdef __AVX512F__
   const int64_t P = (N + NR - 1) / NR;
-  const int64_t panel = bits == 32 || bits == 16 ? K * NR : K / QB * QREC(bits); /* floats (or bf16 pairs) */
-  /* Rows in tiles of near-equal height (tile_height in gemm_tile.h). */
-  const int64_t tiles = (M + MR - 1) / MR;
+  const int64_t panel = PANEL(bits, K);
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < P; ++p) {
     const float *w = wp + p * panel;
-    const float *wn = p + 1 < P ? w + panel : w; /* the next panel, prefetched a share per tile */
-    const PanelOut out = panel_out(p, N, bias);
-    const __mmask16 m0 = out.m0, m1 = out.m1;
-    const float *bb = out.bias;
-    int64_t m = 0;
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t rows = tile_height(M, m, tiles, t);
-      float *yy = y + m * ldy + p * NR;
-      const float *xx = x + m * ldx;
-      switch (rows) { /* a constant R per case, so the accumulators stay in registers */
-        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7)
-        CASE(8) CASE(9) CASE(10) CASE(11) CASE(12) CASE(13)
-        default: TILE(14); break;
-      }
-      m += rows;
-    }
+    panel_rows(y + p * NR, ldy, x, ldx, w, p + 1 < P ? w + panel : w, panel_out(p, N, bias), M, K, bits);
   }
 #else
   (void)y; (void)ldy; (void)x; (void)ldx; (void)wp; (void)bias; (void)M; (void)N; (void)K; (void)bits;
@@ -304,6 +315,17 @@ void pack_weight_bf16(uint32_t *dst, const float *w, int64_t N, int64_t K) {
         const uint16_t hi = n < N && 2 * i + 1 < K ? bf16_round(w[n * K + 2 * i + 1]) : 0;
         dst[(p * KP + i) * NR + j] = (uint32_t)lo | ((uint32_t)hi << 16);
       }
+}
+
+/* xb rows [0, M) (2 * KPAIRS(K) bf16 each, zero past K) = x rows rounded to bfloat16. */
+static void round_rows(uint16_t *xb, const float *x, int64_t ldx, int64_t M, int64_t K) {
+  const int64_t KP = KPAIRS(K);
+#pragma omp parallel for schedule(static) if (M * K >= 65536)
+  for (int64_t m = 0; m < M; ++m) {
+    uint16_t *row = xb + m * 2 * KP;
+    for (int64_t k = 0; k < K; ++k) row[k] = bf16_round(x[m * ldx + k]);
+    for (int64_t k = K; k < 2 * KP; ++k) row[k] = 0;
+  }
 }
 
 #ifdef __AMX_BF16__
@@ -378,12 +400,7 @@ int gemm_packed_bf16_amx(float *y, int64_t ldy, const float *x, int64_t ldx, con
   uint16_t *xb = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 2 * KP * (M16 ? M16 : 16));
   if (xb == NULL) return -1;
   memset(xb + M * 2 * KP, 0, sizeof(uint16_t) * 2 * KP * (M16 - M)); /* padding rows: zeros */
-#pragma omp parallel for schedule(static) if (M * K >= 65536)
-  for (int64_t m = 0; m < M; ++m) {
-    uint16_t *row = xb + m * 2 * KP;
-    for (int64_t k = 0; k < K; ++k) row[k] = bf16_round(x[m * ldx + k]);
-    for (int64_t k = K; k < 2 * KP; ++k) row[k] = 0;
-  }
+  round_rows(xb, x, ldx, M, K);
   int failed = 0;
 #pragma omp parallel
   {
@@ -423,12 +440,7 @@ int gemm_packed_bf16(float *y, int64_t ldy, const float *x, int64_t ldx, const f
   const int64_t KP = KPAIRS(K);
   uint16_t *xb = (uint16_t *)malloc(sizeof(uint16_t) * 2 * KP * (M ? M : 1));
   if (xb == NULL) return -1;
-#pragma omp parallel for schedule(static) if (M * K >= 65536)
-  for (int64_t m = 0; m < M; ++m) {
-    uint16_t *row = xb + m * 2 * KP;
-    for (int64_t k = 0; k < K; ++k) row[k] = bf16_round(x[m * ldx + k]);
-    for (int64_t k = K; k < 2 * KP; ++k) row[k] = 0;
-  }
+  round_rows(xb, x, ldx, M, K);
   /* Row blocks whose bf16 x fits in L2, as in gemm_packed_f32. */
   int64_t rows = XBLOCK / (4 * KP) / MR * MR;
   if (rows < 4 * MR) rows = 4 * MR;
@@ -439,6 +451,128 @@ int gemm_packed_bf16(float *y, int64_t ldy, const float *x, int64_t ldx, const f
   return 0;
 #else
   (void)y; (void)ldy; (void)x; (void)ldx; (void)wp; (void)bias; (void)M; (void)N; (void)K;
+  return -1;
+#endif
+}
+
+/* ---- grouped: one call over many weights of one shape (a mixture of experts' experts) --------------
+ * Group g is rows [off[g], off[g + 1]) of x and y (contiguous rows) against the weight at wps[g]:
+ * every weight [N, K] packed alike (kind 32: pack_weight_f32; 16: pack_weight_bf16, on AMX tiles if
+ * amx), no bias. A group's rows are cut into the same row blocks the single-weight kernels use, and
+ * every (block, panel) pair of every group is one item of a single parallel loop: a thread's items
+ * are contiguous and it prefetches the panel of its next item, whichever weight that is in. A call
+ * per group paid a fork and join and a cold first panel each, and read the expert weights at a
+ * quarter of the rate one weight of their total size streams at (benchmarks/moe.py). Each row gets
+ * exactly what the single-weight kernel of its kind gives it: tiles never change a row's sums. */
+
+typedef struct {
+  const float *w;   /* the group's packed weight */
+  int64_t row0;     /* first row of the block in x and y */
+  int64_t rows;
+  int64_t xrow0;    /* AMX: first row in the padded bf16 copy of x */
+} Block;
+
+/* The non-empty groups cut into blocks of at most rb rows; NULL if out of memory. */
+static Block *blocks_of(const int64_t *wps, const int64_t *off, int64_t G, int64_t rb, int64_t *count) {
+  int64_t n = 0;
+  for (int64_t g = 0; g < G; ++g) n += (off[g + 1] - off[g] + rb - 1) / rb;
+  Block *b = (Block *)malloc(sizeof(Block) * (n ? n : 1));
+  if (b == NULL) return NULL;
+  int64_t i = 0, x16 = 0;
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t r = off[g]; r < off[g + 1]; r += rb) {
+      const int64_t rows = off[g + 1] - r < rb ? off[g + 1] - r : rb;
+      b[i++] = (Block){(const float *)(intptr_t)wps[g], r, rows, x16};
+      x16 += (rows + 15) / 16 * 16;
+    }
+  *count = n;
+  return b;
+}
+
+int gemm_grouped(float *y, int64_t ldy, const float *x, int64_t ldx, const int64_t *wps, const int64_t *off,
+                 int64_t G, int64_t N, int64_t K, int64_t kind, int64_t amx) {
+#ifdef __AVX512F__
+  const int64_t P = (N + NR - 1) / NR, M = off[G] - off[0];
+  if (kind != 32 && kind != 16) return -1;
+#ifndef __AVX512BF16__
+  if (kind == 16) return -1;
+#endif
+#ifndef __AMX_BF16__
+  if (amx) return -1;
+#else
+  if (amx && (kind != 16 || !amx_ready())) return -1;
+#endif
+  const int64_t KP = KPAIRS(K), kk = kind == 16 ? KP : K;
+  int64_t rb = amx ? XBLOCK / 2 / (KP * 4) / 32 * 32 : XBLOCK / (4 * kk) / MR * MR;
+  if (rb < (amx ? 32 : 4 * MR)) rb = amx ? 32 : 4 * MR;
+  int64_t S = 0;
+  Block *blocks = blocks_of(wps, off, G, rb, &S);
+  if (blocks == NULL) return -1;
+  const int64_t items = S * P;
+  const uint16_t *xb = NULL;
+  if (kind == 16) { /* x rounded once; for AMX each block's rows padded to 16 with zeros */
+    const int64_t rows = S ? blocks[S - 1].xrow0 + (blocks[S - 1].rows + 15) / 16 * 16 : 16;
+    uint16_t *buf = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 2 * KP * (amx ? rows : (M ? M : 1)));
+    if (buf == NULL) {
+      free(blocks);
+      return -1;
+    }
+    if (amx) {
+      memset(buf, 0, sizeof(uint16_t) * 2 * KP * rows);
+      for (int64_t s = 0; s < S; ++s)
+        round_rows(buf + blocks[s].xrow0 * 2 * KP, x + blocks[s].row0 * ldx, ldx, blocks[s].rows, K);
+    } else {
+      round_rows(buf, x + off[0] * ldx, ldx, M, K);
+    }
+    xb = buf;
+  }
+  const int64_t panel = kind == 16 ? KP * NR : K * NR;
+  int failed = 0;
+  if (!amx) {
+    const float *xs = kind == 16 ? (const float *)xb - off[0] * KP : x; /* (rows addressed from off[0]) */
+    const int64_t lx = kind == 16 ? KP : ldx;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < items; ++i) {
+      const Block *b = blocks + i / P, *bn = blocks + (i + 1 < items ? i + 1 : i) / P;
+      const int64_t p = i % P, pn = (i + 1 < items ? i + 1 : i) % P;
+      const float *w = b->w + p * panel;
+      if (kind == 16)
+        panel_rows(y + b->row0 * ldy + p * NR, ldy, xs + b->row0 * lx, lx, w, bn->w + pn * panel,
+                   panel_out(p, N, NULL), b->rows, KP, 16);
+      else
+        panel_rows(y + b->row0 * ldy + p * NR, ldy, xs + b->row0 * lx, lx, w, bn->w + pn * panel,
+                   panel_out(p, N, NULL), b->rows, K, 32);
+    }
+  }
+#ifdef __AMX_BF16__
+  else {
+#pragma omp parallel
+    {
+      float *scratch = (float *)aligned_alloc(64, sizeof(float) * 32 * NR);
+      if (scratch == NULL) {
+#pragma omp atomic write
+        failed = 1;
+      } else {
+        amx_configure();
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < items; ++i) {
+          const Block *b = blocks + i / P;
+          const int64_t p = i % P;
+          amx_panel(y + b->row0 * ldy + p * NR, ldy, xb + b->xrow0 * 2 * KP, KP,
+                    (const uint32_t *)b->w + p * KP * NR, NULL, b->rows, (b->rows + 15) / 16 * 16, N - p * NR,
+                    scratch);
+        }
+        _tile_release();
+        free(scratch);
+      }
+    }
+  }
+#endif
+  free((void *)xb);
+  free(blocks);
+  return failed ? -1 : 0;
+#else
+  (void)y; (void)ldy; (void)x; (void)ldx; (void)wps; (void)off; (void)G; (void)N; (void)K; (void)kind; (void)amx;
   return -1;
 #endif
 }

@@ -34,6 +34,7 @@ SIGNATURES: kernels.Signatures = {
     "gemm_packed_bf16": (ctypes.c_int, [_P, _I, _P, _I, _P, _P, _I, _I, _I]),
     "gemm_amx_supported": (ctypes.c_int, []),
     "gemm_packed_bf16_amx": (ctypes.c_int, [_P, _I, _P, _I, _P, _P, _I, _I, _I]),
+    "gemm_grouped": (ctypes.c_int, [_P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I]),
 }
 
 
@@ -174,3 +175,28 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
         else:
             lib.gemm_packed_q(*args, bits)
     return y.view(*x.shape[:-1], out_features)
+
+
+def linear_grouped(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, out_features: int,
+                   bits: int, amx: bool = False) -> torch.Tensor:
+    """Many weights of one shape in one call: rows ``offsets[g] .. offsets[g + 1]`` of ``x [M, K]``
+    times weight ``g``'s transpose, for ``weights`` the ``data_ptr()`` of each (int64 ``[G]``, every
+    one packed alike: :func:`pack` with ``bits=32``, :func:`pack_bf16` with ``bits=16``, AMX tiles
+    if ``amx``; no bias) and ``offsets`` int64 ``[G + 1]`` from 0 to ``M``. A row's result is what
+    :func:`linear` over its own weight gives it, bit for bit. The caller keeps the weights alive."""
+    lib = _lib()
+    assert lib is not None, "check usable() before pack()"
+    if bits not in (16, 32):
+        raise ValueError(f"bits must be 16 or 32 for grouped weights, got {bits!r}")
+    g = weights.shape[0]
+    if weights.dtype != torch.int64 or weights.dim() != 1 or not weights.is_contiguous():
+        raise ValueError("weights must be a contiguous int64 tensor of addresses")
+    if offsets.dtype != torch.int64 or offsets.shape != (g + 1,) or not offsets.is_contiguous():
+        raise ValueError(f"offsets must be contiguous int64 [{g + 1}]")
+    x2, y = rows_and_output(x, None, out_features)
+    if x2.dim() != 2 or int(offsets[0]) != 0 or int(offsets[-1]) != x2.shape[0] or bool((offsets.diff() < 0).any()):
+        raise ValueError(f"offsets must rise from 0 to the {x2.shape[0]} rows of x")
+    if x2.shape[0] and lib.gemm_grouped(y.data_ptr(), out_features, x2.data_ptr(), x2.stride(0), weights.data_ptr(),
+                                        offsets.data_ptr(), g, out_features, x2.shape[1], bits, int(amx)) != 0:
+        raise MemoryError("the grouped GEMM could not allocate its scratch (or this machine lacks its kind)")
+    return y

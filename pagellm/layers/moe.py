@@ -10,8 +10,11 @@ the group. The checkpoint's per-expert tensors (``experts.{e}.gate_proj`` or Mix
 ``w1``/``w3``/``w2``) load into their expert's slice (``weight_loader``).
 
 A token's output is the sum of its experts' outputs, each weighted by the router, added in
-expert order. The experts run one after another from Python (a loop over the experts some token
-chose, each over its tokens' rows): one fused call over all experts is not built yet.
+expert order. The rows are grouped by expert (a stable sort of the chosen ids) and each of the two
+projections runs as one call over every expert (``gemm.linear_grouped``: one parallel loop over all
+experts' panels, each row the bits its own expert's ``Linear`` gives it). Experts packed for the
+int8 kernel, or not packed at all (no kernel on this machine, a GPU), run one after another from
+Python over their tokens' rows instead, with the same sums in the same order.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import torch
 from torch import nn
 
 from pagellm.distributed import TensorParallelGroup
+from pagellm.kernels import cpu_ops, gemm
 from pagellm.layers.activation import gated_activation
+from pagellm.layers.custom_op import CustomOp
 from pagellm.layers.linear import Linear
 from pagellm.layers.parallel import copy_shard
 
@@ -34,6 +39,23 @@ EXPERT_PARTS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w
 def num_experts(config: Any) -> int:
     """The routed experts an HF config declares (Mixtral's ``num_local_experts``, Qwen's ``num_experts``)."""
     return int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
+
+
+class CombineExperts(CustomOp):
+    """``y [R, H]`` (every token's expert outputs), ``pos [T, k]`` (each token's rows of ``y``, its
+    experts in ascending order), ``weights [T, k]`` -> ``[T, H]``: a token's weighted outputs added
+    in expert order, the first product first (no zero), whatever else is in the batch."""
+
+    def forward_native(self, y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        t, k = pos.shape
+        weighted = (y.index_select(0, pos.reshape(-1)) * weights.reshape(-1, 1)).view(t, k, -1)
+        out = weighted[:, 0]
+        for j in range(1, k):
+            out = out + weighted[:, j]
+        return out
+
+    def forward_cpu(self, y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.moe_combine(y, pos, weights)
 
 
 class FusedMoE(nn.Module):
@@ -50,6 +72,11 @@ class FusedMoE(nn.Module):
         self.w13 = nn.ModuleList(Linear(hidden_size, 2 * inter, bias=False) for _ in range(num_experts))
         self.w2 = nn.ModuleList(Linear(inter, hidden_size, bias=False) for _ in range(num_experts))
         self.act_fn = gated_activation(config)
+        self.combine = CombineExperts()
+        # (bits, amx, w13 addresses, w2 addresses) once every expert is packed for a grouped kind
+        # (looked at on the first forward, after packing); None: the experts run one by one.
+        self._grouped: tuple[int, bool, torch.Tensor, torch.Tensor] | None = None
+        self._grouped_checked = False
 
     def weight_loader(self, which: str, expert: int, part: int | None, loaded: torch.Tensor) -> None:
         """Copy this rank's share of one expert's checkpoint tensor (``which``: ``w13`` with its
@@ -66,22 +93,55 @@ class FusedMoE(nn.Module):
             else:
                 copy_shard(w2.weight, loaded, 1, start, size)
 
+    def _grouped_kind(self) -> tuple[int, bool, torch.Tensor, torch.Tensor] | None:
+        """How one call can run every expert's projections: ``(bits, amx, w13 addresses, w2
+        addresses)``, or ``None`` where some expert is not packed for the float32 or bfloat16 kernel."""
+        if not self._grouped_checked:
+            self._grouped, self._grouped_checked = self._grouped_tables(), True
+        return self._grouped
+
+    def _grouped_tables(self) -> tuple[int, bool, torch.Tensor, torch.Tensor] | None:
+        w13 = [e for e in self.w13 if isinstance(e, Linear)]
+        w2 = [e for e in self.w2 if isinstance(e, Linear)]
+        kinds = {(16, e.amx) if e.packed_bf16 is not None else (32, False) if e.packed is not None else None
+                 for e in (*w13, *w2)}
+        if len(kinds) != 1 or None in kinds or any(e.packed_i8 is not None or e.bias is not None for e in w13 + w2):
+            return None
+        kind = kinds.pop()
+        assert kind is not None
+        bits, amx = kind
+
+        def addresses(linears: list[Linear]) -> torch.Tensor:
+            packed = [e.packed_bf16 if bits == 16 else e.packed for e in linears]
+            return torch.tensor([w.data_ptr() for w in packed if w is not None], dtype=torch.int64)
+        return bits, bool(amx), addresses(w13), addresses(w2)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        # Each expert's tokens (and the slot of the top-k that chose it), experts in index order.
+        t, k = ids.shape
+        # Each token's experts in ascending order, so its sum runs in expert order whatever the batch.
+        ids, slot = torch.sort(ids, dim=1)
+        weights = torch.gather(weights, 1, slot)
         flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        k = ids.shape[1]
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            sel = order[start:start + n]
-            start += n
-            tokens = sel // k
-            y = self.w2[e](self.act_fn(self.w13[e](x[tokens]))) * weights.reshape(-1)[sel, None]
-            out[tokens] += y.to(out.dtype)  # (a token is at most once among an expert's: no lost adds)
+        order = torch.argsort(flat, stable=True)  # rows grouped by expert, tokens in order within each
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        grouped = self._grouped_kind()
+        rows = x.index_select(0, order // k)
+        if grouped is not None:
+            bits, amx, w13, w2 = grouped
+            offsets = torch.zeros(self.num_experts + 1, dtype=torch.int64)
+            torch.cumsum(counts, 0, out=offsets[1:])
+            h = gemm.linear_grouped(rows, w13, offsets, 2 * self.part[1], bits, amx)
+            y = gemm.linear_grouped(self.act_fn(h), w2, offsets, x.shape[1], bits, amx)
+        else:
+            y = torch.empty_like(rows)
+            start = 0
+            for e, n in enumerate(counts.tolist()):
+                if n:
+                    y[start:start + n] = self.w2[e](self.act_fn(self.w13[e](rows[start:start + n])))
+                    start += n
+        pos = torch.empty_like(order)  # each (token, slot)'s row of y
+        pos[order] = torch.arange(order.numel(), device=order.device)
+        out = self.combine(y, pos.view(t, k), weights.to(y.dtype)).to(x.dtype)
         return self.tp.all_reduce(out)
 
 
