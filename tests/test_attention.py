@@ -122,6 +122,66 @@ def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, cache_d
     torch.testing.assert_close(from_cache(value_cache[slots], torch.float32), v)
 
 
+def _windowed_reference(q, k_all, v_all, num_computed, scale, window, softcap):
+    """float64: q [L, Hq, D] at positions num_computed.. over keys p - window < k <= p, each score
+    s capped to softcap * tanh(s / softcap)."""
+    hq, hkv = q.shape[1], k_all.shape[1]
+    k = k_all.double().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+    v = v_all.double().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+    s = q.double().transpose(0, 1) @ k.transpose(1, 2) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    qpos = (torch.arange(q.shape[0]) + num_computed)[:, None]
+    kpos = torch.arange(k_all.shape[0])[None, :]
+    allowed = (kpos <= qpos) & ((qpos - kpos < window) if window is not None else True)
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1)
+    return (p @ v).transpose(0, 1).reshape(q.shape[0], -1)
+
+
+@pytest.mark.parametrize("window,softcap", [(1, None), (5, None), (37, None), (None, 4.0), (16, 2.5)])
+@pytest.mark.parametrize("d,cache_dtype,block_size", [
+    (64, torch.float32, 16), (64, torch.float16, 3), (64, torch.int8, 16), (96, torch.float32, 16),
+    (16, torch.float32, 1)])
+def test_decode_kernel_with_a_window_and_a_softcap_equals_a_float64_formula(window, softcap, d, cache_dtype,
+                                                                             block_size):
+    """The decode kernel's sliding window and soft-cap (its AVX-512 path at head size 64 over each
+    cache, its generic path at 96 and 16) over decodes of every length around the window and
+    block edges; a prefill chunk in the same step takes the reference path."""
+    require_cpu_kernel(cpu_kernel.available)
+    hq, hkv = 8, 2
+    torch.manual_seed(d + block_size)
+    num_blocks = 4000 // block_size
+    key_cache = to_cache(torch.randn(num_blocks * block_size, hkv, d), cache_dtype)
+    value_cache = to_cache(torch.randn(num_blocks * block_size, hkv, d), cache_dtype)
+    free = torch.randperm(num_blocks).tolist()
+    backend = CpuPagedAttention.for_cache(key_cache, torch.float32)
+    assert backend.decode_kernel, f"no decode kernel for a {cache_dtype} cache of head size {d}"
+    seqs = []
+    for num_computed, n in [(c, 1) for c in (1, 2, 4, 5, 6, 15, 16, 17, 36, 37, 38, 80)] + [(20, 7)]:
+        total = num_computed + n
+        k_all, v_all = (_representable((total, hkv, d), cache_dtype) for _ in range(2))
+        blocks = [free.pop() for _ in range(-(-total // block_size))]
+        past = [blocks[p // block_size] * block_size + p % block_size for p in range(num_computed)]
+        key_cache[past] = to_cache(k_all[:num_computed], cache_dtype)
+        value_cache[past] = to_cache(v_all[:num_computed], cache_dtype)
+        seqs.append((num_computed, n, blocks, k_all, v_all, torch.randn(n, hq, d) * 4))
+    decodes, chunks = seqs[:-1], seqs[-1:]
+    meta = backend.build_metadata([c + 1 for c, *_ in decodes], [b for _, _, b, *_ in decodes],
+                                  [(c, n, b) for c, n, b, *_ in chunks], block_size, torch.device("cpu"))
+    assert any(g.kind == AttentionKind.DECODE_KERNEL for g in meta.groups)
+    order = [decodes[i] for i in meta.decode_order] + chunks
+    meta.slot_mapping = torch.tensor([b[p // block_size] * block_size + p % block_size
+                                      for c, n, b, *_ in order for p in range(c, c + n)])
+    q = torch.cat([s[5] for s in order])
+    out = backend.forward(q, torch.cat([s[3][s[0]:] for s in order]), torch.cat([s[4][s[0]:] for s in order]),
+                          key_cache, value_cache, meta, d ** -0.5, window=window, softcap=softcap)
+    start = 0
+    for c, n, _, k_all, v_all, qs in order:
+        ref = _windowed_reference(qs, k_all, v_all, c, d ** -0.5, window, softcap)
+        torch.testing.assert_close(out[start:start + n].double(), ref, atol=2e-5, rtol=1e-5)
+        start += n
+
+
 @pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4), (32, 1)])
 def test_prefill_kernel_over_long_contexts(hq, hkv):
     """Chunks after thousands of cached tokens and a long fresh prompt: the prefill kernel's tiling

@@ -26,7 +26,9 @@ _SIGNATURES: kernels.Signatures = {
     "paged_decode_f16": (ctypes.c_int, _ARGS),
     "paged_decode_i8": (ctypes.c_int, _ARGS),
     "paged_decode_f16_supported": (ctypes.c_int, [ctypes.c_int64]),
+    "paged_decode_windowed": (ctypes.c_int, _ARGS + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float]),
 }
+_ELEMENT_TYPE = {torch.float32: 0, torch.float16: 1, torch.int8: 2}  # paged_decode_windowed's et
 _DECODE = {torch.float32: "paged_decode_f32", torch.float16: "paged_decode_f16", torch.int8: "paged_decode_i8"}
 
 
@@ -61,8 +63,11 @@ def decode_kernel_address(key_cache: torch.Tensor) -> int | None:
 
 def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                            value_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           block_size: int, scale: float) -> None:
-    """``out[b] = softmax(q[b] K_b^T * scale) V_b`` over the first ``seq_lens[b]`` cached positions.
+                           block_size: int, scale: float, window: int | None = None,
+                           softcap: float | None = None) -> None:
+    """``out[b] = softmax(q[b] K_b^T * scale) V_b`` over the first ``seq_lens[b]`` cached positions,
+    or, with a sliding ``window``, the last ``window`` of them (keys ``p - window < k <= p`` for the
+    decode at ``p``); with ``softcap``, each score ``s`` becomes ``softcap * tanh(s / softcap)``.
 
     ``query`` ``[B, Hq, D]`` float32 with contiguous heads and any row stride (a view of the qkv
     output: no copy), ``out`` the same shape contiguous; caches ``[num_slots, Hkv, D]`` float32 or
@@ -87,6 +92,17 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: to
     for t, name in ((block_tables, "block_tables"), (seq_lens, "seq_lens")):
         if t.dtype != torch.int64 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous int64")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be a positive number of positions, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    if window is not None or softcap is not None:
+        status = lib.paged_decode_windowed(
+            out.data_ptr(), query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+            block_tables.data_ptr(), seq_lens.data_ptr(), b, hq, hkv, d, block_size, block_tables.shape[1], scale,
+            _ELEMENT_TYPE[key_cache.dtype], window or 0, softcap or 0.0)
+        _check_status(status, "decode")
+        return
     decode = getattr(lib, _DECODE[key_cache.dtype])
     status = decode(out.data_ptr(), query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
                     block_tables.data_ptr(), seq_lens.data_ptr(), b, hq, hkv, d, block_size, block_tables.shape[1],

@@ -1,7 +1,8 @@
 """The ``"cpu"`` attention backend: the reference backend plus the compiled CPU kernels.
 
 Decided once, at start-up, from the cache and the model dtype (:meth:`CpuPagedAttention.for_cache`):
-which kernels apply here (``cpu_kernel.py``: decode over a float32, float16 or int8 cache; prefill
+which kernels apply here (``cpu_kernel.py``: decode over a float32, float16 or int8 cache, with a
+layer's sliding window and logit soft-cap where it has them; prefill
 over the same with head size 64 on AVX-512, summing as the decode kernel does; ``cpu_ops.write_kv``:
 the K/V write). Each step's metadata then names the kernel groups (``DECODE_KERNEL``, ``PREFILL_KERNEL``) and
 ``TorchPagedAttention.forward`` runs them through the methods registered for those kinds. Nothing
@@ -33,6 +34,7 @@ class CpuPagedAttention(TorchPagedAttention):
         self.write_kv_kernel = write_kv_kernel
         self.impls[AttentionKind.DECODE_KERNEL] = self._decode_kernel
         self.impls[AttentionKind.PREFILL_KERNEL] = self._prefill_kernel
+        self.windowed_impls[AttentionKind.DECODE_KERNEL] = self._decode_kernel_windowed
 
     def __repr__(self) -> str:
         return (f"CpuPagedAttention(decode_kernel={self.decode_kernel}, prefill_kernel={self.prefill_kernel}, "
@@ -99,6 +101,13 @@ class CpuPagedAttention(TorchPagedAttention):
     def _decode_kernel(out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor, key: torch.Tensor,
                        value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_size: int,
                        scale: float) -> None:
+        CpuPagedAttention._decode_kernel_windowed(out, grp, query, key_cache, value_cache, block_size, scale, None,
+                                                  None)
+
+    @staticmethod
+    def _decode_kernel_windowed(out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor,
+                                key_cache: torch.Tensor, value_cache: torch.Tensor, block_size: int, scale: float,
+                                window: int | None, softcap: float | None) -> None:
         hq, d = query.shape[1], query.shape[2]
         b = grp.batch_size
         if grp.kv_blocks is None or grp.seq_lens is None:
@@ -107,7 +116,8 @@ class CpuPagedAttention(TorchPagedAttention):
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()
         cpu_kernel.paged_decode_attention(out[grp.token_start:grp.token_end].view(b, hq, d), q, key_cache,
-                                          value_cache, grp.kv_blocks, grp.seq_lens, block_size, scale)
+                                          value_cache, grp.kv_blocks, grp.seq_lens, block_size, scale,
+                                          window=window, softcap=softcap)
 
     @staticmethod
     def _prefill_kernel(out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor, key: torch.Tensor,

@@ -186,6 +186,9 @@ def _windowed(out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor, key_c
 # One group's attention: writes rows ``token_start:token_end`` of ``out [T, Hq * D]``.
 GroupImpl = Callable[[torch.Tensor, AttentionGroup, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                       torch.Tensor, int, float], None]
+# The same for a layer with a sliding window and/or a logit soft-cap (the last two arguments).
+WindowedImpl = Callable[[torch.Tensor, AttentionGroup, torch.Tensor, torch.Tensor, torch.Tensor, int, float,
+                         int | None, float | None], None]
 
 
 class TorchPagedAttention:
@@ -194,6 +197,8 @@ class TorchPagedAttention:
     ``build_metadata`` decides the groups (and their ``AttentionKind``); ``forward`` writes the
     step's K/V into the cache, then runs every group through the method registered for its kind
     in ``self.impls``. A subclass adds kinds (and builds groups of them) without an ``if`` here.
+    A layer with a sliding window or a soft-cap runs each group through ``self.windowed_impls``
+    where its kind has one there, else through ``_windowed`` (the reference, any kind).
     """
 
     name = "torch"
@@ -204,6 +209,7 @@ class TorchPagedAttention:
             AttentionKind.PAGED: self._paged,
             AttentionKind.CASCADE_DECODE: self._paged,
         }
+        self.windowed_impls: dict[AttentionKind, WindowedImpl] = {}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -283,6 +289,9 @@ class TorchPagedAttention:
         for grp in meta.groups:
             if window is None and softcap is None:
                 self.impls[grp.kind](out, grp, query, key, value, key_cache, value_cache, meta.block_size, scale)
+            elif grp.kind in self.windowed_impls:
+                self.windowed_impls[grp.kind](out, grp, query, key_cache, value_cache, meta.block_size, scale,
+                                              window, softcap)
             else:
                 _windowed(out, grp, query, key_cache, value_cache, meta.slot_mapping, meta.block_size, scale,
                           window, softcap)

@@ -32,18 +32,21 @@
  * performance.md). The L1 is filled by the loads themselves, blocks later, from L2. */
 static inline __attribute__((always_inline)) void prefetch_l2(const void *p) { __builtin_prefetch(p, 0, 2); }
 
-/* One (sequence, KV head) task, head_dim D known at compile time when inlined with a constant. */
+/* One (sequence, KV head) task, head_dim D known at compile time when inlined with a constant.
+ * Positions [lo, L) are read (lo > 0: a sliding window); softcap > 0 caps each score s to
+ * softcap * tanh(s / softcap) before the softmax. */
 static inline __attribute__((always_inline)) void task_impl(
     float *out, const float *qh, const float *kc, const float *vc, const int64_t *bt, int64_t L,
     int64_t g, int64_t row, int64_t h, const int64_t D, int64_t block_size, float scale, float *scores,
-    float *acc) {
+    float *acc, int64_t lo, float softcap) {
   float *m = acc + g * D, *inv = m + g; /* per query head: running max, then 1 / sum */
   for (int64_t j = 0; j < g; ++j) m[j] = -INFINITY;
-  for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+  const int64_t first = lo / block_size * block_size; /* the first block the window reaches */
+  for (int64_t t0 = first; t0 < L; t0 += block_size) {
     const float *kb = kc + bt[t0 / block_size] * block_size * row + h * D;
     const int64_t n = L - t0 < block_size ? L - t0 : block_size;
     const float *kn = t0 + block_size < L ? kc + bt[t0 / block_size + 1] * block_size * row + h * D : kb;
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = t0 < lo ? lo - t0 : 0; i < n; ++i) {
       for (int64_t c = 0; c < D; c += 16) prefetch_l2(kn + i * row + c);
       const float *k = kb + i * row;
       for (int64_t j = 0; j < g; ++j) {
@@ -52,6 +55,7 @@ static inline __attribute__((always_inline)) void task_impl(
 #pragma omp simd reduction(+ : s)
         for (int64_t d = 0; d < D; ++d) s += qj[d] * k[d];
         s *= scale;
+        if (softcap > 0.f) s = softcap * tanh_f32(s / softcap);
         scores[j * L + t0 + i] = s;
         m[j] = s > m[j] ? s : m[j];
       }
@@ -61,18 +65,18 @@ static inline __attribute__((always_inline)) void task_impl(
     float *sj = scores + j * L;
     float sum = 0.f;
     const float mj = m[j];
-    for (int64_t t = 0; t < L; ++t) {
+    for (int64_t t = lo; t < L; ++t) {
       sj[t] = exp_f32(sj[t] - mj);
       sum += sj[t];
     }
     inv[j] = 1.f / sum;
   }
   memset(acc, 0, sizeof(float) * g * D);
-  for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+  for (int64_t t0 = first; t0 < L; t0 += block_size) {
     const float *vb = vc + bt[t0 / block_size] * block_size * row + h * D;
     const int64_t n = L - t0 < block_size ? L - t0 : block_size;
     const float *vn = t0 + block_size < L ? vc + bt[t0 / block_size + 1] * block_size * row + h * D : vb;
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = t0 < lo ? lo - t0 : 0; i < n; ++i) {
       for (int64_t c = 0; c < D; c += 16) prefetch_l2(vn + i * row + c);
       const float *v = vb + i * row;
       for (int64_t j = 0; j < g; ++j) {
@@ -132,7 +136,8 @@ static inline __attribute__((always_inline)) void prefetch_first_blocks(const vo
  * to its softmax weight. */
 static inline __attribute__((always_inline)) void task64(
     float *out, const float *qh, const void *kc, const void *vc, const int64_t *bt, int64_t L,
-    const int G, int64_t row, int64_t h, int64_t bs, float scale, float *scores, const int et) {
+    const int G, int64_t row, int64_t h, int64_t bs, float scale, float *scores, const int et, int64_t lo,
+    float softcap) {
   const int64_t hs = et == ET_I8 ? 64 + 4 : 64; /* an int8 row's values, then its float32 scale */
   __m512 q[4][4];
   for (int j = 0; j < G; ++j)
@@ -143,16 +148,17 @@ static inline __attribute__((always_inline)) void task64(
   __m512 part[4][16], mv[4];
   float ks[16]; /* the int8 rows' scales of the tokens gathered in part */
   for (int j = 0; j < G; ++j) mv[j] = _mm512_set1_ps(-INFINITY);
-  int c = 0;   /* tokens gathered in part */
-  int64_t t = 0; /* position of part[.][0] */
-  const int64_t nb = (L + bs - 1) / bs;
+  int c = 0;    /* tokens gathered in part */
+  int64_t t = lo; /* position of part[.][0] */
+  const int64_t nb = (L + bs - 1) / bs, b0 = lo / bs; /* (a window's first block: b0) */
   const int64_t pf = prefetch_blocks(bs);
-  prefetch_first_blocks(kc, bt, nb, L, pf, bs, row, h * hs, et);
-  for (int64_t b = 0; b < nb; ++b) {
+  const __m512 cap = _mm512_set1_ps(softcap);
+  prefetch_first_blocks(kc, bt + b0, nb - b0, L - b0 * bs, pf, bs, row, h * hs, et);
+  for (int64_t b = b0; b < nb; ++b) {
     const int64_t kb = bt[b] * bs * row + h * hs;
     const int64_t kn = b + pf < nb ? bt[b + pf] * bs * row + h * hs : kb;
     const int64_t n = L - b * bs < bs ? L - b * bs : bs;
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = b == b0 ? lo - b0 * bs : 0; i < n; ++i) {
       const int64_t k = kb + i * row;
       prefetch_row(kc, kn + i * row, et);
       const __m512 k0 = load16(kc, k, et), k1 = load16(kc, k + 16, et), k2 = load16(kc, k + 32, et),
@@ -170,6 +176,7 @@ static inline __attribute__((always_inline)) void task64(
           for (int z = c; z < 16; ++z) part[j][z] = _mm512_setzero_ps();
           __m512 s = sum16(part[j]);
           if (et == ET_I8) s = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(mk, ks));
+          if (softcap > 0.f) s = _mm512_mul_ps(cap, tanh512(_mm512_div_ps(s, cap)));
           _mm512_mask_storeu_ps(scores + j * L + t, mk, s);
           mv[j] = _mm512_mask_max_ps(mv[j], mk, mv[j], s);
         }
@@ -178,7 +185,7 @@ static inline __attribute__((always_inline)) void task64(
       }
     }
   }
-  prefetch_first_blocks(vc, bt, nb, L, pf, bs, row, h * hs, et); /* arriving while the softmax runs */
+  prefetch_first_blocks(vc, bt + b0, nb - b0, L - b0 * bs, pf, bs, row, h * hs, et); /* arriving while the softmax runs */
   float m[4];
   for (int j = 0; j < G; ++j) m[j] = _mm512_reduce_max_ps(mv[j]);
   float inv[4];
@@ -186,7 +193,7 @@ static inline __attribute__((always_inline)) void task64(
     float *sj = scores + j * L;
     const __m512 mj = _mm512_set1_ps(m[j]);
     __m512 sum = _mm512_setzero_ps();
-    int64_t t = 0;
+    int64_t t = lo;
     for (; t + 16 <= L; t += 16) {
       __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sj + t), mj));
       _mm512_storeu_ps(sj + t, e);
@@ -203,11 +210,11 @@ static inline __attribute__((always_inline)) void task64(
   __m512 acc[4][4];
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < 4; ++c) acc[j][c] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t b = b0; b < nb; ++b) {
     const int64_t vb = bt[b] * bs * row + h * hs;
     const int64_t vn = b + pf < nb ? bt[b + pf] * bs * row + h * hs : vb;
     const int64_t n = L - b * bs < bs ? L - b * bs : bs;
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = b == b0 ? lo - b0 * bs : 0; i < n; ++i) {
       const int64_t v = vb + i * row;
       prefetch_row(vc, vn + i * row, et);
       const __m512 v0 = load16(vc, v, et), v1 = load16(vc, v + 16, et), v2 = load16(vc, v + 32, et),
@@ -229,16 +236,16 @@ static inline __attribute__((always_inline)) void task64(
 /* One (sequence, KV head) task of the AVX-512 path: query heads in register-sized groups. */
 static inline __attribute__((always_inline)) void task64_groups(
     float *o, const float *qh, const void *kc, const void *vc, const int64_t *bt, int64_t L, int64_t g,
-    int64_t row, int64_t h, int64_t bs, float scale, float *scores, const int et) {
+    int64_t row, int64_t h, int64_t bs, float scale, float *scores, const int et, int64_t lo, float softcap) {
   for (int64_t j0 = 0; j0 < g; j0 += 4) {
     const int G = g - j0 < 4 ? (int)(g - j0) : 4;
     float *oj = o + j0 * 64;
     const float *qj = qh + j0 * 64;
     switch (G) {
-      case 1: task64(oj, qj, kc, vc, bt, L, 1, row, h, bs, scale, scores, et); break;
-      case 2: task64(oj, qj, kc, vc, bt, L, 2, row, h, bs, scale, scores, et); break;
-      case 3: task64(oj, qj, kc, vc, bt, L, 3, row, h, bs, scale, scores, et); break;
-      default: task64(oj, qj, kc, vc, bt, L, 4, row, h, bs, scale, scores, et); break;
+      case 1: task64(oj, qj, kc, vc, bt, L, 1, row, h, bs, scale, scores, et, lo, softcap); break;
+      case 2: task64(oj, qj, kc, vc, bt, L, 2, row, h, bs, scale, scores, et, lo, softcap); break;
+      case 3: task64(oj, qj, kc, vc, bt, L, 3, row, h, bs, scale, scores, et, lo, softcap); break;
+      default: task64(oj, qj, kc, vc, bt, L, 4, row, h, bs, scale, scores, et, lo, softcap); break;
     }
   }
 }
@@ -255,7 +262,7 @@ int paged_decode_f16_supported(int64_t D) { return avx512_head64(D); }
 static inline __attribute__((always_inline)) int decode_all(
     float *out, const float *q, int64_t q_stride, const void *kc, const void *vc, const int64_t *block_tables,
     const int64_t *seq_lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
-    int64_t max_blocks, float scale, const int et) {
+    int64_t max_blocks, float scale, const int et, int64_t window, float softcap) {
   const int64_t g = Hq / Hkv;
   const int64_t row = Hkv * (et == ET_I8 ? D + 4 : D);
   /* With enough sequences to keep every thread busy, one thread takes all KV heads of a sequence
@@ -282,6 +289,7 @@ static inline __attribute__((always_inline)) int decode_all(
       if (stop) continue; /* out of memory somewhere: the caller raises, the output is garbage */
       const int64_t b = task / Hkv, h = task % Hkv;
       const int64_t L = seq_lens[b];
+      const int64_t lo = window > 0 && L > window ? L - window : 0; /* keys p - window < k <= p */
       if (g * L + 16 > cap) { /* + 16: the vector softmax may touch a partial vector past L */
         cap = (g * L + 16) * 2;
         free(scores);
@@ -298,18 +306,18 @@ static inline __attribute__((always_inline)) int decode_all(
       const int64_t *bt = block_tables + b * max_blocks;
 #ifdef __AVX512F__
       if (D == 64) {
-        task64_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et);
+        task64_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et, lo, softcap);
         continue;
       }
 #endif
       if (et != ET_F32) continue; /* unreachable: no portable float16 or int8 path */
       const float *kf = (const float *)kc, *vf = (const float *)vc;
       if (D == 64)
-        task_impl(o, qh, kf, vf, bt, L, g, row, h, 64, block_size, scale, scores, acc);
+        task_impl(o, qh, kf, vf, bt, L, g, row, h, 64, block_size, scale, scores, acc, lo, softcap);
       else if (D == 128)
-        task_impl(o, qh, kf, vf, bt, L, g, row, h, 128, block_size, scale, scores, acc);
+        task_impl(o, qh, kf, vf, bt, L, g, row, h, 128, block_size, scale, scores, acc, lo, softcap);
       else
-        task_impl(o, qh, kf, vf, bt, L, g, row, h, D, block_size, scale, scores, acc);
+        task_impl(o, qh, kf, vf, bt, L, g, row, h, D, block_size, scale, scores, acc, lo, softcap);
     }
     free(scores);
     free(acc);
@@ -321,7 +329,7 @@ static inline __attribute__((always_inline)) int decode_all(
 int paged_decode_f32(float *out, const float *q, int64_t q_stride, const float *kc, const float *vc,
                       const int64_t *block_tables, const int64_t *seq_lens, int64_t B, int64_t Hq,
                       int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, float scale) {
-  return decode_all(out, q, q_stride, kc, vc, block_tables, seq_lens, B, Hq, Hkv, D, block_size, max_blocks, scale, ET_F32);
+  return decode_all(out, q, q_stride, kc, vc, block_tables, seq_lens, B, Hq, Hkv, D, block_size, max_blocks, scale, ET_F32, 0, 0.f);
 }
 
 /* Decode attention over a float16 cache (kv_cache_dtype="float16"). Always exported, so the
@@ -329,12 +337,29 @@ int paged_decode_f32(float *out, const float *q, int64_t q_stride, const float *
 int paged_decode_f16(float *out, const float *q, int64_t q_stride, const uint16_t *kc, const uint16_t *vc,
                       const int64_t *block_tables, const int64_t *seq_lens, int64_t B, int64_t Hq,
                       int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, float scale) {
-  return decode_all(out, q, q_stride, kc, vc, block_tables, seq_lens, B, Hq, Hkv, D, block_size, max_blocks, scale, ET_F16);
+  return decode_all(out, q, q_stride, kc, vc, block_tables, seq_lens, B, Hq, Hkv, D, block_size, max_blocks, scale, ET_F16, 0, 0.f);
 }
 
 /* Decode attention over an int8 cache (kv_cache_dtype="int8"; rows of D + 4 elements). */
 int paged_decode_i8(float *out, const float *q, int64_t q_stride, const int8_t *kc, const int8_t *vc,
                     const int64_t *block_tables, const int64_t *seq_lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                     int64_t block_size, int64_t max_blocks, float scale) {
-  return decode_all(out, q, q_stride, kc, vc, block_tables, seq_lens, B, Hq, Hkv, D, block_size, max_blocks, scale, ET_I8);
+  return decode_all(out, q, q_stride, kc, vc, block_tables, seq_lens, B, Hq, Hkv, D, block_size, max_blocks, scale, ET_I8, 0, 0.f);
+}
+
+/* The three above with a sliding window (window > 0: a decode at position L - 1 reads keys from
+ * L - window; 0: all) and logit soft-capping (softcap > 0), for the layers that have them. Separate
+ * entry points, so the decode graph's calls keep their signature. et: 0 float32, 1 float16, 2 int8. */
+int paged_decode_windowed(float *out, const float *q, int64_t q_stride, const void *kc, const void *vc,
+                          const int64_t *block_tables, const int64_t *seq_lens, int64_t B, int64_t Hq, int64_t Hkv,
+                          int64_t D, int64_t block_size, int64_t max_blocks, float scale, int64_t et, int64_t window,
+                          float softcap) {
+  if (et == ET_F16)
+    return decode_all(out, q, q_stride, kc, vc, block_tables, seq_lens, B, Hq, Hkv, D, block_size, max_blocks, scale,
+                      ET_F16, window, softcap);
+  if (et == ET_I8)
+    return decode_all(out, q, q_stride, kc, vc, block_tables, seq_lens, B, Hq, Hkv, D, block_size, max_blocks, scale,
+                      ET_I8, window, softcap);
+  return decode_all(out, q, q_stride, kc, vc, block_tables, seq_lens, B, Hq, Hkv, D, block_size, max_blocks, scale,
+                    ET_F32, window, softcap);
 }

@@ -43,6 +43,10 @@ static inline float exp_f32(float x) {
   return p * scale;
 }
 
+/* tanh(x) = 1 - 2 / (exp(2x) + 1), with exp_f32 (clamped, so large |x| give +-1): attention logit
+ * soft-capping, cap * tanh(s / cap) (Gemma 2), in the decode kernel's two paths alike. */
+static inline float tanh_f32(float x) { return 1.0f - 2.0f / (exp_f32(2.0f * x) + 1.0f); }
+
 /* The AVX-512 paths are written for head size 64 only. */
 static inline int avx512_head64(int64_t D) {
 #ifdef __AVX512F__
@@ -97,6 +101,13 @@ static inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);
+}
+
+/* tanh_f32 for 16 floats. */
+static inline __m512 tanh512(__m512 x) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 e = exp512(_mm512_add_ps(x, x));
+  return _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
 }
 #endif
 #endif
