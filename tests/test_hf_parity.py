@@ -261,6 +261,117 @@ def test_gemma_gguf_matches_hf(ckpt_root, arch, smollm2_path):
     assert len({tuple(r) for r in ref}) > 4
 
 
+# HF name (after "model.layers.{i}.", Mixtral's block_sparse_moe read as mlp) -> llama.cpp's, for MoE models.
+_MOE_GGUF_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+}
+_EXPERT_GGUF_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                      "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+
+
+def write_moe_gguf(hf_dir: str, path: str, tokenizer_from: str) -> str:
+    """The HF MoE checkpoint as llama.cpp's converter writes it (Mixtral as ``llama`` with q/k
+    permuted, Qwen's as ``qwen2moe``/``qwen3moe``): each layer's experts stacked in one 3-D tensor
+    and quantized to Q8_0 by ``gguf`` (float32 where the inputs are not whole blocks), everything
+    else float32. Returns an HF checkpoint beside it
+    with those experts' values as ``gguf`` dequantizes them: the oracle's weights."""
+    import re
+    import shutil
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+
+    from pagellm.weights.gguf_write import _copy_tokenizer, add_decoder_metadata
+
+    cfg = transformers.AutoConfig.from_pretrained(hf_dir)
+    arch = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}[cfg.model_type]
+    experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    w = gguf.GGUFWriter(path, arch)
+    add_decoder_metadata(w, cfg.max_position_embeddings, cfg.hidden_size, cfg.num_hidden_layers,
+                         cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps,
+                         cfg.vocab_size)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_expert_count(experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch != "llama":
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    _copy_tokenizer(w, tokenizer_from)
+    tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
+    stacks: dict[tuple[str, str], list] = {}
+    per_expert = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
+    oracle = {}
+    for name, t in tensors.items():
+        hf_name = name.replace(".block_sparse_moe.", ".mlp.")
+        arr = t.float().numpy()
+        m = per_expert.fullmatch(hf_name)
+        if m:
+            stacks.setdefault((m.group(1), _EXPERT_GGUF_NAMES[m.group(3)]), []).append((int(m.group(2)), name))
+            continue
+        oracle[name] = t
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            gname = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm",
+                     "lm_head.weight": "output"}[name] + ".weight"
+        else:
+            _, _, layer, rest = hf_name.split(".", 3)
+            base, _, suffix = rest.rpartition(".")
+            gname = f"blk.{layer}.{_MOE_GGUF_NAMES[base]}.{suffix}"
+            if arch == "llama" and base in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = cfg.num_attention_heads if base.endswith("q_proj") else cfg.num_key_value_heads
+                arr = arr.reshape(heads, 2, arr.shape[0] // heads // 2, *arr.shape[1:]).swapaxes(1, 2) \
+                    .reshape(arr.shape)
+            if base == "mlp.shared_expert_gate":
+                arr = arr.reshape(-1)
+        w.add_tensor(gname, arr)
+    for (layer, gname), members in stacks.items():
+        names = [n for _, n in sorted(members)]
+        assert len(names) == experts
+        stack = np.stack([tensors[n].float().numpy() for n in names])
+        if stack.shape[-1] % 32:  # (Qwen's down projections here: 48 inputs) float32, as llama.cpp falls back
+            w.add_tensor(f"blk.{layer}.{gname}.weight", stack)
+            oracle.update((n, tensors[n]) for n in names)
+            continue
+        q = gguf.quantize(stack, gguf.GGMLQuantizationType.Q8_0)
+        w.add_tensor(f"blk.{layer}.{gname}.weight", q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        back = gguf.dequantize(q, gguf.GGMLQuantizationType.Q8_0).reshape(stack.shape)
+        for e, n in enumerate(names):
+            oracle[n] = torch.from_numpy(np.ascontiguousarray(back[e]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=False)
+    w.close()
+    oracle_dir = hf_dir + "-q8-experts"
+    shutil.copytree(hf_dir, oracle_dir, dirs_exist_ok=True)
+    save_file(oracle, os.path.join(oracle_dir, "model.safetensors"))
+    return oracle_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_moe_gguf_matches_hf(ckpt_root, arch, smollm2_path):
+    """An MoE GGUF (llama.cpp's names and stacked Q8_0 experts, its metadata; a Qwen model's dense
+    layer found from its tensors) runs as HF runs the checkpoint with those experts' values."""
+    path = build_tiny_checkpoint(ckpt_root, arch)
+    gguf_path = os.path.join(ckpt_root, f"{arch}.gguf")
+    oracle_dir = write_moe_gguf(path, gguf_path, smollm2_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(oracle_dir, dtype=torch.float32).eval()
+    prompts = random_prompts(6, seed=7)
+    ref = hf_greedy(hf, prompts)
+    got, _ = engine_greedy(gguf_path, prompts)
+    assert_equal_but_float32_ties(hf, prompts, got, ref)
+    assert len({tuple(r) for r in ref}) > 4
+
+
 # Gemma's own chat template (as Gemma 2 checkpoints ship it): no system role, alternating turns.
 GEMMA_TEMPLATE = (
     "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"

@@ -22,7 +22,8 @@ from pagellm.weights.gguf_quant import GGUFBlocks
 
 _FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-          "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+          "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+          "qwen3moe": "Qwen3MoeForCausalLM"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -35,7 +36,17 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixture of experts: the router, Qwen2-MoE's shared expert and its gate.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# A layer's experts stacked in one 3-D tensor [experts, out, in]: each expert's slice under its own name.
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# Whether a family renormalises its top-k router weights, as llama.cpp's graph for it does.
+_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 # Gemma's four norms per layer: llama.cpp's ffn_norm is the norm before the MLP there.
 _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                       "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
@@ -208,10 +219,39 @@ def gguf_config(path: str):
         kwargs.update(_gemma_config(r, arch, kwargs))
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
            "qwen3": transformers.Qwen3Config, "gemma2": transformers.Gemma2Config,
-           "gemma3": transformers.Gemma3TextConfig}[arch]
+           "gemma3": transformers.Gemma3TextConfig, "qwen2moe": transformers.Qwen2MoeConfig,
+           "qwen3moe": transformers.Qwen3MoeConfig}[arch]
+    hf_arch = _ARCHS[arch]
+    experts = int(_field(r, p + "expert_count", 0) or 0)
+    if experts:
+        kwargs.update(_moe_config(r, arch, experts, names))
+        if arch == "llama":  # llama.cpp writes Mixtral as llama with experts
+            cls, hf_arch = transformers.MixtralConfig, "MixtralForCausalLM"
+    elif arch in ("qwen2moe", "qwen3moe"):
+        raise ValueError(f"GGUF {arch} file without {p}expert_count")
     config = cls(**kwargs)
-    config.architectures = [_ARCHS[arch]]
+    config.architectures = [hf_arch]
     return config
+
+
+def _moe_config(r: GGUFIndex, arch: str, experts: int, names: set[str]) -> dict[str, Any]:
+    """A mixture of experts' settings from llama.cpp's keys; a layer with a dense MLP (its
+    ``ffn_gate`` where the others have ``ffn_gate_exps``) is one of HF's ``mlp_only_layers``."""
+    p = f"{arch}."
+    layers = int(_field(r, p + "block_count"))
+    out: dict[str, Any] = {"num_experts_per_tok": int(_field(r, p + "expert_used_count")),
+                           "norm_topk_prob": bool(_field(r, p + "expert_weights_norm", _NORM_TOPK[arch]))}
+    if arch == "llama":
+        out["num_local_experts"] = experts
+        return out
+    out["num_experts"] = experts
+    out["moe_intermediate_size"] = int(_field(r, p + "expert_feed_forward_length"))
+    out["decoder_sparse_step"] = 1
+    out["mlp_only_layers"] = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in names]
+    shared = _field(r, p + "expert_shared_feed_forward_length")
+    if arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = int(shared or 0)
+    return out
 
 
 def _gemma_config(r: GGUFIndex, arch: str, base: dict[str, Any]) -> dict[str, Any]:
@@ -253,6 +293,22 @@ def _to_array(t) -> np.ndarray:
     return gguf.dequantize(t.data, t.tensor_type).reshape(shape)
 
 
+def _experts(t: GGUFTensor, layer: int, part: str,
+             keep_blocks: bool) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+    """One layer's stacked experts (``[experts, out, in]``), each expert's matrix under its HF name:
+    for a block-quantized type its rows of the file's blocks (a view: nothing is read until the
+    expert is loaded, dequantized then unless ``keep_blocks``), else a float32 copy of its slice."""
+    experts, out_features, in_features = (int(x) for x in reversed(t.shape))
+    whole = _to_array(t) if t.tensor_type in _FLOAT_TYPES else None
+    for e in range(experts):
+        name = f"model.layers.{layer}.mlp.experts.{e}.{part}.weight"
+        if whole is not None:
+            yield name, torch.from_numpy(np.array(whole[e], dtype=np.float32))
+            continue
+        blocks = GGUFBlocks(t.data.reshape(experts, out_features, -1)[e], t.tensor_type, (out_features, in_features))
+        yield name, blocks if keep_blocks else blocks.dequantize()
+
+
 def rope_freq_factors(path: str) -> torch.Tensor | None:
     for t in _reader(path).tensors:
         if t.name == "rope_freqs.weight":
@@ -272,12 +328,15 @@ def iter_gguf_weights(path: str, config: Any,
     for t in r.tensors:
         if t.name == "rope_freqs.weight":
             continue
+        m = _BLK.match(t.name)
+        if m and m.group(2) in _EXPERT_NAMES:
+            yield from _experts(t, int(m.group(1)), _EXPERT_NAMES[m.group(2)], keep_blocks)
+            continue
         arr: np.ndarray | GGUFBlocks
         if keep_blocks and t.tensor_type not in _FLOAT_TYPES and len(t.shape) == 2:
             arr = GGUFBlocks(t.data, t.tensor_type, (int(t.shape[1]), int(t.shape[0])))
         else:
             arr = _to_array(t)
-        m = _BLK.match(t.name)
         if m:
             layer, kind, suffix = m.groups()
             if kind not in layer_names:
@@ -296,6 +355,8 @@ def iter_gguf_weights(path: str, config: Any,
             name = f"{_GLOBAL_NAMES[base]}.{suffix}"
         if isinstance(arr, GGUFBlocks):
             yield name, arr
+        elif kind == "ffn_gate_inp_shexp" if m else False:  # [hidden] in the file, HF's [1, hidden]
+            yield name, torch.from_numpy(np.array(arr, dtype=np.float32).reshape(1, -1))
         elif arch in _GEMMA and name.endswith("norm.weight"):
             # llama.cpp stores Gemma's norms as 1 + w; the model adds its 1 to the checkpoint's w
             # (as transformers' GGUF loader gives them back: exact for 1 + w in [0.5, 2]).
