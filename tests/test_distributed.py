@@ -57,6 +57,12 @@ CHECKPOINTS = {
     "llama-tied": dict(arch="llama", tie=True),
     "llama-uneven": dict(arch="llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=96,
                          intermediate_size=99),
+    # The other families: windows and soft-caps per rank's heads, Phi-3's fused projections split per
+    # part, every expert's intermediate features split between the ranks (experts are not replicated).
+    "gemma2": dict(arch="gemma2"),
+    "phi3": dict(arch="phi3"),
+    "mixtral": dict(arch="mixtral"),
+    "qwen2_moe": dict(arch="qwen2_moe"),
 }
 
 
