@@ -261,6 +261,70 @@ def test_gemma_gguf_matches_hf(ckpt_root, arch, smollm2_path):
     assert len({tuple(r) for r in ref}) > 4
 
 
+# HF name (after "model.layers.{i}.") -> llama.cpp's, for Phi-3 (fused qkv; ffn_up holds gate and up).
+_PHI3_GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                    "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+                    "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def write_phi3_gguf(hf_dir: str, path: str, tokenizer_from: str) -> None:
+    """The HF Phi-3 checkpoint as llama.cpp's converter writes it: fused tensors under its names, the
+    rotated features per head, the trained length, longrope's factors as two tensors, the window."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from pagellm.weights.gguf_write import _copy_tokenizer, add_decoder_metadata
+
+    cfg = transformers.AutoConfig.from_pretrained(hf_dir)
+    rope = cfg.rope_parameters
+    w = gguf.GGUFWriter(path, "phi3")
+    add_decoder_metadata(w, cfg.max_position_embeddings, cfg.hidden_size, cfg.num_hidden_layers,
+                         cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps,
+                         cfg.vocab_size)
+    w.add_rope_dimension_count(int(cfg.head_dim * rope["partial_rotary_factor"]))
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+    w.add_sliding_window(cfg.sliding_window)
+    _copy_tokenizer(w, tokenizer_from)
+    w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+    w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            gname = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm",
+                     "lm_head.weight": "output"}[name] + ".weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            gname = f"blk.{layer}.{_PHI3_GGUF_NAMES[rest.removesuffix('.weight')]}.weight"
+        w.add_tensor(gname, t.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=False)
+    w.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_model_len", [512, 1024])
+def test_phi3_gguf_matches_hf(ckpt_root, smollm2_path, max_model_len):
+    """A Phi-3 GGUF (fused tensors, partial rotary, longrope's factors as tensors, the window) runs as
+    HF runs its checkpoint: short factors within the trained 512 positions; served at 1024, the
+    long ones, against HF's model whose checkpoint says so."""
+    path = build_tiny_checkpoint(ckpt_root, "phi3")
+    gguf_path = os.path.join(ckpt_root, "phi3.gguf")
+    if not os.path.exists(gguf_path):
+        write_phi3_gguf(path, gguf_path, smollm2_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if max_model_len > 512:  # HF's long factors for every call, as the engine takes them for this length
+        rope = hf.config.rope_parameters
+        hf.config.rope_parameters = {**rope, "short_factor": rope["long_factor"]}
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, config=hf.config, dtype=torch.float32).eval()
+    prompts = random_prompts(6, seed=9)
+    ref = hf_greedy(hf, prompts)
+    got, _ = engine_greedy(gguf_path, prompts, max_model_len=max_model_len)
+    assert_equal_but_float32_ties(hf, prompts, got, ref)
+    assert len({tuple(r) for r in ref}) > 4
+
+
 # HF name (after "model.layers.{i}.", Mixtral's block_sparse_moe read as mlp) -> llama.cpp's, for MoE models.
 _MOE_GGUF_NAMES = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",

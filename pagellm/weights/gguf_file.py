@@ -23,7 +23,7 @@ from pagellm.weights.gguf_quant import GGUFBlocks
 _FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
           "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
-          "qwen3moe": "Qwen3MoeForCausalLM"}
+          "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -51,6 +51,9 @@ _NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                       "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _GEMMA = ("gemma2", "gemma3")
+# Phi-3's fused projections: llama.cpp's ffn_up holds gate and up, as HF's gate_up_proj does.
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -217,10 +220,12 @@ def gguf_config(path: str):
         raise ValueError(f"GGUF rope scaling {scaling!r} is not supported")
     if arch in _GEMMA:
         kwargs.update(_gemma_config(r, arch, kwargs))
+    if arch == "phi3":
+        kwargs.update(_phi3_config(r, kwargs))
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
            "qwen3": transformers.Qwen3Config, "gemma2": transformers.Gemma2Config,
            "gemma3": transformers.Gemma3TextConfig, "qwen2moe": transformers.Qwen2MoeConfig,
-           "qwen3moe": transformers.Qwen3MoeConfig}[arch]
+           "qwen3moe": transformers.Qwen3MoeConfig, "phi3": transformers.Phi3Config}[arch]
     hf_arch = _ARCHS[arch]
     experts = int(_field(r, p + "expert_count", 0) or 0)
     if experts:
@@ -232,6 +237,24 @@ def gguf_config(path: str):
     config = cls(**kwargs)
     config.architectures = [hf_arch]
     return config
+
+
+def _phi3_config(r: GGUFIndex, base: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's rotary as llama.cpp stores it: the rotated features per head, the trained length and,
+    for longrope, its short and long factors as tensors; the window of every layer."""
+    head_dim, theta = base["head_dim"], base.pop("rope_theta")
+    rotated = int(_field(r, "phi3.rope.dimension_count", head_dim))
+    original = _field(r, "phi3.rope.scaling.original_context_length")
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": rotated / head_dim}
+    factors = {t.name: _to_array(t).astype(np.float32).tolist() for t in r.tensors if t.name in _ROPE_TENSORS[1:]}
+    if factors:
+        params.update(rope_type="longrope", long_factor=factors["rope_factors_long.weight"],
+                      short_factor=factors["rope_factors_short.weight"],
+                      original_max_position_embeddings=int(original or base["max_position_embeddings"]))
+    out: dict[str, Any] = {"rope_parameters": params, "sliding_window": _field(r, "phi3.attention.sliding_window")}
+    if original is not None:
+        out["original_max_position_embeddings"] = int(original)
+    return out
 
 
 def _moe_config(r: GGUFIndex, arch: str, experts: int, names: set[str]) -> dict[str, Any]:
@@ -324,9 +347,9 @@ def iter_gguf_weights(path: str, config: Any,
     r = _reader(path)
     arch = gguf_architecture(path)
     permute = arch == "llama"
-    layer_names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES
+    layer_names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
     for t in r.tensors:
-        if t.name == "rope_freqs.weight":
+        if t.name in _ROPE_TENSORS:  # (read with the config: rope_freq_factors, Phi-3's longrope factors)
             continue
         m = _BLK.match(t.name)
         if m and m.group(2) in _EXPERT_NAMES:
