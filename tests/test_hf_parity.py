@@ -267,12 +267,16 @@ _PHI3_GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": 
                     "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
-def write_phi3_gguf(hf_dir: str, path: str, tokenizer_from: str) -> None:
+def write_phi3_gguf(hf_dir: str, path: str, tokenizer_from: str, q8_0: bool = False) -> str:
     """The HF Phi-3 checkpoint as llama.cpp's converter writes it: fused tensors under its names, the
-    rotated features per head, the trained length, longrope's factors as two tensors, the window."""
+    rotated features per head, the trained length, longrope's factors as two tensors, the window;
+    with ``q8_0`` the layers' matrices quantized to Q8_0 by ``gguf``. Returns an HF checkpoint with
+    the values the file holds (``gguf``'s dequantizer): the oracle's weights."""
+    import shutil
+
     import gguf
     import numpy as np
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
     from pagellm.weights.gguf_write import _copy_tokenizer, add_decoder_metadata
 
@@ -289,6 +293,7 @@ def write_phi3_gguf(hf_dir: str, path: str, tokenizer_from: str) -> None:
     _copy_tokenizer(w, tokenizer_from)
     w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
     w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    oracle = {}
     for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
         if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
             gname = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm",
@@ -296,11 +301,23 @@ def write_phi3_gguf(hf_dir: str, path: str, tokenizer_from: str) -> None:
         else:
             _, _, layer, rest = name.split(".", 3)
             gname = f"blk.{layer}.{_PHI3_GGUF_NAMES[rest.removesuffix('.weight')]}.weight"
-        w.add_tensor(gname, t.float().numpy())
+        arr = t.float().numpy()
+        oracle[name] = t
+        if q8_0 and gname.startswith("blk.") and arr.ndim == 2:
+            q = gguf.quantize(arr, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(gname, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            oracle[name] = torch.from_numpy(gguf.dequantize(q, gguf.GGMLQuantizationType.Q8_0).reshape(arr.shape))
+        else:
+            w.add_tensor(gname, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file(progress=False)
     w.close()
+    oracle_dir = hf_dir + ("-q8" if q8_0 else "")
+    if q8_0:
+        shutil.copytree(hf_dir, oracle_dir, dirs_exist_ok=True)
+        save_file(oracle, os.path.join(oracle_dir, "model.safetensors"))
+    return oracle_dir
 
 
 @pytest.mark.slow
@@ -323,6 +340,32 @@ def test_phi3_gguf_matches_hf(ckpt_root, smollm2_path, max_model_len):
     got, _ = engine_greedy(gguf_path, prompts, max_model_len=max_model_len)
     assert_equal_but_float32_ties(hf, prompts, got, ref)
     assert len({tuple(r) for r in ref}) > 4
+
+
+@pytest.mark.slow
+def test_phi3_gguf_fused_blocks_are_cut_into_their_parts(ckpt_root, smollm2_path):
+    """Q8_0 fused qkv and gate_up kept at their width: each part takes its rows' blocks. In float32
+    they are dequantized per part and the model runs as HF runs the dequantized checkpoint; on the
+    int8 kernel (``quantization="gguf"``) the fused projections are packed from those blocks."""
+    from pagellm.layers.linear import Linear
+
+    path = build_tiny_checkpoint(ckpt_root, "phi3")
+    gguf_path = os.path.join(ckpt_root, "phi3-q8_0.gguf")
+    oracle_dir = write_phi3_gguf(path, gguf_path, smollm2_path, q8_0=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(oracle_dir, dtype=torch.float32).eval()
+    prompts = random_prompts(6, seed=9)
+    ref = hf_greedy(hf, prompts)
+    got, _ = engine_greedy(gguf_path, prompts, max_model_len=512)
+    assert_equal_but_float32_ties(hf, prompts, got, ref)
+    from pagellm import LLM
+
+    llm = LLM(model=gguf_path, quantization="gguf", max_model_len=512, kv_cache_memory="16MiB")
+    linears = {n: m for n, m in llm.llm_engine.executor.worker.model.named_modules() if isinstance(m, Linear)}
+    for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj"):
+        assert linears[name].bound_i8 is not None, name
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
 
 
 # HF name (after "model.layers.{i}.", Mixtral's block_sparse_moe read as mlp) -> llama.cpp's, for MoE models.

@@ -379,6 +379,15 @@ class DecoderForCausalLM(nn.Module):
                     module.gguf_blocks = tensor
                     loaded.add(target)
                     continue
+                fused_sizes = getattr(module, "full_sizes", None)
+                if (shard_idx is None and isinstance(module, Linear) and fused_sizes is not None
+                        and len(fused_sizes) > 1 and tuple(param.shape) == tensor.shape):
+                    at = 0  # a fused layer stored fused (Phi-3) and held whole: each part its rows' blocks
+                    for i, size in enumerate(fused_sizes):
+                        module.load_gguf_blocks(tensor.take(at, at + size), i)
+                        at += size
+                    loaded.update(f"{target}#{i}" for i in range(len(fused_sizes)))
+                    continue
                 if isinstance(module, Linear) and param.shape[1] == tensor.shape[1]:
                     module.load_gguf_blocks(tensor, shard_idx)
                     loaded.add(target if shard_idx is None else f"{target}#{shard_idx}")
