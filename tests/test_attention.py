@@ -46,9 +46,11 @@ def _dense_reference(q, k_all, v_all, num_computed, scale):
 # A float16 cache (kv_cache_dtype="float16") under float32 queries, pure path and kernel; its K/V
 # values are drawn float16-representable so the float32 oracle stays exact. The same for an int8
 # cache (rows of int8 times a power-of-two scale, which the cache stores exactly).
+# Head sizes 80, 96, 128 and 256 take the AVX-512 path's wider instances (fewer query heads per group).
 @pytest.mark.parametrize("decode_kernel,d,cache_dtype", [
     (False, 16, torch.float32), (True, 16, torch.float32), (True, 64, torch.float32),
-    (False, 16, torch.float16), (True, 64, torch.float16), (False, 16, torch.int8), (True, 64, torch.int8)])
+    (False, 16, torch.float16), (True, 64, torch.float16), (False, 16, torch.int8), (True, 64, torch.int8),
+    (True, 80, torch.float32), (True, 96, torch.int8), (True, 128, torch.float16), (True, 256, torch.float16)])
 def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, cache_dtype, monkeypatch):
     monkeypatch.setattr(torch_paged, "MIN_SHARED_TOKENS", 4)  # exercise cascade groups on small shapes
     if decode_kernel:
@@ -141,11 +143,11 @@ def _windowed_reference(q, k_all, v_all, num_computed, scale, window, softcap):
 @pytest.mark.parametrize("window,softcap", [(1, None), (5, None), (37, None), (None, 4.0), (16, 2.5)])
 @pytest.mark.parametrize("d,cache_dtype,block_size", [
     (64, torch.float32, 16), (64, torch.float16, 3), (64, torch.int8, 16), (96, torch.float32, 16),
-    (16, torch.float32, 1)])
+    (128, torch.float16, 16), (256, torch.int8, 5), (40, torch.float32, 16), (16, torch.float32, 1)])
 def test_decode_kernel_with_a_window_and_a_softcap_equals_a_float64_formula(window, softcap, d, cache_dtype,
                                                                              block_size):
-    """The decode kernel's sliding window and soft-cap (its AVX-512 path at head size 64 over each
-    cache, its generic path at 96 and 16) over decodes of every length around the window and
+    """The decode kernel's sliding window and soft-cap (its AVX-512 path at head sizes 64 to 256 over
+    each cache, its generic path at 40 and 16) over decodes of every length around the window and
     block edges; a prefill chunk in the same step takes the reference path."""
     require_cpu_kernel(cpu_kernel.available)
     hq, hkv = 8, 2

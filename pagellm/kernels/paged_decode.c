@@ -12,8 +12,9 @@
  * Two passes (scores, then a weighted sum of V) with an exact softmax in between. The next
  * block's rows are prefetched into L2 while this one is read (blocks are scattered, so the hardware
  * prefetcher cannot guess them: 1.3-1.5x on 64 decodes), the first blocks of each pass all at
- * once when it starts, and the head size is a compile-time constant for the common 64 and 128 so
- * the dot products vectorize fully.
+ * once when it starts, and the head size is a compile-time constant so the dot products vectorize
+ * fully: on AVX-512 for 64, 80, 96, 128 and 256 (q and the sums in registers; every cache type), in
+ * the portable path for 64 and 128 (float32 caches; any other size runs it generically).
  */
 #include <math.h>
 #include <omp.h>
@@ -92,11 +93,12 @@ static inline __attribute__((always_inline)) void task_impl(
 }
 
 #ifdef __AVX512F__
-static inline __attribute__((always_inline)) void prefetch_row(const void *base, int64_t off, const int et) {
+static inline __attribute__((always_inline)) void prefetch_row(const void *base, int64_t off, const int et,
+                                                                const int D) {
   const int size = et == ET_I8 ? 1 : (et == ET_F16 ? 2 : 4);
   const char *p = (const char *)base + off * size;
-  for (int c = 0; c < 64 * size; c += 64) prefetch_l2(p + c);
-  if (et == ET_I8) prefetch_l2(p + 67); /* the scale may start the next line */
+  for (int c = 0; c < D * size; c += 64) prefetch_l2(p + c);
+  if (et == ET_I8) prefetch_l2(p + D + 3); /* the scale may start the next line */
 }
 
 /* sums[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: a shuffle tree of 30 shuffles and
@@ -125,23 +127,26 @@ static inline int64_t prefetch_blocks(int64_t bs) { return bs >= 32 ? 1 : (32 + 
  * of demand misses, one reorder window at a time (+3-8 % on 64 scattered decodes, float16). */
 static inline __attribute__((always_inline)) void prefetch_first_blocks(const void *base, const int64_t *bt, int64_t nb,
                                                                         int64_t L, int64_t pf, int64_t bs, int64_t row,
-                                                                        int64_t head_off, const int et) {
+                                                                        int64_t head_off, const int et, const int D) {
   for (int64_t b = 0; b < pf && b < nb; ++b)
-    for (int64_t i = 0; i < bs && b * bs + i < L; ++i) prefetch_row(base, bt[b] * bs * row + head_off + i * row, et);
+    for (int64_t i = 0; i < bs && b * bs + i < L; ++i)
+      prefetch_row(base, bt[b] * bs * row + head_off + i * row, et, D);
 }
 
-/* Head size 64, G <= 4 query heads of KV head h: q and the accumulators live in registers.
- * kc/vc are float32, float16 or int8 caches (et; a head row is hs elements apart, 64 + the scale's 4
- * for int8); the arithmetic is float32 either way, an int8 row's scale applied to its score and
- * to its softmax weight. */
-static inline __attribute__((always_inline)) void task64(
+/* Head size D = 16 * DV (64, 80, 96, 128 or 256), G query heads of KV head h (G * DV <= 16): q and
+ * the accumulators live in registers. kc/vc are float32, float16 or int8 caches (et; a head row is hs
+ * elements apart, D + the scale's 4 for int8); the arithmetic is float32 either way, an int8 row's
+ * scale applied to its score and to its softmax weight. At head size 64 (DV = 4) every sum runs in
+ * the order the prefill kernel reproduces (paged_prefill.c). */
+static inline __attribute__((always_inline)) void taskv(
     float *out, const float *qh, const void *kc, const void *vc, const int64_t *bt, int64_t L,
     const int G, int64_t row, int64_t h, int64_t bs, float scale, float *scores, const int et, int64_t lo,
-    float softcap) {
-  const int64_t hs = et == ET_I8 ? 64 + 4 : 64; /* an int8 row's values, then its float32 scale */
-  __m512 q[4][4];
+    float softcap, const int DV) {
+  const int D = 16 * DV;
+  const int64_t hs = et == ET_I8 ? D + 4 : D; /* an int8 row's values, then its float32 scale */
+  __m512 q[4][16];
   for (int j = 0; j < G; ++j)
-    for (int c = 0; c < 4; ++c) q[j][c] = _mm512_mul_ps(_mm512_loadu_ps(qh + j * 64 + c * 16), _mm512_set1_ps(scale));
+    for (int c = 0; c < DV; ++c) q[j][c] = _mm512_mul_ps(_mm512_loadu_ps(qh + j * D + c * 16), _mm512_set1_ps(scale));
   /* Scores 16 tokens at a time: each token's q.k products stay as 16-lane partial sums until 16
    * of them are folded at once by sum16 (one horizontal reduction per token cost more than the
    * dot products themselves on a core that splits 512-bit shuffles). */
@@ -153,22 +158,21 @@ static inline __attribute__((always_inline)) void task64(
   const int64_t nb = (L + bs - 1) / bs, b0 = lo / bs; /* (a window's first block: b0) */
   const int64_t pf = prefetch_blocks(bs);
   const __m512 cap = _mm512_set1_ps(softcap);
-  prefetch_first_blocks(kc, bt + b0, nb - b0, L - b0 * bs, pf, bs, row, h * hs, et);
+  prefetch_first_blocks(kc, bt + b0, nb - b0, L - b0 * bs, pf, bs, row, h * hs, et, D);
   for (int64_t b = b0; b < nb; ++b) {
     const int64_t kb = bt[b] * bs * row + h * hs;
     const int64_t kn = b + pf < nb ? bt[b + pf] * bs * row + h * hs : kb;
     const int64_t n = L - b * bs < bs ? L - b * bs : bs;
     for (int64_t i = b == b0 ? lo - b0 * bs : 0; i < n; ++i) {
       const int64_t k = kb + i * row;
-      prefetch_row(kc, kn + i * row, et);
-      const __m512 k0 = load16(kc, k, et), k1 = load16(kc, k + 16, et), k2 = load16(kc, k + 32, et),
-                   k3 = load16(kc, k + 48, et);
-      if (et == ET_I8) ks[c] = row_scale(kc, k);
+      prefetch_row(kc, kn + i * row, et, D);
+      __m512 kv[16];
+      for (int v = 0; v < DV; ++v) kv[v] = load16(kc, k + 16 * v, et);
+      if (et == ET_I8) ks[c] = row_scale_d(kc, k, D);
       for (int j = 0; j < G; ++j) {
-        __m512 a = _mm512_mul_ps(q[j][0], k0);
-        a = _mm512_fmadd_ps(q[j][1], k1, a);
-        a = _mm512_fmadd_ps(q[j][2], k2, a);
-        part[j][c] = _mm512_fmadd_ps(q[j][3], k3, a);
+        __m512 a = _mm512_mul_ps(q[j][0], kv[0]);
+        for (int v = 1; v < DV; ++v) a = _mm512_fmadd_ps(q[j][v], kv[v], a);
+        part[j][c] = a;
       }
       if (++c == 16 || b * bs + i + 1 == L) {
         const __mmask16 mk = (__mmask16)((1u << c) - 1);
@@ -185,7 +189,7 @@ static inline __attribute__((always_inline)) void task64(
       }
     }
   }
-  prefetch_first_blocks(vc, bt + b0, nb - b0, L - b0 * bs, pf, bs, row, h * hs, et); /* arriving while the softmax runs */
+  prefetch_first_blocks(vc, bt + b0, nb - b0, L - b0 * bs, pf, bs, row, h * hs, et, D); /* arriving while the softmax runs */
   float m[4];
   for (int j = 0; j < G; ++j) m[j] = _mm512_reduce_max_ps(mv[j]);
   float inv[4];
@@ -207,56 +211,67 @@ static inline __attribute__((always_inline)) void task64(
     }
     inv[j] = 1.f / hsum512(sum);
   }
-  __m512 acc[4][4];
+  __m512 acc[4][16];
   for (int j = 0; j < G; ++j)
-    for (int c = 0; c < 4; ++c) acc[j][c] = _mm512_setzero_ps();
+    for (int c = 0; c < DV; ++c) acc[j][c] = _mm512_setzero_ps();
   for (int64_t b = b0; b < nb; ++b) {
     const int64_t vb = bt[b] * bs * row + h * hs;
     const int64_t vn = b + pf < nb ? bt[b + pf] * bs * row + h * hs : vb;
     const int64_t n = L - b * bs < bs ? L - b * bs : bs;
     for (int64_t i = b == b0 ? lo - b0 * bs : 0; i < n; ++i) {
       const int64_t v = vb + i * row;
-      prefetch_row(vc, vn + i * row, et);
-      const __m512 v0 = load16(vc, v, et), v1 = load16(vc, v + 16, et), v2 = load16(vc, v + 32, et),
-                   v3 = load16(vc, v + 48, et);
-      const float vs = et == ET_I8 ? row_scale(vc, v) : 1.f; /* (x * 1.f is x: other caches unchanged) */
+      prefetch_row(vc, vn + i * row, et, D);
+      __m512 vv[16];
+      for (int c = 0; c < DV; ++c) vv[c] = load16(vc, v + 16 * c, et);
+      const float vs = et == ET_I8 ? row_scale_d(vc, v, D) : 1.f; /* (x * 1.f is x: other caches unchanged) */
       for (int j = 0; j < G; ++j) {
         const __m512 p = _mm512_set1_ps(scores[j * L + b * bs + i] * vs);
-        acc[j][0] = _mm512_fmadd_ps(p, v0, acc[j][0]);
-        acc[j][1] = _mm512_fmadd_ps(p, v1, acc[j][1]);
-        acc[j][2] = _mm512_fmadd_ps(p, v2, acc[j][2]);
-        acc[j][3] = _mm512_fmadd_ps(p, v3, acc[j][3]);
+        for (int c = 0; c < DV; ++c) acc[j][c] = _mm512_fmadd_ps(p, vv[c], acc[j][c]);
       }
     }
   }
   for (int j = 0; j < G; ++j)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + j * 64 + c * 16, _mm512_mul_ps(acc[j][c], _mm512_set1_ps(inv[j])));
+    for (int c = 0; c < DV; ++c) _mm512_storeu_ps(out + j * D + c * 16, _mm512_mul_ps(acc[j][c], _mm512_set1_ps(inv[j])));
 }
 
-/* One (sequence, KV head) task of the AVX-512 path: query heads in register-sized groups. */
-static inline __attribute__((always_inline)) void task64_groups(
+/* One (sequence, KV head) task of the AVX-512 path: query heads in register-sized groups (GMAX of
+ * them: q and the accumulators of a group fill at most 16 registers). */
+#define TASKV(GG) taskv(o + j0 * D, qh + j0 * D, kc, vc, bt, L, GG, row, h, bs, scale, scores, et, lo, softcap, DV)
+static inline __attribute__((always_inline)) void taskv_groups(
     float *o, const float *qh, const void *kc, const void *vc, const int64_t *bt, int64_t L, int64_t g,
-    int64_t row, int64_t h, int64_t bs, float scale, float *scores, const int et, int64_t lo, float softcap) {
-  for (int64_t j0 = 0; j0 < g; j0 += 4) {
-    const int G = g - j0 < 4 ? (int)(g - j0) : 4;
-    float *oj = o + j0 * 64;
-    const float *qj = qh + j0 * 64;
-    switch (G) {
-      case 1: task64(oj, qj, kc, vc, bt, L, 1, row, h, bs, scale, scores, et, lo, softcap); break;
-      case 2: task64(oj, qj, kc, vc, bt, L, 2, row, h, bs, scale, scores, et, lo, softcap); break;
-      case 3: task64(oj, qj, kc, vc, bt, L, 3, row, h, bs, scale, scores, et, lo, softcap); break;
-      default: task64(oj, qj, kc, vc, bt, L, 4, row, h, bs, scale, scores, et, lo, softcap); break;
-    }
+    int64_t row, int64_t h, int64_t bs, float scale, float *scores, const int et, int64_t lo, float softcap,
+    const int DV) {
+  const int D = 16 * DV, GMAX = DV <= 4 ? 4 : DV == 5 ? 3 : DV <= 8 ? 2 : 1;
+  for (int64_t j0 = 0; j0 < g; j0 += GMAX) {
+    const int G = g - j0 < GMAX ? (int)(g - j0) : GMAX;
+    if (G == 1 || GMAX == 1) TASKV(1);
+    else if (G == 2 || GMAX == 2) TASKV(2);
+    else if (G == 3 || GMAX == 3) TASKV(3);
+    else TASKV(4);
   }
+}
+#undef TASKV
+
+/* Head sizes with an AVX-512 path (16 * DV for the DV taskv is built for). */
+static inline int avx512_dv(int64_t D) {
+  return D == 64 ? 4 : D == 80 ? 5 : D == 96 ? 6 : D == 128 ? 8 : D == 256 ? 16 : 0;
 }
 
 #endif
 
-/* Whether the float16 and int8 caches' decode path exists here (AVX-512, head size 64). */
-int paged_decode_f16_supported(int64_t D) { return avx512_head64(D); }
+/* Whether the float16 and int8 caches' decode path exists here (AVX-512, head size 64, 80, 96, 128
+ * or 256). */
+int paged_decode_f16_supported(int64_t D) {
+#ifdef __AVX512F__
+  return avx512_dv(D) != 0;
+#else
+  (void)D;
+  return 0;
+#endif
+}
 
 /* Every (sequence, KV head) task of one call. et: the caches' element type; float16 and int8 are
- * read only by the AVX-512 path for head size 64 (callers check paged_decode_f16_supported);
+ * read only by the AVX-512 path for its head sizes (callers check paged_decode_f16_supported);
  * inlined into each entry point with a constant et, so the element type costs no branch in the
  * inner loops. */
 static inline __attribute__((always_inline)) int decode_all(
@@ -305,9 +320,13 @@ static inline __attribute__((always_inline)) int decode_all(
       const float *qh = q + b * q_stride + h * g * D;
       const int64_t *bt = block_tables + b * max_blocks;
 #ifdef __AVX512F__
-      if (D == 64) {
-        task64_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et, lo, softcap);
-        continue;
+      switch (avx512_dv(D)) { /* a constant DV per case: q and the sums stay in registers */
+        case 4: taskv_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et, lo, softcap, 4); continue;
+        case 5: taskv_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et, lo, softcap, 5); continue;
+        case 6: taskv_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et, lo, softcap, 6); continue;
+        case 8: taskv_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et, lo, softcap, 8); continue;
+        case 16: taskv_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et, lo, softcap, 16); continue;
+        default: break;
       }
 #endif
       if (et != ET_F32) continue; /* unreachable: no portable float16 or int8 path */

@@ -69,12 +69,15 @@ static inline __attribute__((always_inline)) __m512 load16(const void *base, int
                       : _mm512_loadu_ps((const float *)base + off);
 }
 
-/* The float32 scale stored after an int8 head row's 64 values (attention/kv_quant.py). */
-static inline float row_scale(const void *base, int64_t off) {
+/* The float32 scale stored after an int8 head row's d values (attention/kv_quant.py). */
+static inline float row_scale_d(const void *base, int64_t off, int64_t d) {
   float s;
-  memcpy(&s, (const int8_t *)base + off + 64, sizeof s);
+  memcpy(&s, (const int8_t *)base + off + d, sizeof s);
   return s;
 }
+
+/* row_scale_d for head size 64 (the prefill kernel's). */
+static inline float row_scale(const void *base, int64_t off) { return row_scale_d(base, off, 64); }
 
 /* The sum of x's 16 lanes in a fixed order, GCC's _mm512_reduce_add_ps spelled out: lanes i + 8,
  * then i + 4, then (0 + 2) + (1 + 3). The decode kernel's softmax denominator; the prefill kernel
