@@ -20,7 +20,7 @@ from pagellm.sequence import Sequence
 from pagellm.spec_decode.proposers import NgramProposer, SuffixProposer
 
 from conftest import build_tiny_checkpoint, require_bf16_kernel, run_to_completion
-from test_hf_parity import engine_greedy
+from test_hf_parity import engine_greedy, random_prompts
 
 MAX_TOKENS = 24
 
@@ -242,6 +242,22 @@ def test_greedy_outputs_are_identical_with_speculation(tiny, method, k):
     # covered by the oracle proposer below and by SmolLM2 in the next test.)
     assert stats["spec_num_drafts"] > 0, "nothing was verified"
     assert len(stats["spec_accepted_per_pos"]) <= k
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_speculation_on_windowed_models_changes_nothing(ckpt_root, arch):
+    """Verification steps of several tokens per sequence through a sliding window of 24 (and Gemma
+    2's soft-caps), the model drafting for itself (its own windowed layers in the draft's cache):
+    every draft accepted, the same greedy tokens as without speculation."""
+    path = build_tiny_checkpoint(ckpt_root, arch)
+    prompts = random_prompts(4, seed=9, lo=20, hi=90)
+    ref, _ = engine_greedy(path, prompts, MAX_TOKENS)
+    got, engine = engine_greedy(path, prompts, MAX_TOKENS,
+                                speculative_config={"method": "draft_model", "model": path,
+                                                    "num_speculative_tokens": 3, "cost_model": False})
+    assert got == ref
+    stats = engine.get_stats()
+    assert stats["spec_num_draft_tokens"] > 20 and stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"]
 
 
 COPY_PROMPT = ("Repeat this list exactly:\n1. apples, 2. pears, 3. plums, 4. cherries, 5. grapes, 6. lemons, "
