@@ -511,3 +511,50 @@ def test_gemma_chat_uses_the_checkpoints_template_and_its_refusals(ckpt_root):
     assert text.endswith("<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"), text
     out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+# The templates Phi-3-mini-instruct and Mistral / Mixtral-Instruct v0.1 ship with.
+PHI3_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + "
+    "'<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("arch,template,system_ok,ending", [
+    ("phi3", PHI3_TEMPLATE, True, "<|system|>\nbe brief<|end|>\n<|user|>\nhi<|end|>\n<|assistant|>\n"),
+    ("mixtral", MISTRAL_TEMPLATE, False, "[INST] hi [/INST]"),
+])
+def test_phi3_and_mistral_chat_use_the_checkpoints_template(ckpt_root, arch, template, system_ok, ending):
+    """``LLM.chat`` renders each family's own template: Phi-3's system turn, Mistral's [INST] turns
+    and its refusal of a system role in the template's own words, the engine serving on."""
+    import shutil
+
+    from pagellm import LLM
+
+    src = build_tiny_checkpoint(ckpt_root, arch)
+    path = src + "-chat"
+    if not os.path.exists(path):
+        shutil.copytree(src, path)
+        tok = transformers.AutoTokenizer.from_pretrained(src)
+        tok.chat_template = template
+        tok.save_pretrained(path)
+    llm = LLM(path, kv_cache_memory="16MiB", max_model_len=256)
+    tok = llm.llm_engine.get_tokenizer()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    if system_ok:
+        text = tok.chat_prompt(messages)["prompt"]
+    else:
+        with pytest.raises(Exception, match="Conversation roles must alternate"):  # (its first check)
+            llm.chat(messages)
+        text = tok.chat_prompt(messages[1:])["prompt"]
+    assert text.endswith(ending), text
+    out = llm.chat(messages if system_ok else messages[1:], SamplingParams(max_tokens=3, ignore_eos=True),
+                   use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
