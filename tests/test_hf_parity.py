@@ -261,6 +261,7 @@ def test_gemma_gguf_matches_hf(ckpt_root, arch, smollm2_path):
     assert len({tuple(r) for r in ref}) > 4
 
 
+
 # HF name (after "model.layers.{i}.") -> llama.cpp's, for Phi-3 (fused qkv; ffn_up holds gate and up).
 _PHI3_GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                     "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
@@ -465,7 +466,7 @@ def write_moe_gguf(hf_dir: str, path: str, tokenizer_from: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
-def test_moe_gguf_matches_hf(ckpt_root, arch, smollm2_path):
+def test_moe_gguf_matches_hf(ckpt_root, arch, smollm2_path, monkeypatch):
     """An MoE GGUF (llama.cpp's names and stacked Q8_0 experts, its metadata; a Qwen model's dense
     layer found from its tensors) runs as HF runs the checkpoint with those experts' values."""
     path = build_tiny_checkpoint(ckpt_root, arch)
@@ -477,6 +478,28 @@ def test_moe_gguf_matches_hf(ckpt_root, arch, smollm2_path):
     got, _ = engine_greedy(gguf_path, prompts)
     assert_equal_but_float32_ties(hf, prompts, got, ref)
     assert len({tuple(r) for r in ref}) > 4
+    # On the int8 kernel the Q8_0 experts are kept as the file's blocks (no expert's float weight is
+    # ever written) and packed from them.
+    from pagellm import LLM
+    from pagellm.layers.linear import Linear
+    from pagellm.layers.moe import FusedMoE
+
+    def refuse(self, which, expert, part, loaded):
+        if loaded.shape[-1] % 32 == 0:
+            raise AssertionError(f"a Q8_0 expert ({which} {expert}) was loaded as floats")
+        return original(self, which, expert, part, loaded)
+
+    original = FusedMoE.weight_loader
+    with monkeypatch.context() as m:
+        m.setattr(FusedMoE, "weight_loader", refuse)
+        llm = LLM(model=gguf_path, quantization="gguf", kv_cache_memory="16MiB")
+    moes = [mod for mod in llm.llm_engine.executor.worker.model.modules() if isinstance(mod, FusedMoE)]
+    experts = [e for mod in moes for e in (*mod.w13, *mod.w2) if isinstance(e, Linear)]
+    quantized = [e for e in experts if e.in_features % 32 == 0]
+    assert quantized and all(e.bound_i8 is not None for e in quantized)
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
 
 
 # Gemma's own chat template (as Gemma 2 checkpoints ship it): no system role, alternating turns.

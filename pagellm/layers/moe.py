@@ -30,6 +30,7 @@ from pagellm.layers.activation import gated_activation
 from pagellm.layers.custom_op import CustomOp
 from pagellm.layers.linear import Linear
 from pagellm.layers.parallel import copy_shard
+from pagellm.weights.gguf_quant import GGUFBlocks
 
 # Which fused tensor and part a per-expert checkpoint tensor fills: (w13 part 0 | 1) or w2.
 EXPERT_PARTS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None),
@@ -92,6 +93,19 @@ class FusedMoE(nn.Module):
                 copy_shard(w13.weight.narrow(0, part * size, size), loaded, 0, start, size)
             else:
                 copy_shard(w2.weight, loaded, 1, start, size)
+
+    def load_gguf_blocks(self, which: str, expert: int, part: int | None, blocks: GGUFBlocks) -> None:
+        """Keep one expert's GGUF tensor at its width (``which``/``part`` as :meth:`weight_loader`):
+        packed for the int8 kernel with the other projections, or dequantized there if not."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} out of range (the model has {self.num_experts})")
+        linear = self.w13[expert] if which == "w13" else self.w2[expert]
+        assert isinstance(linear, Linear)
+        shape = (self.part[1], linear.in_features) if which == "w13" else (linear.out_features, linear.in_features)
+        if self.tp.world_size != 1 or blocks.shape != shape:
+            raise ValueError(f"GGUF blocks {blocks.shape} for a {which} slice of {shape} "
+                             "(blocks are kept in one process only)")
+        linear.load_gguf_blocks(blocks, part)
 
     def _grouped_kind(self) -> tuple[int, bool, torch.Tensor, torch.Tensor] | None:
         """How one call can run every expert's projections: ``(bits, amx, w13 addresses, w2

@@ -62,11 +62,12 @@ class MoeForCausalLM(DecoderForCausalLM):
                     raise ValueError(f"weight {name}: layer {layer} has no experts")
                 if per.group(3) not in EXPERT_PARTS:
                     raise ValueError(f"unexpected expert weight {name}")
-                if isinstance(tensor, GGUFBlocks):
-                    tensor = tensor.dequantize()
                 which, part = EXPERT_PARTS[per.group(3)]
                 try:
-                    moe.weight_loader(which, expert, part, tensor)
+                    if isinstance(tensor, GGUFBlocks):  # kept at their width (one process: every feature)
+                        moe.load_gguf_blocks(which, expert, part, tensor)
+                    else:
+                        moe.weight_loader(which, expert, part, tensor)
                 except ValueError as e:
                     raise ValueError(f"weight {name}: {e}") from None
                 got.add((layer, expert, which, part))
