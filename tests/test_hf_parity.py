@@ -253,12 +253,19 @@ def test_gemma_gguf_matches_hf(ckpt_root, arch, smollm2_path):
     path = build_tiny_checkpoint(ckpt_root, arch, tie=True)
     gguf_path = os.path.join(ckpt_root, f"{arch}.gguf")
     write_gemma_gguf(path, gguf_path, smollm2_path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    prompts = random_prompts(6, seed=5)
-    ref = hf_greedy(hf, prompts)
-    got, _ = engine_greedy(gguf_path, prompts)
+    assert_gguf_runs_as_hf(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), gguf_path,
+                           seed=5)
+
+
+def assert_gguf_runs_as_hf(hf, gguf_path: str, seed: int, **engine_kwargs) -> list[list[int]]:
+    """Greedy tokens of the engine on ``gguf_path`` against HF's ``hf`` on six random prompts (float32
+    ties excepted), which must not all agree with each other; returns the prompts."""
+    prompts = random_prompts(6, seed=seed)
+    ref = hf_greedy(hf.eval(), prompts)
+    got, _ = engine_greedy(gguf_path, prompts, **engine_kwargs)
     assert_equal_but_float32_ties(hf, prompts, got, ref)
     assert len({tuple(r) for r in ref}) > 4
+    return prompts
 
 
 
@@ -336,11 +343,7 @@ def test_phi3_gguf_matches_hf(ckpt_root, smollm2_path, max_model_len):
         rope = hf.config.rope_parameters
         hf.config.rope_parameters = {**rope, "short_factor": rope["long_factor"]}
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, config=hf.config, dtype=torch.float32).eval()
-    prompts = random_prompts(6, seed=9)
-    ref = hf_greedy(hf, prompts)
-    got, _ = engine_greedy(gguf_path, prompts, max_model_len=max_model_len)
-    assert_equal_but_float32_ties(hf, prompts, got, ref)
-    assert len({tuple(r) for r in ref}) > 4
+    assert_gguf_runs_as_hf(hf, gguf_path, seed=9, max_model_len=max_model_len)
 
 
 @pytest.mark.slow
@@ -354,10 +357,7 @@ def test_phi3_gguf_fused_blocks_are_cut_into_their_parts(ckpt_root, smollm2_path
     gguf_path = os.path.join(ckpt_root, "phi3-q8_0.gguf")
     oracle_dir = write_phi3_gguf(path, gguf_path, smollm2_path, q8_0=True)
     hf = transformers.AutoModelForCausalLM.from_pretrained(oracle_dir, dtype=torch.float32).eval()
-    prompts = random_prompts(6, seed=9)
-    ref = hf_greedy(hf, prompts)
-    got, _ = engine_greedy(gguf_path, prompts, max_model_len=512)
-    assert_equal_but_float32_ties(hf, prompts, got, ref)
+    prompts = assert_gguf_runs_as_hf(hf, gguf_path, seed=9, max_model_len=512)
     from pagellm import LLM
 
     llm = LLM(model=gguf_path, quantization="gguf", max_model_len=512, kv_cache_memory="16MiB")
@@ -472,12 +472,8 @@ def test_moe_gguf_matches_hf(ckpt_root, arch, smollm2_path, monkeypatch):
     path = build_tiny_checkpoint(ckpt_root, arch)
     gguf_path = os.path.join(ckpt_root, f"{arch}.gguf")
     oracle_dir = write_moe_gguf(path, gguf_path, smollm2_path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(oracle_dir, dtype=torch.float32).eval()
-    prompts = random_prompts(6, seed=7)
-    ref = hf_greedy(hf, prompts)
-    got, _ = engine_greedy(gguf_path, prompts)
-    assert_equal_but_float32_ties(hf, prompts, got, ref)
-    assert len({tuple(r) for r in ref}) > 4
+    prompts = assert_gguf_runs_as_hf(
+        transformers.AutoModelForCausalLM.from_pretrained(oracle_dir, dtype=torch.float32), gguf_path, seed=7)
     # On the int8 kernel the Q8_0 experts are kept as the file's blocks (no expert's float weight is
     # ever written) and packed from them.
     from pagellm import LLM
@@ -502,6 +498,20 @@ def test_moe_gguf_matches_hf(ckpt_root, arch, smollm2_path, monkeypatch):
     assert all(len(o.outputs[0].token_ids) == 4 for o in out)
 
 
+def chat_checkpoint(ckpt_root: str, arch: str, template: str, tie: bool = False) -> str:
+    """The tiny ``arch`` checkpoint with ``template`` as its tokenizer's chat template (a copy)."""
+    import shutil
+
+    src = build_tiny_checkpoint(ckpt_root, arch, tie=tie)
+    path = src + "-chat"
+    if not os.path.exists(path):
+        shutil.copytree(src, path)
+        tok = transformers.AutoTokenizer.from_pretrained(src)
+        tok.chat_template = template
+        tok.save_pretrained(path)
+    return path
+
+
 # Gemma's own chat template (as Gemma 2 checkpoints ship it): no system role, alternating turns.
 GEMMA_TEMPLATE = (
     "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
@@ -515,18 +525,10 @@ GEMMA_TEMPLATE = (
 def test_gemma_chat_uses_the_checkpoints_template_and_its_refusals(ckpt_root):
     """``LLM.chat`` renders the checkpoint's own template; a system message, which Gemma's template
     refuses, fails with the template's own words (as transformers does), and the engine keeps serving."""
-    import shutil
-
     from pagellm import LLM
 
-    src = build_tiny_checkpoint(ckpt_root, "gemma2", tie=True)
-    path = src + "-chat"
-    if not os.path.exists(path):
-        shutil.copytree(src, path)
-        tok = transformers.AutoTokenizer.from_pretrained(src)
-        tok.chat_template = GEMMA_TEMPLATE
-        tok.save_pretrained(path)
-    llm = LLM(path, kv_cache_memory="16MiB", max_model_len=256)
+    llm = LLM(chat_checkpoint(ckpt_root, "gemma2", GEMMA_TEMPLATE, tie=True), kv_cache_memory="16MiB",
+              max_model_len=256)
     with pytest.raises(Exception, match="System role not supported"):
         llm.chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
     tok = llm.llm_engine.get_tokenizer()
@@ -557,18 +559,9 @@ MISTRAL_TEMPLATE = (
 def test_phi3_and_mistral_chat_use_the_checkpoints_template(ckpt_root, arch, template, system_ok, ending):
     """``LLM.chat`` renders each family's own template: Phi-3's system turn, Mistral's [INST] turns
     and its refusal of a system role in the template's own words, the engine serving on."""
-    import shutil
-
     from pagellm import LLM
 
-    src = build_tiny_checkpoint(ckpt_root, arch)
-    path = src + "-chat"
-    if not os.path.exists(path):
-        shutil.copytree(src, path)
-        tok = transformers.AutoTokenizer.from_pretrained(src)
-        tok.chat_template = template
-        tok.save_pretrained(path)
-    llm = LLM(path, kv_cache_memory="16MiB", max_model_len=256)
+    llm = LLM(chat_checkpoint(ckpt_root, arch, template), kv_cache_memory="16MiB", max_model_len=256)
     tok = llm.llm_engine.get_tokenizer()
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     if system_ok:

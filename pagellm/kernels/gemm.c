@@ -381,6 +381,23 @@ static void amx_panel(float *y, int64_t ldy, const uint16_t *xb, int64_t KP, con
         y[(m0 + r) * ldy + j] = scratch[r * NR + j] + (bias != NULL ? bias[j] : 0.f);
   }
 }
+/* A thread's tile state and its scratch for amx_panel; NULL (and *failed set) when out of memory.
+ * amx_thread_end releases both. */
+static float *amx_thread_begin(int *failed) {
+  float *scratch = (float *)aligned_alloc(64, sizeof(float) * 32 * NR);
+  if (scratch == NULL) {
+#pragma omp atomic write
+    *failed = 1;
+    return NULL;
+  }
+  amx_configure();
+  return scratch;
+}
+
+static void amx_thread_end(float *scratch) {
+  _tile_release();
+  free(scratch);
+}
 #endif
 
 int gemm_amx_supported(void) {
@@ -404,12 +421,8 @@ int gemm_packed_bf16_amx(float *y, int64_t ldy, const float *x, int64_t ldx, con
   int failed = 0;
 #pragma omp parallel
   {
-    float *scratch = (float *)aligned_alloc(64, sizeof(float) * 32 * NR);
-    if (scratch == NULL) {
-#pragma omp atomic write
-      failed = 1;
-    } else {
-      amx_configure();
+    float *scratch = amx_thread_begin(&failed);
+    if (scratch != NULL) {
       /* Blocks of rows whose bf16 x stays in L2 (half of it) against every panel: at 2048 rows a
        * panel otherwise streams all of x from L3 (1.2 -> 1.6 TFLOP/s, benchmarks/gemm.py --bf16). */
       int64_t rb = XBLOCK / 2 / (KP * 4) / 32 * 32;
@@ -421,8 +434,7 @@ int gemm_packed_bf16_amx(float *y, int64_t ldy, const float *x, int64_t ldx, con
           amx_panel(y + m0 * ldy + p * NR, ldy, xb + m0 * 2 * KP, KP, (const uint32_t *)wp + p * KP * NR,
                     bias == NULL ? NULL : bias + p * NR, rows, rows16, N - p * NR, scratch);
       }
-      _tile_release();
-      free(scratch);
+      amx_thread_end(scratch);
     }
   }
   free(xb);
@@ -548,12 +560,8 @@ int gemm_grouped(float *y, int64_t ldy, const float *x, int64_t ldx, const int64
   else {
 #pragma omp parallel
     {
-      float *scratch = (float *)aligned_alloc(64, sizeof(float) * 32 * NR);
-      if (scratch == NULL) {
-#pragma omp atomic write
-        failed = 1;
-      } else {
-        amx_configure();
+      float *scratch = amx_thread_begin(&failed);
+      if (scratch != NULL) {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < items; ++i) {
           const Block *b = blocks + i / P;
@@ -562,8 +570,7 @@ int gemm_grouped(float *y, int64_t ldy, const float *x, int64_t ldx, const int64
                     (const uint32_t *)b->w + p * KP * NR, NULL, b->rows, (b->rows + 15) / 16 * 16, N - p * NR,
                     scratch);
         }
-        _tile_release();
-        free(scratch);
+        amx_thread_end(scratch);
       }
     }
   }
