@@ -102,6 +102,24 @@ def test_tiny_random_models_match_hf(ckpt_root, arch, tie, shard):
     assert len({tuple(r) for r in ref}) > 5
 
 
+# GQA ratios 4 and 1 beside the suite's 2, head sizes that are not powers of two (the decode
+# kernel's generic path), windows and soft-caps in force.
+@pytest.mark.parametrize("arch,overrides", [
+    ("mistral", dict(num_key_value_heads=1, head_dim=20)),
+    ("gemma2", dict(num_key_value_heads=4, head_dim=24, query_pre_attn_scalar=24)),
+    ("gemma3", dict(num_key_value_heads=1, head_dim=40, query_pre_attn_scalar=40)),
+    ("qwen3_moe", dict(num_key_value_heads=4, head_dim=48)),
+])
+def test_gqa_ratios_and_odd_head_sizes_match_hf(ckpt_root, arch, overrides):
+    path = build_tiny_checkpoint(os.path.join(ckpt_root, "gqa-odd"), arch, **overrides)
+    prompts = random_prompts(6, seed=zlib.crc32(arch.encode()) % 1000 + 1)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ref = hf_greedy(hf, prompts)
+    got, _ = engine_greedy(path, prompts)
+    assert_equal_but_float32_ties(hf, prompts, got, ref)
+    assert len({tuple(r) for r in ref}) > 4
+
+
 def test_the_tie_rule_refuses_a_divergence_that_is_not_a_tie(ckpt_root):
     """A greedy token replaced by HF's second best where the two are far apart fails the check."""
     path = build_tiny_checkpoint(ckpt_root, "llama")
