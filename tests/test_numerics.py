@@ -301,20 +301,57 @@ def test_quantization_q8_0_quantizes_on_load_and_stays_logprob_close(ckpt_root, 
 
 
 # ---------------------------------------------------------------------- the quality gate
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+# The other families too: bfloat16 GEMMs (the experts' grouped ones), a float16 cache read by the
+# decode kernel with windows and soft-caps; Phi-3 served within its trained length (its short
+# longrope factors, as HF takes them for these prompts). Not the tiny Mixtral: its prompt 1 leaves
+# HF's top 5 at its second token in bfloat16, and so does HF itself with its attention and LM head
+# weights and inputs rounded to bfloat16 (the same token): that checkpoint is too sensitive for the gate.
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "qwen2_moe",
+                                  "qwen3_moe"])
 def test_bfloat16_is_logprob_close_to_hf_float32(ckpt_root, arch):
     require_bf16_kernel()
     path = build_tiny_checkpoint(ckpt_root, arch)
     prompts = random_prompts(8, seed=5, hi=120)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ref = [hf_greedy_top(hf, p, NEW_TOKENS) for p in prompts]
-    got, engine = engine_greedy_top(path, prompts, NEW_TOKENS, dtype="bfloat16")
+    extra = {"max_model_len": 512} if arch == "phi3" else {}
+    got, engine = engine_greedy_top(path, prompts, NEW_TOKENS, dtype="bfloat16", **extra)
     assert engine.model_info.dtype == "bfloat16"
     # The tiny random models' next-token distributions are nearly flat (top logprobs about -5.5,
     # neighbours 0.01-0.1 nats apart), so most prompts meet a near tie within 24 tokens; what must
     # hold is that each divergence is one: measured gaps 0.0004-0.11 nats (llama, qwen2, qwen3).
     gaps = check_logprobs_close(got, ref)
     assert all(g <= MAX_GAP["tiny_bfloat16"] for g in gaps), f"divergences at HF logprob gaps {gaps}"
+
+
+def test_the_tiny_mixtrals_bfloat16_divergences_are_hfs_own(ckpt_root):
+    """Why the tiny Mixtral is not in the gate above: where pagellm's bfloat16 run leaves the float32
+    reference's top 5, HF itself does, at the same position with the same tokens, once its attention
+    and LM head GEMMs see bfloat16-rounded weights and inputs (its experts are not ``nn.Linear``
+    modules and stay float32), as pagellm's bfloat16 kernel rounds them. Random weights drawn at
+    0.2 make this checkpoint that sensitive; the divergence is the numerics', not the engine's."""
+    require_bf16_kernel()
+    path = build_tiny_checkpoint(ckpt_root, "mixtral")
+    prompts = random_prompts(8, seed=5, hi=120)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ref = [hf_greedy_top(hf, p, NEW_TOKENS) for p in prompts]
+    got, _ = engine_greedy_top(path, prompts, NEW_TOKENS, dtype="bfloat16")
+    rounded = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, m in rounded.named_modules():
+            if isinstance(m, torch.nn.Linear) and not name.endswith(".gate"):
+                m.weight.copy_(m.weight.bfloat16().float())
+                m.register_forward_pre_hook(lambda _, args: (args[0].bfloat16().float(),))
+    emulated = [hf_greedy_top(rounded, p, NEW_TOKENS) for p in prompts]
+    far = 0
+    for i in range(len(prompts)):
+        try:
+            check_logprobs_close([got[i]], [ref[i]])
+        except AssertionError:
+            far += 1
+            pos = next(j for j, (x, y) in enumerate(zip(got[i][0], ref[i][0], strict=True)) if x != y)
+            assert got[i][0][:pos + 1] == emulated[i][0][:pos + 1], f"prompt {i}: pagellm's divergence is its own"
+    assert far > 0, "the tiny Mixtral now passes the gate: move it back into the test above"
 
 
 # mode -> (engine arguments, the numerics the engine reports)
