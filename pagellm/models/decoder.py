@@ -338,6 +338,29 @@ class DecoderForCausalLM(nn.Module):
             embed.weight = nn.Parameter(torch.empty(embed.weight.shape, device="meta"), requires_grad=False)
         return sum(m.packed_i8 is not None for m in self.modules() if isinstance(m, Linear))  # tied_head included
 
+    @staticmethod
+    def _keep_blocks(module: nn.Module, param: torch.Tensor, target: str, shard_idx: int | None,
+                     blocks: GGUFBlocks) -> list[str]:
+        """Hand a GGUF tensor's blocks to its module at their width; the loaded names, or none where
+        the module needs a float copy. (An embedding kept as blocks reads its rows from the file's
+        read-only mapping as tokens need them: only the pages of rows used count in the RSS.)"""
+        if (isinstance(module, VocabParallelEmbedding) and module.tp.world_size == 1
+                and tuple(param.shape) == blocks.shape):
+            module.gguf_blocks = blocks
+            return [target]
+        if not isinstance(module, Linear) or param.shape[1] != blocks.shape[1]:
+            return []
+        fused_sizes = getattr(module, "full_sizes", None)
+        if shard_idx is None and fused_sizes is not None and len(fused_sizes) > 1 \
+                and tuple(param.shape) == blocks.shape:
+            at = 0  # a fused layer stored fused (Phi-3) and held whole: each part its rows' blocks
+            for i, size in enumerate(fused_sizes):
+                module.load_gguf_blocks(blocks.take(at, at + size), i)
+                at += size
+            return [f"{target}#{i}" for i in range(len(fused_sizes))]
+        module.load_gguf_blocks(blocks, shard_idx)
+        return [target if shard_idx is None else f"{target}#{shard_idx}"]
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded_elsewhere: Iterable[str] = ()) -> None:
         """Copy HF-named tensors into the (fused, sharded) parameters; missing or unexpected names raise.
 
@@ -370,27 +393,11 @@ class DecoderForCausalLM(nn.Module):
             shard_idx = None if shard is None else shard[1]
             loader = getattr(module, "weight_loader", None)
             if isinstance(tensor, GGUFBlocks):
-                # (An embedding kept as blocks reads its rows from the file's read-only mapping, as
-                # tokens need them: only the pages of rows used count in the RSS, as in llama.cpp.)
                 if name == "model.embed_tokens.weight" and self.lm_head is None:
                     self.tied_head_blocks = tensor  # the tied LM head may take the file's blocks
-                if (isinstance(module, VocabParallelEmbedding) and module.tp.world_size == 1
-                        and tuple(param.shape) == tensor.shape):
-                    module.gguf_blocks = tensor
-                    loaded.add(target)
-                    continue
-                fused_sizes = getattr(module, "full_sizes", None)
-                if (shard_idx is None and isinstance(module, Linear) and fused_sizes is not None
-                        and len(fused_sizes) > 1 and tuple(param.shape) == tensor.shape):
-                    at = 0  # a fused layer stored fused (Phi-3) and held whole: each part its rows' blocks
-                    for i, size in enumerate(fused_sizes):
-                        module.load_gguf_blocks(tensor.take(at, at + size), i)
-                        at += size
-                    loaded.update(f"{target}#{i}" for i in range(len(fused_sizes)))
-                    continue
-                if isinstance(module, Linear) and param.shape[1] == tensor.shape[1]:
-                    module.load_gguf_blocks(tensor, shard_idx)
-                    loaded.add(target if shard_idx is None else f"{target}#{shard_idx}")
+                kept = self._keep_blocks(module, param, target, shard_idx, tensor)
+                if kept:
+                    loaded.update(kept)
                     continue
                 tensor = tensor.dequantize()  # (an embedding, or a shape only a copy checks)
             with torch.no_grad():
