@@ -538,7 +538,7 @@ int gemm_grouped(float *y, int64_t ldy, const float *x, int64_t ldx, const int64
     }
     xb = buf;
   }
-  const int64_t panel = kind == 16 ? KP * NR : K * NR;
+  const int64_t panel = PANEL(kind, kk);
   int failed = 0;
   if (!amx) {
     const float *xs = kind == 16 ? (const float *)xb - off[0] * KP : x; /* (rows addressed from off[0]) */

@@ -244,6 +244,7 @@ static inline __attribute__((always_inline)) void taskv_groups(
   const int D = 16 * DV, GMAX = DV <= 4 ? 4 : DV == 5 ? 3 : DV <= 8 ? 2 : 1;
   for (int64_t j0 = 0; j0 < g; j0 += GMAX) {
     const int G = g - j0 < GMAX ? (int)(g - j0) : GMAX;
+    /* (G <= GMAX; the GMAX terms, constant per DV, let the compiler drop the groups DV cannot have) */
     if (G == 1 || GMAX == 1) TASKV(1);
     else if (G == 2 || GMAX == 2) TASKV(2);
     else if (G == 3 || GMAX == 3) TASKV(3);

@@ -79,28 +79,30 @@ class FusedMoE(nn.Module):
         self._grouped: tuple[int, bool, torch.Tensor, torch.Tensor] | None = None
         self._grouped_checked = False
 
-    def weight_loader(self, which: str, expert: int, part: int | None, loaded: torch.Tensor) -> None:
-        """Copy this rank's share of one expert's checkpoint tensor (``which``: ``w13`` with its
-        ``part``, gate 0 / up 1, or ``w2``) into its slice."""
-        if not 0 <= expert < self.num_experts:
-            raise ValueError(f"expert {expert} out of range (the model has {self.num_experts})")
-        start, size = self.part
-        w13, w2 = self.w13[expert], self.w2[expert]
-        assert isinstance(w13, Linear) and isinstance(w2, Linear)
-        with torch.no_grad():
-            if which == "w13":
-                assert part is not None
-                copy_shard(w13.weight.narrow(0, part * size, size), loaded, 0, start, size)
-            else:
-                copy_shard(w2.weight, loaded, 1, start, size)
-
-    def load_gguf_blocks(self, which: str, expert: int, part: int | None, blocks: GGUFBlocks) -> None:
-        """Keep one expert's GGUF tensor at its width (``which``/``part`` as :meth:`weight_loader`):
-        packed for the int8 kernel with the other projections, or dequantized there if not."""
+    def _projection(self, which: str, expert: int) -> Linear:
+        """Expert ``expert``'s ``w13`` or ``w2``; a ``ValueError`` for an expert the model lacks."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} out of range (the model has {self.num_experts})")
         linear = self.w13[expert] if which == "w13" else self.w2[expert]
         assert isinstance(linear, Linear)
+        return linear
+
+    def weight_loader(self, which: str, expert: int, part: int | None, loaded: torch.Tensor) -> None:
+        """Copy this rank's share of one expert's checkpoint tensor (``which``: ``w13`` with its
+        ``part``, gate 0 / up 1, or ``w2``) into its slice."""
+        linear = self._projection(which, expert)
+        start, size = self.part
+        with torch.no_grad():
+            if which == "w13":
+                assert part is not None
+                copy_shard(linear.weight.narrow(0, part * size, size), loaded, 0, start, size)
+            else:
+                copy_shard(linear.weight, loaded, 1, start, size)
+
+    def load_gguf_blocks(self, which: str, expert: int, part: int | None, blocks: GGUFBlocks) -> None:
+        """Keep one expert's GGUF tensor at its width (``which``/``part`` as :meth:`weight_loader`):
+        packed for the int8 kernel with the other projections, or dequantized there if not."""
+        linear = self._projection(which, expert)
         shape = (self.part[1], linear.in_features) if which == "w13" else (linear.out_features, linear.in_features)
         if self.tp.world_size != 1 or blocks.shape != shape:
             raise ValueError(f"GGUF blocks {blocks.shape} for a {which} slice of {shape} "
@@ -117,9 +119,10 @@ class FusedMoE(nn.Module):
     def _grouped_tables(self) -> tuple[int, bool, torch.Tensor, torch.Tensor] | None:
         w13 = [e for e in self.w13 if isinstance(e, Linear)]
         w2 = [e for e in self.w2 if isinstance(e, Linear)]
+        # (None: an expert on the int8 kernel or not packed; experts have no bias.)
         kinds = {(16, e.amx) if e.packed_bf16 is not None else (32, False) if e.packed is not None else None
                  for e in (*w13, *w2)}
-        if len(kinds) != 1 or None in kinds or any(e.packed_i8 is not None or e.bias is not None for e in w13 + w2):
+        if len(kinds) != 1 or None in kinds:
             return None
         kind = kinds.pop()
         assert kind is not None

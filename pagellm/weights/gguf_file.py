@@ -271,9 +271,8 @@ def _moe_config(r: GGUFIndex, arch: str, experts: int, names: set[str]) -> dict[
     out["moe_intermediate_size"] = int(_field(r, p + "expert_feed_forward_length"))
     out["decoder_sparse_step"] = 1
     out["mlp_only_layers"] = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in names]
-    shared = _field(r, p + "expert_shared_feed_forward_length")
     if arch == "qwen2moe":
-        out["shared_expert_intermediate_size"] = int(shared or 0)
+        out["shared_expert_intermediate_size"] = int(_field(r, p + "expert_shared_feed_forward_length", 0) or 0)
     return out
 
 
@@ -378,7 +377,7 @@ def iter_gguf_weights(path: str, config: Any,
             name = f"{_GLOBAL_NAMES[base]}.{suffix}"
         if isinstance(arr, GGUFBlocks):
             yield name, arr
-        elif kind == "ffn_gate_inp_shexp" if m else False:  # [hidden] in the file, HF's [1, hidden]
+        elif name.endswith(".shared_expert_gate.weight"):  # [hidden] in the file, HF's [1, hidden]
             yield name, torch.from_numpy(np.array(arr, dtype=np.float32).reshape(1, -1))
         elif arch in _GEMMA and name.endswith("norm.weight"):
             # llama.cpp stores Gemma's norms as 1 + w; the model adds its 1 to the checkpoint's w
