@@ -270,8 +270,9 @@ class StructuredOutputsConfig:
         return cls(**_config_dict(value, "structured_outputs_config", '{"backend": "xgrammar"}', cls))
 
 
-def _config_dict(value: object, name: str, example: str, cls: type) -> dict[str, Any]:
-    """A nested config given as a dict or as its JSON text (a CLI flag), its keys checked against ``cls``."""
+def _config_dict(value: object, name: str, example: str, cls: type | None) -> dict[str, Any]:
+    """A nested config given as a dict or as its JSON text (a CLI flag), its keys checked against ``cls``
+    (``None``: the caller checks them)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -279,7 +280,8 @@ def _config_dict(value: object, name: str, example: str, cls: type) -> dict[str,
             raise ValueError(f"{name} must be JSON, e.g. '{example}': {e}") from e
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be a dict, got {type(value).__name__}")
-    reject_unknown(f"{name} field(s)", value, {f.name for f in fields(cls)})
+    if cls is not None:
+        reject_unknown(f"{name} field(s)", value, {f.name for f in fields(cls)})
     return value
 
 
@@ -483,6 +485,40 @@ class ObservabilityConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MultiModalConfig:
+    """Images in prompts (a vision-language model; ignored by a text model): how many per prompt,
+    the processor's output cache, where local files may come from, the encoder's per-step budget
+    and cache, in placeholder tokens (``None``: ``max_num_batched_tokens``, as vLLM)."""
+
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 16})
+    # Processed images kept by content hash; 0 turns every cross-request reuse of an image off (the
+    # processor's output and the encoder's: each request then encodes its own images).
+    mm_processor_cache_gb: float = 4.0
+    allowed_local_media_path: str | None = None
+    allow_remote_media: bool = True  # http(s) image URLs (fetched with a timeout and a size limit)
+    max_num_encoder_input_tokens: int | None = None
+    encoder_cache_size: int | None = None
+
+    def __post_init__(self) -> None:
+        reject_unknown("limit_mm_per_prompt modality", self.limit_mm_per_prompt, {"image"})
+        for k, v in self.limit_mm_per_prompt.items():
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"limit_mm_per_prompt[{k!r}] must be an int >= 0, got {v!r}")
+        if self.mm_processor_cache_gb < 0:
+            raise ValueError(f"mm_processor_cache_gb must be >= 0, got {self.mm_processor_cache_gb}")
+        for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+
+    @classmethod
+    def from_any(cls, limit: dict | str | None, **kwargs: Any) -> MultiModalConfig:
+        if limit is None:
+            return cls(**kwargs)
+        return cls(limit_mm_per_prompt=_config_dict(limit, "limit_mm_per_prompt", '{"image": 4}', None), **kwargs)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """All configs of one engine, as the layers below the entrypoints see them."""
 
@@ -496,6 +532,7 @@ class EngineConfig:
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     kv_transfer: KVTransferConfig | None = None
+    multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
 
 
 _HELP = {
@@ -548,6 +585,14 @@ _HELP = {
     "preemption_mode": "recompute, swap, or auto (swap only requests with several live sequences)",
     "watermark": "fraction of KV blocks admissions and swap-ins leave free",
     "priority_aging_steps": "priority policy: a queued request gains one priority level per this many steps (0 = off)",
+    "limit_mm_per_prompt": "JSON, e.g. '{\"image\": 4}': most images in one prompt (default 16)",
+    "mm_processor_cache_gb": "processed images kept by content hash, GiB; 0 turns off every reuse of an image "
+                             "across requests (its processing and its encoder output)",
+    "allowed_local_media_path": "a directory whose files image URLs may name (file://...); default: none may",
+    "allow_remote_media": "fetch http(s) image URLs (with a timeout and a size limit)",
+    "max_num_encoder_input_tokens": "image placeholder tokens the vision encoder may encode in one step "
+                                    "(default: max_num_batched_tokens)",
+    "encoder_cache_size": "image placeholder tokens' encoder outputs kept (default: max_num_batched_tokens)",
     "stream_interval": "send a request's output every this many new tokens (every token until its first text, "
                        "and its end): fewer, larger stream chunks for less front-end and client work; 1 = every token",
 }
@@ -598,6 +643,12 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     kv_transfer_config: dict | str | None = None
+    limit_mm_per_prompt: dict | str | None = None
+    mm_processor_cache_gb: float = 4.0
+    allowed_local_media_path: str | None = None
+    allow_remote_media: bool = True
+    max_num_encoder_input_tokens: int | None = None
+    encoder_cache_size: int | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -638,6 +689,11 @@ class EngineArgs:
                                               log_step_details=self.log_step_details),
             lora=self._lora(),
             kv_transfer=self._kv_transfer(),
+            multimodal=MultiModalConfig.from_any(
+                self.limit_mm_per_prompt, mm_processor_cache_gb=self.mm_processor_cache_gb,
+                allowed_local_media_path=self.allowed_local_media_path, allow_remote_media=self.allow_remote_media,
+                max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
+                encoder_cache_size=self.encoder_cache_size),
         )
 
     def _max_concurrent_batches(self) -> int:
@@ -737,5 +793,5 @@ def default_num_threads() -> int:
 
 __all__ = [
     "CacheConfig", "DeviceConfig", "EngineArgs", "EngineConfig", "ModelConfig", "ParallelConfig",
-    "SchedulerConfig", "SpeculativeConfig", "default_num_threads",
+    "MultiModalConfig", "SchedulerConfig", "SpeculativeConfig", "default_num_threads",
 ]

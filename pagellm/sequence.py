@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.beam_state import BeamSearchState
+from pagellm.mm_inputs import MultiModalFeature
 from pagellm.outputs import RequestMetrics
 from pagellm.sampling_params import SamplingParams
 
@@ -157,14 +158,22 @@ class SequenceGroup:
     lora_id: int = 0
     lora_fingerprint: str | None = None
     kv_transfer: KVTransferState = field(default_factory=lambda: KVTransferState())
+    # Images, in prompt order (``mm_inputs.py``), and the indices of those whose encoder output
+    # this request holds in the encoder cache (``core/encoder_cache_manager.py``).
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
+    encoder_refs: set[int] = field(default_factory=set)
 
     @property
     def hash_key(self) -> str | None:
-        """What the first block's hash includes besides tokens: the cache salt and the adapter's
-        weights (K/V computed under one adapter are never another's, or the base model's)."""
-        if self.lora_fingerprint is None:
-            return self.cache_salt
-        return f"{self.cache_salt or ''}\x00lora:{self.lora_fingerprint}"
+        """What the first block's hash includes besides tokens: the cache salt, the adapter's
+        weights (K/V computed under one adapter are never another's, or the base model's) and the
+        images' hashes (the same placeholder tokens over another image are other K/V)."""
+        key = self.cache_salt
+        if self.lora_fingerprint is not None:
+            key = f"{key or ''}\x00lora:{self.lora_fingerprint}"
+        if self.mm_features:
+            key = f"{key or ''}\x00mm:" + ",".join(f.mm_hash for f in self.mm_features)
+        return key
 
     @property
     def num_samples(self) -> int:

@@ -34,6 +34,7 @@ from functools import partial
 
 from pagellm.config import SchedulerConfig
 from pagellm.core.beam_search import advance_beams
+from pagellm.core.encoder_cache_manager import EncoderCacheManager
 from pagellm.core.invariants import check_scheduler_invariants
 from pagellm.core.kv_cache_manager import AllocStatus, KVCacheManager, SlotRequest
 from pagellm.core.kv_connector import KVConnectorScheduler
@@ -68,10 +69,14 @@ class _Step:
     forced: list[SequenceGroup] = field(default_factory=list)  # pushed out by a better request (phase 0)
     waiting_stop: str = LeftOut.TOKEN_BUDGET  # why admissions stopped (the step trace's LeftOut)
     lora_skipped: list[str] = field(default_factory=list)  # passed over for their adapter this step
+    encoder: EncoderCacheManager | None = None
 
     def add(self, group: SequenceGroup, plan: list[SlotRequest]) -> None:
         self.scheduled.append((group, plan))
         self.token_budget -= sum(r.num_new_tokens for r in plan)
+        if self.encoder is not None and group.mm_features:  # the images its chunks overlap
+            for r in plan:
+                self.encoder.schedule(group, r.num_computed_tokens, r.num_new_tokens)
 
 
 class Scheduler:
@@ -79,7 +84,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, *, max_model_len: int,
                  num_lookahead_tokens: int = 0, max_loras: int = 0,
-                 kv_transfer: KVTransferAdmission | None = None) -> None:
+                 kv_transfer: KVTransferAdmission | None = None, encoder: EncoderCacheManager | None = None) -> None:
         self.config = config
         self.kv_transfer = kv_transfer  # KV transfer's loads and saves (None: no connector)
         # Batch queue: requests in a step whose output is not applied yet.
@@ -95,7 +100,9 @@ class Scheduler:
         self.last_decisions: StepDecisions | None = None
         self._decisions: StepDecisions | None = None
         self.kv_cache_manager = kv_cache_manager
-        self.planner = StepPlanner(config, kv_cache_manager, max_model_len)
+        # A vision-language model's encoder cache and budget (None: text only).
+        self.encoder = encoder
+        self.planner = StepPlanner(config, kv_cache_manager, max_model_len, encoder)
         self.max_model_len = max_model_len
         self.priority_policy = config.scheduling_policy == "priority"
         self.order = RequestOrder(self.priority_policy, config.priority_aging_steps)
@@ -196,6 +203,8 @@ class Scheduler:
                 self._finished_seq_ids.append(seq.seq_id)
         del self.requests[group.request_id]
         self.lora.forget(group.request_id)
+        if self.encoder is not None:
+            self.encoder.release(group)
 
     # ------------------------------------------------------------------ preemption
     def _preempt(self, group: SequenceGroup, ops: CacheOps) -> None:
@@ -224,6 +233,8 @@ class Scheduler:
                 if not seq.status.is_finished:
                     seq.reset_for_recompute()
             self.waiting.prepend(group)
+        if self.encoder is not None:
+            self.encoder.release(group)  # (its entries stay cached while nobody needs the room)
         group.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.order.enqueue(group)
@@ -248,7 +259,9 @@ class Scheduler:
         """One step: priority preemption, running, swapped, waiting (see the module docstring)."""
         self.order.step += 1
         self.num_waiting_for_remote = 0
-        step = _Step(token_budget=self.config.max_num_batched_tokens)
+        step = _Step(token_budget=self.config.max_num_batched_tokens, encoder=self.encoder)
+        if self.encoder is not None:
+            self.encoder.begin_step()
         self._decisions = StepDecisions(token_budget=step.token_budget) if self.record_decisions else None
         if self.priority_policy:
             self.running.sort(key=self.order.key)  # the worst is last: the next victim
@@ -403,6 +416,9 @@ class Scheduler:
                 continue
             plan = self.planner.plan_admission(group, step.token_budget)
             first = plan[0]
+            if first.num_new_tokens == 0:
+                step.waiting_stop = LeftOut.ENCODER_BUDGET  # its first image fits neither the budget nor the cache
+                break
             n_hit = len(first.computed_blocks)
             if n_hit < len(first.seq.block_hashes) and first.seq.block_hashes[n_hit] in pending:
                 step.waiting_stop = LeftOut.PREFIX_BEING_COMPUTED
@@ -473,6 +489,8 @@ class Scheduler:
                        for g, plan in step.scheduled for r in plan],
             cache_ops=step.ops,
             finished_seq_ids=self._finished_seq_ids,
+            encoder_inputs=self.encoder.to_encode if self.encoder is not None else [],
+            freed_encoder_hashes=self.encoder.take_freed() if self.encoder is not None else [],
             preempted_request_ids=[g.request_id for g in step.forced + step.preempted],
         )
         if self.kv_transfer is not None:
@@ -518,6 +536,8 @@ class Scheduler:
                 seq.num_computed_tokens -= len(sched.spec_token_ids) - len(accepted)  # the rejected drafts
                 seq.spec_token_ids = []
             kv.cache_full_blocks(seq, group.hash_key)
+            if self.encoder is not None:
+                self.encoder.release_computed(group)
             if not sched.do_sample:
                 continue
             if group.beam_state is not None:

@@ -40,6 +40,9 @@ class ScheduledSequence:
     spec_token_ids: list[int] | None = None
     # Multi-LoRA: the device slot of the request's adapter (-1: the base model).
     lora_slot: int = -1
+    # Images whose placeholders this chunk overlaps: ``(offset, length, mm_hash)``, their rows in
+    # the worker's encoder cache (encoded in this step at the latest).
+    mm_spans: list[tuple[int, int, str]] | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -118,6 +121,10 @@ class SchedulerOutput:
     lora_loads: dict[int, Any] = field(default_factory=dict)
     # KV transfer: this step's loads, saves and deletes (``None``: no connector, or nothing to do).
     kv_connector_metadata: KVConnectorMetadata | None = None
+    # The encoder cache (``core/encoder_cache_manager.py``): images to encode before the text model
+    # runs, ``(mm_hash, encoder input)``, and entries the worker drops first.
+    encoder_inputs: list[tuple[str, Any]] = field(default_factory=list)
+    freed_encoder_hashes: list[str] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not self.scheduled

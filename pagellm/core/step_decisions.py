@@ -36,3 +36,4 @@ class LeftOut:
     WHOLE_PROMPT = "whole_prompt_needs_budget"  # chunked prefill off
     PRIORITY = "priority"
     MAX_LORAS = "max_loras"  # its adapter would be one more than max_loras in the step
+    ENCODER_BUDGET = "encoder_budget"  # its first image fits neither this step's encoder budget nor the cache

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from pagellm.config import SchedulerConfig
+from pagellm.core.encoder_cache_manager import EncoderCacheManager
 from pagellm.core.kv_cache_manager import KVCacheManager, SlotRequest
 from pagellm.core.scheduler_output import ScheduledSequence
 from pagellm.core.step_decisions import LeftOut
@@ -16,10 +17,12 @@ from pagellm.sequence import Sequence, SequenceGroup
 class StepPlanner:
     """The scheduler's arithmetic over one request at a time: token counts and block fit."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
+                 encoder: EncoderCacheManager | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
+        self.encoder = encoder  # (None: a text-only model)
 
     def plan(self, group: SequenceGroup, token_budget: int) -> list[SlotRequest]:
         """The group's live sequences' next tokens, in order, within the budget (a decoding
@@ -30,6 +33,7 @@ class StepPlanner:
                 break
             n = self.num_new_tokens(seq.num_tokens + self.num_drafts(seq, group), seq.num_computed_tokens,
                                      token_budget)
+            n = self.encoder_cap(group, seq.num_computed_tokens, n)
             if n > 0:  # 0: a beam that sampled and waits for its siblings
                 plan.append(SlotRequest(seq, seq.num_computed_tokens, n))
                 token_budget -= n
@@ -45,10 +49,17 @@ class StepPlanner:
                 break
             hits = kv.get_computed_blocks(seq, group.hash_key)
             computed = len(hits) * kv.block_size
-            n = self.num_new_tokens(seq.num_tokens, computed, token_budget)
+            n = self.encoder_cap(group, computed, self.num_new_tokens(seq.num_tokens, computed, token_budget))
             plan.append(SlotRequest(seq, computed, n, hits))
             token_budget -= n
         return plan
+
+    def encoder_cap(self, group: SequenceGroup, start: int, n: int) -> int:
+        """``n`` tokens from ``start``, cut before the first image whose rows can be neither found
+        in the encoder cache nor encoded this step."""
+        if self.encoder is None or not group.mm_features:
+            return n
+        return self.encoder.num_new_tokens(group, start, n)
 
     def num_drafts(self, seq: Sequence, group: SequenceGroup) -> int:
         """How many of ``seq``'s drafts may be verified: none unless it is decoding (a prefill,
@@ -146,4 +157,6 @@ class StepPlanner:
             prompt_token_ids=seq.prompt_token_ids,
             sample_seq_ids=sample_ids,
             spec_token_ids=spec,
+            mm_spans=[(f.offset, f.length, f.mm_hash) for f in group.mm_features if f.overlaps(start, start + n)]
+            or None,
         )

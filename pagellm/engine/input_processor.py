@@ -17,6 +17,8 @@ from typing import Any
 from pagellm.beam_state import BeamSearchState
 from pagellm.config import EngineConfig
 from pagellm.core.kv_connector import check_kv_transfer_params
+from pagellm.engine.mm_processor import MultiModalProcessor, as_images
+from pagellm.mm_inputs import MultiModalFeature
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
 from pagellm.sequence import Sequence, SequenceGroup
 from pagellm.tokenizer import Tokenizer, check_token_ids
@@ -55,6 +57,8 @@ class InputProcessor:
     vocab_size: int
     max_model_len: int
     kv_capacity_tokens: int  # every KV block's token slots: no prompt longer than that can ever run
+    mm: MultiModalProcessor | None = None  # a vision-language model's image processing
+    encoder_limit: int = 0  # the most placeholder tokens one image may take (encoder budget and cache)
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """``(text or None, token ids)`` of any accepted prompt form."""
@@ -99,6 +103,23 @@ class InputProcessor:
             raise ValueError(f"prompt of {len(ids)} tokens can never fit in the KV cache "
                              f"({self.kv_capacity_tokens} token slots)")
 
+    def _images(self, request_id: str, prompt: PromptType, ids: list[int]) -> tuple[list[int], list[MultiModalFeature]]:
+        """The prompt's images (``multi_modal_data``) processed, their placeholders expanded in ``ids``."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data:
+            return ids, []
+        if self.mm is None:
+            raise ValueError("multi_modal_data: this model takes no images (it is a text model)")
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError("multi_modal_data must be a dict with the key 'image' (the modality supported)")
+        ids, features = self.mm.process(ids, as_images(data["image"]), request_id)
+        for i, f in enumerate(features):
+            if f.length > self.encoder_limit:
+                raise ValueError(f"multi_modal_data['image'][{i}] takes {f.length} placeholder tokens, more than the "
+                                 f"encoder may encode in a step or cache ({self.encoder_limit}: raise "
+                                 "max_num_encoder_input_tokens and encoder_cache_size)")
+        return ids, features
+
     def _kv_transfer_params(self, prompt: PromptType) -> dict[str, Any] | None:
         kv_params = prompt.get("kv_transfer_params") if isinstance(prompt, dict) else None
         if kv_params is not None:
@@ -118,11 +139,13 @@ class InputProcessor:
         if cache_salt is None and isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt")  # vLLM passes it inside the prompt dict
         kv_params = self._kv_transfer_params(prompt)
+        ids, features = self._images(request_id, prompt, ids)
         self._check_prompt(ids)
         sampling = sampling.clone(eos_token_id=self.tokenizer.eos_token_id)
         seq = Sequence(new_seq_id(), ids)
         group = SequenceGroup(request_id, [seq], sampling, arrival_time or time.monotonic(), text, priority, cache_salt)
         group.kv_transfer.params = kv_params
+        group.mm_features = features
         if isinstance(params, BeamSearchParams):
             group.beam_state = BeamSearchState(
                 params.beam_width, min(params.max_tokens, self.max_model_len - len(ids)), params.length_penalty,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pagellm.config import EngineArgs, EngineConfig, resolve_model_source
+from pagellm.core.encoder_cache_manager import EncoderCacheManager
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.kv_connector import (
     TcpConnectorScheduler,
@@ -27,6 +28,7 @@ from pagellm.core.step_decorator import StepDecorator
 from pagellm.engine.input_processor import InputProcessor, PromptType, resolve_max_model_len
 from pagellm.engine.kv_receiver import KVReceiver
 from pagellm.engine.lora_manager import LoRAManager
+from pagellm.engine.mm_processor import MultiModalProcessor
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.step_trace import KVState, StepTimes, StepTracer, step_log_line, summarize_step
 from pagellm.executor import PendingOutput, WorkerError, create_executor
@@ -88,8 +90,16 @@ class LLMEngine:
         info = self.model_info
         self.max_model_len = resolve_max_model_len(config, info.max_position_embeddings,
                                                    self.num_blocks * self.block_size)
+        mm = config.multimodal
+        encoder = None
+        mm_processor = None
+        if info.is_multimodal:
+            budget = mm.max_num_encoder_input_tokens or config.scheduler.max_num_batched_tokens
+            encoder = EncoderCacheManager(mm.encoder_cache_size or config.scheduler.max_num_batched_tokens, budget)
+            mm_processor = MultiModalProcessor(self.source.path, mm)
         self.input_processor = InputProcessor(config, self.tokenizer, info.vocab_size, self.max_model_len,
-                                              self.num_blocks * self.block_size)
+                                              self.num_blocks * self.block_size, mm_processor,
+                                              min(encoder.budget, encoder.cache_size) if encoder else 0)
         self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching,
                                                self.num_cpu_blocks, config.scheduler.watermark)
         lora, kvt = config.lora, config.kv_transfer
@@ -108,7 +118,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config.scheduler, self.kv_cache_manager, max_model_len=self.max_model_len,
             num_lookahead_tokens=config.speculative.num_lookahead_tokens if config.speculative else 0,
-            max_loras=lora.max_loras if lora.enable_lora else 0, kv_transfer=kv_transfer)
+            max_loras=lora.max_loras if lora.enable_lora else 0, kv_transfer=kv_transfer, encoder=encoder)
         # Features that add to each step's SchedulerOutput (core/step_decorator.py).
         self.decorators: list[StepDecorator] = []
         self.lora: LoRAManager | None = None

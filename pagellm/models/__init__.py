@@ -8,6 +8,7 @@ _MODELS = {
     "Gemma2ForCausalLM": ("pagellm.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("pagellm.models.gemma", "Gemma3ForCausalLM"),
     "LlamaForCausalLM": ("pagellm.models.llama", "LlamaForCausalLM"),
+    "LlavaForConditionalGeneration": ("pagellm.models.llava", "LlavaForConditionalGeneration"),
     "MistralForCausalLM": ("pagellm.models.llama", "MistralForCausalLM"),
     "MixtralForCausalLM": ("pagellm.models.moe", "MixtralForCausalLM"),
     "Phi3ForCausalLM": ("pagellm.models.llama", "Phi3ForCausalLM"),

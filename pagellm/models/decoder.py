@@ -228,14 +228,17 @@ class DecoderModel(nn.Module):
         assert isinstance(layer, DecoderLayer)
         return layer
 
-    def forward(self, input_ids, positions, kv_caches, meta, decode_graph: DecodeGraph | None = None):
+    def forward(self, input_ids, positions, kv_caches, meta, decode_graph: DecodeGraph | None = None,
+                inputs_embeds: torch.Tensor | None = None):
         """The last stage's final hidden states; ``None`` on the stages before it (theirs went on).
         ``decode_graph``: all layers of this decode-only step in one call (the runner captured it
-        and bound it to ``kv_caches``; ``models/decode_graph.py``)."""
+        and bound it to ``kv_caches``; ``models/decode_graph.py``). ``inputs_embeds``: the first
+        layer's input given (a vision-language model's, images' rows written in)."""
         pp = self.pp
         if pp.is_first:
-            x, residual = self.embed_tokens(input_ids), None
-            if self.embed_scale is not None:
+            x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+            residual = None
+            if self.embed_scale is not None:  # (HF scales given embeddings too)
                 x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         else:
             shape = (input_ids.shape[0], self.hidden_size)
@@ -290,8 +293,13 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                decode_graph: DecodeGraph | None = None) -> torch.Tensor | None:
-        return self.model(input_ids, positions, kv_caches, meta, decode_graph)
+                decode_graph: DecodeGraph | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | None:
+        return self.model(input_ids, positions, kv_caches, meta, decode_graph, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings (a vision-language model's runner writes image rows over some)."""
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary (each rank computes its rows; every rank gets all)."""

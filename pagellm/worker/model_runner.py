@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -64,6 +65,8 @@ class InputBatch:
     sample_seqs: list[ScheduledSequence]  # the sequences that sample this step, in logits order
     plain: list[PlainSample] = field(default_factory=list)  # (driver only)
     drafts: list[DraftRun] = field(default_factory=list)  # (driver only)
+    # Image rows to write over the token embeddings: (first flat row, mm_hash, first image row, rows).
+    mm_segments: list[tuple[int, str, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -87,6 +90,10 @@ class ModelRunner:
         self.lora: ModelLoRA | None = None  # multi-LoRA slots (Worker sets them)
         # All layers of a decode-only step in one call, where every op is a compiled kernel.
         self.decode_graphs = DecodeGraphCapture(model)
+        # A vision-language model's encoder outputs by image hash (what the scheduler's
+        # EncoderCacheManager says this worker holds).
+        self.encoder_cache: dict[str, torch.Tensor] = {}
+        self.encoder_seconds = 0.0
 
     def _generator(self, seq_id: int, seed: int | None, index: int = 0) -> torch.Generator | None:
         """The RNG of sequence ``seq_id``, created on its first sample. Sample ``index`` of a request
@@ -106,9 +113,14 @@ class ModelRunner:
         """The step's stages: inputs, forward, logits, sample, verify drafts, propose drafts."""
         for seq_id in so.finished_seq_ids:
             self.generators.pop(seq_id, None)
+        for h in so.freed_encoder_hashes:
+            self.encoder_cache.pop(h, None)
         if not so.scheduled:
             return ModelRunnerOutput(sampled={})
         t0 = time.perf_counter()
+        if so.encoder_inputs:
+            self.encode(so.encoder_inputs)
+            self.encoder_seconds += time.perf_counter() - t0
         batch = self.prepare_inputs(so)
         t1 = time.perf_counter()
         hidden = self.forward(batch, kv_caches)
@@ -149,8 +161,11 @@ class ModelRunner:
         slots: list[int] = []
         last_row: dict[int, int] = {}  # seq_id -> flat row of its last token
         draft_row: dict[tuple[int, int], int] = {}  # (seq_id, offset) -> flat row, for drafting sequences
+        mm_segments: list[tuple[int, str, int, int]] = []
         for s, i in [decodes[j] for j in meta.decode_order]:
             p = s.num_computed_tokens + i
+            if s.mm_spans:
+                _image_rows(s.mm_spans, p, 1, len(input_ids), mm_segments)
             slots.append(s.block_ids[p // bs] * bs + p % bs)
             input_ids.append(s.token_ids[i])
             positions.append(p)
@@ -160,6 +175,8 @@ class ModelRunner:
                 last_row[s.seq_id] = len(input_ids) - 1
         for s in chunks:
             start = s.num_computed_tokens
+            if s.mm_spans:
+                _image_rows(s.mm_spans, start, s.num_scheduled_tokens, len(input_ids), mm_segments)
             for p in range(start, start + s.num_scheduled_tokens):
                 slots.append(s.block_ids[p // bs] * bs + p % bs)
             input_ids.extend(s.token_ids)
@@ -180,7 +197,8 @@ class ModelRunner:
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
         batch = InputBatch(torch.tensor(input_ids, dtype=torch.long, device=self.device),
                            torch.tensor(positions, dtype=torch.long, device=self.device), meta,
-                           decode_lens, decode_tables, chunk_specs, logits_rows, sample_seqs)
+                           decode_lens, decode_tables, chunk_specs, logits_rows, sample_seqs,
+                           mm_segments=mm_segments)
         if self.is_driver:
             self._plan_sampling(batch)
         return batch
@@ -206,8 +224,11 @@ class ModelRunner:
     def forward(self, batch: InputBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """The model over the batch (a decode-only step through its decode graph where one
         applies); the draft model's K/V follow the target's, token for token."""
-        graph = self.decode_graphs.for_step(kv_caches, batch.meta)
-        if graph is None:
+        graph = None if batch.mm_segments else self.decode_graphs.for_step(kv_caches, batch.meta)
+        if batch.mm_segments:  # (image rows: the first layer's input is given)
+            hidden = self.model(batch.input_ids, batch.positions, kv_caches, batch.meta,
+                                inputs_embeds=self.embed_with_images(batch))
+        elif graph is None:
             hidden = self.model(batch.input_ids, batch.positions, kv_caches, batch.meta)
         else:
             hidden = self.model(batch.input_ids, batch.positions, kv_caches, batch.meta, decode_graph=graph)
@@ -215,6 +236,25 @@ class ModelRunner:
             self.draft.forward(batch.input_ids, batch.positions, batch.meta.slot_mapping, batch.decode_lens,
                                batch.decode_tables, batch.chunk_specs, batch.meta.decode_order)
         return hidden
+
+    def encode(self, inputs: list[tuple[str, dict[str, Any]]]) -> None:
+        """Each image's encoder output into the encoder cache (images of one shape in one batch)."""
+        encode_images = getattr(self.model, "encode_images")  # noqa: B009 - only a vision-language model has it
+        by_shape: dict[tuple[int, ...], list[tuple[str, torch.Tensor]]] = {}
+        for h, data in inputs:
+            pv = torch.from_numpy(data["pixel_values"]).to(self.device)
+            by_shape.setdefault(tuple(pv.shape), []).append((h, pv))
+        for items in by_shape.values():
+            rows = encode_images([torch.stack([pv for _, pv in items])])[0]
+            for (h, _), r in zip(items, rows.view(len(items), -1, rows.shape[-1]), strict=True):
+                self.encoder_cache[h] = r
+
+    def embed_with_images(self, batch: InputBatch) -> torch.Tensor:
+        """The token embeddings with each image's rows written over its placeholders."""
+        x = self.model.embed_input_ids(batch.input_ids)
+        for row, h, first, n in batch.mm_segments:
+            x[row:row + n] = self.encoder_cache[h][first:first + n].to(x.dtype)
+        return x
 
     def sample(self, batch: InputBatch, logits: torch.Tensor, so: SchedulerOutput, result: ModelRunnerOutput) -> None:
         """The plain rows: grammar masks, then the sampler; ``result.sampled`` per sequence."""
@@ -260,3 +300,13 @@ class ModelRunner:
                 pos = s.num_computed_tokens + s.num_scheduled_tokens - len(s.spec_token_ids or ()) + accepted
                 starts.append((s.seq_id, result.sampled[s.seq_id].token_id, pos, s.block_ids, k))
         return self.draft.propose(starts)
+
+
+def _image_rows(spans: list[tuple[int, int, str]], start: int, n: int, row0: int,
+                out: list[tuple[int, str, int, int]]) -> None:
+    """The segments of positions ``[start, start + n)`` (flat rows from ``row0``) that are image
+    placeholders: ``(flat row, mm_hash, row in the image's output, count)``."""
+    for offset, length, h in spans:
+        lo, hi = max(start, offset), min(start + n, offset + length)
+        if lo < hi:
+            out.append((row0 + lo - start, h, lo - offset, hi - lo))

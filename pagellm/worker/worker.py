@@ -91,6 +91,7 @@ class ModelInfo:
     lora_module_shapes: dict[str, list[tuple[int, int]]] | None = None
     # What the K/V of a block depend on besides its tokens (sha256 hex): KV transfer keys on it.
     kv_fingerprint: str = ""
+    is_multimodal: bool = False  # takes images (a vision-language model: ``encode_images``)
 
 
 class Worker:
@@ -144,12 +145,13 @@ class Worker:
         source = resolve_model_source(path)
         hf_config = load_model_config(source)
         if self.config.model.max_model_len:
-            hf_config.max_model_len = self.config.model.max_model_len  # (what longrope decides by)
+            hf_config.get_text_config().max_model_len = self.config.model.max_model_len  # (what longrope decides by)
         cls = get_model_class(hf_config.architectures[0])
         with torch.device("meta"):
-            if self.pp.num_stages > hf_config.num_hidden_layers:
+            num_layers = hf_config.get_text_config().num_hidden_layers
+            if self.pp.num_stages > num_layers:
                 raise ValueError(f"pipeline_parallel_size={self.pp.num_stages} exceeds the model's "
-                                 f"{hf_config.num_hidden_layers} layers")
+                                 f"{num_layers} layers")
             model = cls(hf_config, freq_factors(source), tp=self.tp, pp=self.pp)
         model = model.to_empty(device=self.device)
         sharded = self.tp.world_size * self.pp.num_stages > 1
@@ -210,6 +212,7 @@ class Worker:
                 self._kv_memory.stop()
             raise
         arch = hf_config.architectures[0]
+        text_config = hf_config.get_text_config()  # (a vision-language model's decoder)
         # (Paused: the numerics may be chosen by timing GEMMs, which must have both cores.)
         with self._kv_memory.paused() if self._kv_memory is not None else contextlib.nullcontext():
             self.numerics, packed_int8 = self._numerics_for(model, self.tp.world_size == 1,
@@ -233,8 +236,11 @@ class Worker:
         self.draft_spec: KVCacheSpec | None = None
         spec_cfg = self.config.speculative
         if spec_cfg is not None and spec_cfg.model is not None:
-            self._load_draft(spec_cfg.model, hf_config.vocab_size)
-        self.max_positions = hf_config.max_position_embeddings
+            if hasattr(model, "encode_images"):
+                raise ValueError(f"speculative_config with a draft model: {arch} takes images, which a draft model "
+                                 "would not see (use method 'ngram' or 'suffix')")
+            self._load_draft(spec_cfg.model, text_config.vocab_size)
+        self.max_positions = text_config.max_position_embeddings
         lora = self.config.lora
         if lora.enable_lora and any(isinstance(m, SparseMoeBlock) for m in model.modules()):
             raise ValueError(f"enable_lora: LoRA adapters on a mixture-of-experts model ({arch}) are not supported")
@@ -243,16 +249,17 @@ class Worker:
         self._adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()  # by fingerprint, LRU order
         return ModelInfo(
             architecture=arch,
-            vocab_size=hf_config.vocab_size,
-            max_position_embeddings=hf_config.max_position_embeddings,
+            vocab_size=text_config.vocab_size,
+            max_position_embeddings=text_config.max_position_embeddings,
             sliding_window=model_sliding_window(model),
             dtype=self.numerics.name,
             kv_cache_dtype=str(self.spec.dtype).removeprefix("torch."),
             device=str(self.device),
             block_bytes=self.block_bytes,
-            num_layers=hf_config.num_hidden_layers,
+            num_layers=text_config.num_hidden_layers,
             lora_module_shapes=module_shapes(model),
             kv_fingerprint=self.kv_fp.hex(),
+            is_multimodal=hasattr(model, "encode_images"),
         )
 
     def _kv_fingerprint(self, path: str, arch: str) -> bytes:

@@ -1,0 +1,128 @@
+"""LLaVA-1.5 style vision-language models (``LlavaForConditionalGeneration``): a CLIP or SigLIP
+tower, a two-layer MLP projector, and any supported text decoder.
+
+The text decoder is this class itself (a ``DecoderForCausalLM`` over ``config.text_config``, its
+flags taken from the text family's class), so everything the worker does to a text model (packing,
+numerics, the KV spec, decode graphs) applies unchanged. The runner asks ``encode_images`` for an
+image's rows (one per placeholder token in the prompt) and passes them as ``inputs_embeds``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagellm.distributed import PipelineStage, TensorParallelGroup
+from pagellm.layers.linear import Linear
+from pagellm.models.decoder import DecoderForCausalLM
+from pagellm.models.vision import VisionTower, vision_activation
+
+# Text families a LLaVA checkpoint may carry, by ``text_config.model_type``.
+_TEXT_FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM"}
+_TEXT_FLAGS = ("qkv_bias", "qk_norm", "layer_cls", "embed_scale")
+
+
+def _feature_layers(vision_config: Any, feature_layer: Any) -> int:
+    """How many tower layers run: up to the one whose output (HF's ``hidden_states[feature_layer]``,
+    index 0 being the embeddings) the projector reads."""
+    if not isinstance(feature_layer, int):
+        raise ValueError(f"vision_feature_layer={feature_layer!r}: only one feature layer is supported")
+    n = vision_config.num_hidden_layers
+    return feature_layer if feature_layer >= 0 else n + 1 + feature_layer
+
+
+class MultiModalProjector(nn.Module):
+    def __init__(self, vision_hidden: int, text_hidden: int, act: str, bias: bool) -> None:
+        super().__init__()
+        self.linear_1 = Linear(vision_hidden, text_hidden, bias=bias)
+        self.linear_2 = Linear(text_hidden, text_hidden, bias=bias)
+        self.act = vision_activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class LlavaForConditionalGeneration(DecoderForCausalLM):
+    """Images in, text out: the text decoder plus ``vision_tower`` and ``multi_modal_projector``."""
+
+    def __init__(self, config: Any, freq_factors: torch.Tensor | None = None,
+                 tp: TensorParallelGroup | None = None, pp: PipelineStage | None = None) -> None:
+        from pagellm.models import get_model_class
+
+        text = config.text_config
+        if (tp is not None and tp.world_size > 1) or (pp is not None and pp.num_stages > 1):
+            raise ValueError("LlavaForConditionalGeneration runs on one worker (tensor_parallel_size=1, "
+                             "pipeline_parallel_size=1)")
+        family = _TEXT_FAMILIES.get(text.model_type)
+        if family is None:
+            raise ValueError(f"LLaVA with a {text.model_type!r} text model is not supported "
+                             f"(supported: {sorted(_TEXT_FAMILIES)})")
+        text_cls = get_model_class(family)
+        for flag in _TEXT_FLAGS:  # the text family's flags, read by DecoderForCausalLM.__init__
+            setattr(self, flag, getattr(text_cls, flag))
+        super().__init__(text, freq_factors, tp, pp)
+        self.mm_config = config
+        strategy = getattr(config, "vision_feature_select_strategy", "default")
+        if strategy not in ("default", "full"):
+            raise ValueError(f"vision_feature_select_strategy={strategy!r} is not supported (default, full)")
+        self.drop_class_token = strategy == "default"
+        vision = config.vision_config
+        self.vision_tower = VisionTower(vision, _feature_layers(vision, config.vision_feature_layer))
+        self.multi_modal_projector = MultiModalProjector(
+            vision.hidden_size, text.hidden_size, config.projector_hidden_act,
+            bool(getattr(config, "multimodal_projector_bias", True)))
+        self.image_token_id = int(getattr(config, "image_token_id", None) or config.image_token_index)
+
+    def encode_images(self, pixel_values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each image's rows for the text model (``[num_placeholder_tokens, hidden]``); images of one
+        size run as one batch."""
+        out = []
+        for pv in pixel_values:
+            features = self.vision_tower(pv.unsqueeze(0) if pv.dim() == 3 else pv)
+            if self.drop_class_token:
+                features = features[:, 1:]
+            out.append(self.multi_modal_projector(features).flatten(0, 1))
+        return out
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded_elsewhere: Iterable[str] = ()) -> None:
+        """HF's names, old (``language_model.model.*``) and new (``model.language_model.*``): the text
+        model's go to ``DecoderForCausalLM.load_weights``, the tower's and projector's here."""
+        params = dict(self.named_parameters())
+        vision_names = {n for n in params if n.startswith(("vision_tower.", "multi_modal_projector."))}
+        loaded: set[str] = set()
+
+        def text_weights() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                name = name.removeprefix("model.")
+                if name.startswith("language_model."):
+                    name = name.removeprefix("language_model.")
+                    yield (name if name.startswith(("model.", "lm_head.")) else f"model.{name}"), tensor
+                elif name.startswith("lm_head."):
+                    yield name, tensor
+                else:
+                    self._load_vision_weight(name, tensor, params, loaded)
+
+        super().load_weights(text_weights(), loaded_elsewhere=[*loaded_elsewhere, *vision_names])
+        missing = sorted(vision_names - loaded)
+        if missing:
+            raise ValueError(f"checkpoint does not match {type(self).__name__}: missing {len(missing)} {missing[:8]}")
+
+    def _load_vision_weight(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter],
+                            loaded: set[str]) -> None:
+        target: str | None = name
+        if name.startswith("vision_tower."):
+            inner = self.vision_tower.hf_name(name.removeprefix("vision_tower."))
+            target = None if inner is None else f"vision_tower.{inner}"
+        if target is None:
+            return  # a part of the tower past the feature layer
+        param = params.get(target)
+        if param is None or param.shape != tensor.shape:
+            raise ValueError(f"checkpoint does not match {type(self).__name__}: unexpected {name} "
+                             f"{tuple(tensor.shape)}")
+        with torch.no_grad():
+            param.copy_(tensor)
+        loaded.add(target)
