@@ -97,6 +97,7 @@ class LLMEngine:
             budget = mm.max_num_encoder_input_tokens or config.scheduler.max_num_batched_tokens
             encoder = EncoderCacheManager(mm.encoder_cache_size or config.scheduler.max_num_batched_tokens, budget)
             mm_processor = MultiModalProcessor(self.source.path, mm)
+            self.tokenizer.image_token = mm_processor.image_token
         self.input_processor = InputProcessor(config, self.tokenizer, info.vocab_size, self.max_model_len,
                                               self.num_blocks * self.block_size, mm_processor,
                                               min(encoder.budget, encoder.cache_size) if encoder else 0)

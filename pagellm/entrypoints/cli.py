@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from pagellm.config import EngineArgs
+from pagellm.entrypoints.chat_utils import MediaConnector
 from pagellm.lora_request import LoRARequest
 from pagellm.sampling_params import SamplingParams
 
@@ -159,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _media(engine_args: EngineArgs) -> MediaConnector:
+    return MediaConnector(engine_args.allowed_local_media_path, engine_args.allow_remote_media)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
@@ -194,7 +199,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise
     serve(engine, name, args.host, args.port, api_key,
           chat_template_content_format=args.chat_template_content_format,
-          exit_on_engine_death=args.exit_on_engine_death)
+          exit_on_engine_death=args.exit_on_engine_death, media=_media(engine_args))
     return 0
 
 
@@ -236,7 +241,8 @@ def _serve_many(args: argparse.Namespace, engine_args: EngineArgs, chat_template
     ctx = multiprocessing.get_context("spawn")
     servers = [ctx.Process(target=run_api_server, name=f"pagellm-api-server-{i}",
                            args=(i, input_addr, addr, core.pid, name, args.host, args.port, api_key,
-                                 args.chat_template_content_format, args.exit_on_engine_death))
+                                 args.chat_template_content_format, args.exit_on_engine_death,
+                                 _media(engine_args)))
                for i, addr in enumerate(output_addrs)]
     for p in servers:
         p.start()

@@ -10,6 +10,7 @@ from typing import Any
 from pagellm.config import EngineArgs
 from pagellm.engine.data_parallel import create_engine
 from pagellm.engine.llm_engine import PromptType
+from pagellm.entrypoints.chat_utils import MediaConnector, extract_images, template_renders_images
 from pagellm.lora_request import LoRARequest
 from pagellm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
@@ -130,7 +131,15 @@ class LLM:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.llm_engine.get_tokenizer()
-        prompts: list[PromptType] = [tok.chat_prompt(conv, add_generation_prompt) for conv in conversations]  # type: ignore[arg-type]
+        media = MediaConnector.from_config(self.llm_engine.config.multimodal)
+        renders = template_renders_images(getattr(tok.hf, "chat_template", None))
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            msgs, images = extract_images(conv, tok.image_token, renders, media)  # type: ignore[arg-type]
+            prompt = tok.chat_prompt(msgs, add_generation_prompt)
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -102,18 +102,21 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 CONTENT_FORMATS = ("auto", "string", "openai")
 
 
-class TextPart(BaseModel):
-    """An OpenAI content part; only text is accepted (``{"type": "text", "text": "..."}``)."""
+class ContentPart(BaseModel):
+    """An OpenAI content part: text (``{"type": "text", "text": "..."}``), or an image
+    (``{"type": "image_url", "image_url": {"url": "data:..." | "https://..." | "file://..."}}``)
+    for a model that takes images."""
 
     model_config = ConfigDict(extra="ignore")
     type: str
     text: str | None = None
+    image_url: dict[str, Any] | str | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id: handed to the template
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
 
 
 def normalize_message(m: ChatMessage, index: int, content_format: str = "auto") -> dict[str, Any]:
@@ -128,11 +131,15 @@ def normalize_message(m: ChatMessage, index: int, content_format: str = "auto") 
         out["role"] = "system"
     if isinstance(m.content, list):
         for j, part in enumerate(m.content):
+            if part.type == "image_url" and part.image_url is not None:
+                continue
             if part.type != "text" or part.text is None:
-                raise APIError(f"messages[{index}].content[{j}]: only text parts are supported "
+                raise APIError(f"messages[{index}].content[{j}]: only text and image_url parts are supported "
                                f"(type 'text' with a 'text' field), got type {part.type!r}",
-                               param=f"messages[{index}].content")
-        if content_format == "openai":
+                               param=f"messages[{index}].content[{j}]")
+        if any(p.type == "image_url" for p in m.content):  # (chat_utils.extract_images formats it)
+            out["content"] = [p.model_dump(exclude_none=True) for p in m.content]
+        elif content_format == "openai":
             out["content"] = [{"type": "text", "text": p.text} for p in m.content]
         else:
             out["content"] = "\n".join(p.text or "" for p in m.content)

@@ -31,6 +31,7 @@ from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagellm.engine.core_proc import AsyncEngineClient
 from pagellm.engine.lora_manager import LoRAInUse
 from pagellm.entrypoints import tool_calls
+from pagellm.entrypoints.chat_utils import MediaConnector, MediaError, extract_images, template_renders_images
 from pagellm.entrypoints.openai_protocol import (
     CONTENT_FORMATS,
     APIError,
@@ -131,13 +132,14 @@ class OpenAIServer:
     """Builds the FastAPI app for one ``AsyncLLM`` or ``AsyncEngineClient``."""
 
     def __init__(self, engine: EngineClient, model_name: str, api_key: str | None = None,
-                 chat_template_content_format: str = "auto") -> None:
+                 chat_template_content_format: str = "auto", media: MediaConnector | None = None) -> None:
         if chat_template_content_format not in CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format must be one of {CONTENT_FORMATS}, "
                              f"got {chat_template_content_format!r}")
         self.engine = engine
         self.model_name = model_name
         self.content_format = chat_template_content_format
+        self.media = media or MediaConnector()  # image URLs' rules (--allowed-local-media-path, ...)
         self.api_key = api_key
         # LoRA adapters served under their names (picked by a request's ``model``); the engine
         # holds the truth, this front end's view is refreshed from it on a miss.
@@ -204,6 +206,13 @@ class OpenAIServer:
         if not messages:
             raise APIError("messages must not be empty", param="messages")
         msgs = [normalize_message(m, i, self.content_format) for i, m in enumerate(messages)]
+        template = getattr(self.tokenizer.hf, "chat_template", None)
+        auto = self.content_format == "auto"
+        renders = self.content_format == "openai" or (auto and template_renders_images(template))
+        try:
+            msgs, images = extract_images(msgs, self.tokenizer.image_token, renders, self.media)
+        except MediaError as e:
+            raise APIError(str(e), param=e.param) from None
         if not self.tokenizer.template_takes_tools:
             msgs = [tool_calls.history_as_text(m, i) for i, m in enumerate(msgs)]
             if tools:
@@ -214,9 +223,12 @@ class OpenAIServer:
                     msgs.insert(0, {"role": "system", "content": text})
                 tools = None
         try:
-            return self.tokenizer.chat_prompt(msgs, add_generation_prompt, tools)
+            prompt = self.tokenizer.chat_prompt(msgs, add_generation_prompt, tools)
         except Exception as e:  # a template that rejects the conversation; the message only, no traceback
             raise APIError(f"cannot apply the chat template: {type(e).__name__}: {e}", param="messages") from e
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        return prompt
 
     def _params(self, body: SamplingBody, prompt_len: int, max_tokens: int | None, logprobs: int | None,
                 best_of: int | None = None) -> SamplingParams:
@@ -621,7 +633,9 @@ class OpenAIServer:
     async def _chat(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
         mode = tool_calls.resolve(body.tools, body.tool_choice, body.parallel_tool_calls)
-        prompt = self._chat_prompt(body.messages, body.add_generation_prompt, mode.tools if mode else None)
+        # (in a thread: an image URL may be fetched)
+        prompt = await asyncio.to_thread(self._chat_prompt, body.messages, body.add_generation_prompt,
+                                         mode.tools if mode else None)
         ids = prompt["prompt_token_ids"]
         if body.kv_transfer_params is not None:
             prompt["kv_transfer_params"] = body.kv_transfer_params
@@ -717,13 +731,13 @@ def _error_param(message: str) -> str | None:
 
 
 def build_app(engine: EngineClient, model_name: str, api_key: str | None = None,
-              chat_template_content_format: str = "auto") -> FastAPI:
-    return OpenAIServer(engine, model_name, api_key, chat_template_content_format).app
+              chat_template_content_format: str = "auto", media: MediaConnector | None = None) -> FastAPI:
+    return OpenAIServer(engine, model_name, api_key, chat_template_content_format, media).app
 
 
 def serve(engine: EngineClient, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, reuse_port: bool = False, chat_template_content_format: str = "auto",
-          exit_on_engine_death: bool = False) -> None:
+          exit_on_engine_death: bool = False, media: MediaConnector | None = None) -> None:
     """Run the server until interrupted, then shut the engine (client) down. ``reuse_port``: bind
     with SO_REUSEPORT, so several server processes share one port (the kernel spreads connections).
     ``exit_on_engine_death``: stop serving and exit with status 1 once the engine has died, so a
@@ -733,7 +747,7 @@ def serve(engine: EngineClient, model_name: str, host: str = "127.0.0.1", port: 
 
     import uvicorn
 
-    app = build_app(engine, model_name, api_key, chat_template_content_format)
+    app = build_app(engine, model_name, api_key, chat_template_content_format, media)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
     died = threading.Event()
 
@@ -767,11 +781,12 @@ def serve(engine: EngineClient, model_name: str, host: str = "127.0.0.1", port: 
 
 def run_api_server(client_index: int, input_addr: str, output_addr: str, core_pid: int, model_name: str,
                    host: str, port: int, api_key: str | None, chat_template_content_format: str = "auto",
-                   exit_on_engine_death: bool = False) -> None:
+                   exit_on_engine_death: bool = False, media: MediaConnector | None = None) -> None:
     """One of ``--api-server-count`` front-end processes: an engine-core client with its own index,
     serving HTTP on the shared port."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     client = AsyncEngineClient(input_addr, output_addr, client_index, core_pid)
     client.wait_ready()
     serve(client, model_name, host, port, api_key, reuse_port=True,
-          chat_template_content_format=chat_template_content_format, exit_on_engine_death=exit_on_engine_death)
+          chat_template_content_format=chat_template_content_format, exit_on_engine_death=exit_on_engine_death,
+          media=media)

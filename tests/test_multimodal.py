@@ -1,0 +1,189 @@
+"""Vision-language models (LLaVA-1.5) against HF ``generate`` on a tiny random checkpoint, and the
+encoder cache and budget under scheduling pressure: chunked prefill across an image, preemption by
+recompute and swap, prefix caching keyed by images, parallel sampling and beams."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_cache_pressure, build_tiny_llava
+
+from pagellm import LLM, SamplingParams
+from pagellm.sampling_params import BeamSearchParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def _image(h: int, w: int, seed: int):
+    from PIL import Image
+
+    return Image.fromarray((np.random.RandomState(seed).rand(h, w, 3) * 255).astype("uint8"))
+
+
+@pytest.fixture(scope="module")
+def llava(ckpt_root) -> str:
+    return build_tiny_llava(ckpt_root)
+
+
+@pytest.fixture(scope="module")
+def hf_llava(llava):
+    import transformers
+
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(llava, dtype=torch.float32).eval()
+    return model, transformers.AutoProcessor.from_pretrained(llava)
+
+
+def _hf_greedy(hf_llava, prompt: str, images: list, max_tokens: int = 10, **kw) -> list[int]:
+    model, proc = hf_llava
+    inputs = proc(text=prompt, images=images or None, return_tensors="pt", **kw)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def _requests(images):
+    """One image, two images, a text-only row, and images of other sizes (resized by the processor)."""
+    return [("Describe <image> briefly.", [images[0]]),
+            ("<image> and <image>: which is brighter?", [images[1], images[2]]),
+            ("A prompt without any image.", []),
+            ("Small <image> then big <image> end", [images[3], images[4]])]
+
+
+@pytest.fixture(scope="module")
+def images():
+    return [_image(40, 70, 0), _image(56, 56, 1), _image(90, 30, 2), _image(14, 14, 3), _image(300, 200, 4)]
+
+
+def _prompt(text: str, imgs: list) -> object:
+    return {"prompt": text, "multi_modal_data": {"image": imgs}} if imgs else text
+
+
+def _vision_calls(llm: LLM) -> list[int]:
+    """The batch size of every vision-tower forward the worker runs (a hook, not the product's counter)."""
+    calls: list[int] = []
+    tower = llm.llm_engine.executor.worker.model_runner.model.vision_tower
+    tower.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
+    return calls
+
+
+def test_float32_greedy_equals_hf_with_images_and_text_rows_in_one_batch(llava, hf_llava, images):
+    requests = _requests(images)
+    llm = LLM(llava, dtype="float32")
+    outs = llm.generate([_prompt(t, im) for t, im in requests], GREEDY, use_tqdm=False)
+    for (text, imgs), out in zip(requests, outs, strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(hf_llava, text, imgs), text
+    # Each image's placeholders were expanded as HF's processor expands them.
+    model, proc = hf_llava
+    assert outs[1].prompt_token_ids == proc(text=requests[1][0], images=requests[1][1])["input_ids"][0]
+
+
+def test_the_same_image_is_encoded_once_and_shared(llava, images):
+    llm = LLM(llava, dtype="float32")
+    calls = _vision_calls(llm)
+    same = [_prompt("One <image>", [images[0]]), _prompt("Two <image>", [images[0]]),
+            _prompt("Three <image> and <image>", [images[0], images[1]])]
+    outs = llm.generate(same, GREEDY, use_tqdm=False)
+    assert sum(calls) == 2, calls  # images[0] once, images[1] once
+    enc = llm.llm_engine.scheduler.encoder
+    assert enc.misses == 2 and enc.hits == 2
+    alone = LLM(llava, dtype="float32", mm_processor_cache_gb=0)
+    alone_calls = _vision_calls(alone)
+    assert [o.outputs[0].token_ids for o in alone.generate(same, GREEDY, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in outs]
+    assert sum(alone_calls) == 4  # caching off: every request encodes its own
+
+
+def test_chunked_prefill_across_an_image_and_a_tight_encoder_budget(llava, images):
+    """A chunk of 8 tokens never holds a 16-token image: chunks start inside it (the rows come
+    from the encoder cache); a budget of one image a step splits a two-image prompt's encoding."""
+    requests = _requests(images)
+    prompts = [_prompt(t, im) for t, im in requests]
+    ref = [o.outputs[0].token_ids for o in LLM(llava, dtype="float32").generate(prompts, GREEDY, use_tqdm=False)]
+    llm = LLM(llava, dtype="float32", max_num_batched_tokens=8, max_num_encoder_input_tokens=16,
+              encoder_cache_size=16, enable_prefix_caching=False)
+    calls = _vision_calls(llm)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert calls == [1] * 5  # one image per step (the budget), each image once
+    image_id = llm.get_tokenizer().convert_tokens_to_ids("<image>")
+    assert outs[0].prompt_token_ids.count(image_id) == 16  # > 8: a chunk starts inside the image
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_under_a_tight_cache_changes_nothing(llava, images, mode):
+    requests = _requests(images) * 2
+    prompts = [_prompt(t, im) for t, im in requests]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(llava, dtype="float32").generate(prompts, params, use_tqdm=False)]
+    llm = LLM(llava, dtype="float32", num_gpu_blocks_override=12, block_size=8, preemption_mode=mode,
+              max_num_batched_tokens=64, encoder_cache_size=48)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert_cache_pressure(llm.llm_engine, mode)
+
+
+def test_prefix_cache_never_shares_kv_between_different_images(llava, images):
+    llm = LLM(llava, dtype="float32", block_size=4)
+    text = "Look at <image> and tell me everything about it please"
+    first = llm.generate([_prompt(text, [images[0]])], GREEDY, use_tqdm=False)[0]
+    other = llm.generate([_prompt(text, [images[1]])], GREEDY, use_tqdm=False)[0]
+    again = llm.generate([_prompt(text, [images[0]])], GREEDY, use_tqdm=False)[0]
+    assert other.num_cached_tokens == 0
+    assert again.num_cached_tokens > 16 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    fresh = LLM(llava, dtype="float32", block_size=4).generate([_prompt(text, [images[1]])], GREEDY, use_tqdm=False)
+    assert other.outputs[0].token_ids == fresh[0].outputs[0].token_ids
+
+
+def test_parallel_sampling_and_beams_with_images(llava, hf_llava, images):
+    text, imgs = "Describe <image> briefly.", [images[0]]
+    llm = LLM(llava, dtype="float32")
+    sampled = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    out = llm.generate([_prompt(text, imgs)], sampled, use_tqdm=False)[0]
+    tight = LLM(llava, dtype="float32", num_gpu_blocks_override=10, block_size=8, preemption_mode="swap")
+    again = tight.generate([_prompt(text, imgs), _prompt(text, imgs)], sampled, use_tqdm=False)
+    assert [c.token_ids for c in again[0].outputs] == [c.token_ids for c in out.outputs]
+    assert_cache_pressure(tight.llm_engine, "swap")
+    model, proc = hf_llava
+    inputs = proc(text=text, images=imgs, return_tensors="pt")
+    with torch.no_grad():
+        hf = model.generate(**inputs, max_new_tokens=6, num_beams=2, num_return_sequences=2, do_sample=False,
+                            length_penalty=1.0, early_stopping=True)
+    beams = llm.beam_search([_prompt(text, imgs)], BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True))
+    n = inputs["input_ids"].shape[1]
+    assert [s.output_token_ids for s in beams[0].sequences] == [h[n:].tolist() for h in hf]
+
+
+def test_chat_image_parts_put_the_placeholder_where_vllm_does(llava, hf_llava, images):
+    import base64
+    import io
+
+    llm = LLM(llava, dtype="float32")
+    buf = io.BytesIO()
+    images[0].save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    question = {"type": "text", "text": "What is in it?"}
+    by_pil = llm.chat([{"role": "user", "content": [question, {"type": "image_pil", "image_pil": images[0]}]}],
+                      GREEDY, use_tqdm=False)[0]
+    by_url = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, question]}],
+                      GREEDY, use_tqdm=False)[0]
+    assert "<image>\nWhat is in it?" in by_pil.prompt  # (a template that renders no image parts: placeholders first)
+    assert by_pil.outputs[0].token_ids == by_url.outputs[0].token_ids == \
+        _hf_greedy(hf_llava, by_pil.prompt, [images[0]], add_special_tokens=False)
+
+
+def test_bad_image_requests_are_refused_naming_the_problem(llava, tiny_llama, images):
+    llm = LLM(llava, dtype="float32", limit_mm_per_prompt={"image": 2}, max_num_encoder_input_tokens=16)
+    cases = [(_prompt("no placeholder", [images[0]]), "1 image"),
+             (_prompt("<image><image><image>", images[:3]), "limit_mm_per_prompt"),
+             ({"prompt": "<image>", "multi_modal_data": {"image": "cat.png"}}, "PIL.Image"),
+             ({"prompt": "<image>", "multi_modal_data": {"video": [images[0]]}}, "'image'")]
+    for prompt, needle in cases:
+        with pytest.raises(ValueError, match=needle):
+            llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="max_num_encoder_input_tokens"):
+        LLM(build_tiny_llava(str(__import__("pathlib").Path(llava).parent), image_size=70), dtype="float32",
+            max_num_encoder_input_tokens=16).generate([_prompt("<image>", [images[0]])], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="takes no images"):
+        LLM(tiny_llama).generate([_prompt("<image>", [images[0]])], GREEDY, use_tqdm=False)
