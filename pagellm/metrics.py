@@ -69,6 +69,10 @@ class SchedulerStats:
                                    "sum", 0.0)
     kv_load_failures: int = _stat(COUNTER, "KV blocks a connector was asked for that did not arrive intact "
                                   "(recomputed, or the request failed)", "kv_transfer_load_failures")
+    encoder_cache_usage: float = _stat(GAUGE, "Fraction of the encoder cache's rows held for running requests",
+                                       "encoder_cache_usage_perc", "mean", 0.0)
+    encoder_cache_hits: int = _stat(COUNTER, "Images whose encoder output was found cached", "encoder_cache_hits")
+    encoder_cache_misses: int = _stat(COUNTER, "Images encoded", "encoder_cache_misses")
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -90,6 +94,8 @@ class IterationStats:
                                  "sum", 0.0)
     output_seconds: float = _stat(COUNTER, "Seconds applying a step's outputs (update, detokenize, stop checks)",
                                   "step_output_seconds", "sum", 0.0)
+    encoder_seconds: float = _stat(COUNTER, "Seconds the vision encoder ran (inside the model time)",
+                                   "encoder_seconds", "sum", 0.0)
     grammars_compiled: int = _stat(COUNTER, "Structured-output grammars compiled (cache hits included)",
                                    "structured_output_grammars")
     grammar_compile_seconds: float = _stat(COUNTER, "Seconds compiling structured-output grammars (off the step loop)",

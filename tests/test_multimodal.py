@@ -7,10 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import assert_cache_pressure, build_tiny_llava
 
 from pagellm import LLM, SamplingParams
 from pagellm.sampling_params import BeamSearchParams
+
+from conftest import assert_cache_pressure, build_tiny_llava
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -187,3 +188,103 @@ def test_bad_image_requests_are_refused_naming_the_problem(llava, tiny_llama, im
             max_num_encoder_input_tokens=16).generate([_prompt("<image>", [images[0]])], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="takes no images"):
         LLM(tiny_llama).generate([_prompt("<image>", [images[0]])], GREEDY, use_tqdm=False)
+
+
+def _png_url(image) -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def image_host(tmp_path_factory, images):
+    """A local HTTP server with one image (``/cat.png``); every other path is a 404."""
+    import functools
+    import http.server
+    import threading
+
+    root = tmp_path_factory.mktemp("www")
+    images[1].save(root / "cat.png")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", root
+    httpd.shutdown()
+
+
+def test_server_images_with_the_openai_client_and_hostile_inputs(llava, images, image_host, tmp_path):
+    import httpx
+    import openai
+    from test_server import _Server
+
+    from pagellm.config import EngineArgs
+    from pagellm.engine.async_llm import AsyncLLM
+    from pagellm.entrypoints.chat_utils import MediaConnector
+
+    host, www = image_host
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=llava, dtype="float32", limit_mm_per_prompt={"image": 2}))
+    srv = _Server(engine, None, media=MediaConnector(allowed_local_media_path=str(www), max_bytes=60_000))
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+        def ask(*parts: dict) -> str:
+            r = client.chat.completions.create(model="tiny", max_tokens=10, temperature=0,
+                                               messages=[{"role": "user", "content": list(parts)}],
+                                               extra_body={"ignore_eos": True})
+            return r.choices[0].message.content or ""
+
+        text = {"type": "text", "text": "What is in it?"}
+        offline = LLM(llava, dtype="float32").chat(
+            [{"role": "user", "content": [{"type": "image_pil", "image_pil": images[0]}, text]}], GREEDY,
+            use_tqdm=False)[0].outputs[0].text
+        assert ask({"type": "image_url", "image_url": {"url": _png_url(images[0])}}, text) == offline
+        by_http = ask({"type": "image_url", "image_url": {"url": f"{host}/cat.png"}}, text)
+        by_file = ask({"type": "image_url", "image_url": {"url": f"file://{www}/cat.png"}}, text)
+        by_data = ask({"type": "image_url", "image_url": {"url": _png_url(images[1].convert("RGB"))}}, text)
+        assert by_http == by_file == by_data
+        (tmp_path / "secret.png").write_bytes(b"x")
+        hostile = [("data:image/png;base64,aGVsbG8=", "not an image"),
+                   ("data:image/png;base64,@@@", "base64"),
+                   (_png_url(_image(300, 300, 9)), "larger than"),
+                   (f"{host}/missing.png", "HTTP 404"),
+                   ("http://127.0.0.1:9/x.png", "fetching the image failed"),
+                   (f"file://{tmp_path}/secret.png", "outside --allowed-local-media-path"),
+                   ("ftp://example.com/x.png", "data:, http(s)://")]
+        for url, needle in hostile:
+            body = {"model": "tiny", "messages": [{"role": "user", "content": [
+                text, {"type": "image_url", "image_url": {"url": url}}]}]}
+            r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], (url, r.text)
+            assert "messages[0].content[1]" in r.json()["error"]["message"]
+        three = [{"type": "image_url", "image_url": {"url": _png_url(images[0])}}] * 3
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=60,
+                       json={"model": "tiny", "messages": [{"role": "user", "content": [*three, text]}]})
+        assert r.status_code == 400 and "limit_mm_per_prompt" in r.text, r.text
+        assert ask({"type": "image_url", "image_url": {"url": _png_url(images[0])}}, text) == offline  # still serving
+    finally:
+        srv.stop()
+        engine.shutdown()
+
+
+def test_remote_media_can_be_turned_off():
+    from pagellm.entrypoints.chat_utils import MediaConnector
+
+    with pytest.raises(ValueError, match="turned off"):
+        MediaConnector(allow_remote_media=False).load_image("https://example.com/cat.png")
+    with pytest.raises(ValueError, match="allowed-local-media-path"):
+        MediaConnector().load_image("file:///etc/hostname")
+
+
+def test_encoder_stats_reach_prometheus_and_the_step_trace(llava, images):
+    llm = LLM(llava, dtype="float32", trace=True)
+    llm.generate([_prompt("One <image>", [images[0]]), _prompt("Two <image>", [images[0]])], GREEDY, use_tqdm=False)
+    engine = llm.llm_engine
+    stats = engine.scheduler.make_stats()
+    assert (stats.encoder_cache_misses, stats.encoder_cache_hits) == (1, 1)
+    assert stats.encoder_cache_usage == 0.0  # nothing running holds an image
+    assert engine.iteration_stats.encoder_seconds > 0
+    steps = [e for e in llm.get_trace()["traceEvents"] if e.get("name", "").startswith("step")]
+    assert sum(e["args"].get("images_encoded", 0) for e in steps) == 1

@@ -29,9 +29,10 @@ def _free_port() -> int:
 
 
 class _Server:
-    def __init__(self, engine: AsyncLLM, api_key: str | None) -> None:
+    def __init__(self, engine: AsyncLLM, api_key: str | None, **kwargs) -> None:
         self.port = _free_port()
-        config = uvicorn.Config(build_app(engine, NAME, api_key), host="127.0.0.1", port=self.port, log_level="warning")
+        config = uvicorn.Config(build_app(engine, NAME, api_key, **kwargs), host="127.0.0.1", port=self.port,
+                                log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

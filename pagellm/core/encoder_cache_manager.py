@@ -15,6 +15,7 @@ step (before the text model runs); otherwise it stops before the image.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 from pagellm.mm_inputs import MultiModalFeature
 from pagellm.sequence import SequenceGroup
@@ -26,7 +27,8 @@ class EncoderCacheManager:
         self.cache_size = cache_size
         self.budget = budget
         self.sizes: dict[str, int] = {}  # every cached entry: mm_hash -> rows
-        self.refs: dict[str, set[str]] = {}  # referenced entries: mm_hash -> request ids
+        # Referenced entries: mm_hash -> (request id, image index) pairs (a request may show one image twice).
+        self.refs: dict[str, set[tuple[str, int]]] = {}
         self.freeable: OrderedDict[str, None] = OrderedDict()  # unreferenced entries, oldest first
         self.num_used = 0  # rows of every cached entry
         self.step_budget = budget  # rows this step may still encode
@@ -71,7 +73,7 @@ class EncoderCacheManager:
                 self.freeable.pop(f.mm_hash, None)
             else:
                 self._allocate(f)
-            self.refs.setdefault(f.mm_hash, set()).add(group.request_id)
+            self.refs.setdefault(f.mm_hash, set()).add((group.request_id, i))
             group.encoder_refs.add(i)
 
     def _allocate(self, f: MultiModalFeature) -> None:
@@ -104,7 +106,7 @@ class EncoderCacheManager:
         h = group.mm_features[i].mm_hash
         group.encoder_refs.discard(i)
         holders = self.refs[h]
-        holders.discard(group.request_id)
+        holders.discard((group.request_id, i))
         if not holders:
             del self.refs[h]
             self.freeable[h] = None
@@ -115,6 +117,11 @@ class EncoderCacheManager:
 
     def _freeable_rows(self) -> int:
         return sum(self.sizes[h] for h in self.freeable)
+
+    def stats(self) -> dict[str, Any]:
+        """``SchedulerStats``' encoder fields."""
+        return {"encoder_cache_usage": self.usage, "encoder_cache_hits": self.hits,
+                "encoder_cache_misses": self.misses}
 
     @property
     def usage(self) -> float:
@@ -130,7 +137,10 @@ class EncoderCacheManager:
         if set(self.refs) & set(self.freeable) or set(self.refs) | set(self.freeable) != set(self.sizes):
             raise InvariantError("encoder cache: every entry is either referenced or freeable, never both")
         for h, holders in self.refs.items():
-            for rid in holders:
+            for rid, i in holders:
                 group = running.get(rid)
-                if group is None or not any(group.mm_features[i].mm_hash == h for i in group.encoder_refs):
+                if group is None or i not in group.encoder_refs or group.mm_features[i].mm_hash != h:
                     raise InvariantError(f"encoder cache: {rid!r} holds {h} but is not running or has no such image")
+        held = {(g.request_id, i) for g in running.values() for i in g.encoder_refs}
+        if held != {pair for holders in self.refs.values() for pair in holders}:
+            raise InvariantError("encoder cache: a request's references and the cache's disagree")

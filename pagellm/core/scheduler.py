@@ -164,7 +164,8 @@ class Scheduler:
             num_preemptions=self.num_preemptions, num_swap_outs=self.num_swap_outs, num_swap_ins=self.num_swap_ins,
             num_swap_fallbacks=self.num_swap_fallbacks, prefix_cache_queries=self.prefix_cache_stats.queries,
             prefix_cache_hits=self.prefix_cache_stats.hits,
-            **(self.kv_transfer.stats() if self.kv_transfer is not None else {}))
+            **(self.kv_transfer.stats() if self.kv_transfer is not None else {}),
+            **(self.encoder.stats() if self.encoder is not None else {}))
 
     def take_ignored(self) -> list[SequenceGroup]:
         """Requests finished as ``FINISHED_IGNORED`` by the last ``schedule()`` (they never fit)."""

@@ -159,4 +159,5 @@ class ModelRunnerOutput:
     # Seconds the runner spent preparing inputs, in the forward pass (the draft model's included)
     # and sampling (the step trace's phases).
     timings: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    encoder_seconds: float = 0.0  # the vision encoder's share of the preparation
     kv_connector_output: KVConnectorOutput | None = None

@@ -394,6 +394,7 @@ class LLMEngine:
             spec.receive_model_drafts(runner_out.draft_token_ids)
             spec.propose(self.scheduler.running)
         t_end = time.perf_counter()
+        self.iteration_stats.encoder_seconds += runner_out.encoder_seconds
         self.iteration_stats.record_step(prompt_tokens, len(runner_out.sampled) + num_accepted,
                                          started.schedule_seconds, t_model - started.submitted_at, t_end - t_model)
         if self.scheduler.record_decisions:

@@ -187,6 +187,7 @@ def summarize_step(step: int, so: SchedulerOutput, decisions: StepDecisions | No
         "token_budget": max_num_batched_tokens, "kv_usage": round(100 * stats.kv_cache_usage, 2),
         "free_blocks": kv.free, "cached_blocks": kv.cached, "admitted": len(d.admitted),
         "preempted": len(d.preempted), "swapped_in": len(d.swapped_in), "left_out": dict(d.left_out),
+        "images_encoded": len(so.encoder_inputs),
     }
 
 

@@ -93,7 +93,6 @@ class ModelRunner:
         # A vision-language model's encoder outputs by image hash (what the scheduler's
         # EncoderCacheManager says this worker holds).
         self.encoder_cache: dict[str, torch.Tensor] = {}
-        self.encoder_seconds = 0.0
 
     def _generator(self, seq_id: int, seed: int | None, index: int = 0) -> torch.Generator | None:
         """The RNG of sequence ``seq_id``, created on its first sample. Sample ``index`` of a request
@@ -120,7 +119,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         if so.encoder_inputs:
             self.encode(so.encoder_inputs)
-            self.encoder_seconds += time.perf_counter() - t0
+        t_encoded = time.perf_counter()
         batch = self.prepare_inputs(so)
         t1 = time.perf_counter()
         hidden = self.forward(batch, kv_caches)
@@ -128,7 +127,8 @@ class ModelRunner:
         if hidden is None:  # a pipeline stage before the last: its hidden states went on
             return None
         if not batch.logits_rows:
-            return ModelRunnerOutput(sampled={}, timings=(t1 - t0, t2 - t1, 0.0)) if self.is_driver else None
+            return ModelRunnerOutput(sampled={}, timings=(t1 - t0, t2 - t1, 0.0),
+                                     encoder_seconds=t_encoded - t0) if self.is_driver else None
         logits = self.model.compute_logits(hidden[batch.logits_rows]).float()  # a collective under TP
         if not self.is_driver:
             return None
@@ -138,6 +138,7 @@ class ModelRunner:
         if self.draft is not None and so.draft_k:
             result.draft_token_ids = self.propose_drafts(so, batch, result)
         result.timings = (t1 - t0, t2 - t1, time.perf_counter() - t2)
+        result.encoder_seconds = t_encoded - t0
         return result
 
     def prepare_inputs(self, so: SchedulerOutput) -> InputBatch:
