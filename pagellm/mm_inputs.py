@@ -19,6 +19,8 @@ class MultiModalFeature:
     length: int  # placeholder tokens: the encoder's output rows for this image
     data: Any = None
     modality: str = "image"
+    # M-RoPE (Qwen2-VL): the image's (temporal, height, width) grid in text-model rows, else None.
+    mrope_grid: tuple[int, int, int] | None = None
 
     @property
     def end(self) -> int:

@@ -43,6 +43,9 @@ class ScheduledSequence:
     # Images whose placeholders this chunk overlaps: ``(offset, length, mm_hash)``, their rows in
     # the worker's encoder cache (encoded in this step at the latest).
     mm_spans: list[tuple[int, int, str]] | None = None
+    # M-RoPE (Qwen2-VL): every image of the request as ``(offset, length, t, h, w)``, from which the
+    # runner computes the positions of any token (``models/qwen2_vl.mrope_positions``).
+    mrope_layout: list[tuple[int, int, int, int, int]] | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

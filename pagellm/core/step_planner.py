@@ -159,4 +159,5 @@ class StepPlanner:
             spec_token_ids=spec,
             mm_spans=[(f.offset, f.length, f.mm_hash) for f in group.mm_features if f.overlaps(start, start + n)]
             or None,
+            mrope_layout=[(f.offset, f.length, *f.mrope_grid) for f in group.mm_features if f.mrope_grid] or None,
         )

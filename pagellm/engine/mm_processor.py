@@ -10,11 +10,14 @@ are cached by content hash (``mm_processor_cache_gb``).
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import OrderedDict
 from typing import Any
 
 from pagellm.config import MultiModalConfig
 from pagellm.mm_inputs import MultiModalFeature
+
+logger = logging.getLogger(__name__)
 
 
 def image_hash(image: Any) -> str:
@@ -37,32 +40,55 @@ def as_images(value: Any, what: str = "multi_modal_data['image']") -> list[Any]:
 
 class MultiModalProcessor:
     def __init__(self, model_path: str, config: MultiModalConfig) -> None:
-        from transformers import AutoProcessor
+        from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
 
-        self.hf = AutoProcessor.from_pretrained(model_path)
         self.config = config
-        self.image_token: str = self.hf.image_token
-        self.image_token_id: int = self.hf.tokenizer.convert_tokens_to_ids(self.image_token)
+        try:
+            hf = AutoProcessor.from_pretrained(model_path)
+            self.hf: Any = hf
+            self.image_processor: Any = hf.image_processor
+            self.image_token: str = hf.image_token
+            tokenizer = hf.tokenizer
+        except (AttributeError, ImportError) as e:
+            # transformers builds Qwen2-VL's processor with its video processor, which needs
+            # torchvision; images need only the image processor (the same preprocessing).
+            logger.info("using %s's image processor alone (its processor needs %s)", model_path, e)
+            self.hf = None
+            self.image_processor = AutoImageProcessor.from_pretrained(model_path)
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+            image_token_id = AutoConfig.from_pretrained(model_path).image_token_id
+            self.image_token = str(tokenizer.convert_ids_to_tokens(image_token_id))
+        self.image_token_id: int = tokenizer.convert_tokens_to_ids(self.image_token)
         self.cache_bytes = int(config.mm_processor_cache_gb * 2**30)
-        self._cache: OrderedDict[str, tuple[dict[str, Any], int]] = OrderedDict()  # LRU: hash -> (inputs, tokens)
+        # LRU: hash -> (encoder inputs, placeholder tokens, M-RoPE grid)
+        self._cache: OrderedDict[str, tuple[dict[str, Any], int, tuple[int, int, int] | None]] = OrderedDict()
         self._cached_bytes = 0
 
-    def _process_image(self, image: Any, mm_hash: str) -> tuple[dict[str, Any], int]:
-        """``(encoder inputs, placeholder tokens)`` of one image, from the cache when seen before."""
+    def _process_image(self, image: Any, mm_hash: str) -> tuple[dict[str, Any], int, tuple[int, int, int] | None]:
+        """``(encoder inputs, placeholder tokens, M-RoPE grid)`` of one image, from the cache when seen
+        before. An image processor that reports a grid (Qwen2-VL's dynamic resolution) says how many
+        rows the image makes (``t * h * w / merge^2``); else the processor says it."""
         hit = self._cache.get(mm_hash)
         if hit is not None:
             self._cache.move_to_end(mm_hash)
             return hit
-        inputs = dict(self.hf.image_processor(images=[image.convert("RGB")], return_tensors="np"))
-        num = int(self.hf._get_num_multimodal_tokens(image_sizes=[(image.height, image.width)]).num_image_tokens[0])
-        entry = ({k: v[0] if k == "pixel_values" else v for k, v in inputs.items()}, num)
-        size = sum(getattr(v, "nbytes", 0) for v in entry[0].values())
+        out = self.image_processor(images=[image.convert("RGB")], return_tensors="np")
+        entry: tuple[dict[str, Any], int, tuple[int, int, int] | None]
+        if "image_grid_thw" in out:
+            t, h, w = (int(v) for v in out["image_grid_thw"][0])
+            m = self.image_processor.merge_size
+            entry = ({"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"][0]},
+                     t * h * w // m ** 2, (t, h // m, w // m))
+        else:
+            num = self.hf._get_num_multimodal_tokens(image_sizes=[(image.height, image.width)]).num_image_tokens[0]
+            entry = ({"pixel_values": out["pixel_values"][0]}, int(num), None)
+        size = sum(v.nbytes for v in entry[0].values())
         if size <= self.cache_bytes:
             self._cache[mm_hash] = entry
             self._cached_bytes += size
             while self._cached_bytes > self.cache_bytes:
-                _, (old, _) = self._cache.popitem(last=False)
-                self._cached_bytes -= sum(getattr(v, "nbytes", 0) for v in old.values())
+                _, (old, _, _) = self._cache.popitem(last=False)
+                self._cached_bytes -= sum(v.nbytes for v in old.values())
         return entry
 
     def process(self, ids: list[int], images: list[Any], request_id: str) -> tuple[list[int], list[MultiModalFeature]]:
@@ -79,14 +105,14 @@ class MultiModalProcessor:
         prev = 0
         for (start, length), image in zip(runs, images, strict=True):
             mm_hash = image_hash(image)
-            inputs, num = self._process_image(image, mm_hash)
+            inputs, num, grid = self._process_image(image, mm_hash)
             if length not in (1, num):
                 raise ValueError(f"image {len(features)}: {length} placeholder tokens in a run, but the image takes "
                                  f"{num} (give one {self.image_token!r} per image)")
             out += ids[prev:start]
             if self.cache_bytes == 0:  # caching off: this request's images are its own
                 mm_hash = f"{mm_hash}:{request_id}"
-            features.append(MultiModalFeature(mm_hash, len(out), num, inputs))
+            features.append(MultiModalFeature(mm_hash, len(out), num, inputs, mrope_grid=grid))
             out += [self.image_token_id] * num
             prev = start + length
         return out + ids[prev:], features

@@ -78,6 +78,34 @@ class RotaryEmbedding(nn.Module):
         return self._cos[positions].to(dtype).unsqueeze(1), self._sin[positions].to(dtype).unsqueeze(1)
 
 
+class MRotaryEmbedding(RotaryEmbedding):
+    """Qwen2-VL's multimodal rotary embedding (M-RoPE): positions ``[3, T]`` (temporal, height,
+    width); the rotary frequencies are cut into ``mrope_section`` sections, section ``k`` rotated by
+    position row ``k``. A text token has three equal positions, so 1-D positions are plain RoPE."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict[str, Any] | None,
+                 mrope_section: list[int]) -> None:
+        super().__init__(head_dim, max_position, base, scaling)
+        if sum(mrope_section) != head_dim // 2:
+            raise ValueError(f"mrope_section {mrope_section} must sum to half the rotary dim ({head_dim // 2})")
+        self.mrope_section = list(mrope_section)
+        self._section_of: torch.Tensor | None = None  # each rotary feature's position row (built on use)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().cos_sin(positions, dtype)
+        if self._cos is None or self._cos.device != positions.device:
+            self._build(positions.device)
+        assert self._cos is not None and self._sin is not None
+        if self._section_of is None or self._section_of.device != positions.device:
+            half = [k for k, n in enumerate(self.mrope_section) for _ in range(n)]
+            self._section_of = torch.tensor(half + half, device=positions.device)
+        rows = self._section_of.view(1, 1, -1).expand(1, positions.shape[1], -1)
+        cos = self._cos[positions].gather(0, rows)[0]  # [T, D]: feature j from position row section_of[j]
+        sin = self._sin[positions].gather(0, rows)[0]
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
+
+
 def attention_factor(scaling: dict[str, Any] | None, max_position: int) -> float:
     """What longrope multiplies cos and sin by (HF's ``attention_factor``): given, or
     ``sqrt(1 + ln(s) / ln(original))`` for ``s = max_position / original`` above 1."""

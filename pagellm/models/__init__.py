@@ -14,6 +14,7 @@ _MODELS = {
     "Phi3ForCausalLM": ("pagellm.models.llama", "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": ("pagellm.models.qwen", "Qwen2ForCausalLM"),
     "Qwen2MoeForCausalLM": ("pagellm.models.moe", "Qwen2MoeForCausalLM"),
+    "Qwen2VLForConditionalGeneration": ("pagellm.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "Qwen3ForCausalLM": ("pagellm.models.qwen", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("pagellm.models.moe", "Qwen3MoeForCausalLM"),
 }

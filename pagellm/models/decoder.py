@@ -28,7 +28,7 @@ from pagellm.layers.activation import gated_activation
 from pagellm.layers.linear import Linear
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_shard
-from pagellm.layers.rotary import ApplyRotary, RotaryEmbedding
+from pagellm.layers.rotary import ApplyRotary, MRotaryEmbedding, RotaryEmbedding
 from pagellm.models.decode_graph import decode_group
 from pagellm.weights.gguf_quant import GGUFBlocks, int8_format
 
@@ -50,6 +50,14 @@ def rope_parameters(config: Any, layer_type: str | None = None) -> tuple[float, 
         served = getattr(config, "max_model_len", None) or config.max_position_embeddings
         scaling = {**scaling, "original_max_position_embeddings": original, "_long": served > original}
     return theta, scaling
+
+
+def mrope_section(config: Any) -> list[int] | None:
+    """Qwen2-VL's M-RoPE sections (``rope_parameters`` / ``rope_scaling``), or None."""
+    for params in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
+        if isinstance(params, dict) and params.get("mrope_section"):
+            return list(params["mrope_section"])
+    return None
 
 
 def rotary_dim(config: Any, head_dim: int) -> int:
@@ -220,6 +228,10 @@ class DecoderModel(nn.Module):
         self.rotary_tables: dict[str | None, RotaryEmbedding] = {
             k: RotaryEmbedding(rd, config.max_position_embeddings, *rope_parameters(config, k), freq_factors)
             for k in keys}
+        mrope = mrope_section(config)
+        if mrope is not None:  # (Qwen2-VL: one table, positions [3, T] where images are)
+            theta, scaling = rope_parameters(config)
+            self.rotary_tables = {None: MRotaryEmbedding(rd, config.max_position_embeddings, theta, scaling, mrope)}
 
     @property
     def first_layer(self) -> DecoderLayer:

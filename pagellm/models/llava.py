@@ -77,16 +77,20 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
             bool(getattr(config, "multimodal_projector_bias", True)))
         self.image_token_id = int(getattr(config, "image_token_id", None) or config.image_token_index)
 
-    def encode_images(self, pixel_values: list[torch.Tensor]) -> list[torch.Tensor]:
+    def encode_images(self, images: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Each image's rows for the text model (``[num_placeholder_tokens, hidden]``); images of one
         size run as one batch."""
-        out = []
-        for pv in pixel_values:
-            features = self.vision_tower(pv.unsqueeze(0) if pv.dim() == 3 else pv)
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for i, im in enumerate(images):
+            by_shape.setdefault(tuple(im["pixel_values"].shape), []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(images)
+        for idx in by_shape.values():
+            features = self.vision_tower(torch.stack([images[i]["pixel_values"] for i in idx]))
             if self.drop_class_token:
                 features = features[:, 1:]
-            out.append(self.multi_modal_projector(features).flatten(0, 1))
-        return out
+            for i, rows in zip(idx, self.multi_modal_projector(features), strict=True):
+                out[i] = rows
+        return out  # type: ignore[return-value]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded_elsewhere: Iterable[str] = ()) -> None:
         """HF's names, old (``language_model.model.*``) and new (``model.language_model.*``): the text

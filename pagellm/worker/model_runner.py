@@ -24,6 +24,7 @@ from pagellm.layers.custom_op import select_kernels
 from pagellm.lora.layers import ModelLoRA
 from pagellm.models.decode_graph import DecodeGraphCapture
 from pagellm.models.decoder import DecoderForCausalLM
+from pagellm.models.qwen2_vl import mrope_positions
 from pagellm.sampling.rejection_sampler import DraftSpan, rejection_sample
 from pagellm.sampling.sampler import Sampler, SamplingRow, apply_token_bitmask
 from pagellm.worker.draft_runner import DraftRunner
@@ -163,10 +164,14 @@ class ModelRunner:
         last_row: dict[int, int] = {}  # seq_id -> flat row of its last token
         draft_row: dict[tuple[int, int], int] = {}  # (seq_id, offset) -> flat row, for drafting sequences
         mm_segments: list[tuple[int, str, int, int]] = []
+        # M-RoPE positions (Qwen2-VL), where a request in the step has images: three rows.
+        mrope: list[list[int]] | None = [[], [], []] if any(s.mrope_layout for s in so.scheduled) else None
         for s, i in [decodes[j] for j in meta.decode_order]:
             p = s.num_computed_tokens + i
             if s.mm_spans:
                 _image_rows(s.mm_spans, p, 1, len(input_ids), mm_segments)
+            if mrope is not None:
+                _extend_mrope(mrope, s, p, 1)
             slots.append(s.block_ids[p // bs] * bs + p % bs)
             input_ids.append(s.token_ids[i])
             positions.append(p)
@@ -178,6 +183,8 @@ class ModelRunner:
             start = s.num_computed_tokens
             if s.mm_spans:
                 _image_rows(s.mm_spans, start, s.num_scheduled_tokens, len(input_ids), mm_segments)
+            if mrope is not None:
+                _extend_mrope(mrope, s, start, s.num_scheduled_tokens)
             for p in range(start, start + s.num_scheduled_tokens):
                 slots.append(s.block_ids[p // bs] * bs + p % bs)
             input_ids.extend(s.token_ids)
@@ -196,6 +203,8 @@ class ModelRunner:
                 row_slots.extend([s.lora_slot] * s.num_scheduled_tokens)
             self.lora.set_step(row_slots)
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
+        if mrope is not None:  # (three equal rows, as in a decode-only step: plain RoPE, decode graphs apply)
+            positions = mrope if mrope[0] != mrope[1] or mrope[0] != mrope[2] else mrope[0]  # type: ignore[assignment]
         batch = InputBatch(torch.tensor(input_ids, dtype=torch.long, device=self.device),
                            torch.tensor(positions, dtype=torch.long, device=self.device), meta,
                            decode_lens, decode_tables, chunk_specs, logits_rows, sample_seqs,
@@ -239,16 +248,12 @@ class ModelRunner:
         return hidden
 
     def encode(self, inputs: list[tuple[str, dict[str, Any]]]) -> None:
-        """Each image's encoder output into the encoder cache (images of one shape in one batch)."""
+        """The step's images through the vision encoder (the model batches them), their rows into
+        the encoder cache."""
         encode_images = getattr(self.model, "encode_images")  # noqa: B009 - only a vision-language model has it
-        by_shape: dict[tuple[int, ...], list[tuple[str, torch.Tensor]]] = {}
-        for h, data in inputs:
-            pv = torch.from_numpy(data["pixel_values"]).to(self.device)
-            by_shape.setdefault(tuple(pv.shape), []).append((h, pv))
-        for items in by_shape.values():
-            rows = encode_images([torch.stack([pv for _, pv in items])])[0]
-            for (h, _), r in zip(items, rows.view(len(items), -1, rows.shape[-1]), strict=True):
-                self.encoder_cache[h] = r
+        images = [{k: torch.from_numpy(v).to(self.device) for k, v in data.items()} for _, data in inputs]
+        for (h, _), rows in zip(inputs, encode_images(images), strict=True):
+            self.encoder_cache[h] = rows
 
     def embed_with_images(self, batch: InputBatch) -> torch.Tensor:
         """The token embeddings with each image's rows written over its placeholders."""
@@ -311,3 +316,14 @@ def _image_rows(spans: list[tuple[int, int, str]], start: int, n: int, row0: int
         lo, hi = max(start, offset), min(start + n, offset + length)
         if lo < hi:
             out.append((row0 + lo - start, h, lo - offset, hi - lo))
+
+
+def _extend_mrope(rows: list[list[int]], s: ScheduledSequence, start: int, n: int) -> None:
+    """The M-RoPE positions of ``s``'s tokens ``[start, start + n)`` onto ``rows`` (a request without
+    images: its plain positions, three times)."""
+    if s.mrope_layout:
+        for row, x in zip(rows, mrope_positions(s.mrope_layout, start, n), strict=True):
+            row.extend(x)
+    else:
+        for row in rows:
+            row.extend(range(start, start + n))

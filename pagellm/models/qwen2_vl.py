@@ -1,0 +1,203 @@
+"""Qwen2-VL (``Qwen2VLForConditionalGeneration``): a ViT over each image at its own resolution
+(patches of 14 px, a 2D rotary embedding, attention within one image), a patch merger that joins
+2x2 patches into one row for the text model, and the Qwen2 decoder with M-RoPE (positions
+``[3, T]``: an image's rows take (temporal, height, width) positions; ``layers/rotary.py``).
+
+The text decoder is this class (``DecoderForCausalLM`` over ``config.text_config`` with Qwen2's
+flags); the runner computes the M-RoPE positions from each image's grid (``mrope_positions``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.distributed import PipelineStage, TensorParallelGroup
+from pagellm.layers.linear import Linear
+from pagellm.models.decoder import DecoderForCausalLM
+from pagellm.models.vision import VisionMLP
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv, self.proj = Linear(dim, 3 * dim), Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        n, d = x.shape
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
+        q = (q * cos + _rotate_half(q) * sin).to(v.dtype)  # (rotated in float32, as HF does)
+        k = (k * cos + _rotate_half(k) * sin).to(v.dtype)
+        out = [F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))
+               for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True)]
+        return self.proj(torch.cat(out, dim=1).transpose(0, 1).reshape(n, d))
+
+
+class Qwen2VisionBlock(nn.Module):
+    def __init__(self, dim: int, num_heads: int, mlp_dim: int, act: str) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim, eps=1e-6), nn.LayerNorm(dim, eps=1e-6)
+        self.attn = VisionAttention(dim, num_heads)
+        self.mlp = VisionMLP(dim, mlp_dim, act)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, lengths)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    """A strided 3-D convolution over each flattened ``[C, T, P, P]`` patch."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        p, tp = config.patch_size, config.temporal_patch_size
+        self.shape = (config.in_channels, tp, p, p)
+        self.proj = nn.Conv3d(config.in_channels, config.embed_dim, (tp, p, p), stride=(tp, p, p), bias=False)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        w = self.proj.weight
+        return self.proj(patches.to(w.dtype).view(-1, *self.shape)).view(patches.shape[0], -1)
+
+
+class PatchMerger(nn.Module):
+    """2x2 neighbouring patches (adjacent rows, in the processor's order) into one text-model row."""
+
+    def __init__(self, dim: int, context_dim: int, merge: int) -> None:
+        super().__init__()
+        merged = context_dim * merge ** 2
+        self.ln_q = nn.LayerNorm(context_dim, eps=1e-6)
+        self.mlp = nn.Sequential(Linear(merged, merged), nn.GELU(), Linear(merged, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.mlp[0].in_features))
+
+
+class Qwen2VisionTransformer(nn.Module):
+    def __init__(self, config: Any, text_hidden: int) -> None:
+        super().__init__()
+        d, self.merge = config.embed_dim, config.spatial_merge_size
+        self.head_dim = d // config.num_heads
+        self.patch_embed = PatchEmbed(config)
+        self.blocks = nn.ModuleList(Qwen2VisionBlock(d, config.num_heads, int(d * config.mlp_ratio), config.hidden_act)
+                                    for _ in range(config.depth))
+        self.merger = PatchMerger(text_hidden, d, self.merge)
+        params = getattr(config, "rope_parameters", None) or {}
+        self.rope_theta = float(params.get("rope_theta", 10000.0))
+
+    def rotary(self, grids: list[tuple[int, int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each patch's (row, column) rotary angles, patches in the processor's order: 2x2 merge
+        blocks row by row, the block's patches row by row inside it."""
+        m = self.merge
+        pos = []
+        for t, h, w in grids:
+            hh, ww = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+            shape = (h // m, m, w // m, m)
+            hw = torch.stack([hh.reshape(shape).transpose(1, 2).flatten(), ww.reshape(shape).transpose(1, 2).flatten()])
+            pos.append(hw.repeat(1, t))
+        positions = torch.cat(pos, dim=1).to(device)  # [2, N]
+        spatial = self.head_dim // 2
+        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float, device=device) / spatial))
+        freqs = positions[..., None].float() * inv_freq  # [2, N, spatial / 2]
+        angles = torch.cat([freqs[0], freqs[1]], dim=-1)
+        angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # [N, 1, head_dim]
+        return angles.cos(), angles.sin()
+
+    def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        x = self.patch_embed(patches)
+        cos, sin = self.rotary(grids, x.device)
+        lengths = [h * w for t, h, w in grids for _ in range(t)]
+        for block in self.blocks:
+            x = block(x, cos, sin, lengths)
+        return self.merger(x)
+
+
+class Qwen2VLForConditionalGeneration(DecoderForCausalLM):
+    """Images in, text out: Qwen2's decoder with M-RoPE, plus ``visual``."""
+
+    qkv_bias = True
+
+    def __init__(self, config: Any, freq_factors: torch.Tensor | None = None,
+                 tp: TensorParallelGroup | None = None, pp: PipelineStage | None = None) -> None:
+        if (tp is not None and tp.world_size > 1) or (pp is not None and pp.num_stages > 1):
+            raise ValueError(f"{type(self).__name__} runs on one worker (tensor_parallel_size=1, "
+                             "pipeline_parallel_size=1)")
+        text = config.get_text_config()
+        super().__init__(text, freq_factors, tp, pp)
+        self.mm_config = config
+        self.visual = Qwen2VisionTransformer(config.vision_config, text.hidden_size)
+        self.spatial_merge_size = config.vision_config.spatial_merge_size
+
+    def encode_images(self, images: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each image's rows for the text model (``[t * h * w / merge^2, hidden]``), all images in one
+        pass (attention stays within each image)."""
+        grids = [tuple(int(v) for v in im["image_grid_thw"]) for im in images]
+        rows = self.visual(torch.cat([im["pixel_values"] for im in images]), grids)
+        return list(rows.split([t * h * w // self.spatial_merge_size ** 2 for t, h, w in grids]))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded_elsewhere: Iterable[str] = ()) -> None:
+        """HF's names, old (``model.layers.*``, ``visual.*``) and new (``model.language_model.*``,
+        ``model.visual.*``): the text model's through ``DecoderForCausalLM.load_weights``."""
+        params = dict(self.named_parameters())
+        vision_names = {n for n in params if n.startswith("visual.")}
+        loaded: set[str] = set()
+
+        def text_weights() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                name = name.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
+                if not name.startswith("visual."):
+                    yield name, tensor
+                    continue
+                param = params.get(name)
+                if param is None or param.shape != tensor.shape:
+                    raise ValueError(f"checkpoint does not match {type(self).__name__}: unexpected {name} "
+                                     f"{tuple(tensor.shape)}")
+                with torch.no_grad():
+                    param.copy_(tensor)
+                loaded.add(name)
+
+        super().load_weights(text_weights(), loaded_elsewhere=[*loaded_elsewhere, *vision_names])
+        missing = sorted(vision_names - loaded)
+        if missing:
+            raise ValueError(f"checkpoint does not match {type(self).__name__}: missing {len(missing)} {missing[:8]}")
+
+
+def mrope_positions(layout: list[tuple[int, int, int, int, int]], start: int, n: int) -> list[list[int]]:
+    """Qwen2-VL's M-RoPE positions ``[3][n]`` of tokens ``start ..``: a text token's three are its
+    index plus the shift of the images before it; an image's token ``i`` (grid ``t, h, w`` after
+    the merge, from ``offset``) gets ``(s + i // (h*w), s + i // w % h, s + i % w)`` where ``s`` is
+    the image's first position; after an image the positions go on from ``s + max(h, w)``
+    (HF's ``get_rope_index``). ``layout``: ``(offset, length, t, h, w)`` per image, in order."""
+    out: list[list[int]] = [[], [], []]
+    shift, i = 0, 0
+    end = start + n
+    p = start
+    images = sorted(layout)
+    while p < end:
+        while i < len(images) and images[i][0] + images[i][1] <= p:  # images wholly before p
+            o, length, _, h, w = images[i]
+            shift += max(h, w) - length
+            i += 1
+        if i < len(images) and images[i][0] <= p:
+            o, length, _, h, w = images[i]
+            s = o + shift
+            for k in range(p - o, min(length, end - o)):
+                out[0].append(s + k // (h * w))
+                out[1].append(s + k // w % h)
+                out[2].append(s + k % w)
+            p = min(o + length, end)
+            continue
+        stop = min(end, images[i][0]) if i < len(images) else end
+        for row in out:
+            row.extend(range(p + shift, stop + shift))
+        p = stop
+    return out
