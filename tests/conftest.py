@@ -183,6 +183,42 @@ def build_tiny_llava(root: str, text_type: str = "llama", image_size: int = 56) 
     return path
 
 
+def build_tiny_qwen2_vl(root: str, v25: bool = False) -> str:
+    """A tiny random Qwen2-VL (or Qwen2.5-VL: windows of 4x4 merged rows, the last layer full) with
+    SmolLM2's tokenizer plus the vision tokens, and its image processor (at most 64 rows an image)."""
+    import transformers
+
+    path = os.path.join(root, f"tiny-qwen2{'_5' if v25 else ''}-vl")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    tok = transformers.AutoTokenizer.from_pretrained(_tokenizer_dir(root))
+    special = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tok.add_special_tokens({"additional_special_tokens": special})
+    ids = {t: tok.convert_tokens_to_ids(t) for t in special}
+    text = dict(model_type="qwen2_5_vl_text" if v25 else "qwen2_vl_text", vocab_size=len(tok), hidden_size=64,
+                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=2048, rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=1,
+                eos_token_id=2, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    vision = dict(depth=2, num_heads=4, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                  initializer_range=0.2)
+    vision.update(dict(hidden_size=32, intermediate_size=48, out_hidden_size=64, window_size=112,
+                       fullatt_block_indexes=[1], hidden_act="silu") if v25 else
+                  dict(embed_dim=32, hidden_size=64, mlp_ratio=2))
+    cls = transformers.Qwen2_5_VLConfig if v25 else transformers.Qwen2VLConfig
+    config = cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                 video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                 vision_end_token_id=ids["<|vision_end|>"])
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration" if v25 else "Qwen2VLForConditionalGeneration"]
+    torch.manual_seed(1234)
+    model_cls = transformers.Qwen2_5_VLForConditionalGeneration if v25 else transformers.Qwen2VLForConditionalGeneration
+    model_cls(config).float().save_pretrained(path)
+    # (transformers builds the Qwen2-VL processor with a video processor that needs torchvision:
+    # the image processor and tokenizer are saved on their own, which AutoImageProcessor reads.)
+    transformers.Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=28 * 28 * 64).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 def round_to_gguf_blocks(w: torch.Tensor, bits: int) -> torch.Tensor:
     """``w [n, k]`` (k a multiple of 32) rounded to GGUF blocks as its reader dequantizes them (d in
     half precision): Q4_1 ``fl(fl(d * q) + m)`` (bits 4) or Q8_0 ``fl(d * q)`` (bits 8)."""

@@ -15,6 +15,7 @@ _MODELS = {
     "Qwen2ForCausalLM": ("pagellm.models.qwen", "Qwen2ForCausalLM"),
     "Qwen2MoeForCausalLM": ("pagellm.models.moe", "Qwen2MoeForCausalLM"),
     "Qwen2VLForConditionalGeneration": ("pagellm.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("pagellm.models.qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen3ForCausalLM": ("pagellm.models.qwen", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("pagellm.models.moe", "Qwen3MoeForCausalLM"),
 }

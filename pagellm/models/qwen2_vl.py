@@ -19,7 +19,7 @@ from torch import nn
 from pagellm.distributed import PipelineStage, TensorParallelGroup
 from pagellm.layers.linear import Linear
 from pagellm.models.decoder import DecoderForCausalLM
-from pagellm.models.vision import VisionMLP
+from pagellm.models.vision import VisionMLP, vision_activation
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -43,12 +43,38 @@ class VisionAttention(nn.Module):
         return self.proj(torch.cat(out, dim=1).transpose(0, 1).reshape(n, d))
 
 
-class Qwen2VisionBlock(nn.Module):
-    def __init__(self, dim: int, num_heads: int, mlp_dim: int, act: str) -> None:
+class VisionRMSNorm(nn.Module):
+    """Qwen2.5-VL's norm: float32 statistics, the weight applied in the input's dtype (HF's order)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(dim, eps=1e-6), nn.LayerNorm(dim, eps=1e-6)
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class GatedVisionMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = Linear(dim, hidden), Linear(dim, hidden)
+        self.down_proj = Linear(hidden, dim)
+        self.act = F.silu if act == "silu" else vision_activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen2VisionBlock(nn.Module):
+    def __init__(self, dim: int, num_heads: int, mlp_dim: int, act: str, v25: bool) -> None:
+        super().__init__()
+        norm = VisionRMSNorm if v25 else (lambda d: nn.LayerNorm(d, eps=1e-6))
+        self.norm1, self.norm2 = norm(dim), norm(dim)
         self.attn = VisionAttention(dim, num_heads)
-        self.mlp = VisionMLP(dim, mlp_dim, act)
+        self.mlp: nn.Module = GatedVisionMLP(dim, mlp_dim, act) if v25 else VisionMLP(dim, mlp_dim, act)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, lengths)
@@ -58,11 +84,11 @@ class Qwen2VisionBlock(nn.Module):
 class PatchEmbed(nn.Module):
     """A strided 3-D convolution over each flattened ``[C, T, P, P]`` patch."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, dim: int) -> None:
         super().__init__()
         p, tp = config.patch_size, config.temporal_patch_size
         self.shape = (config.in_channels, tp, p, p)
-        self.proj = nn.Conv3d(config.in_channels, config.embed_dim, (tp, p, p), stride=(tp, p, p), bias=False)
+        self.proj = nn.Conv3d(config.in_channels, dim, (tp, p, p), stride=(tp, p, p), bias=False)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         w = self.proj.weight
@@ -72,10 +98,10 @@ class PatchEmbed(nn.Module):
 class PatchMerger(nn.Module):
     """2x2 neighbouring patches (adjacent rows, in the processor's order) into one text-model row."""
 
-    def __init__(self, dim: int, context_dim: int, merge: int) -> None:
+    def __init__(self, dim: int, context_dim: int, merge: int, v25: bool) -> None:
         super().__init__()
         merged = context_dim * merge ** 2
-        self.ln_q = nn.LayerNorm(context_dim, eps=1e-6)
+        self.ln_q = VisionRMSNorm(context_dim) if v25 else nn.LayerNorm(context_dim, eps=1e-6)
         self.mlp = nn.Sequential(Linear(merged, merged), nn.GELU(), Linear(merged, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,14 +109,22 @@ class PatchMerger(nn.Module):
 
 
 class Qwen2VisionTransformer(nn.Module):
-    def __init__(self, config: Any, text_hidden: int) -> None:
+    """Qwen2-VL's ViT, or Qwen2.5-VL's (``v25``: RMSNorm, a gated MLP, and attention within windows of
+    ``window_size`` pixels except in the ``fullatt_block_indexes`` layers)."""
+
+    def __init__(self, config: Any, text_hidden: int, v25: bool = False) -> None:
         super().__init__()
-        d, self.merge = config.embed_dim, config.spatial_merge_size
+        d = config.hidden_size if v25 else config.embed_dim
+        self.merge = config.spatial_merge_size
         self.head_dim = d // config.num_heads
-        self.patch_embed = PatchEmbed(config)
-        self.blocks = nn.ModuleList(Qwen2VisionBlock(d, config.num_heads, int(d * config.mlp_ratio), config.hidden_act)
+        self.patch_embed = PatchEmbed(config, d)
+        mlp_dim = config.intermediate_size if v25 else int(d * config.mlp_ratio)
+        self.blocks = nn.ModuleList(Qwen2VisionBlock(d, config.num_heads, mlp_dim, config.hidden_act, v25)
                                     for _ in range(config.depth))
-        self.merger = PatchMerger(text_hidden, d, self.merge)
+        self.merger = PatchMerger(text_hidden, d, self.merge, v25)
+        # Qwen2.5-VL's windows, in merged rows per side (None: every layer attends to the whole image).
+        self.window = config.window_size // self.merge // config.patch_size if v25 else None
+        self.full_layers = set(getattr(config, "fullatt_block_indexes", None) or ())
         params = getattr(config, "rope_parameters", None) or {}
         self.rope_theta = float(params.get("rope_theta", 10000.0))
 
@@ -112,19 +146,48 @@ class Qwen2VisionTransformer(nn.Module):
         angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # [N, 1, head_dim]
         return angles.cos(), angles.sin()
 
+    def windows(self, grids: list[tuple[int, int, int]]) -> tuple[list[int], list[int]]:
+        """Qwen2.5-VL: ``(order, lengths)``: the merged rows window by window (each frame cut into
+        ``window x window`` squares, row-major, the last ones partial), and each window's patches."""
+        assert self.window is not None
+        win, unit = self.window, self.merge ** 2
+        order: list[int] = []
+        lengths: list[int] = []
+        base = 0
+        for t, h, w in grids:
+            gh, gw = h // self.merge, w // self.merge
+            for f in range(t):
+                for r0 in range(0, gh, win):
+                    for c0 in range(0, gw, win):
+                        rows = [base + f * gh * gw + r * gw + c
+                                for r in range(r0, min(r0 + win, gh)) for c in range(c0, min(c0 + win, gw))]
+                        order += rows
+                        lengths.append(len(rows) * unit)
+            base += t * gh * gw
+        return order, lengths
+
     def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         x = self.patch_embed(patches)
         cos, sin = self.rotary(grids, x.device)
-        lengths = [h * w for t, h, w in grids for _ in range(t)]
-        for block in self.blocks:
-            x = block(x, cos, sin, lengths)
-        return self.merger(x)
+        full = [h * w for t, h, w in grids for _ in range(t)]
+        windowed = full
+        order = None
+        if self.window is not None:  # rows regrouped window by window (merge units kept together)
+            order_list, windowed = self.windows(grids)
+            order = torch.tensor(order_list, device=x.device)
+            unit = self.merge ** 2
+            x, cos, sin = (v.view(-1, unit, *v.shape[1:])[order].flatten(0, 1) for v in (x, cos, sin))
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, full if order is None or i in self.full_layers else windowed)
+        out = self.merger(x)
+        return out if order is None else out[torch.argsort(order)]
 
 
 class Qwen2VLForConditionalGeneration(DecoderForCausalLM):
     """Images in, text out: Qwen2's decoder with M-RoPE, plus ``visual``."""
 
     qkv_bias = True
+    v25 = False
 
     def __init__(self, config: Any, freq_factors: torch.Tensor | None = None,
                  tp: TensorParallelGroup | None = None, pp: PipelineStage | None = None) -> None:
@@ -134,7 +197,7 @@ class Qwen2VLForConditionalGeneration(DecoderForCausalLM):
         text = config.get_text_config()
         super().__init__(text, freq_factors, tp, pp)
         self.mm_config = config
-        self.visual = Qwen2VisionTransformer(config.vision_config, text.hidden_size)
+        self.visual = Qwen2VisionTransformer(config.vision_config, text.hidden_size, self.v25)
         self.spatial_merge_size = config.vision_config.spatial_merge_size
 
     def encode_images(self, images: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -169,6 +232,12 @@ class Qwen2VLForConditionalGeneration(DecoderForCausalLM):
         missing = sorted(vision_names - loaded)
         if missing:
             raise ValueError(f"checkpoint does not match {type(self).__name__}: missing {len(missing)} {missing[:8]}")
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    """Qwen2.5-VL: Qwen2-VL's layout; its ViT attends within windows (``Qwen2VisionTransformer``)."""
+
+    v25 = True
 
 
 def mrope_positions(layout: list[tuple[int, int, int, int, int]], start: int, n: int) -> list[list[int]]:
