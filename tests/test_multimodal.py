@@ -288,3 +288,96 @@ def test_encoder_stats_reach_prometheus_and_the_step_trace(llava, images):
     assert engine.iteration_stats.encoder_seconds > 0
     steps = [e for e in llm.get_trace()["traceEvents"] if e.get("name", "").startswith("step")]
     assert sum(e["args"].get("images_encoded", 0) for e in steps) == 1
+
+
+# ---- Qwen2-VL / Qwen2.5-VL: dynamic resolution and M-RoPE ---------------------------------------
+VISION = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["qwen2-vl", "qwen2.5-vl"])
+def qwen_vl(request, ckpt_root):
+    """``(path, HF model, tokenizer, image processor)``."""
+    import transformers
+
+    from conftest import build_tiny_qwen2_vl
+
+    path = build_tiny_qwen2_vl(ckpt_root, v25=request.param)
+    cls = transformers.Qwen2_5_VLForConditionalGeneration if request.param else \
+        transformers.Qwen2VLForConditionalGeneration
+    return (path, cls.from_pretrained(path, dtype=torch.float32).eval(),
+            transformers.AutoTokenizer.from_pretrained(path), transformers.AutoImageProcessor.from_pretrained(path))
+
+
+def _hf_qwen(qwen_vl, prompt: str, images: list, max_tokens: int = 10) -> tuple[list[int], list[int]]:
+    """HF ``generate`` on the processor's inputs: ``(prompt ids, greedy tokens)``. Each image's one
+    ``<|image_pad|>`` becomes grid / 4 of them, as Qwen2VLProcessor expands it."""
+    _, model, tok, ip = qwen_vl
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    ids, kw = tok(prompt)["input_ids"], {}
+    if images:
+        out = ip(images=images, return_tensors="pt")
+        sizes = iter((out["image_grid_thw"].prod(-1) // 4).tolist())
+        ids = [x for t in ids for x in ([t] * next(sizes) if t == pad else [t])]
+        kw = dict(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
+    input_ids = torch.tensor([ids])
+    with torch.no_grad():
+        gen = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                             mm_token_type_ids=(input_ids == pad).int(), max_new_tokens=max_tokens, do_sample=False,
+                             **kw)
+    return ids, gen[0, len(ids):].tolist()
+
+
+def _qwen_requests(images):
+    """Images of several sizes (other grids, windows that are cut), two in one prompt, text alone."""
+    return [(f"Describe {VISION} briefly.", [images[4]]),
+            (f"{VISION} and {VISION}: which is brighter?", [images[1], images[0]]),
+            ("A prompt without any image.", []),
+            (f"Tall {VISION} then wide {VISION} end", [images[2], images[3]])]
+
+
+def test_qwen2_vl_float32_greedy_equals_hf_at_every_image_size(qwen_vl, images):
+    requests = _qwen_requests(images)
+    outs = LLM(qwen_vl[0], dtype="float32").generate([_prompt(t, im) for t, im in requests], GREEDY,
+                                                       use_tqdm=False)
+    for (text, imgs), out in zip(requests, outs, strict=True):
+        ids, tokens = _hf_qwen(qwen_vl, text, imgs)
+        assert out.prompt_token_ids == ids and out.outputs[0].token_ids == tokens, text
+
+
+def test_qwen2_vl_chunks_inside_images_and_preemption_keep_the_mrope_positions(qwen_vl, images):
+    """Chunks of 5 tokens start inside every image (M-RoPE positions of a partial image), and a
+    tight cache recomputes or swaps requests whose images are behind them."""
+    prompts = [_prompt(t, im) for t, im in _qwen_requests(images)] * 2
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(qwen_vl[0], dtype="float32").generate(prompts, params,
+                                                                                   use_tqdm=False)]
+    for mode in ("recompute", "swap"):
+        llm = LLM(qwen_vl[0], dtype="float32", max_num_batched_tokens=64, long_prefill_token_threshold=5,
+                  num_gpu_blocks_override=24, block_size=8, preemption_mode=mode)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
+        assert_cache_pressure(llm.llm_engine, mode)
+
+
+def test_mrope_positions_equal_hfs_rope_index_for_any_chunk(qwen_vl, images):
+    from pagellm.models.qwen2_vl import mrope_positions
+
+    _, model, tok, ip = qwen_vl
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    text, imgs = _qwen_requests(images)[3]
+    out = ip(images=imgs, return_tensors="pt")
+    grids = out["image_grid_thw"]
+    ids, _ = _hf_qwen(qwen_vl, text, imgs, max_tokens=1)
+    input_ids = torch.tensor([ids])
+    hf, delta = model.model.get_rope_index(input_ids, (input_ids == pad).int(), image_grid_thw=grids)
+    layout, pos = [], 0
+    for t, h, w in grids.tolist():
+        pos = ids.index(pad, pos)
+        n = t * h * w // 4
+        layout.append((pos, n, t, h // 2, w // 2))
+        pos += n
+    expected = hf[:, 0].tolist()
+    for start, n in [(0, len(ids)), (3, 7), (layout[0][0] + 5, 30), (layout[1][0] - 2, 9)]:
+        n = min(n, len(ids) - start)
+        assert mrope_positions(layout, start, n) == [row[start:start + n] for row in expected], (start, n)
+    after = len(ids) + int(delta)  # a generated token's three positions
+    assert mrope_positions(layout, len(ids), 1) == [[after]] * 3
