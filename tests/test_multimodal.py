@@ -381,3 +381,46 @@ def test_mrope_positions_equal_hfs_rope_index_for_any_chunk(qwen_vl, images):
         assert mrope_positions(layout, start, n) == [row[start:start + n] for row in expected], (start, n)
     after = len(ids) + int(delta)  # a generated token's three positions
     assert mrope_positions(layout, len(ids), 1) == [[after]] * 3
+
+
+def _hf_top5(model, inputs: dict, new_tokens: int) -> tuple[list[int], list[dict[int, float]]]:
+    """HF float32 greedy tokens and each step's top 5 (token -> logprob)."""
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    tops = []
+    for scores in out.scores:
+        top = torch.log_softmax(scores[0].double(), -1).topk(5)
+        tops.append(dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)))
+    return out.sequences[0, inputs["input_ids"].shape[1]:].tolist(), tops
+
+
+def test_bfloat16_is_logprob_close_to_hf_float32_with_images(llava, hf_llava, qwen_vl, images):
+    """The vision towers run the text model's numerics: bfloat16 GEMMs (where this machine has the
+    kernel) stay within HF float32's top 5 wherever greedy tokens diverge."""
+    from conftest import require_bf16_kernel
+    from test_numerics import check_logprobs_close
+
+    require_bf16_kernel()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    model, proc = hf_llava
+    cases = [(llava, lambda t, im: proc(text=t, images=im, return_tensors="pt"), model, _requests(images)[:2])]
+    q_path, q_model, tok, ip = qwen_vl
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+
+    def q_inputs(text, imgs):
+        ids, _ = _hf_qwen(qwen_vl, text, imgs, max_tokens=1)
+        out = ip(images=imgs, return_tensors="pt")
+        input_ids = torch.tensor([ids])
+        return dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), pixel_values=out["pixel_values"],
+                    image_grid_thw=out["image_grid_thw"], mm_token_type_ids=(input_ids == pad).int())
+
+    cases.append((q_path, q_inputs, q_model, [r for r in _qwen_requests(images) if r[1]]))
+    for path, make_inputs, hf, requests in cases:
+        ref = [_hf_top5(hf, make_inputs(t, im), 12) for t, im in requests]
+        llm = LLM(path, dtype="bfloat16")
+        assert llm.llm_engine.model_info.dtype.startswith("bfloat16"), llm.llm_engine.model_info.dtype
+        outs = llm.generate([_prompt(t, im) for t, im in requests], params, use_tqdm=False)
+        got = [(o.outputs[0].token_ids, [{t: lp[t].logprob for t in lp} for lp in o.outputs[0].logprobs])
+               for o in outs]
+        check_logprobs_close(got, ref)
