@@ -60,8 +60,9 @@ class Tokenizer:
         if chat_template is not None:
             self.hf.chat_template = chat_template
         self.eos_token_id: int | None = self.hf.eos_token_id
-        # A vision-language model's image placeholder (``<image>``; set by the engine), else None.
-        self.image_token: str | None = None
+        # A vision-language model's image placeholder text (``<image>``; Qwen2-VL's
+        # ``<|vision_start|><|image_pad|><|vision_end|>``; set by the engine), else None.
+        self.image_placeholder: str | None = None
         self.vocab_size = len(self.hf)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

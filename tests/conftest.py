@@ -152,12 +152,13 @@ def build_tiny_checkpoint(root: str, arch: str, tie: bool = False, **overrides) 
     return path
 
 
-def build_tiny_llava(root: str, text_type: str = "llama", image_size: int = 56) -> str:
-    """A tiny random LLaVA-1.5 (CLIP tower of 3 layers, 16 image tokens, a two-layer Llama) with
-    SmolLM2's tokenizer plus ``<image>``, and its processor (CLIP's image processor)."""
+def build_tiny_llava(root: str, text_type: str = "llama", image_size: int = 56, tower: str = "clip") -> str:
+    """A tiny random LLaVA-1.5 (a CLIP tower of 3 layers and 16 image tokens, or a SigLIP one with all
+    its patches, as LLaVA-OneVision's; a two-layer text model) with SmolLM2's tokenizer plus
+    ``<image>``, and its processor (the tower's image processor)."""
     import transformers
 
-    path = os.path.join(root, f"tiny-llava-{text_type}-{image_size}")
+    path = os.path.join(root, f"tiny-llava-{text_type}-{image_size}-{tower}")
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     tok = transformers.AutoTokenizer.from_pretrained(_tokenizer_dir(root))
@@ -165,20 +166,24 @@ def build_tiny_llava(root: str, text_type: str = "llama", image_size: int = 56) 
     text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
                 initializer_range=0.2, bos_token_id=1, eos_token_id=2, **ARCH_CONFIGS[text_type])
-    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                  num_attention_heads=4, image_size=image_size, patch_size=14, projection_dim=32,
-                  initializer_range=0.2)
+    clip = tower == "clip"
+    vision = dict(model_type=f"{tower}_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                  num_attention_heads=4, image_size=image_size, patch_size=14, initializer_range=0.2)
+    strategy = "default" if clip else "full"  # (SigLIP has no class token to drop)
     config = transformers.LlavaConfig(text_config=text, vision_config=vision,
                                       image_token_index=tok.convert_tokens_to_ids("<image>"),
                                       image_seq_length=(image_size // 14) ** 2, vision_feature_layer=-2,
-                                      vision_feature_select_strategy="default", projector_hidden_act="gelu")
+                                      vision_feature_select_strategy=strategy, projector_hidden_act="gelu")
     config.architectures = ["LlavaForConditionalGeneration"]
     torch.manual_seed(1234)
     transformers.LlavaForConditionalGeneration(config).float().save_pretrained(path)
-    size = {"shortest_edge": image_size}
-    ip = transformers.CLIPImageProcessor(size=size, crop_size={"height": image_size, "width": image_size})
-    transformers.LlavaProcessor(image_processor=ip, tokenizer=tok, patch_size=14, num_additional_image_tokens=1,
-                                vision_feature_select_strategy="default",
+    if clip:
+        ip = transformers.CLIPImageProcessor(size={"shortest_edge": image_size},
+                                             crop_size={"height": image_size, "width": image_size})
+    else:
+        ip = transformers.SiglipImageProcessor(size={"height": image_size, "width": image_size})
+    transformers.LlavaProcessor(image_processor=ip, tokenizer=tok, patch_size=14, num_additional_image_tokens=int(clip),
+                                vision_feature_select_strategy=strategy,
                                 chat_template=tok.chat_template).save_pretrained(path)
     return path
 

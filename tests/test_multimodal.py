@@ -79,6 +79,20 @@ def test_float32_greedy_equals_hf_with_images_and_text_rows_in_one_batch(llava, 
     assert outs[1].prompt_token_ids == proc(text=requests[1][0], images=requests[1][1])["input_ids"][0]
 
 
+def test_a_siglip_tower_and_a_qwen2_text_model_equal_hf(ckpt_root, images):
+    """LLaVA's other towers and text families: SigLIP (no class token, a biased patch embedding,
+    every patch kept) over a Qwen2 decoder (biased q/k/v)."""
+    import transformers
+
+    path = build_tiny_llava(ckpt_root, text_type="qwen2", tower="siglip")
+    hf = (transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval(),
+          transformers.AutoProcessor.from_pretrained(path))
+    requests = _requests(images)
+    outs = LLM(path, dtype="float32").generate([_prompt(t, im) for t, im in requests], GREEDY, use_tqdm=False)
+    for (text, imgs), out in zip(requests, outs, strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(hf, text, imgs), text
+
+
 def test_the_same_image_is_encoded_once_and_shared(llava, images):
     llm = LLM(llava, dtype="float32")
     calls = _vision_calls(llm)
@@ -264,6 +278,10 @@ def test_server_images_with_the_openai_client_and_hostile_inputs(llava, images, 
                        json={"model": "tiny", "messages": [{"role": "user", "content": [*three, text]}]})
         assert r.status_code == 400 and "limit_mm_per_prompt" in r.text, r.text
         assert ask({"type": "image_url", "image_url": {"url": _png_url(images[0])}}, text) == offline  # still serving
+        metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+        hits = [line for line in metrics.splitlines() if "encoder_cache_hits" in line and not line.startswith("#")]
+        assert hits and float(hits[0].split()[-1]) >= 2, hits  # images[0] again, and again
+        assert "encoder_seconds" in metrics and "encoder_cache_usage_perc" in metrics
     finally:
         srv.stop()
         engine.shutdown()
@@ -398,8 +416,9 @@ def _hf_top5(model, inputs: dict, new_tokens: int) -> tuple[list[int], list[dict
 def test_bfloat16_is_logprob_close_to_hf_float32_with_images(llava, hf_llava, qwen_vl, images):
     """The vision towers run the text model's numerics: bfloat16 GEMMs (where this machine has the
     kernel) stay within HF float32's top 5 wherever greedy tokens diverge."""
-    from conftest import require_bf16_kernel
     from test_numerics import check_logprobs_close
+
+    from conftest import require_bf16_kernel
 
     require_bf16_kernel()
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
@@ -424,3 +443,14 @@ def test_bfloat16_is_logprob_close_to_hf_float32_with_images(llava, hf_llava, qw
         got = [(o.outputs[0].token_ids, [{t: lp[t].logprob for t in lp} for lp in o.outputs[0].logprobs])
                for o in outs]
         check_logprobs_close(got, ref)
+
+
+def test_qwen2_vl_chat_places_its_vision_markers(qwen_vl, images):
+    """A chat image on a template that renders no image parts becomes Qwen2-VL's own placeholder
+    (``<|vision_start|><|image_pad|><|vision_end|>``), as in a prompt written by hand."""
+    llm = LLM(qwen_vl[0], dtype="float32")
+    chat = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": images[1]},
+                                                  {"type": "text", "text": "What is it?"}]}], GREEDY, use_tqdm=False)[0]
+    assert f"{VISION}\nWhat is it?" in chat.prompt
+    ids, tokens = _hf_qwen(qwen_vl, chat.prompt, [images[1]])
+    assert chat.outputs[0].token_ids == tokens

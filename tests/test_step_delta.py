@@ -14,7 +14,7 @@ from pagellm.sampling_params import SamplingParams
 
 FIELDS = ("request_id", "seq_id", "token_ids", "num_computed_tokens", "block_ids", "do_sample", "sampling_params",
           "output_token_ids", "prompt_token_ids", "sample_seq_ids", "spec_token_ids",
-          "lora_slot")
+          "lora_slot", "mm_spans", "mrope_layout")
 
 # One action per live sequence and step: decode one token (or verify drafts; sometimes a new block), replace the
 # block table (preemption / swap-in), replace the last block (copy-on-write), skip the step, finish.
@@ -27,7 +27,8 @@ actions = st.lists(st.lists(st.sampled_from(["decode", "draft", "new_block", "re
 def test_decoded_steps_equal_the_encoded_ones(steps):
     enc, dec = StepEncoder(), StepDecoder()
     params = SamplingParams(temperature=0)
-    seqs = {i: ScheduledSequence(f"r{i}", i, [1, 2, 3], 0, [10 * i], True, params, [], [1, 2, 3])
+    seqs = {i: ScheduledSequence(f"r{i}", i, [1, 2, 3], 0, [10 * i], True, params, [], [1, 2, 3],
+                                 mrope_layout=[(1, 2, 1, 1, 2)] if i % 2 else None)
             for i in range(4)}
     next_block = 100
     finished: list[int] = []
@@ -45,6 +46,7 @@ def test_decoded_steps_equal_the_encoded_ones(steps):
             s.output_token_ids.append(seq_id + len(s.output_token_ids))
             s.token_ids = [s.output_token_ids[-1]]
             s.spec_token_ids = [7, seq_id] if action == "draft" else None  # drafts verified this step
+            s.mm_spans = [(s.num_computed_tokens, 2, f"img{seq_id}")] if action == "new_block" else None
             if s.spec_token_ids:
                 s.token_ids = s.token_ids + s.spec_token_ids
             if action == "new_block":

@@ -94,10 +94,11 @@ class LLMEngine:
         encoder = None
         mm_processor = None
         if info.is_multimodal:
-            budget = mm.max_num_encoder_input_tokens or config.scheduler.max_num_batched_tokens
-            encoder = EncoderCacheManager(mm.encoder_cache_size or config.scheduler.max_num_batched_tokens, budget)
             mm_processor = MultiModalProcessor(self.source.path, mm)
-            self.tokenizer.image_token = mm_processor.image_token
+            # (vLLM's defaults: room for the largest image the processor can make, at least a step's tokens)
+            default = max(config.scheduler.max_num_batched_tokens, mm_processor.max_tokens_per_image())
+            encoder = EncoderCacheManager(mm.encoder_cache_size or default, mm.max_num_encoder_input_tokens or default)
+            self.tokenizer.image_placeholder = mm_processor.placeholder
         self.input_processor = InputProcessor(config, self.tokenizer, info.vocab_size, self.max_model_len,
                                               self.num_blocks * self.block_size, mm_processor,
                                               min(encoder.budget, encoder.cache_size) if encoder else 0)

@@ -43,6 +43,7 @@ class MultiModalProcessor:
         from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
 
         self.config = config
+        model_config = AutoConfig.from_pretrained(model_path)
         try:
             hf = AutoProcessor.from_pretrained(model_path)
             self.hf: Any = hf
@@ -56,13 +57,27 @@ class MultiModalProcessor:
             self.hf = None
             self.image_processor = AutoImageProcessor.from_pretrained(model_path)
             tokenizer = AutoTokenizer.from_pretrained(model_path)
-            image_token_id = AutoConfig.from_pretrained(model_path).image_token_id
-            self.image_token = str(tokenizer.convert_ids_to_tokens(image_token_id))
+            self.image_token = str(tokenizer.convert_ids_to_tokens(model_config.image_token_id))
         self.image_token_id: int = tokenizer.convert_tokens_to_ids(self.image_token)
+        # The text that stands for one image in a prompt (the model's own markers around the token).
+        start, end = (getattr(model_config, f"vision_{k}_token_id", None) for k in ("start", "end"))
+        self.placeholder = self.image_token if start is None or end is None else \
+            f"{tokenizer.convert_ids_to_tokens(start)}{self.image_token}{tokenizer.convert_ids_to_tokens(end)}"
         self.cache_bytes = int(config.mm_processor_cache_gb * 2**30)
         # LRU: hash -> (encoder inputs, placeholder tokens, M-RoPE grid)
         self._cache: OrderedDict[str, tuple[dict[str, Any], int, tuple[int, int, int] | None]] = OrderedDict()
         self._cached_bytes = 0
+
+    def max_tokens_per_image(self) -> int:
+        """The most placeholder tokens one image can take: a dynamic-resolution processor's largest
+        image (``longest_edge`` pixels, in merged patches), else the processor's fixed count."""
+        ip = self.image_processor
+        size = getattr(ip, "size", None)
+        longest = size.get("longest_edge") if isinstance(size, dict) else getattr(size, "longest_edge", None)
+        merge = getattr(ip, "merge_size", None)
+        if merge and longest:
+            return int(longest) // (ip.patch_size * merge) ** 2
+        return int(self.hf._get_num_multimodal_tokens(image_sizes=[(336, 336)]).num_image_tokens[0])
 
     def _process_image(self, image: Any, mm_hash: str) -> tuple[dict[str, Any], int, tuple[int, int, int] | None]:
         """``(encoder inputs, placeholder tokens, M-RoPE grid)`` of one image, from the cache when seen

@@ -141,7 +141,7 @@ def _part_image(part: dict[str, Any], media: MediaConnector | None, param: str) 
         raise MediaError(str(e), param) from None
 
 
-def extract_images(messages: list[dict[str, Any]], image_token: str | None, renders_images: bool,
+def extract_images(messages: list[dict[str, Any]], placeholder: str | None, renders_images: bool,
                    media: MediaConnector | None = None) -> tuple[list[dict[str, Any]], list[Any]]:
     """``(messages for the chat template, images in prompt order)``; an image part for a model that
     takes none, or one that cannot be loaded, is a ``MediaError`` naming the part."""
@@ -156,7 +156,7 @@ def extract_images(messages: list[dict[str, Any]], image_token: str | None, rend
         for j, part in enumerate(content):
             param = f"messages[{i}].content[{j}]"
             if part.get("type") in ("image_url", "image_pil"):
-                if image_token is None:
+                if placeholder is None:
                     raise MediaError("this model takes no images", param)
                 images.append(_part_image(part, media, param))
                 parts.append({"type": "image"})
@@ -167,6 +167,6 @@ def extract_images(messages: list[dict[str, Any]], image_token: str | None, rend
             else:
                 raise MediaError(f"unsupported content part type {part.get('type')!r} (text, image_url, image_pil)",
                                  param)
-        content_out: Any = parts if renders_images else "\n".join([image_token or ""] * n + texts)
+        content_out: Any = parts if renders_images else "\n".join([placeholder or ""] * n + texts)
         out.append({**m, "content": content_out})
     return out, images

@@ -135,7 +135,7 @@ class LLM:
         renders = template_renders_images(getattr(tok.hf, "chat_template", None))
         prompts: list[PromptType] = []
         for conv in conversations:
-            msgs, images = extract_images(conv, tok.image_token, renders, media)  # type: ignore[arg-type]
+            msgs, images = extract_images(conv, tok.image_placeholder, renders, media)  # type: ignore[arg-type]
             prompt = tok.chat_prompt(msgs, add_generation_prompt)
             if images:
                 prompt["multi_modal_data"] = {"image": images}

@@ -210,7 +210,7 @@ class OpenAIServer:
         auto = self.content_format == "auto"
         renders = self.content_format == "openai" or (auto and template_renders_images(template))
         try:
-            msgs, images = extract_images(msgs, self.tokenizer.image_token, renders, self.media)
+            msgs, images = extract_images(msgs, self.tokenizer.image_placeholder, renders, self.media)
         except MediaError as e:
             raise APIError(str(e), param=e.param) from None
         if not self.tokenizer.template_takes_tools:
