@@ -77,26 +77,20 @@ class MultiModalProcessor:
         merge = getattr(ip, "merge_size", None)
         if merge and longest:
             return int(longest) // (ip.patch_size * merge) ** 2
-        return int(self.hf._get_num_multimodal_tokens(image_sizes=[(336, 336)]).num_image_tokens[0])
+        from PIL import Image
+
+        return self._run(Image.new("RGB", (336, 336)))[1]  # (a fixed count: any image)
 
     def _process_image(self, image: Any, mm_hash: str) -> tuple[dict[str, Any], int, tuple[int, int, int] | None]:
         """``(encoder inputs, placeholder tokens, M-RoPE grid)`` of one image, from the cache when seen
         before. An image processor that reports a grid (Qwen2-VL's dynamic resolution) says how many
-        rows the image makes (``t * h * w / merge^2``); else the processor says it."""
+        rows the image makes (``t * h * w / merge^2``); else the processor, run on one placeholder,
+        says it by expanding it."""
         hit = self._cache.get(mm_hash)
         if hit is not None:
             self._cache.move_to_end(mm_hash)
             return hit
-        out = self.image_processor(images=[image.convert("RGB")], return_tensors="np")
-        entry: tuple[dict[str, Any], int, tuple[int, int, int] | None]
-        if "image_grid_thw" in out:
-            t, h, w = (int(v) for v in out["image_grid_thw"][0])
-            m = self.image_processor.merge_size
-            entry = ({"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"][0]},
-                     t * h * w // m ** 2, (t, h // m, w // m))
-        else:
-            num = self.hf._get_num_multimodal_tokens(image_sizes=[(image.height, image.width)]).num_image_tokens[0]
-            entry = ({"pixel_values": out["pixel_values"][0]}, int(num), None)
+        entry = self._run(image)
         size = sum(v.nbytes for v in entry[0].values())
         if size <= self.cache_bytes:
             self._cache[mm_hash] = entry
@@ -104,6 +98,23 @@ class MultiModalProcessor:
             while self._cached_bytes > self.cache_bytes:
                 _, (old, _, _) = self._cache.popitem(last=False)
                 self._cached_bytes -= sum(v.nbytes for v in old.values())
+        return entry
+
+    def _run(self, image: Any) -> tuple[dict[str, Any], int, tuple[int, int, int] | None]:
+        image = image.convert("RGB")
+        if self.hf is not None:  # the processor itself, on one placeholder: its count is the model's
+            out = self.hf(text=self.image_token, images=[image], return_tensors="np")
+        else:
+            out = self.image_processor(images=[image], return_tensors="np")
+        entry: tuple[dict[str, Any], int, tuple[int, int, int] | None]
+        if "image_grid_thw" in out:
+            t, h, w = (int(v) for v in out["image_grid_thw"][0])
+            m = self.image_processor.merge_size
+            entry = ({"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"][0]},
+                     t * h * w // m ** 2, (t, h // m, w // m))
+        else:
+            entry = ({"pixel_values": out["pixel_values"][0]}, int((out["input_ids"][0] == self.image_token_id).sum()),
+                     None)
         return entry
 
     def process(self, ids: list[int], images: list[Any], request_id: str) -> tuple[list[int], list[MultiModalFeature]]:
