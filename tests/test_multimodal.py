@@ -454,3 +454,18 @@ def test_qwen2_vl_chat_places_its_vision_markers(qwen_vl, images):
     assert f"{VISION}\nWhat is it?" in chat.prompt
     ids, tokens = _hf_qwen(qwen_vl, chat.prompt, [images[1]])
     assert chat.outputs[0].token_ids == tokens
+
+
+def test_a_checkpoint_missing_a_vision_weight_is_refused(llava, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "llava-missing"
+    shutil.copytree(llava, bad)
+    weights = load_file(str(bad / "model.safetensors"))
+    name = next(n for n in weights if "multi_modal_projector.linear_2.weight" in n)
+    del weights[name]
+    save_file(weights, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="missing 1 .*multi_modal_projector.linear_2.weight"):
+        LLM(str(bad), dtype="float32")

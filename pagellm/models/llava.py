@@ -9,7 +9,7 @@ image's rows (one per placeholder token in the prompt) and passes them as ``inpu
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -18,7 +18,7 @@ from torch import nn
 from pagellm.distributed import PipelineStage, TensorParallelGroup
 from pagellm.layers.linear import Linear
 from pagellm.models.decoder import DecoderForCausalLM
-from pagellm.models.vision import VisionTower, vision_activation
+from pagellm.models.vision import VisionTower, load_vision_language_weights, vision_activation
 
 # Text families a LLaVA checkpoint may carry, by ``text_config.model_type``.
 _TEXT_FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -93,40 +93,16 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
         return out  # type: ignore[return-value]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded_elsewhere: Iterable[str] = ()) -> None:
-        """HF's names, old (``language_model.model.*``) and new (``model.language_model.*``): the text
-        model's go to ``DecoderForCausalLM.load_weights``, the tower's and projector's here."""
-        params = dict(self.named_parameters())
-        vision_names = {n for n in params if n.startswith(("vision_tower.", "multi_modal_projector."))}
-        loaded: set[str] = set()
+        """HF's names, old (``language_model.model.*``) and new (``model.language_model.*``)."""
+        load_vision_language_weights(self, weights, self._rename, ("vision_tower.", "multi_modal_projector."),
+                                     super().load_weights, loaded_elsewhere)
 
-        def text_weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                name = name.removeprefix("model.")
-                if name.startswith("language_model."):
-                    name = name.removeprefix("language_model.")
-                    yield (name if name.startswith(("model.", "lm_head.")) else f"model.{name}"), tensor
-                elif name.startswith("lm_head."):
-                    yield name, tensor
-                else:
-                    self._load_vision_weight(name, tensor, params, loaded)
-
-        super().load_weights(text_weights(), loaded_elsewhere=[*loaded_elsewhere, *vision_names])
-        missing = sorted(vision_names - loaded)
-        if missing:
-            raise ValueError(f"checkpoint does not match {type(self).__name__}: missing {len(missing)} {missing[:8]}")
-
-    def _load_vision_weight(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter],
-                            loaded: set[str]) -> None:
-        target: str | None = name
+    def _rename(self, name: str) -> str | None:
+        name = name.removeprefix("model.")
+        if name.startswith("language_model."):
+            name = name.removeprefix("language_model.")
+            return name if name.startswith(("model.", "lm_head.")) else f"model.{name}"
         if name.startswith("vision_tower."):
             inner = self.vision_tower.hf_name(name.removeprefix("vision_tower."))
-            target = None if inner is None else f"vision_tower.{inner}"
-        if target is None:
-            return  # a part of the tower past the feature layer
-        param = params.get(target)
-        if param is None or param.shape != tensor.shape:
-            raise ValueError(f"checkpoint does not match {type(self).__name__}: unexpected {name} "
-                             f"{tuple(tensor.shape)}")
-        with torch.no_grad():
-            param.copy_(tensor)
-        loaded.add(target)
+            return None if inner is None else f"vision_tower.{inner}"  # (None: past the feature layer)
+        return name

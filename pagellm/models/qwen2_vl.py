@@ -9,7 +9,7 @@ flags); the runner computes the M-RoPE positions from each image's grid (``mrope
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from torch import nn
 from pagellm.distributed import PipelineStage, TensorParallelGroup
 from pagellm.layers.linear import Linear
 from pagellm.models.decoder import DecoderForCausalLM
-from pagellm.models.vision import VisionMLP, vision_activation
+from pagellm.models.vision import VisionMLP, load_vision_language_weights, vision_activation
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -209,29 +209,10 @@ class Qwen2VLForConditionalGeneration(DecoderForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded_elsewhere: Iterable[str] = ()) -> None:
         """HF's names, old (``model.layers.*``, ``visual.*``) and new (``model.language_model.*``,
-        ``model.visual.*``): the text model's through ``DecoderForCausalLM.load_weights``."""
-        params = dict(self.named_parameters())
-        vision_names = {n for n in params if n.startswith("visual.")}
-        loaded: set[str] = set()
-
-        def text_weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                name = name.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
-                if not name.startswith("visual."):
-                    yield name, tensor
-                    continue
-                param = params.get(name)
-                if param is None or param.shape != tensor.shape:
-                    raise ValueError(f"checkpoint does not match {type(self).__name__}: unexpected {name} "
-                                     f"{tuple(tensor.shape)}")
-                with torch.no_grad():
-                    param.copy_(tensor)
-                loaded.add(name)
-
-        super().load_weights(text_weights(), loaded_elsewhere=[*loaded_elsewhere, *vision_names])
-        missing = sorted(vision_names - loaded)
-        if missing:
-            raise ValueError(f"checkpoint does not match {type(self).__name__}: missing {len(missing)} {missing[:8]}")
+        ``model.visual.*``)."""
+        load_vision_language_weights(
+            self, weights, lambda n: n.replace("model.language_model.", "model.").replace("model.visual.", "visual."),
+            ("visual.",), super().load_weights, loaded_elsewhere)
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):

@@ -7,7 +7,7 @@ apply to the tower too; attention is bidirectional over one image's patches.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -118,3 +118,37 @@ class VisionTower(nn.Module):
         if name.startswith(("post_layernorm.", "head.")):
             return None
         return name
+
+
+def load_vision_language_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                                 rename: Callable[[str], str | None], own: tuple[str, ...],
+                                 load_text: Callable[[Iterator[tuple[str, torch.Tensor]], list[str]], None],
+                                 loaded_elsewhere: Iterable[str] = ()) -> None:
+    """A vision-language checkpoint: each HF name ``rename``d to the model's (``None``: a tensor it
+    never reads); the parameters under the ``own`` prefixes (tower, projector) copied here, every one
+    of them required and no other accepted; the rest handed to ``load_text`` (the text decoder's
+    loader: fused and sharded parameters, its own strict report)."""
+    params = dict(model.named_parameters())
+    names = {n for n in params if n.startswith(own)}
+    loaded: set[str] = set()
+
+    def text_weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for hf_name, tensor in weights:
+            name = rename(hf_name)
+            if name is None:
+                continue
+            if not name.startswith(own):
+                yield name, tensor
+                continue
+            param = params.get(name)
+            if param is None or param.shape != tensor.shape:
+                raise ValueError(f"checkpoint does not match {type(model).__name__}: unexpected {hf_name} "
+                                 f"{tuple(tensor.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor)
+            loaded.add(name)
+
+    load_text(text_weights(), [*loaded_elsewhere, *names])
+    missing = sorted(names - loaded)
+    if missing:
+        raise ValueError(f"checkpoint does not match {type(model).__name__}: missing {len(missing)} {missing[:8]}")
