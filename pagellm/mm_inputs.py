@@ -29,3 +29,22 @@ class MultiModalFeature:
     def overlaps(self, start: int, end: int) -> bool:
         """Whether tokens ``[start, end)`` include any of this image's placeholders."""
         return self.offset < end and start < self.end
+
+
+@dataclass(frozen=True, slots=True)
+class BlockKeys:
+    """What a request's prefix-cache block hashes include besides tokens (vLLM's extra keys):
+    ``first`` (the cache salt, the adapter) in block 0's, and each image's hash in the hash of every
+    block its placeholders overlap. Hashes chain, so every block after an image is keyed by it,
+    while blocks before the first image stay shareable with requests that show other images."""
+
+    first: str | None
+    images: tuple[tuple[int, int, str], ...]  # (offset, end, mm_hash)
+
+    def key(self, i: int, block_size: int) -> str | None:
+        lo, hi = i * block_size, (i + 1) * block_size
+        hashes = [h for offset, end, h in self.images if offset < hi and lo < end]
+        first = self.first if i == 0 else None
+        if not hashes:
+            return first
+        return f"{first or ''}\x00mm:" + ",".join(hashes)

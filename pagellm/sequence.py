@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.beam_state import BeamSearchState
-from pagellm.mm_inputs import MultiModalFeature
+from pagellm.mm_inputs import BlockKeys, MultiModalFeature
 from pagellm.outputs import RequestMetrics
 from pagellm.sampling_params import SamplingParams
 
@@ -164,15 +164,16 @@ class SequenceGroup:
     encoder_refs: set[int] = field(default_factory=set)
 
     @property
-    def hash_key(self) -> str | None:
-        """What the first block's hash includes besides tokens: the cache salt, the adapter's
-        weights (K/V computed under one adapter are never another's, or the base model's) and the
-        images' hashes (the same placeholder tokens over another image are other K/V)."""
+    def hash_key(self) -> str | BlockKeys | None:
+        """What the block hashes include besides tokens: in the first block's, the cache salt and the
+        adapter's weights (K/V computed under one adapter are never another's, or the base model's);
+        with images, each image's hash from the block where it starts (the same placeholder tokens
+        over another image are other K/V): ``BlockKeys``."""
         key = self.cache_salt
         if self.lora_fingerprint is not None:
             key = f"{key or ''}\x00lora:{self.lora_fingerprint}"
         if self.mm_features:
-            key = f"{key or ''}\x00mm:" + ",".join(f.mm_hash for f in self.mm_features)
+            return BlockKeys(key, tuple((f.offset, f.end, f.mm_hash) for f in self.mm_features))
         return key
 
     @property

@@ -20,8 +20,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagellm.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from pagellm.mm_inputs import BlockKeys
 from pagellm.sequence import Sequence
 from pagellm.utils import InvariantError, cdiv
+
+ExtraKey = str | BlockKeys | None  # what block hashes include besides tokens (SequenceGroup.hash_key)
 
 
 class AllocStatus(enum.Enum):
@@ -90,21 +93,22 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     # ------------------------------------------------------------------ prefix cache
-    def _update_block_hashes(self, seq: Sequence, extra_key: str | None) -> None:
-        """Extend ``seq.block_hashes`` to cover every full block of its known tokens."""
+    def _update_block_hashes(self, seq: Sequence, extra_key: ExtraKey) -> None:
+        """Extend ``seq.block_hashes`` to cover every full block of its known tokens (``extra_key``:
+        block 0's, or each block's: ``BlockKeys``)."""
         bs = self.block_size
         hashes = seq.block_hashes
         for i in range(len(hashes), seq.num_tokens // bs):
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, seq.token_ids_range(i * bs, (i + 1) * bs),
-                                            extra_key if i == 0 else None))
+            key = extra_key.key(i, bs) if isinstance(extra_key, BlockKeys) else extra_key if i == 0 else None
+            hashes.append(hash_block_tokens(parent, seq.token_ids_range(i * bs, (i + 1) * bs), key))
 
-    def block_hashes(self, seq: Sequence, extra_key: str | None = None) -> list[bytes]:
+    def block_hashes(self, seq: Sequence, extra_key: ExtraKey = None) -> list[bytes]:
         """``seq``'s chained block hashes, one per full block of its known tokens."""
         self._update_block_hashes(seq, extra_key)
         return seq.block_hashes
 
-    def get_computed_blocks(self, seq: Sequence, extra_key: str | None = None) -> list[KVCacheBlock]:
+    def get_computed_blocks(self, seq: Sequence, extra_key: ExtraKey = None) -> list[KVCacheBlock]:
         """The longest run of cached blocks that prefixes ``seq`` (not yet touched).
 
         Capped at ``(num_tokens - 1) // block_size`` blocks: the last known token is always
@@ -124,7 +128,7 @@ class KVCacheManager:
             out.append(block)
         return out
 
-    def cache_full_blocks(self, seq: Sequence, extra_key: str | None = None) -> None:
+    def cache_full_blocks(self, seq: Sequence, extra_key: ExtraKey = None) -> None:
         """Record the hashes of ``seq``'s blocks that are full and fully computed."""
         if not self.enable_caching:
             return
