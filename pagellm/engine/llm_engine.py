@@ -90,15 +90,7 @@ class LLMEngine:
         info = self.model_info
         self.max_model_len = resolve_max_model_len(config, info.max_position_embeddings,
                                                    self.num_blocks * self.block_size)
-        mm = config.multimodal
-        encoder = None
-        mm_processor = None
-        if info.is_multimodal:
-            mm_processor = MultiModalProcessor(self.source.path, mm)
-            # (vLLM's defaults: room for the largest image the processor can make, at least a step's tokens)
-            default = max(config.scheduler.max_num_batched_tokens, mm_processor.max_tokens_per_image())
-            encoder = EncoderCacheManager(mm.encoder_cache_size or default, mm.max_num_encoder_input_tokens or default)
-            self.tokenizer.image_placeholder = mm_processor.placeholder
+        mm_processor, encoder = self._multimodal(config) if info.is_multimodal else (None, None)
         self.input_processor = InputProcessor(config, self.tokenizer, info.vocab_size, self.max_model_len,
                                               self.num_blocks * self.block_size, mm_processor,
                                               min(encoder.budget, encoder.cache_size) if encoder else 0)
@@ -176,6 +168,16 @@ class LLMEngine:
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """``(text or None, token ids)`` of any accepted prompt form."""
         return self.input_processor.tokenize_prompt(prompt)
+
+    def _multimodal(self, config: EngineConfig) -> tuple[MultiModalProcessor, EncoderCacheManager]:
+        """A vision-language model's image processing and encoder cache; vLLM's defaults for the
+        cache and the budget: room for the largest image the processor makes, at least a step's tokens."""
+        mm = config.multimodal
+        processor = MultiModalProcessor(self.source.path, mm)
+        default = max(config.scheduler.max_num_batched_tokens, processor.max_tokens_per_image())
+        self.tokenizer.image_placeholder = processor.placeholder
+        encoder = EncoderCacheManager(mm.encoder_cache_size or default, mm.max_num_encoder_input_tokens or default)
+        return processor, encoder
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
