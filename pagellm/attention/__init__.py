@@ -1,7 +1,8 @@
 """Attention backends, chosen once at start-up (lazy imports keep optional kernels optional).
 
-``"torch"``: kernel-free paged attention in PyTorch, the reference and the tests' oracle (and the
-CUDA path). ``"cpu"``: the same plus the compiled CPU kernels where they apply.
+``"torch"``: kernel-free paged attention in PyTorch, the reference and the tests' oracle.
+``"cpu"``: the same plus the compiled CPU kernels where they apply. ``"cuda"``: one Triton kernel
+for decodes and prefill chunks over the block tables.
 :func:`select_attention_backend` picks for a cache; ``PAGELLM_CPU_KERNELS=0`` forces ``"torch"``.
 """
 
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 _BACKENDS = {
     "torch": ("pagellm.attention.torch_paged", "TorchPagedAttention"),
     "cpu": ("pagellm.attention.cpu_paged", "CpuPagedAttention"),
+    "cuda": ("pagellm.attention.cuda_paged", "CudaPagedAttention"),
 }
 
 
@@ -32,10 +34,15 @@ def get_attention_backend(name: str = "torch") -> type[TorchPagedAttention]:
 
 
 def select_attention_backend(key_cache: torch.Tensor, query_dtype: torch.dtype) -> TorchPagedAttention:
-    """The backend for this cache (one layer's ``[num_slots, Hkv, D]``) and model dtype: ``"cpu"``
-    when a compiled kernel applies to it, else the ``"torch"`` reference."""
+    """The backend for this cache (one layer's ``[num_slots, Hkv, D]``) and model dtype: ``"cuda"``
+    (Triton) for a cache on a GPU, ``"cpu"`` when a compiled kernel applies to it, else the
+    ``"torch"`` reference (``PAGELLM_CUDA_KERNELS=0`` keeps a GPU on the reference)."""
+    import os
+
     from pagellm import kernels
 
+    if key_cache.device.type == "cuda" and os.environ.get("PAGELLM_CUDA_KERNELS", "1") != "0":
+        return get_attention_backend("cuda").for_cache(key_cache, query_dtype)  # type: ignore[attr-defined]
     if key_cache.device.type == "cpu" and kernels.enabled():
         cpu = get_attention_backend("cpu").for_cache(key_cache, query_dtype)  # type: ignore[attr-defined]
         if cpu.uses_kernels:

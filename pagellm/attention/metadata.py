@@ -57,6 +57,10 @@ class AttentionGroup:
     # PREFILL_KERNEL: int64 ``[3, C]`` rows = each chunk's first flat token, num_computed_tokens,
     # query length (``kv_blocks`` holds the chunks' block tables; ``token_start/end`` span them all).
     prefill_chunks: torch.Tensor | None = None
+    # A backend's per-step kernel inputs, built once with the metadata and read by every layer (the
+    # CUDA backend's: int32 block tables, each sequence's first query row and context length on the
+    # device, the longest query).
+    kernel_args: tuple | None = None
     # Gather buffers, allocated by the first layer and reused by the others: a fresh multi-MB
     # tensor per layer costs more in page faults on CPU than the copy itself.
     k_buf: torch.Tensor | None = None
