@@ -18,6 +18,7 @@ from pagellm.attention.metadata import AttentionGroup, AttentionKind
 from pagellm.attention.torch_paged import TorchPagedAttention, _padded_block_table
 
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MIN_BLOCK_SIZE = 16  # (tl.dot's smallest tile on a GPU)
 
 
 class CudaPagedAttention(TorchPagedAttention):
@@ -40,6 +41,9 @@ class CudaPagedAttention(TorchPagedAttention):
     @staticmethod
     def _group(kind: AttentionKind, start: int, lens: list[int], q_lens: list[int], tables: list[list[int]],
                block_size: int, device: torch.device) -> AttentionGroup:
+        if device.type == "cuda" and block_size < MIN_BLOCK_SIZE:
+            raise ValueError(f"block_size={block_size}: the CUDA backend needs at least {MIN_BLOCK_SIZE} "
+                             "(its kernel multiplies one block's keys as a tile)")
         table = _padded_block_table(lens, tables, block_size).to(device=device, dtype=torch.int32)
         q_start = torch.tensor(list(accumulate(q_lens, initial=start)), dtype=torch.int32, device=device)
         seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
