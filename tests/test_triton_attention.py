@@ -52,3 +52,19 @@ def test_16_bit_queries_stay_close_and_an_int8_cache_is_refused():
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="int8 is not supported on CUDA"):
         CudaPagedAttention.for_cache(torch.zeros(4, 1, 8, dtype=torch.int8), torch.float32)
+
+
+def test_a_row_gets_the_same_bits_decoded_or_prefilled_alone_or_in_a_batch():
+    """Batch and schedule invariance: position 52 of one sequence, as a lone decode, as a decode
+    among others, and as the last row of a prefill chunk, gives the same bits. (Here the tiles'
+    products are numpy's, whose rows never depend on the tile's other rows; the GPU subset runs the
+    same case compiled, where the fixed tile height is what keeps it true.)"""
+    hq, hkv, d = 8, 2, 64
+    seqs = sequences([(53, 1), (37, 1), (70, 1), (53, 20)], hq, hkv, d, seed=5)
+    seqs[3] = (53, 20, seqs[0][2], torch.cat([seqs[3][3][:19], seqs[0][3]]), seqs[0][4], seqs[0][5])
+    caches = [torch.zeros(NUM_BLOCKS * BLOCK, hkv, d) for _ in range(2)]
+    backend = CudaPagedAttention()
+    alone = run_backend(backend, seqs[:1], caches, hq, hkv, d, torch.float32)[0]
+    batched = run_backend(backend, seqs[:3], caches, hq, hkv, d, torch.float32)[0]
+    prefilled = run_backend(backend, seqs[3:], caches, hq, hkv, d, torch.float32)[0][-1:]
+    assert torch.equal(alone, batched) and torch.equal(alone, prefilled)

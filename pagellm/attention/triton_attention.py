@@ -16,6 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
+# Query rows per program, whatever the step holds: a row's result then depends on its own query and
+# keys only, not on its neighbours, the batch, or whether it is decoded or prefilled (scheduling
+# must never change greedy outputs). Blocks masked whole for a row leave its sums' bits unchanged.
+BLOCK_M = 16
+
 
 @triton.jit
 def _tanh(x):
@@ -95,16 +100,15 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
     hq, d = query.shape[1], query.shape[2]
     hkv = key_cache.shape[1]
     group = hq // hkv
-    block_m = max(16, triton.next_power_of_2(min(max_query_len * group, 64)))
     num_seqs = seq_lens.shape[0]
-    grid = (num_seqs, hkv, triton.cdiv(max_query_len * group, block_m))
+    grid = (num_seqs, hkv, triton.cdiv(max_query_len * group, BLOCK_M))
     paged_attention_kernel[grid](
         out, query, key_cache, value_cache, block_tables, q_start, seq_lens,
         scale, softcap or 0.0, window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), value_cache.stride(0), value_cache.stride(1),
         block_tables.stride(0),
-        HEAD_DIM=d, HEAD_DIM_PADDED=max(16, triton.next_power_of_2(d)), GROUP=group, BLOCK_M=block_m,
+        HEAD_DIM=d, HEAD_DIM_PADDED=max(16, triton.next_power_of_2(d)), GROUP=group, BLOCK_M=BLOCK_M,
         BLOCK_SIZE=block_size, USE_SOFTCAP=softcap is not None, USE_WINDOW=window is not None,
         # float32 (the oracle) in full precision: no TF32 rounding of the products on a GPU
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",

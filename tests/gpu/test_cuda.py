@@ -36,6 +36,21 @@ def test_the_compiled_kernel_equals_the_reference(dtype, window, softcap):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
+def test_a_row_gets_the_same_bits_decoded_or_prefilled_alone_or_in_a_batch():
+    from pagellm.attention.cuda_paged import CudaPagedAttention
+
+    hq, hkv, d = 8, 2, 64
+    for dtype in (torch.float32, torch.bfloat16):
+        seqs = sequences([(53, 1), (37, 1), (70, 1), (53, 20)], hq, hkv, d, seed=5)
+        seqs[3] = (53, 20, seqs[0][2], torch.cat([seqs[3][3][:19], seqs[0][3]]), seqs[0][4], seqs[0][5])
+        caches = [torch.zeros(NUM_BLOCKS * BLOCK, hkv, d, dtype=dtype) for _ in range(2)]
+        backend = CudaPagedAttention()
+        alone = run_backend(backend, seqs[:1], caches, hq, hkv, d, dtype, device="cuda")[0]
+        batched = run_backend(backend, seqs[:3], caches, hq, hkv, d, dtype, device="cuda")[0]
+        prefilled = run_backend(backend, seqs[3:], caches, hq, hkv, d, dtype, device="cuda")[0][-1:]
+        assert torch.equal(alone, batched) and torch.equal(alone, prefilled), dtype
+
+
 def _greedy(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                           use_tqdm=False)]
