@@ -8,7 +8,13 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from pagellm.config import bundled_model_path
+# Without a GPU, Triton kernels run in Triton's interpreter (tests/test_triton_attention.py). Triton
+# reads this when it is first imported, and some test module's dependencies import it at
+# collection: it is set here, before any of them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pagellm.config import bundled_model_path  # noqa: E402
 
 ARCH_CONFIGS = {
     "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"]),
