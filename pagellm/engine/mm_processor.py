@@ -1,7 +1,8 @@
 """Images in a prompt -> placeholder tokens and encoder inputs, by the checkpoint's own processor.
 
 The HF processor (``transformers.AutoProcessor``) does all image preprocessing and says how many
-placeholder tokens each image takes (``_get_num_multimodal_tokens``, as vLLM asks it). The prompt
+placeholder tokens each image takes, by expanding one (Qwen2-VL, whose processor transformers builds
+only with torchvision: its image processor, and the image's grid says the count). The prompt
 names each image with one placeholder token (``<image>``), expanded here to the image's count;
 a run already of that length (a prompt the processor expanded) is kept as it is. Processed images
 are cached by content hash (``mm_processor_cache_gb``).

@@ -62,7 +62,8 @@ class MediaConnector:
             data = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError) as e:
             raise ValueError(f"the data: URL is not valid base64 ({e})") from None
-        return self._check_size(len(data), data)
+        self._check_size(len(data))
+        return data
 
     def _fetch(self, url: str) -> bytes:
         if not self.allow_remote_media:
@@ -76,7 +77,7 @@ class MediaConnector:
                 chunks, size = [], 0
                 for chunk in r.iter_bytes():
                     size += len(chunk)
-                    self._check_size(size, b"")
+                    self._check_size(size)
                     chunks.append(chunk)
         except httpx.HTTPError as e:
             raise ValueError(f"fetching the image failed: {type(e).__name__}: {e}") from None
@@ -91,15 +92,13 @@ class MediaConnector:
             raise ValueError(f"file {path!r} is outside --allowed-local-media-path")
         if not os.path.isfile(real):
             raise ValueError(f"file {path!r} does not exist")
-        size = os.path.getsize(real)
-        self._check_size(size, b"")
+        self._check_size(os.path.getsize(real))
         with open(real, "rb") as f:
             return f.read()
 
-    def _check_size(self, size: int, data: bytes) -> bytes:
+    def _check_size(self, size: int) -> None:
         if size > self.max_bytes:
             raise ValueError(f"the image is larger than {self.max_bytes} bytes")
-        return data
 
 
 def decode_image(data: bytes) -> Any:
@@ -117,7 +116,7 @@ def decode_image(data: bytes) -> Any:
 
 def template_renders_images(chat_template: str | None) -> bool:
     """Whether a chat template renders image parts itself (LLaVA's and Qwen2-VL's do)."""
-    return bool(chat_template) and "image" in chat_template  # type: ignore[operator]
+    return chat_template is not None and "image" in chat_template
 
 
 def _part_image(part: dict[str, Any], media: MediaConnector | None, param: str) -> Any:

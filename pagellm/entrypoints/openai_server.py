@@ -633,9 +633,11 @@ class OpenAIServer:
     async def _chat(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
         mode = tool_calls.resolve(body.tools, body.tool_choice, body.parallel_tool_calls)
-        # (in a thread: an image URL may be fetched)
-        prompt = await asyncio.to_thread(self._chat_prompt, body.messages, body.add_generation_prompt,
-                                         mode.tools if mode else None)
+        args = (body.messages, body.add_generation_prompt, mode.tools if mode else None)
+        has_images = any(isinstance(m.content, list) and any(p.type == "image_url" for p in m.content)
+                         for m in body.messages)
+        # (in a thread where an image URL may be fetched; a text-only chat stays on the loop)
+        prompt = await asyncio.to_thread(self._chat_prompt, *args) if has_images else self._chat_prompt(*args)
         ids = prompt["prompt_token_ids"]
         if body.kv_transfer_params is not None:
             prompt["kv_transfer_params"] = body.kv_transfer_params

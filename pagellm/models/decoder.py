@@ -225,13 +225,12 @@ class DecoderModel(nn.Module):
         # One rotary table per key the layers use (``None``: the model's one table; a layer type where
         # the config keys rope by type, Gemma 3): each step computes each once, none that no layer reads.
         keys = {la.self_attn.rope_key for la in self.layers if isinstance(la, DecoderLayer)}
+        mrope = mrope_section(config)
         self.rotary_tables: dict[str | None, RotaryEmbedding] = {
             k: RotaryEmbedding(rd, config.max_position_embeddings, *rope_parameters(config, k), freq_factors)
+            if mrope is None else  # (Qwen2-VL: positions [3, T] where images are)
+            MRotaryEmbedding(rd, config.max_position_embeddings, *rope_parameters(config, k), mrope)
             for k in keys}
-        mrope = mrope_section(config)
-        if mrope is not None:  # (Qwen2-VL: one table, positions [3, T] where images are)
-            theta, scaling = rope_parameters(config)
-            self.rotary_tables = {None: MRotaryEmbedding(rd, config.max_position_embeddings, theta, scaling, mrope)}
 
     @property
     def first_layer(self) -> DecoderLayer:

@@ -234,14 +234,12 @@ class ModelRunner:
     def forward(self, batch: InputBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """The model over the batch (a decode-only step through its decode graph where one
         applies); the draft model's K/V follow the target's, token for token."""
-        graph = None if batch.mm_segments else self.decode_graphs.for_step(kv_caches, batch.meta)
         if batch.mm_segments:  # (image rows: the first layer's input is given)
             hidden = self.model(batch.input_ids, batch.positions, kv_caches, batch.meta,
                                 inputs_embeds=self.embed_with_images(batch))
-        elif graph is None:
-            hidden = self.model(batch.input_ids, batch.positions, kv_caches, batch.meta)
         else:
-            hidden = self.model(batch.input_ids, batch.positions, kv_caches, batch.meta, decode_graph=graph)
+            hidden = self.model(batch.input_ids, batch.positions, kv_caches, batch.meta,
+                                decode_graph=self.decode_graphs.for_step(kv_caches, batch.meta))
         if self.draft is not None:
             self.draft.forward(batch.input_ids, batch.positions, batch.meta.slot_mapping, batch.decode_lens,
                                batch.decode_tables, batch.chunk_specs, batch.meta.decode_order)
