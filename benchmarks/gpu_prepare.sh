@@ -12,6 +12,10 @@ cp ../shared/bench/workload_n64_seed0.json .gpu/
 $PY -m pip download -q -d .gpu/wheels --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     gguf fastapi uvicorn httptools pyzmq llguidance
+# peft for the LoRA test, without its torch requirement (the GPU machine has its own CUDA torch).
+$PY -m pip download -q -d .gpu/wheels --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --no-deps peft accelerate psutil
 # The bundled model's file is over the carry limit: its tokenizer goes, and the GPU builds random
 # weights in its shape (speed does not depend on weight values).
 $PY -c "from pagellm.config import resolve_model_source; from pagellm.tokenizer import Tokenizer; \

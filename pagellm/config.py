@@ -238,12 +238,29 @@ class DeviceConfig:
 
     device: Device = "auto"
     num_threads: int | None = None
+    # CUDA: decode steps run eagerly (no graphs); the batch sizes graphs are captured for (None:
+    # vLLM's defaults up to max_num_seqs).
+    enforce_eager: bool = False
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None and (not sizes or any(not isinstance(s, int) or s < 1 for s in sizes)):
+            raise ValueError(f"cudagraph_capture_sizes must be a list of positive batch sizes, got {list(sizes)}")
+
+    @staticmethod
+    def parse_capture_sizes(value: list[int] | str | None) -> tuple[int, ...] | None:
+        """``[1, 2, 4]``, or the CLI's ``"1,2,4"`` / ``"[1, 2, 4]"``."""
+        if value is None or not isinstance(value, str):
+            return None if value is None else tuple(value)
+        try:
+            return tuple(int(s) for s in value.strip("[] ").split(",") if s.strip())
+        except ValueError:
+            raise ValueError(f"cudagraph_capture_sizes must be comma-separated integers, got {value!r}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -535,6 +552,9 @@ class EngineConfig:
     multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
 
 
+CUDA_ONE_GPU = ("device='cuda' runs one GPU: tensor_parallel_size, pipeline_parallel_size and data_parallel_size "
+                "> 1 are not supported on CUDA yet")
+
 _HELP = {
     "model": "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct GGUF)",
     "tokenizer": "tokenizer directory (default: the model's)",
@@ -593,6 +613,9 @@ _HELP = {
     "max_num_encoder_input_tokens": "image placeholder tokens the vision encoder may encode in one step "
                                     "(default: max_num_batched_tokens)",
     "encoder_cache_size": "image placeholder tokens' encoder outputs kept (default: max_num_batched_tokens)",
+    "enforce_eager": "CUDA: run every step eagerly, no CUDA graphs (on a CPU there are none)",
+    "cudagraph_capture_sizes": "CUDA: the padded batch sizes decode steps are captured as graphs for, e.g. 1,2,4,8 "
+                               "(default: 1, 2, 4, then every 8 up to max_num_seqs, at most 256)",
     "stream_interval": "send a request's output every this many new tokens (every token until its first text, "
                        "and its end): fewer, larger stream chunks for less front-end and client work; 1 = every token",
 }
@@ -632,6 +655,8 @@ class EngineArgs:
     async_scheduling: bool = False
     device: Device = "auto"
     num_threads: int | None = None
+    enforce_eager: bool = False
+    cudagraph_capture_sizes: list[int] | str | None = None
     structured_outputs_config: dict | str | None = None
     speculative_config: dict | str | None = None
     trace: bool = False
@@ -681,7 +706,8 @@ class EngineArgs:
                               kv_cache_dtype=self.kv_cache_dtype),
             scheduler=SchedulerConfig(**sched_kwargs),
             parallel=self._parallel(),
-            device=DeviceConfig(device=self.device, num_threads=self.num_threads),
+            device=DeviceConfig(device=self.device, num_threads=self.num_threads, enforce_eager=self.enforce_eager,
+                                cudagraph_capture_sizes=DeviceConfig.parse_capture_sizes(self.cudagraph_capture_sizes)),
             structured_outputs=StructuredOutputsConfig.from_any(self.structured_outputs_config),
             speculative=self._speculative(),
             observability=ObservabilityConfig(trace=self.trace, trace_out=self.trace_out,
@@ -712,6 +738,8 @@ class EngineArgs:
         par = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, pipeline_parallel_size=pp,
                              distributed_executor_backend=self.distributed_executor_backend
                              or ParallelConfig.default_backend(tp, dp, pp))
+        if self.device == "cuda" and tp * pp * dp > 1:
+            raise ValueError(CUDA_ONE_GPU)
         if pp > 1:
             unsupported = {"enable_lora": self.enable_lora, "kv_transfer_config": self.kv_transfer_config,
                            "speculative_config with a draft model": (SpeculativeConfig.from_any(

@@ -143,7 +143,7 @@ def test_argmax_logsumexp_matches_torch() -> None:
 
 @pytest.mark.parametrize("vocab", [37, 1000, 49152])
 def test_apply_token_bitmask_kernel_equals_unpacked_bits(vocab, monkeypatch):
-    """The kernel, the numpy fallback and a per-token loop agree: a bit set keeps the logit, a bit
+    """The kernel, the torch fallback (a GPU's path) and a per-token loop agree: a bit set keeps the logit, a bit
     clear makes it -inf; rows and mask rows map in any order; padding bits past the vocabulary and
     rows not listed are left alone."""
     import numpy as np

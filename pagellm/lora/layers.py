@@ -41,14 +41,14 @@ class LoRASlots:
     ``Bt [slots, W, out]`` (``W`` = parts x max rank; a part's rank columns, zero past its rank)."""
 
     def __init__(self, ctx: LoRAContext, num_slots: int, in_features: int, part_outs: list[int], max_rank: int,
-                 device: torch.device) -> None:
+                 device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         self.ctx = ctx
         self.max_rank = max_rank
         self.part_offsets = [sum(part_outs[:i]) for i in range(len(part_outs))]
         self.part_outs = part_outs
         width = len(part_outs) * max_rank
-        self.At = torch.zeros(num_slots, in_features, width, device=device)
-        self.Bt = torch.zeros(num_slots, width, sum(part_outs), device=device)
+        self.At = torch.zeros(num_slots, in_features, width, device=device, dtype=dtype)
+        self.Bt = torch.zeros(num_slots, width, sum(part_outs), device=device, dtype=dtype)
         # The kernel's view of the parts: (rank column, rank, output offset, output width).
         self.parts = torch.tensor([[i * max_rank, max_rank, off, n] for i, (off, n) in
                                    enumerate(zip(self.part_offsets, part_outs, strict=True))], dtype=torch.int64)
@@ -107,11 +107,16 @@ def module_shapes(model: nn.Module) -> dict[str, list[tuple[int, int]]]:
 class ModelLoRA:
     """The slots of every projection of one model and the context their updates read."""
 
-    def __init__(self, model: nn.Module, num_slots: int, max_rank: int, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, num_slots: int, max_rank: int, device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.ctx = LoRAContext()
         self.modules = lora_modules(model)
+        # On a CPU the slots stay float32 (the kernel's and the packed GEMMs' activations); on a GPU
+        # they take the model's dtype, as the torch path multiplies them with its activations.
+        slot_dtype = torch.float32 if device.type == "cpu" else dtype
         for m in self.modules.values():
-            m.lora = LoRASlots(self.ctx, num_slots, m.in_features, [o for _, o in _parts(m)], max_rank, device)
+            m.lora = LoRASlots(self.ctx, num_slots, m.in_features, [o for _, o in _parts(m)], max_rank, device,
+                               slot_dtype)
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         for key, m in self.modules.items():

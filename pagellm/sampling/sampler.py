@@ -44,18 +44,19 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: Any, rows: list[int], mas
     """Structured output: ``logits[rows[i]]`` keeps only the tokens set in ``bitmask[mask_rows[i]]``
     (numpy ``int32 [R, ceil(V / 32)]``, bit ``t % 32`` of word ``t // 32``), in place; the rest
     become ``-inf`` before penalties, sampling and logprobs, so the constrained distribution is
-    what every later stage sees (beam search included). The compiled kernel on CPU, else numpy's
-    ``unpackbits`` (little-endian words: byte ``k`` holds tokens ``8k .. 8k+7``)."""
+    what every later stage sees (beam search included). The compiled kernel on CPU, else the words
+    unpacked by shifts on the logits' device (a GPU's mask is applied there)."""
     if not rows:
         return
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_ops.available():
         cpu_ops.apply_token_bitmask(logits, bitmask, rows, mask_rows)
         return
     vocab = logits.shape[1]
-    bits = np.unpackbits(np.ascontiguousarray(bitmask[mask_rows], dtype="<i4").view(np.uint8), axis=1,
-                         bitorder="little")[:, :vocab]
+    # The packed words go to the logits' device (32x smaller than a mask) and are unpacked there.
+    words = torch.from_numpy(np.ascontiguousarray(bitmask[mask_rows], dtype=np.int32)).to(logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    banned = ((words.unsqueeze(-1) >> shifts) & 1).view(len(mask_rows), -1)[:, :vocab] == 0
     idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    banned = torch.from_numpy(bits).to(logits.device) == 0
     logits[idx] = logits[idx].masked_fill(banned, float("-inf"))
 
 

@@ -166,11 +166,14 @@ class CacheEngine:
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device, num_cpu_blocks: int = 0,
-                 memory: HostKVMemory | None = None) -> None:
+                 memory: HostKVMemory | None = None, scratch_block: bool = False) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
-        shape = (spec.num_layers, 2, num_blocks * spec.block_size, spec.num_kv_heads, spec.cache_head_dim)
+        # One block past the pool's, never handed out: CUDA graphs' padding rows write there.
+        self.scratch_block = num_blocks if scratch_block else None
+        rows = (num_blocks + scratch_block) * spec.block_size
+        shape = (spec.num_layers, 2, rows, spec.num_kv_heads, spec.cache_head_dim)
         # Zeroed: attention gathers whole blocks and masks the unused tail slots, but a masked key
         # still multiplies its value by 0, so every slot must hold a finite number from the start.
         self.kv = _zeros(shape, spec.dtype, device, prefault=True, memory=memory)
@@ -192,7 +195,13 @@ class CacheEngine:
         s_ids = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src.device)
         d_ids = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst.device)
         rows = self._blocks(src, bs).index_select(2, s_ids)
-        self._blocks(dst, bs).index_copy_(2, d_ids, rows.to(dst.device, non_blocking=True))
+        if src.device.type == "cuda" and dst.device.type == "cpu":
+            # The scatter into the swap tensor runs on the host at once: it must wait for the copy.
+            rows = rows.to(dst.device)
+        elif src.device.type == "cpu" and dst.device.type == "cuda":
+            # From pinned memory the upload is asynchronous; the step's kernels follow it on the stream.
+            rows = rows.pin_memory().to(dst.device, non_blocking=True)
+        self._blocks(dst, bs).index_copy_(2, d_ids, rows)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to CPU swap blocks, ``(device, cpu)`` pairs, every layer."""

@@ -27,6 +27,7 @@ from pagellm.models.decoder import DecoderForCausalLM
 from pagellm.models.qwen2_vl import mrope_positions
 from pagellm.sampling.rejection_sampler import DraftSpan, rejection_sample
 from pagellm.sampling.sampler import Sampler, SamplingRow, apply_token_bitmask
+from pagellm.worker.cuda_graph import CudaGraphRunner
 from pagellm.worker.draft_runner import DraftRunner
 
 
@@ -91,6 +92,8 @@ class ModelRunner:
         self.lora: ModelLoRA | None = None  # multi-LoRA slots (Worker sets them)
         # All layers of a decode-only step in one call, where every op is a compiled kernel.
         self.decode_graphs = DecodeGraphCapture(model)
+        # On a GPU: decode-only steps replayed as CUDA graphs (the Worker captures them at start-up).
+        self.cuda_graphs: CudaGraphRunner | None = None
         # A vision-language model's encoder outputs by image hash (what the scheduler's
         # EncoderCacheManager says this worker holds).
         self.encoder_cache: dict[str, torch.Tensor] = {}
@@ -238,8 +241,11 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions, kv_caches, batch.meta,
                                 inputs_embeds=self.embed_with_images(batch))
         else:
-            hidden = self.model(batch.input_ids, batch.positions, kv_caches, batch.meta,
-                                decode_graph=self.decode_graphs.for_step(kv_caches, batch.meta))
+            hidden = None if self.cuda_graphs is None else \
+                self.cuda_graphs.run(batch.input_ids, batch.positions, batch.meta)
+            if hidden is None:
+                hidden = self.model(batch.input_ids, batch.positions, kv_caches, batch.meta,
+                                    decode_graph=self.decode_graphs.for_step(kv_caches, batch.meta))
         if self.draft is not None:
             self.draft.forward(batch.input_ids, batch.positions, batch.meta.slot_mapping, batch.decode_lens,
                                batch.decode_tables, batch.chunk_specs, batch.meta.decode_order)

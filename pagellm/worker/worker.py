@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pagellm.attention import select_attention_backend
-from pagellm.config import EngineConfig, default_num_threads, resolve_model_source
+from pagellm.config import CUDA_ONE_GPU, EngineConfig, default_num_threads, resolve_model_source
 from pagellm.core.scheduler_output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed import init_parallel
 from pagellm.kernels import gemm, gemm_int8
@@ -33,6 +33,7 @@ from pagellm.weights import freq_factors, iter_weights, load_model_config
 from pagellm.weights.gguf_quant import KERNEL_TYPES, int8_format, part_format
 from pagellm.weights.loader import projection_dtype
 from pagellm.worker.cache_engine import CacheEngine, HostKVMemory, KVCacheSpec
+from pagellm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
 from pagellm.worker.draft_runner import DraftRunner
 from pagellm.worker.host_malloc import trim, tune_malloc
 from pagellm.worker.kv_connector import DiskConnectorWorker, KVConnectorWorker, TcpConnectorWorker
@@ -116,6 +117,9 @@ class Worker:
         elif self.device.index is not None:
             torch.cuda.set_device(self.device)
         par = config.parallel
+        if self.device.type == "cuda" and par.tensor_parallel_size * par.pipeline_parallel_size \
+                * par.data_parallel_size > 1:
+            raise ValueError(CUDA_ONE_GPU)
         self.tp, self.pp = init_parallel(rank, par.tensor_parallel_size, par.pipeline_parallel_size, init_method,
                                          self.device)
         if self.tp.world_size > 1:
@@ -244,8 +248,8 @@ class Worker:
         lora = self.config.lora
         if lora.enable_lora and any(isinstance(m, SparseMoeBlock) for m in model.modules()):
             raise ValueError(f"enable_lora: LoRA adapters on a mixture-of-experts model ({arch}) are not supported")
-        self.model_lora = ModelLoRA(model, lora.max_loras, lora.max_lora_rank, self.device) if lora.enable_lora \
-            else None
+        self.model_lora = ModelLoRA(model, lora.max_loras, lora.max_lora_rank, self.device, self.dtype) \
+            if lora.enable_lora else None
         self._adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()  # by fingerprint, LRU order
         return ModelInfo(
             architecture=arch,
@@ -395,13 +399,17 @@ class Worker:
         if memory is not None and num_blocks * self.spec.block_bytes > memory.nbytes:
             memory.stop()  # (more blocks than the budget, a caller's choice: a fresh mapping; this one
             memory = None  # must not go on faulting in memory nothing will use)
-        self.cache_engine = CacheEngine(self.spec, num_blocks, self.device, num_cpu_blocks, memory)
+        graphs = self._cuda_graphs_apply()
+        self.cache_engine = CacheEngine(self.spec, num_blocks, self.device, num_cpu_blocks, memory,
+                                        scratch_block=graphs)
         # Chosen once for this cache and model dtype: which attention kernels apply here.
         self.attn_backend = select_attention_backend(self.cache_engine.kv_caches[0][0], self.dtype)
         logger.info("attention backend: %r", self.attn_backend)
         self.model_runner = ModelRunner(self.model, self.spec.block_size, self.device, self.attn_backend,
                                         self.tp.is_driver and self.pp.is_last)
         self.model_runner.lora = self.model_lora
+        if graphs:
+            self._capture_cuda_graphs()
         kvt = self.config.kv_transfer
         if kvt is not None and kvt.kv_connector == "DiskConnector":
             self.kv_connector = DiskConnectorWorker(kvt.store_dir(self.kv_fp.hex()), self.kv_fp, self.cache_engine)
@@ -413,6 +421,28 @@ class Worker:
             backend = select_attention_backend(self.draft_cache.kv_caches[0][0], self.dtype)
             self.model_runner.draft = DraftRunner(self.draft_model, backend, self.draft_cache.kv_caches,
                                                   self.spec.block_size, self.device, self.max_positions)
+
+    def _cuda_graphs_apply(self) -> bool:
+        """Whether decode steps become CUDA graphs: on a GPU unless ``enforce_eager``, for models
+        whose forward never reads a tensor on the host (a mixture of experts counts its rows) and
+        without LoRA (its rows' adapters are set per step on the host)."""
+        if self.device.type != "cuda" or self.config.device.enforce_eager:
+            return False
+        if any(isinstance(m, SparseMoeBlock) for m in self.model.modules()) or self.model_lora is not None:
+            logger.info("CUDA graphs off: %s", "a mixture-of-experts model" if self.model_lora is None else "LoRA")
+            return False
+        return True
+
+    def _capture_cuda_graphs(self) -> None:
+        assert self.cache_engine is not None and self.model_runner is not None
+        assert self.cache_engine.scratch_block is not None
+        bs = self.spec.block_size
+        max_len = max(self.config.model.max_model_len or 0, self.max_positions)
+        sizes = self.config.device.cudagraph_capture_sizes or default_capture_sizes(self.config.scheduler.max_num_seqs)
+        graphs = CudaGraphRunner(self.model, self.attn_backend, self.cache_engine.kv_caches, bs, -(-max_len // bs),
+                                 self.cache_engine.scratch_block, sizes, self.device)
+        graphs.capture()
+        self.model_runner.cuda_graphs = graphs
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's sampled tokens (``None`` on ranks other than 0, which only compute)."""

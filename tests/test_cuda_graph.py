@@ -1,0 +1,81 @@
+"""Decode steps through ``CudaGraphRunner``'s static buffers, on a CPU: the CUDA backend's Triton
+kernel under the interpreter, and each "graph" an ``EagerReplay`` (it runs the captured forward
+again over the same buffers, as a replay reads the same addresses). What this checks is the
+plumbing a real graph depends on: padding rows that write only the scratch block, block-table
+columns left from earlier steps, sizes chosen per step. tests/gpu replays real CUDA graphs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+from pagellm.config import EngineArgs
+from pagellm.worker import cuda_graph
+from pagellm.worker.cuda_graph import EagerReplay, default_capture_sizes
+
+from conftest import build_tiny_checkpoint
+
+PROMPTS = [[1, 5, 9, 200, 31, 7], list(range(40, 75)), [3] * 17]
+MAX_TOKENS = [9, 4, 6]  # (requests end at different steps: batches of 3, 2 and 1 decodes)
+
+
+def test_default_capture_sizes_are_vllms_up_to_max_num_seqs():
+    assert default_capture_sizes(1) == [1]
+    assert default_capture_sizes(3) == [1, 2, 4]
+    assert default_capture_sizes(20) == [1, 2, 4, 8, 16, 24]
+    assert default_capture_sizes(256)[-3:] == [240, 248, 256] and default_capture_sizes(1000)[-1] == 256
+    args = EngineArgs(cudagraph_capture_sizes="1, 2,8").create_engine_config().device
+    assert args.cudagraph_capture_sizes == (1, 2, 8)
+    with pytest.raises(ValueError, match="cudagraph_capture_sizes"):
+        EngineArgs(cudagraph_capture_sizes="1,x").create_engine_config()
+    with pytest.raises(ValueError, match="cudagraph_capture_sizes"):
+        EngineArgs(cudagraph_capture_sizes=[0, 4]).create_engine_config()
+
+
+def test_parallelism_on_cuda_is_refused_by_name():
+    with pytest.raises(ValueError, match="tensor_parallel_size.*not supported on CUDA"):
+        EngineArgs(device="cuda", tensor_parallel_size=2).create_engine_config()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="a GPU replays real graphs (tests/gpu)")
+def test_decode_steps_through_the_static_buffers_keep_greedy_outputs(ckpt_root, monkeypatch):
+    from pagellm.attention.cuda_paged import CudaPagedAttention
+    from pagellm.worker import worker as worker_mod
+
+    path = build_tiny_checkpoint(ckpt_root, "llama")
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    kw = dict(dtype="float32", device="cpu", num_gpu_blocks_override=12, max_num_seqs=4)
+    ref = [o.outputs[0].token_ids for o in LLM(path, **kw).generate(prompts, params, use_tqdm=False)]
+
+    monkeypatch.setattr(worker_mod, "select_attention_backend", lambda cache, dtype: CudaPagedAttention())
+    monkeypatch.setattr(worker_mod.Worker, "_cuda_graphs_apply", lambda self: True)
+    monkeypatch.setattr(cuda_graph, "cuda_graph", EagerReplay.make)
+    replayed: list[int] = []
+    run = cuda_graph.CudaGraphRunner.run
+
+    def counting_run(self, input_ids, positions, meta):
+        out = run(self, input_ids, positions, meta)
+        if out is not None:
+            replayed.append(input_ids.shape[0])
+        return out
+
+    monkeypatch.setattr(cuda_graph.CudaGraphRunner, "run", counting_run)
+    llm = LLM(path, cudagraph_capture_sizes=[1, 4], **kw)  # (2 decodes padded with a row used before)
+    worker = llm.llm_engine.executor.worker
+    cache = worker.cache_engine
+    scratch = cache.scratch_block
+    assert scratch == 12 and cache.kv.shape[2] == 13 * 16  # one block past the pool's
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == ref
+    # Every decode step went through a "graph": 3 decodes padded to 4, then 2 padded to 4, then 1.
+    assert sorted(set(replayed)) == [1, 2, 3] and worker.model_runner.cuda_graphs.num_replays == len(replayed)
+    # The padding rows wrote the scratch block (3 -> 4), and no block the pool hands out holds
+    # anything past what the requests wrote: total K rows written equal the tokens computed.
+    k = cache.kv[:, 0]
+    assert k[:, scratch * 16].abs().sum() > 0
+    written = int((k[0, :scratch * 16].abs().sum(-1).sum(-1) > 0).sum())
+    assert written == sum(len(p) + n - 1 for p, n in zip(PROMPTS, MAX_TOKENS, strict=True))
