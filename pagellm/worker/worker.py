@@ -120,6 +120,9 @@ class Worker:
         if self.device.type == "cuda" and par.tensor_parallel_size * par.pipeline_parallel_size \
                 * par.data_parallel_size > 1:
             raise ValueError(CUDA_ONE_GPU)
+        if self.device.type == "cuda" and config.model.quantization == "gguf":
+            raise ValueError("quantization='gguf' keeps GGUF blocks for the CPU's int8 kernel; on CUDA a GGUF file's "
+                             "weights are dequantized to the model's dtype (leave quantization unset)")
         self.tp, self.pp = init_parallel(rank, par.tensor_parallel_size, par.pipeline_parallel_size, init_method,
                                          self.device)
         if self.tp.world_size > 1:

@@ -168,3 +168,13 @@ def test_lora_and_speculative_decoding_on_the_gpu(ckpt_root, tmp_path):
                speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
     assert _greedy(spec, PROMPTS + [[7, 8, 9] * 12]) == _greedy(LLM(path, **GPU, dtype="float32"),
                                                                 PROMPTS + [[7, 8, 9] * 12])
+
+
+def test_what_cuda_lacks_is_refused_by_name(ckpt_root):
+    path = build_tiny_checkpoint(ckpt_root, "llama")
+    for kw, match in (({"kv_cache_dtype": "int8"}, "int8 is not supported on CUDA"),
+                      ({"quantization": "gguf"}, "quantization='gguf'"),
+                      ({"quantization": "q8_0"}, "q8_0"),
+                      ({"tensor_parallel_size": 2}, "not supported on CUDA")):
+        with pytest.raises(ValueError, match=match):
+            LLM(path, **GPU, **kw)
