@@ -58,7 +58,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    prompt_logprobs: None = field(default=None)
+    # ``SamplingParams.prompt_logprobs``: ``None`` for the first prompt token, then per token the
+    # token itself and the top-k (vLLM's shape); set once the whole prompt is computed.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Why the request ended without being served (e.g. its structured-output constraint did not
     # compile); ``None`` for every request that ran.
     error: str | None = None

@@ -162,6 +162,9 @@ class SequenceGroup:
     # this request holds in the encoder cache (``core/encoder_cache_manager.py``).
     mm_features: list[MultiModalFeature] = field(default_factory=list)
     encoder_refs: set[int] = field(default_factory=set)
+    # ``SamplingParams.prompt_logprobs``: per prompt position, the token there and the top-k, each
+    # ``token -> (logprob, rank)`` given the tokens before it (position 0 has none).
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
 
     @property
     def hash_key(self) -> str | BlockKeys | None:
@@ -198,6 +201,20 @@ class SequenceGroup:
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.status.is_finished]
+
+    def record_prompt_logprobs(self, first: int, entries: list[dict[int, tuple[float, int]]]) -> None:
+        """The entries of prompt positions ``first + 1 ...`` (a prompt computed again after a
+        preemption brings them twice: the first are kept)."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+        for i, entry in enumerate(entries, first + 1):
+            if self.prompt_logprobs[i] is None:
+                self.prompt_logprobs[i] = entry
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        """Whether every prompt position after the first has its entry."""
+        return self.prompt_logprobs is not None and all(e is not None for e in self.prompt_logprobs[1:])
 
     def is_finished(self) -> bool:
         return all(s.status.is_finished for s in self.seqs)

@@ -539,6 +539,8 @@ class Scheduler:
             kv.cache_full_blocks(seq, group.hash_key)
             if self.encoder is not None:
                 self.encoder.release_computed(group)
+            if seq.seq_id in runner_output.prompt_logprobs:
+                group.record_prompt_logprobs(*runner_output.prompt_logprobs[seq.seq_id])
             if not sched.do_sample:
                 continue
             if group.beam_state is not None:

@@ -163,4 +163,7 @@ class ModelRunnerOutput:
     # and sampling (the step trace's phases).
     timings: tuple[float, float, float] = (0.0, 0.0, 0.0)
     encoder_seconds: float = 0.0  # the vision encoder's share of the preparation
+    # ``SamplingParams.prompt_logprobs``: ``seq_id -> (position, entries)``, the entries of the
+    # prompt tokens after ``position`` that this step computed (``token -> (logprob, rank)``).
+    prompt_logprobs: dict[int, tuple[int, list[dict[int, tuple[float, int]]]]] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None

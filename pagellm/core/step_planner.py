@@ -47,7 +47,9 @@ class StepPlanner:
         for seq in group.live_seqs():
             if token_budget <= 0:
                 break
-            hits = kv.get_computed_blocks(seq, group.hash_key)
+            # (vLLM's rule: prompt logprobs need every prompt position computed, so no hits)
+            hits = [] if group.sampling_params.prompt_logprobs is not None else \
+                kv.get_computed_blocks(seq, group.hash_key)
             computed = len(hits) * kv.block_size
             n = self.encoder_cap(group, computed, self.num_new_tokens(seq.num_tokens, computed, token_budget))
             plan.append(SlotRequest(seq, computed, n, hits))

@@ -7,7 +7,7 @@ single thread per decode step, and unpickling ~0.8 ms of the front end's. Betwee
 last output a plain request only appends, so the core sends an ``OutputDelta`` (new token ids, new
 text, the metrics) and the client rebuilds the cumulative ``RequestOutput`` from the last one it
 holds. Everything that does not only append goes whole: more than one completion (``n``, beams),
-logprobs, an error, and the finished output (stop strings may cut its text).
+logprobs (prompt logprobs too), an error, and the finished output (stop strings may cut its text).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class OutputDelta:
 
 def _plain(out: RequestOutput) -> CompletionOutput | None:
     """The single completion of an output that may go as a delta, or ``None``."""
-    if out.finished or out.error is not None or len(out.outputs) != 1:
+    if out.finished or out.error is not None or len(out.outputs) != 1 or out.prompt_logprobs is not None:
         return None
     c = out.outputs[0]
     return c if c.logprobs is None and c.index == 0 and c.finish_reason is None and c.stop_reason is None else None

@@ -32,6 +32,8 @@ class OutputProcessor:
         # Output tokens (of the longest sequence) the last RequestOutput of a request carried; 0
         # until one carried text. Only kept with a stream interval above 1.
         self._sent: dict[str, int] = {}
+        # Prompt logprobs as outputs carry them, built (and detokenized) once per request.
+        self._prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = {}
 
     def add_request(self, group: SequenceGroup) -> None:
         seq = group.seqs[0]
@@ -42,6 +44,7 @@ class OutputProcessor:
         for seq in group.seqs:
             self._detok.pop(seq.seq_id, None)
         self._sent.pop(group.request_id, None)
+        self._prompt_logprobs.pop(group.request_id, None)
 
     def process(self, updated: list[SequenceGroup]) -> list[RequestOutput]:
         """The step's outputs: timing, detokenization and stop strings for every group that got a
@@ -143,8 +146,17 @@ class OutputProcessor:
                        for i, h in enumerate(hyps)]
         return self._request_output(group, completions)
 
-    @staticmethod
-    def _request_output(group: SequenceGroup, completions: list[CompletionOutput]) -> RequestOutput:
+    def _request_output(self, group: SequenceGroup, completions: list[CompletionOutput]) -> RequestOutput:
         return RequestOutput(request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
                              outputs=completions, finished=group.is_finished(), metrics=group.metrics,
-                             num_cached_tokens=group.num_cached_tokens)
+                             num_cached_tokens=group.num_cached_tokens, prompt_logprobs=self.prompt_logprobs(group))
+
+    def prompt_logprobs(self, group: SequenceGroup) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's ``RequestOutput.prompt_logprobs`` once the whole prompt is computed."""
+        done = self._prompt_logprobs.get(group.request_id)
+        if done is None and group.prompt_logprobs_done:
+            assert group.prompt_logprobs is not None
+            done = [None if d is None else {t: Logprob(lp, rank, self.tokenizer.decode([t], False))
+                                            for t, (lp, rank) in d.items()} for d in group.prompt_logprobs]
+            self._prompt_logprobs[group.request_id] = done
+        return done

@@ -93,6 +93,8 @@ class CompletionRequest(SamplingBody):
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
+    # vLLM's extra field: each choice carries ``prompt_logprobs`` (token id -> logprob, rank, text).
+    prompt_logprobs: int | None = None
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")

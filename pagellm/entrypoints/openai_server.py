@@ -16,7 +16,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -94,6 +94,25 @@ class Delta:
     logprobs: CompletionOutput | None  # only the new tokens, with their logprobs (if asked for)
     first: bool  # this completion's first chunk
     text_offset: int  # where ``text`` starts in the completion's whole text
+
+
+def _prompt_only(out: RequestOutput) -> RequestOutput:
+    """``max_tokens=0``: the output without the one token the engine sampled."""
+    return replace(out, outputs=[CompletionOutput(c.index, "", [], 0.0, None if c.logprobs is None else [],
+                                                  "length" if c.finish_reason else None) for c in out.outputs])
+
+
+async def _map_outputs(outputs: AsyncGenerator[RequestOutput, None], fn: Any) -> AsyncGenerator[RequestOutput, None]:
+    async for out in outputs:
+        yield fn(out)
+
+
+def _prompt_logprobs_json(out: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs`` field: per prompt token, token id -> logprob, rank, decoded token."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if d is None else {str(t): {"logprob": v.logprob, "rank": v.rank, "decoded_token": v.decoded_token}
+                                    for t, v in d.items()} for d in out.prompt_logprobs]
 
 
 def _error(message: str, status: int, type_: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -231,7 +250,7 @@ class OpenAIServer:
         return prompt
 
     def _params(self, body: SamplingBody, prompt_len: int, max_tokens: int | None, logprobs: int | None,
-                best_of: int | None = None) -> SamplingParams:
+                best_of: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
         stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise APIError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
@@ -255,7 +274,7 @@ class OpenAIServer:
             stop_token_ids=body.stop_token_ids or [], presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, logprobs=logprobs,
+            min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens, include_stop_str_in_output=body.include_stop_str_in_output,
             structured_outputs=self._structured_outputs(body))
         try:
@@ -404,6 +423,24 @@ class OpenAIServer:
             offsets.append(off)
             off += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _logprobs_echoed(self, out: RequestOutput, c: Any, echo: bool, offset0: int) -> dict[str, Any] | None:
+        """OpenAI's legacy logprobs, led by the prompt's tokens where it is echoed: the first with no
+        logprob, each other with its own and the top ones (``prompt_logprobs``)."""
+        lp = self._logprobs_completion(c, offset0)
+        if lp is None or not echo or out.prompt_logprobs is None:
+            return lp
+        tokens, token_lps, tops, offsets = [], [], [], []
+        off = 0
+        for tid, d in zip(out.prompt_token_ids, out.prompt_logprobs, strict=True):
+            text = self.tokenizer.decode([tid], False)
+            tokens.append(text)
+            token_lps.append(None if d is None else d[tid].logprob)
+            tops.append(None if d is None else {v.decoded_token or "": v.logprob for v in d.values()})
+            offsets.append(off)
+            off += len(text)
+        return {"tokens": tokens + lp["tokens"], "token_logprobs": token_lps + lp["token_logprobs"],
+                "top_logprobs": tops + lp["top_logprobs"], "text_offset": offsets + lp["text_offset"]}
 
     def _logprobs_chat(self, c: Any, top: int) -> dict[str, Any] | None:
         if c.logprobs is None:
@@ -583,7 +620,11 @@ class OpenAIServer:
         if body.kv_transfer_params is not None:  # disaggregated prefill/decode (``pagellm proxy``)
             prompt["kv_transfer_params"] = body.kv_transfer_params
         max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default for completions
-        params = self._params(body, len(ids), max_tokens, body.logprobs, body.best_of)
+        # max_tokens=0 with echo scores the prompt alone (evaluation harnesses): the engine samples
+        # one token, which the response drops.
+        prompt_only = max_tokens == 0 and body.echo
+        scored = body.prompt_logprobs if body.prompt_logprobs is not None else body.logprobs if body.echo else None
+        params = self._params(body, len(ids), 1 if prompt_only else max_tokens, body.logprobs, body.best_of, scored)
         if body.stream and params.best_of and params.best_of > params.n:
             raise APIError("best_of > n cannot be streamed", param="best_of")
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -593,15 +634,21 @@ class OpenAIServer:
             echo = prompt["prompt"] if prompt["prompt"] is not None else self.tokenizer.decode(ids, False)
 
         def whole(out: RequestOutput) -> dict[str, Any]:
-            choices = [{"index": c.index, "text": echo + c.text,
-                        "logprobs": self._logprobs_completion(c, len(echo)),
+            out = _prompt_only(out) if prompt_only else out
+            choices: list[dict[str, Any]] = [{"index": c.index, "text": echo + c.text,
+                                              "logprobs": self._logprobs_echoed(out, c, body.echo, len(echo)),
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+            if body.prompt_logprobs is not None:
+                for choice in choices:
+                    choice["prompt_logprobs"] = _prompt_logprobs_json(out)
             return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                     "choices": choices, "usage": self._usage(out)}
 
-        return await self._respond(prompt, params, rid, body, request, whole,
-                                   lambda outputs: self._completion_chunks(outputs, params, rid, created, body,
-                                                                           echo, request))
+        def chunks(outputs: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[dict]:
+            return self._completion_chunks(_map_outputs(outputs, _prompt_only) if prompt_only else outputs, params,
+                                           rid, created, body, echo, request)
+
+        return await self._respond(prompt, params, rid, body, request, whole, chunks)
 
     async def _respond(self, prompt: Any, params: SamplingParams, rid: str, body: SamplingBody, request: Request,
                        whole: Any, chunks: Any) -> Any:
@@ -620,7 +667,8 @@ class OpenAIServer:
         last = None
         async for d in self._deltas(outputs, rid, request, body.logprobs is not None, always_first=body.echo):
             last, c = d.output, d.completion
-            lp = self._logprobs_completion(d.logprobs, d.text_offset) if d.logprobs is not None else None
+            lp = self._logprobs_echoed(last, d.logprobs, bool(echo) and d.first, d.text_offset) \
+                if d.logprobs is not None else None
             yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                    "choices": [{"index": c.index, "text": (echo if d.first else "") + d.text,
                                 "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],

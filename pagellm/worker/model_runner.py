@@ -30,6 +30,9 @@ from pagellm.sampling.sampler import Sampler, SamplingRow, apply_token_bitmask
 from pagellm.worker.cuda_graph import CudaGraphRunner
 from pagellm.worker.draft_runner import DraftRunner
 
+# Prompt positions scored per logits call: bounds the float32 vocabulary rows a step holds.
+PROMPT_LOGPROBS_ROWS = 256
+
 
 @dataclass(slots=True)
 class PlainSample:
@@ -69,6 +72,8 @@ class InputBatch:
     drafts: list[DraftRun] = field(default_factory=list)  # (driver only)
     # Image rows to write over the token embeddings: (first flat row, mm_hash, first image row, rows).
     mm_segments: list[tuple[int, str, int, int]] = field(default_factory=list)
+    # Prompt logprobs to compute: (seq_id, first flat row, its position, the next prompt tokens, k).
+    prompt_lp: list[tuple[int, int, int, list[int], int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -130,13 +135,14 @@ class ModelRunner:
         t2 = time.perf_counter()
         if hidden is None:  # a pipeline stage before the last: its hidden states went on
             return None
+        prompt_lps = self.prompt_logprobs(batch.prompt_lp, hidden) if batch.prompt_lp else {}
         if not batch.logits_rows:
-            return ModelRunnerOutput(sampled={}, timings=(t1 - t0, t2 - t1, 0.0),
-                                     encoder_seconds=t_encoded - t0) if self.is_driver else None
+            return ModelRunnerOutput(sampled={}, timings=(t1 - t0, t2 - t1, 0.0), encoder_seconds=t_encoded - t0,
+                                     prompt_logprobs=prompt_lps) if self.is_driver else None
         logits = self.model.compute_logits(hidden[batch.logits_rows]).float()  # a collective under TP
         if not self.is_driver:
             return None
-        result = ModelRunnerOutput(sampled={})
+        result = ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_lps)
         self.sample(batch, logits, so, result)
         self.verify_drafts(batch, logits, result)
         if self.draft is not None and so.draft_k:
@@ -167,6 +173,7 @@ class ModelRunner:
         last_row: dict[int, int] = {}  # seq_id -> flat row of its last token
         draft_row: dict[tuple[int, int], int] = {}  # (seq_id, offset) -> flat row, for drafting sequences
         mm_segments: list[tuple[int, str, int, int]] = []
+        prompt_lp: list[tuple[int, int, int, list[int], int]] = []
         # M-RoPE positions (Qwen2-VL), where a request in the step has images: three rows.
         mrope: list[list[int]] | None = [[], [], []] if any(s.mrope_layout for s in so.scheduled) else None
         for s, i in [decodes[j] for j in meta.decode_order]:
@@ -175,6 +182,8 @@ class ModelRunner:
                 _image_rows(s.mm_spans, p, 1, len(input_ids), mm_segments)
             if mrope is not None:
                 _extend_mrope(mrope, s, p, 1)
+            if s.sampling_params.prompt_logprobs is not None:
+                _prompt_positions(s, p, 1, len(input_ids), prompt_lp)
             slots.append(s.block_ids[p // bs] * bs + p % bs)
             input_ids.append(s.token_ids[i])
             positions.append(p)
@@ -188,6 +197,8 @@ class ModelRunner:
                 _image_rows(s.mm_spans, start, s.num_scheduled_tokens, len(input_ids), mm_segments)
             if mrope is not None:
                 _extend_mrope(mrope, s, start, s.num_scheduled_tokens)
+            if s.sampling_params.prompt_logprobs is not None:
+                _prompt_positions(s, start, s.num_scheduled_tokens, len(input_ids), prompt_lp)
             for p in range(start, start + s.num_scheduled_tokens):
                 slots.append(s.block_ids[p // bs] * bs + p % bs)
             input_ids.extend(s.token_ids)
@@ -211,7 +222,7 @@ class ModelRunner:
         batch = InputBatch(torch.tensor(input_ids, dtype=torch.long, device=self.device),
                            torch.tensor(positions, dtype=torch.long, device=self.device), meta,
                            decode_lens, decode_tables, chunk_specs, logits_rows, sample_seqs,
-                           mm_segments=mm_segments)
+                           mm_segments=mm_segments, prompt_lp=prompt_lp)
         if self.is_driver:
             self._plan_sampling(batch)
         return batch
@@ -250,6 +261,30 @@ class ModelRunner:
             self.draft.forward(batch.input_ids, batch.positions, batch.meta.slot_mapping, batch.decode_lens,
                                batch.decode_tables, batch.chunk_specs, batch.meta.decode_order)
         return hidden
+
+    def prompt_logprobs(self, spans: list[tuple[int, int, int, list[int], int]],
+                        hidden: torch.Tensor) -> dict[int, tuple[int, list[dict[int, tuple[float, int]]]]]:
+        """Each span's entries: the next prompt token's logprob and rank, and the top ``k``, from the
+        raw logits (no temperature or penalties, as vLLM), ``PROMPT_LOGPROBS_ROWS`` rows at a time
+        (a step never holds more float32 vocabulary rows than that, whatever its chunk)."""
+        out: dict[int, tuple[int, list[dict[int, tuple[float, int]]]]] = {}
+        for seq_id, row0, pos0, targets, k in spans:
+            entries: list[dict[int, tuple[float, int]]] = []
+            for a in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
+                tgt = torch.tensor(targets[a:a + PROMPT_LOGPROBS_ROWS], device=hidden.device)
+                rows = hidden[row0 + a:row0 + a + tgt.shape[0]]
+                lp = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)  # (a collective under TP)
+                tok_lp = lp.gather(1, tgt[:, None])
+                ranks = (lp > tok_lp).sum(-1) + 1
+                top = lp.topk(k, dim=-1) if k else None
+                for i, (t, v, r) in enumerate(zip(tgt.tolist(), tok_lp[:, 0].tolist(), ranks.tolist(), strict=True)):
+                    entry = {} if top is None else {
+                        tt: (vv, j + 1) for j, (tt, vv) in enumerate(zip(top.indices[i].tolist(),
+                                                                         top.values[i].tolist(), strict=True))}
+                    entry.setdefault(t, (v, r))
+                    entries.append(entry)
+            out[seq_id] = (pos0, entries)
+        return out
 
     def encode(self, inputs: list[tuple[str, dict[str, Any]]]) -> None:
         """The step's images through the vision encoder (the model batches them), their rows into
@@ -310,6 +345,17 @@ class ModelRunner:
                 pos = s.num_computed_tokens + s.num_scheduled_tokens - len(s.spec_token_ids or ()) + accepted
                 starts.append((s.seq_id, result.sampled[s.seq_id].token_id, pos, s.block_ids, k))
         return self.draft.propose(starts)
+
+
+def _prompt_positions(s: ScheduledSequence, start: int, n: int, row0: int,
+                      out: list[tuple[int, int, int, list[int], int]]) -> None:
+    """The positions among ``[start, start + n)`` (flat rows from ``row0``) whose logits score the
+    next prompt token: every one before the prompt's last (a recomputed output token is not one)."""
+    end = min(start + n, len(s.prompt_token_ids) - 1)
+    if end > start:
+        k = s.sampling_params.prompt_logprobs
+        assert k is not None
+        out.append((s.seq_id, row0, start, s.prompt_token_ids[start + 1:end + 1], k))
 
 
 def _image_rows(spans: list[tuple[int, int, str]], start: int, n: int, row0: int,
