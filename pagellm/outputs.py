@@ -61,9 +61,26 @@ class RequestOutput:
     # ``SamplingParams.prompt_logprobs``: ``None`` for the first prompt token, then per token the
     # token itself and the top-k (vLLM's shape); set once the whole prompt is computed.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # runner="pooling": the prompt's vector once computed.
+    pooled: list[float] | None = None
     # Why the request ended without being served (e.g. its structured-output constraint did not
     # compile); ``None`` for every request that ran.
     error: str | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """vLLM's: ``LLM.embed``'s result for one prompt."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
 
 
 @dataclass(slots=True)

@@ -165,6 +165,10 @@ class SequenceGroup:
     # ``SamplingParams.prompt_logprobs``: per prompt position, the token there and the top-k, each
     # ``token -> (logprob, rank)`` given the tokens before it (position 0 has none).
     prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
+    # runner="pooling": the pooling type (the request embeds its prompt and samples nothing), and
+    # the vector once its last chunk ran.
+    pooling: str | None = None
+    pooled: list[float] | None = None
 
     @property
     def hash_key(self) -> str | BlockKeys | None:

@@ -77,15 +77,23 @@ class Tokenizer:
         return "tools" in (getattr(self.hf, "chat_template", None) or "")
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> str:
+        """``template_kwargs``: variables the template reads (vLLM's ``chat_template_kwargs``, e.g.
+        ``{"enable_thinking": False}``)."""
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=...")
+        reserved = set(template_kwargs or ()) & {"conversation", "messages", "tools", "tokenize",
+                                                 "add_generation_prompt", "chat_template"}
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           tools=tools)
+                                           tools=tools, **(template_kwargs or {}))
 
     def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
         """The templated conversation as a prompt dict (text and ids). The template already holds
         the special tokens, so none are added again (no second BOS)."""
-        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
         return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}

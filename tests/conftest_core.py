@@ -48,14 +48,20 @@ def _candidates(seq_id: int, n_out: int, k: int) -> dict[int, tuple[float, int]]
 def fake_step(sched: Scheduler, token: int = 5):
     out = sched.schedule()
     sampled = {}
+    pooled = {}
     for s in out.scheduled:
+        group = sched.requests.get(s.request_id)
+        if group is not None and group.pooling is not None:  # a pooling request: a vector at its prompt's end
+            assert not s.do_sample
+            if s.num_computed_tokens + s.num_scheduled_tokens >= len(s.prompt_token_ids):
+                pooled[s.seq_id] = [float(s.seq_id)]
         if not s.do_sample:
             continue
         for sid in s.sample_seq_ids or [s.seq_id]:
             k = s.sampling_params.logprobs
             top = _candidates(sid, len(s.output_token_ids), k) if k else None
             sampled[sid] = SampledToken(token, -0.5, top)
-    _, finished = sched.update_from_output(out, ModelRunnerOutput(sampled))
+    _, finished = sched.update_from_output(out, ModelRunnerOutput(sampled, pooled=pooled))
     sched.check_invariants()
     return out, finished
 

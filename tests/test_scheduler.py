@@ -149,3 +149,43 @@ def test_random_add_step_abort_keeps_invariants(ops, num_blocks, block_size, bud
                            max_num_batched_tokens=budget, max_num_seqs=max_seqs, long_prefill_token_threshold=0)
     # The engine rejects prompts that can never fit before they reach the scheduler.
     drive(sched, ops, lambda rid, n, max_tokens: make_group(rid, n, max_tokens=max_tokens) if n < capacity else None)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("add"), st.integers(1, 30), st.sampled_from([None, "LAST", "MEAN"])),
+            st.tuples(st.just("step"), st.integers(1, 3), st.just(0)),
+            st.tuples(st.just("abort"), st.integers(0, 50), st.just(0)),
+        ),
+        max_size=60,
+    ),
+    st.integers(2, 24),
+    st.sampled_from([1, 2, 4]),
+    st.integers(1, 40),
+)
+def test_pooling_requests_mixed_with_generation_keep_invariants(ops, num_blocks, block_size, budget):
+    """Pooling requests (runner="pooling" sets every request's; mixed here to stress the scheduler)
+    finish with their prompt's last chunk, sample nothing, and free everything."""
+    capacity = num_blocks * block_size
+    sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_model_len=capacity,
+                           max_num_batched_tokens=budget, max_num_seqs=4, long_prefill_token_threshold=0)
+    pooled_groups = []
+
+    def build(rid, n, pooling):
+        if n >= capacity:
+            return None
+        group = make_group(rid, n, max_tokens=3)
+        group.pooling = pooling
+        if pooling is not None:
+            pooled_groups.append(group)
+        return group
+
+    drive(sched, ops, build)
+    for g in pooled_groups:
+        seq = g.seqs[0]
+        assert seq.output_token_ids == []
+        assert seq.status == SequenceStatus.FINISHED_ABORTED or (
+            g.pooled == [float(seq.seq_id)] and seq.num_computed_tokens == len(seq.prompt_token_ids))
+

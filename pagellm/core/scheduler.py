@@ -541,6 +541,14 @@ class Scheduler:
                 self.encoder.release_computed(group)
             if seq.seq_id in runner_output.prompt_logprobs:
                 group.record_prompt_logprobs(*runner_output.prompt_logprobs[seq.seq_id])
+            if seq.seq_id in runner_output.pooled:  # a pooling request's prompt is done: so is the request
+                group.pooled = runner_output.pooled[seq.seq_id]
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                self._free_seq(seq)
+                self._release(group)
+                finished.append(group)
+                updated[group.request_id] = group
+                continue
             if not sched.do_sample:
                 continue
             if group.beam_state is not None:

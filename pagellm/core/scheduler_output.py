@@ -166,4 +166,6 @@ class ModelRunnerOutput:
     # ``SamplingParams.prompt_logprobs``: ``seq_id -> (position, entries)``, the entries of the
     # prompt tokens after ``position`` that this step computed (``token -> (logprob, rank)``).
     prompt_logprobs: dict[int, tuple[int, list[dict[int, tuple[float, int]]]]] = field(default_factory=dict)
+    # runner="pooling": ``seq_id -> vector`` of each prompt whose last chunk ran this step.
+    pooled: dict[int, list[float]] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None

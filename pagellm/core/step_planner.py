@@ -47,9 +47,10 @@ class StepPlanner:
         for seq in group.live_seqs():
             if token_budget <= 0:
                 break
-            # (vLLM's rule: prompt logprobs need every prompt position computed, so no hits)
-            hits = [] if group.sampling_params.prompt_logprobs is not None else \
-                kv.get_computed_blocks(seq, group.hash_key)
+            # (vLLM's rule: prompt logprobs, and mean or first-token pooling, need every prompt
+            # position computed, so no hits; last-token pooling takes them)
+            hits = [] if group.sampling_params.prompt_logprobs is not None or group.pooling in ("MEAN", "CLS") \
+                else kv.get_computed_blocks(seq, group.hash_key)
             computed = len(hits) * kv.block_size
             n = self.encoder_cap(group, computed, self.num_new_tokens(seq.num_tokens, computed, token_budget))
             plan.append(SlotRequest(seq, computed, n, hits))
@@ -138,7 +139,7 @@ class StepPlanner:
         start = seq.num_computed_tokens
         # Tokens past the known ones are drafts (trimmed to what the budget left: ``plan``).
         num_spec = start + n - seq.num_tokens
-        do_sample = num_spec >= 0
+        do_sample = num_spec >= 0 and group.pooling is None
         token_ids = seq.token_ids_range(start, start + n - max(num_spec, 0))
         spec = seq.spec_token_ids[:num_spec] if num_spec > 0 else None
         if spec:

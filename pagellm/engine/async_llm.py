@@ -28,6 +28,7 @@ from pagellm.engine.llm_engine import EngineDeadError, LLMEngine, PromptType, lo
 from pagellm.lora_request import LoRARequest
 from pagellm.metrics import EngineStats
 from pagellm.outputs import RequestOutput
+from pagellm.pooling_params import PoolingInfo
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
 
@@ -121,6 +122,11 @@ class AsyncLLM:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def pooling(self) -> PoolingInfo | None:
+        """A pooling runner's setup (``None``: the engine generates)."""
+        return self.engine.model_info.pooling
 
     @property
     def vocab_size(self) -> int:

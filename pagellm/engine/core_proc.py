@@ -43,6 +43,7 @@ from pagellm.engine.output_delta import OutputDelta, OutputDeltaDecoder, OutputD
 from pagellm.lora_request import LoRARequest
 from pagellm.metrics import EngineStats
 from pagellm.outputs import RequestOutput
+from pagellm.pooling_params import PoolingInfo
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
 
@@ -59,6 +60,7 @@ class CoreInfo:
     vocab_size: int
     max_model_len: int
     tokenizer: Tokenizer
+    pooling: PoolingInfo | None = None  # runner="pooling"
 
 
 def _send(sock: Any, msg: tuple) -> None:
@@ -99,7 +101,8 @@ def run_engine_core(engine_args: EngineArgs, chat_template: str | None, input_ad
         for sock in outs:
             _send(sock, ("failed", _picklable(e)))
         return
-    info = CoreInfo(engine.model_info.vocab_size, engine.max_model_len, engine.get_tokenizer())
+    info = CoreInfo(engine.model_info.vocab_size, engine.max_model_len, engine.get_tokenizer(),
+                    engine.model_info.pooling)
     for sock in outs:
         _send(sock, ("ready", info))
     core = _CoreServer(engine, outs)
@@ -366,6 +369,11 @@ class AsyncEngineClient:
     def max_model_len(self) -> int:
         assert self._info is not None
         return self._info.max_model_len
+
+    @property
+    def pooling(self) -> PoolingInfo | None:
+        assert self._info is not None
+        return self._info.pooling
 
     @property
     def vocab_size(self) -> int:

@@ -35,6 +35,7 @@ from pagellm.executor import PendingOutput, WorkerError, create_executor
 from pagellm.lora_request import LoRARequest
 from pagellm.metrics import EngineStats, IterationStats
 from pagellm.outputs import RequestOutput
+from pagellm.reasoning import ThinkTokens
 from pagellm.sampling_params import SamplingParams
 from pagellm.sequence import SequenceGroup, SequenceStatus
 from pagellm.spec_decode.manager import SpecDecodeManager
@@ -130,6 +131,8 @@ class LLMEngine:
         # Built on the first constrained request, so an engine that never sees one never imports a
         # grammar library.
         self._structured: StructuredOutputManager | None = None
+        reasoning = config.structured_outputs.reasoning_parser  # (refused at start-up without the tags)
+        self._think = None if reasoning is None else ThinkTokens.of(self.tokenizer.hf.get_vocab(), reasoning)
         self._spec: SpecDecodeManager | None = None
         obs = config.observability
         # The step trace and the per-step log line; None and False: nothing recorded, nothing paid.
@@ -161,7 +164,7 @@ class LLMEngine:
             cfg = self.config.structured_outputs
             self._structured = StructuredOutputManager(self.tokenizer.hf, self.model_info.vocab_size,
                                                        self.tokenizer.eos_token_id, cfg.backend,
-                                                       cfg.compile_timeout_s)
+                                                       cfg.compile_timeout_s, self._think)
             self.decorators.append(self._structured)
         return self._structured
 
@@ -189,10 +192,14 @@ class LLMEngine:
         """
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine is dead ({self.dead_error}); request {request_id!r} refused")
+        pooling = self.model_info.pooling
+        if pooling is not None:  # (a pooling request computes its prompt and samples nothing)
+            params = SamplingParams(max_tokens=1, temperature=0)
         group = self.input_processor.process(request_id, prompt, params, self.scheduler.new_seq_id, arrival_time,
                                              priority, cache_salt)
         if self.get_request_group(request_id) is not None:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        group.pooling = pooling.pooling_type if pooling is not None else None
         if lora_request is not None:
             if self.lora is None:
                 raise ValueError("lora_request needs an engine with enable_lora=True")

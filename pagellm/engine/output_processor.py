@@ -149,7 +149,8 @@ class OutputProcessor:
     def _request_output(self, group: SequenceGroup, completions: list[CompletionOutput]) -> RequestOutput:
         return RequestOutput(request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
                              outputs=completions, finished=group.is_finished(), metrics=group.metrics,
-                             num_cached_tokens=group.num_cached_tokens, prompt_logprobs=self.prompt_logprobs(group))
+                             num_cached_tokens=group.num_cached_tokens, prompt_logprobs=self.prompt_logprobs(group),
+                             pooled=group.pooled)
 
     def prompt_logprobs(self, group: SequenceGroup) -> list[dict[int, Logprob] | None] | None:
         """vLLM's ``RequestOutput.prompt_logprobs`` once the whole prompt is computed."""

@@ -199,7 +199,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise
     serve(engine, name, args.host, args.port, api_key,
           chat_template_content_format=args.chat_template_content_format,
-          exit_on_engine_death=args.exit_on_engine_death, media=_media(engine_args))
+          exit_on_engine_death=args.exit_on_engine_death, media=_media(engine_args),
+          reasoning_parser=engine_args.reasoning_parser)
     return 0
 
 
@@ -242,7 +243,7 @@ def _serve_many(args: argparse.Namespace, engine_args: EngineArgs, chat_template
     servers = [ctx.Process(target=run_api_server, name=f"pagellm-api-server-{i}",
                            args=(i, input_addr, addr, core.pid, name, args.host, args.port, api_key,
                                  args.chat_template_content_format, args.exit_on_engine_death,
-                                 _media(engine_args)))
+                                 _media(engine_args), engine_args.reasoning_parser))
                for i, addr in enumerate(output_addrs)]
     for p in servers:
         p.start()

@@ -12,7 +12,14 @@ from pagellm.engine.data_parallel import create_engine
 from pagellm.engine.llm_engine import PromptType
 from pagellm.entrypoints.chat_utils import MediaConnector, extract_images, template_renders_images
 from pagellm.lora_request import LoRARequest
-from pagellm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagellm.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
 
 Messages = list[dict[str, Any]]
@@ -62,9 +69,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order. ``lora_request``: one
         adapter for every prompt, or one (or ``None``: the base model) per prompt."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        if self.llm_engine.model_info.pooling is not None:
+            raise ValueError("this LLM was made with runner='pooling': it embeds prompts (llm.embed), it does not "
+                             "generate")
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
@@ -95,6 +103,27 @@ class LLM:
             self.llm_engine.abort_request(ids)
             raise
         return self._run_engine(ids, use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (``LLM(..., runner="pooling")``), in input order; each prompt is
+        prefilled through the scheduler and KV cache like any other (chunked, prefix hits where the
+        pooling allows them). ``pooling_params.dimensions`` cuts a Matryoshka model's vectors."""
+        info = self.llm_engine.model_info.pooling
+        if info is None:
+            raise ValueError("LLM.embed needs an LLM made with runner='pooling'")
+        params = pooling_params or PoolingParams()
+        ids = []
+        try:
+            for prompt in _prompt_list(prompts):
+                rid = str(next(self._counter))
+                self.llm_engine.add_request(rid, prompt)
+                ids.append(rid)
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            raise
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(params.apply(o.pooled or [], info)),
+                                       o.prompt_token_ids) for o in self._run_engine(ids, use_tqdm)]
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = True) -> list[BeamSearchOutput]:
@@ -127,8 +156,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+        ``chat_template_kwargs``: variables the template reads (``{"enable_thinking": False}``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.llm_engine.get_tokenizer()
         media = MediaConnector.from_config(self.llm_engine.config.multimodal)
@@ -136,7 +167,7 @@ class LLM:
         prompts: list[PromptType] = []
         for conv in conversations:
             msgs, images = extract_images(conv, tok.image_placeholder, renders, media)  # type: ignore[arg-type]
-            prompt = tok.chat_prompt(msgs, add_generation_prompt)
+            prompt = tok.chat_prompt(msgs, add_generation_prompt, template_kwargs=chat_template_kwargs)
             if images:
                 prompt["multi_modal_data"] = {"image": images}
             prompts.append(prompt)
@@ -173,3 +204,10 @@ class LLM:
                 pbar.close()
             engine.write_trace()  # (a no-op unless trace_out is set)
         return [finished[r] for r in request_ids]
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (text, a dict, or token ids) or a list of them, as a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)

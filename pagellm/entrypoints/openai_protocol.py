@@ -160,6 +160,18 @@ class ChatCompletionRequest(SamplingBody):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's extra field: variables for the chat template (``{"enable_thinking": false}``).
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class EmbeddingRequest(BaseModel):
+    """``POST /v1/embeddings`` (OpenAI's): one input or a batch, as text or token ids."""
+
+    model_config = ConfigDict(extra="ignore")  # (``user`` and vLLM's extras are accepted, unused)
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: str = "float"
+    dimensions: int | None = None
 
 
 class TokenizeRequest(BaseModel):

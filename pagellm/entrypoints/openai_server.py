@@ -9,10 +9,12 @@ A client that disconnects aborts its request (its blocks are freed before the ne
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
 import json
 import logging
 import os
+import struct
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -39,6 +41,7 @@ from pagellm.entrypoints.openai_protocol import (
     ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
     SamplingBody,
     TokenizeRequest,
@@ -49,6 +52,8 @@ from pagellm.entrypoints.openai_protocol import (
 from pagellm.lora_request import LoRARequest
 from pagellm.metrics import GAUGE, STAT_FIELDS
 from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.pooling_params import PoolingParams
+from pagellm.reasoning import ReasoningParser, get_reasoning_parser
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.tokenizer import check_token_ids
 from pagellm.utils import reject_unknown
@@ -59,6 +64,9 @@ logger = logging.getLogger(__name__)
 # otherwise make every step scan a huge stop list, or fork a huge number of sequences.
 MAX_STOP_STRINGS = 64
 MAX_N = 128
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit per request
+# What an embedding request runs with (the engine pools the prompt and samples nothing).
+EMBED_PARAMS = SamplingParams(max_tokens=1, temperature=0)
 MAX_BODY_BYTES = 16 * 2**20  # far above any prompt max_model_len allows; a 413 before the body is read
 DISCONNECT_POLL_S = 1.0  # a stream's fallback disconnect check (``OpenAIServer._stream``)
 
@@ -151,13 +159,16 @@ class OpenAIServer:
     """Builds the FastAPI app for one ``AsyncLLM`` or ``AsyncEngineClient``."""
 
     def __init__(self, engine: EngineClient, model_name: str, api_key: str | None = None,
-                 chat_template_content_format: str = "auto", media: MediaConnector | None = None) -> None:
+                 chat_template_content_format: str = "auto", media: MediaConnector | None = None,
+                 reasoning_parser: str | None = None) -> None:
         if chat_template_content_format not in CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format must be one of {CONTENT_FORMATS}, "
                              f"got {chat_template_content_format!r}")
         self.engine = engine
         self.model_name = model_name
         self.content_format = chat_template_content_format
+        # --reasoning-parser: chat replies' think block as reasoning_content, apart from the answer.
+        self.reasoning = None if reasoning_parser is None else get_reasoning_parser(reasoning_parser)
         self.media = media or MediaConnector()  # image URLs' rules (--allowed-local-media-path, ...)
         self.api_key = api_key
         # LoRA adapters served under their names (picked by a request's ``model``); the engine
@@ -219,7 +230,8 @@ class OpenAIServer:
             raise APIError(str(e), param=param) from e
 
     def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                     tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                     tools: list[dict[str, Any]] | None = None,
+                     template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
         """The conversation through the chat template, or a 400 naming what is wrong with it. Tools
         go to a template that takes them, else into a system message (``tool_calls``)."""
         if not messages:
@@ -242,7 +254,11 @@ class OpenAIServer:
                     msgs.insert(0, {"role": "system", "content": text})
                 tools = None
         try:
-            prompt = self.tokenizer.chat_prompt(msgs, add_generation_prompt, tools)
+            prompt = self.tokenizer.chat_prompt(msgs, add_generation_prompt, tools, template_kwargs)
+        except ValueError as e:
+            if "chat_template_kwargs" in str(e):
+                raise APIError(str(e), param="chat_template_kwargs") from None
+            raise APIError(f"cannot apply the chat template: {type(e).__name__}: {e}", param="messages") from e
         except Exception as e:  # a template that rejects the conversation; the message only, no traceback
             raise APIError(f"cannot apply the chat template: {type(e).__name__}: {e}", param="messages") from e
         if images:
@@ -591,6 +607,10 @@ class OpenAIServer:
             server._check_token_ids(body.tokens, "tokens")
             return {"prompt": server.tokenizer.decode(body.tokens, False)}
 
+        @app.post("/v1/embeddings", dependencies=v1, responses=error_responses(400, 401, 404, 503))
+        async def embeddings(body: EmbeddingRequest, request: Request):
+            return await server._embeddings(body, request)
+
         @app.post("/v1/completions", dependencies=v1, responses=error_responses(400, 401, 404, 503))
         async def completions(body: CompletionRequest, request: Request):
             return await server._completions(body, request)
@@ -598,6 +618,54 @@ class OpenAIServer:
         @app.post("/v1/chat/completions", dependencies=v1, responses=error_responses(400, 401, 404, 503))
         async def chat(body: ChatCompletionRequest, request: Request):
             return await server._chat(body, request)
+
+    # ------------------------------------------------------------------ /v1/embeddings
+    def _embedding_inputs(self, value: Any) -> list[list[int]]:
+        """Each input's token ids: a string, a list of strings, token ids, or lists of them."""
+        if isinstance(value, str) or (value and isinstance(value[0], int)):
+            value = [value]
+        if not value or len(value) > MAX_EMBEDDING_INPUTS:
+            raise APIError(f"input must hold 1 to {MAX_EMBEDDING_INPUTS} items, got {len(value)}", param="input")
+        out = []
+        for i, item in enumerate(value):
+            ids = self.tokenizer.encode(item) if isinstance(item, str) else list(item)
+            self._check_token_ids(ids, "input")
+            if not ids or len(ids) >= self.max_model_len:
+                raise APIError(f"input[{i}] has {len(ids)} tokens; this model embeds 1 to {self.max_model_len - 1}",
+                               param="input")
+            out.append(ids)
+        return out
+
+    async def _embeddings(self, body: EmbeddingRequest, request: Request) -> Any:
+        lora = self._check_model(body.model)
+        info = self.engine.pooling
+        if info is None:
+            raise APIError("this server generates text; embeddings need a server started with --runner pooling",
+                           param="model")
+        if body.encoding_format not in ("float", "base64"):
+            raise APIError(f"encoding_format must be 'float' or 'base64', got {body.encoding_format!r}",
+                           param="encoding_format")
+        params = PoolingParams(body.dimensions)
+        try:
+            params.apply([1.0] * info.hidden_size, info)  # (refused before anything runs)
+        except ValueError as e:
+            raise APIError(str(e), param="dimensions") from None
+        inputs = self._embedding_inputs(body.input)
+        rid = f"embd-{uuid.uuid4().hex}"
+        outs = await asyncio.gather(*(self._final({"prompt_token_ids": ids}, EMBED_PARAMS, f"{rid}-{i}", 0, request,
+                                                  lora) for i, ids in enumerate(inputs)))
+        if any(o is None for o in outs):
+            return Response(status_code=499)  # the client went away; nobody reads this
+        data = []
+        for i, out in enumerate(outs):
+            assert out is not None and out.pooled is not None
+            vec = params.apply(out.pooled, info)
+            emb: Any = vec if body.encoding_format == "float" else \
+                base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+        n = sum(len(ids) for ids in inputs)
+        return {"object": "list", "data": data, "model": body.model or self.model_name,
+                "usage": {"prompt_tokens": n, "total_tokens": n}}
 
     # ------------------------------------------------------------------ /v1/completions
     def _completion_prompts(self, prompt: Any) -> list[dict[str, Any]]:
@@ -611,8 +679,13 @@ class OpenAIServer:
             raise APIError("batched prompts are not supported: send one prompt per request", param="prompt")
         return self._completion_prompts(prompt[0])
 
+    def _check_generates(self) -> None:
+        if self.engine.pooling is not None:
+            raise APIError("this server embeds (--runner pooling): use POST /v1/embeddings", param="model")
+
     async def _completions(self, body: CompletionRequest, request: Request):
         self._check_model(body.model)
+        self._check_generates()
         (prompt,) = self._completion_prompts(body.prompt)
         ids = prompt.get("prompt_token_ids") or self.tokenizer.encode(prompt["prompt"])
         self._check_token_ids(ids, "prompt")
@@ -680,8 +753,9 @@ class OpenAIServer:
     # ------------------------------------------------------------------ /v1/chat/completions
     async def _chat(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
+        self._check_generates()
         mode = tool_calls.resolve(body.tools, body.tool_choice, body.parallel_tool_calls)
-        args = (body.messages, body.add_generation_prompt, mode.tools if mode else None)
+        args = (body.messages, body.add_generation_prompt, mode.tools if mode else None, body.chat_template_kwargs)
         has_images = any(isinstance(m.content, list) and any(p.type == "image_url" for p in m.content)
                          for m in body.messages)
         # (in a thread where an image URL may be fetched; a text-only chat stays on the loop)
@@ -704,11 +778,18 @@ class OpenAIServer:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
+        prompt_text = prompt.get("prompt") or ""
+
         def message(c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
-            content, calls = tool_calls.finished(mode, c.text, c.finish_reason)
+            # (with a reasoning parser, tool calls are read from the answer after the think block)
+            reasoning, text = (None, c.text) if self.reasoning is None else self.reasoning.split(c.text, prompt_text)
+            content, calls = tool_calls.finished(mode, text or "", c.finish_reason)
+            msg: dict[str, Any] = {"role": "assistant", "content": text if calls is None else content}
+            if self.reasoning is not None:
+                msg["reasoning_content"] = reasoning
             if calls is None:
-                return {"role": "assistant", "content": c.text}, c.finish_reason
-            return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+                return msg, c.finish_reason
+            return {**msg, "tool_calls": calls}, "tool_calls"
 
         def whole(out: RequestOutput) -> dict[str, Any]:
             choices = []
@@ -722,13 +803,17 @@ class OpenAIServer:
 
         return await self._respond(prompt, params, rid, body, request, whole,
                                    lambda outputs: self._chat_chunks(outputs, params, rid, created, body, top,
-                                                                     request, mode))
+                                                                     request, mode, prompt_text))
 
     async def _chat_chunks(self, outputs: AsyncGenerator[RequestOutput, None], params: SamplingParams, rid: str,
                            created: int, body: ChatCompletionRequest, top: int,
-                           request: Request, mode: tool_calls.ToolMode | None = None) -> AsyncIterator[dict]:
+                           request: Request, mode: tool_calls.ToolMode | None = None,
+                           prompt_text: str = "") -> AsyncIterator[dict]:
         last = None
         sent: dict[int, int] = {}  # with tools: how much of each choice's text went out as content
+        # With a reasoning parser: each choice's parser, and its answer so far (the text tools read).
+        parsers: dict[int, ReasoningParser] = {}
+        answers: dict[int, str] = {}
 
         def chunk(choices: list[dict], usage: dict | None = None) -> dict:
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
@@ -740,12 +825,25 @@ class OpenAIServer:
         async for d in self._deltas(outputs, rid, request, body.logprobs):
             last, c = d.output, d.completion
             lp = self._logprobs_chat(d.logprobs, top) if d.logprobs is not None else None
+            new, text = d.text, c.text  # the answer's new text, and all of it so far
+            if self.reasoning is not None:
+                parser = parsers.setdefault(c.index, self.reasoning(prompt_text))
+                reasoning, new = parser.feed(d.text)
+                if c.finish_reason is not None:
+                    rest = parser.finish()
+                    reasoning, new = reasoning + rest[0], new + rest[1]
+                if reasoning:  # (reasoning first: it came first)
+                    yield chunk([{"index": c.index, "delta": {"reasoning_content": reasoning}, "logprobs": lp,
+                                  "finish_reason": None}])
+                    lp = None
+                text = answers[c.index] = answers.get(c.index, "") + new
+                if not new and c.finish_reason is None:
+                    continue  # (a tag held back: nothing for the answer yet)
             if mode is None:
-                yield chunk([{"index": c.index, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
+                yield chunk([{"index": c.index, "delta": {"content": new} if new else {}, "logprobs": lp,
                               "finish_reason": c.finish_reason}])
                 continue
             # Tools: content goes out only where it cannot be (part of) a call; calls at the end.
-            text = c.text  # the whole reply so far
             done = sent.get(c.index, 0)
             upto = done if mode.constrained else max(done, tool_calls.holdback(text))
             calls = None
@@ -781,13 +879,15 @@ def _error_param(message: str) -> str | None:
 
 
 def build_app(engine: EngineClient, model_name: str, api_key: str | None = None,
-              chat_template_content_format: str = "auto", media: MediaConnector | None = None) -> FastAPI:
-    return OpenAIServer(engine, model_name, api_key, chat_template_content_format, media).app
+              chat_template_content_format: str = "auto", media: MediaConnector | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
+    return OpenAIServer(engine, model_name, api_key, chat_template_content_format, media, reasoning_parser).app
 
 
 def serve(engine: EngineClient, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, reuse_port: bool = False, chat_template_content_format: str = "auto",
-          exit_on_engine_death: bool = False, media: MediaConnector | None = None) -> None:
+          exit_on_engine_death: bool = False, media: MediaConnector | None = None,
+          reasoning_parser: str | None = None) -> None:
     """Run the server until interrupted, then shut the engine (client) down. ``reuse_port``: bind
     with SO_REUSEPORT, so several server processes share one port (the kernel spreads connections).
     ``exit_on_engine_death``: stop serving and exit with status 1 once the engine has died, so a
@@ -797,7 +897,7 @@ def serve(engine: EngineClient, model_name: str, host: str = "127.0.0.1", port: 
 
     import uvicorn
 
-    app = build_app(engine, model_name, api_key, chat_template_content_format, media)
+    app = build_app(engine, model_name, api_key, chat_template_content_format, media, reasoning_parser)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
     died = threading.Event()
 
@@ -831,7 +931,8 @@ def serve(engine: EngineClient, model_name: str, host: str = "127.0.0.1", port: 
 
 def run_api_server(client_index: int, input_addr: str, output_addr: str, core_pid: int, model_name: str,
                    host: str, port: int, api_key: str | None, chat_template_content_format: str = "auto",
-                   exit_on_engine_death: bool = False, media: MediaConnector | None = None) -> None:
+                   exit_on_engine_death: bool = False, media: MediaConnector | None = None,
+                   reasoning_parser: str | None = None) -> None:
     """One of ``--api-server-count`` front-end processes: an engine-core client with its own index,
     serving HTTP on the shared port."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -839,4 +940,4 @@ def run_api_server(client_index: int, input_addr: str, output_addr: str, core_pi
     client.wait_ready()
     serve(client, model_name, host, port, api_key, reuse_port=True,
           chat_template_content_format=chat_template_content_format, exit_on_engine_death=exit_on_engine_death,
-          media=media)
+          media=media, reasoning_parser=reasoning_parser)

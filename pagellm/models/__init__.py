@@ -21,7 +21,14 @@ _MODELS = {
 }
 
 
+# A base model without its LM head (``AutoModel``'s checkpoints, most embedding models): its causal
+# LM's class, weights named without the ``model.`` prefix (``runner="pooling"`` only).
+BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
+               "Qwen3Model": "Qwen3ForCausalLM", "Gemma2Model": "Gemma2ForCausalLM", "Phi3Model": "Phi3ForCausalLM"}
+
+
 def get_model_class(architecture: str):
+    architecture = BASE_MODELS.get(architecture, architecture)
     if architecture not in _MODELS:
         raise ValueError(f"model architecture {architecture!r} is not supported; supported: {sorted(_MODELS)}")
     module, name = _MODELS[architecture]

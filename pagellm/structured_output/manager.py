@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from pagellm.core.scheduler_output import SchedulerOutput
+from pagellm.reasoning import ThinkTokens
 from pagellm.sampling_params import StructuredOutputsParams
 from pagellm.sequence import Sequence, SequenceGroup
 from pagellm.structured_output.backend import (
@@ -54,7 +55,7 @@ class StructuredOutputManager:
     """One per engine. ``backend``: ``auto`` | ``guidance`` | ``xgrammar``."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_id: int | None, backend: str = "auto",
-                 compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
+                 compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, think: ThinkTokens | None = None) -> None:
         self._backend_args = (backend, hf_tokenizer, vocab_size, eos_token_id)
         self._backend: StructuredOutputBackend | None = None
         self.vocab_size = vocab_size
@@ -67,6 +68,8 @@ class StructuredOutputManager:
         self._grammars: dict[str, CompiledGrammar] = {}
         self._matchers: dict[int, tuple[Matcher, list[int]]] = {}  # seq_id -> (matcher, tokens it took)
         self.stats = StructuredOutputStats()
+        # A reasoning parser's tags: the grammar constrains only the answer after the think block.
+        self.think = think
 
     # ------------------------------------------------------------------ compiling
     @property
@@ -183,8 +186,10 @@ class StructuredOutputManager:
         """Feed ``seq``'s tokens generated since the last call to its matcher. Returns ``"rejected"``
         if the grammar refused one (should not happen: the mask allowed it), ``"terminated"`` when
         the grammar is complete, else ``None``."""
+        out = self._answer(seq)
+        if out is None:  # still thinking: the grammar waits
+            return None
         matcher, taken = self._matcher(request_id, seq)
-        out = seq.output_token_ids
         n = len(taken)
         if n > len(out) or (n and taken[-1] != out[n - 1]):  # (defensive) a different history: replay
             matcher, taken, n = self._grammars[request_id].new_matcher(), [], 0
@@ -198,6 +203,14 @@ class StructuredOutputManager:
                 return "rejected"
             taken.append(tok)
         return "terminated" if matcher.is_terminated() else None
+
+    def _answer(self, seq: Sequence) -> list[int] | None:
+        """The output tokens the grammar constrains: all of them, or with a reasoning parser those
+        after the think block (``None`` until it closed)."""
+        if self.think is None:
+            return seq.output_token_ids
+        start = self.think.answer_start(seq.prompt_token_ids, seq.output_token_ids)
+        return None if start is None else seq.output_token_ids[start:]
 
     def fill_bitmask(self, rows: list[tuple[str, Sequence]]) -> np.ndarray:
         """One bitmask row per ``(request_id, sequence)``, each advanced to its current tokens first."""
@@ -227,6 +240,8 @@ class StructuredOutputManager:
         for s in so.scheduled:
             if s.do_sample and self.is_constrained(s.request_id):
                 seq = next(q for q in requests[s.request_id].seqs if q.seq_id == s.seq_id)
+                if self.think is not None and self._answer(seq) is None:
+                    continue  # thinking: unconstrained
                 so.structured_output_rows[s.seq_id] = len(rows)
                 rows.append((s.request_id, seq))
         if rows:

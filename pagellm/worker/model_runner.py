@@ -21,6 +21,7 @@ from pagellm.attention.metadata import AttentionMetadata
 from pagellm.attention.torch_paged import TorchPagedAttention
 from pagellm.core.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
 from pagellm.layers.custom_op import select_kernels
+from pagellm.layers.pooler import Pooler
 from pagellm.lora.layers import ModelLoRA
 from pagellm.models.decode_graph import DecodeGraphCapture
 from pagellm.models.decoder import DecoderForCausalLM
@@ -74,6 +75,8 @@ class InputBatch:
     mm_segments: list[tuple[int, str, int, int]] = field(default_factory=list)
     # Prompt logprobs to compute: (seq_id, first flat row, its position, the next prompt tokens, k).
     prompt_lp: list[tuple[int, int, int, list[int], int]] = field(default_factory=list)
+    # runner="pooling": (seq_id, first flat row, its position, rows, prompt length) per prompt chunk.
+    pool_spans: list[tuple[int, int, int, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -99,6 +102,7 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphCapture(model)
         # On a GPU: decode-only steps replayed as CUDA graphs (the Worker captures them at start-up).
         self.cuda_graphs: CudaGraphRunner | None = None
+        self.pooler: Pooler | None = None  # runner="pooling" (the Worker sets it)
         # A vision-language model's encoder outputs by image hash (what the scheduler's
         # EncoderCacheManager says this worker holds).
         self.encoder_cache: dict[str, torch.Tensor] = {}
@@ -121,6 +125,8 @@ class ModelRunner:
         """The step's stages: inputs, forward, logits, sample, verify drafts, propose drafts."""
         for seq_id in so.finished_seq_ids:
             self.generators.pop(seq_id, None)
+            if self.pooler is not None:
+                self.pooler.forget(seq_id)
         for h in so.freed_encoder_hashes:
             self.encoder_cache.pop(h, None)
         if not so.scheduled:
@@ -138,7 +144,8 @@ class ModelRunner:
         prompt_lps = self.prompt_logprobs(batch.prompt_lp, hidden) if batch.prompt_lp else {}
         if not batch.logits_rows:
             return ModelRunnerOutput(sampled={}, timings=(t1 - t0, t2 - t1, 0.0), encoder_seconds=t_encoded - t0,
-                                     prompt_logprobs=prompt_lps) if self.is_driver else None
+                                     prompt_logprobs=prompt_lps, pooled=self.pool(batch.pool_spans, hidden)) \
+                if self.is_driver else None
         logits = self.model.compute_logits(hidden[batch.logits_rows]).float()  # a collective under TP
         if not self.is_driver:
             return None
@@ -174,6 +181,7 @@ class ModelRunner:
         draft_row: dict[tuple[int, int], int] = {}  # (seq_id, offset) -> flat row, for drafting sequences
         mm_segments: list[tuple[int, str, int, int]] = []
         prompt_lp: list[tuple[int, int, int, list[int], int]] = []
+        pool_spans: list[tuple[int, int, int, int, int]] = []
         # M-RoPE positions (Qwen2-VL), where a request in the step has images: three rows.
         mrope: list[list[int]] | None = [[], [], []] if any(s.mrope_layout for s in so.scheduled) else None
         for s, i in [decodes[j] for j in meta.decode_order]:
@@ -184,6 +192,8 @@ class ModelRunner:
                 _extend_mrope(mrope, s, p, 1)
             if s.sampling_params.prompt_logprobs is not None:
                 _prompt_positions(s, p, 1, len(input_ids), prompt_lp)
+            if self.pooler is not None:
+                pool_spans.append((s.seq_id, len(input_ids), p, 1, len(s.prompt_token_ids)))
             slots.append(s.block_ids[p // bs] * bs + p % bs)
             input_ids.append(s.token_ids[i])
             positions.append(p)
@@ -199,6 +209,8 @@ class ModelRunner:
                 _extend_mrope(mrope, s, start, s.num_scheduled_tokens)
             if s.sampling_params.prompt_logprobs is not None:
                 _prompt_positions(s, start, s.num_scheduled_tokens, len(input_ids), prompt_lp)
+            if self.pooler is not None:
+                pool_spans.append((s.seq_id, len(input_ids), start, s.num_scheduled_tokens, len(s.prompt_token_ids)))
             for p in range(start, start + s.num_scheduled_tokens):
                 slots.append(s.block_ids[p // bs] * bs + p % bs)
             input_ids.extend(s.token_ids)
@@ -222,7 +234,7 @@ class ModelRunner:
         batch = InputBatch(torch.tensor(input_ids, dtype=torch.long, device=self.device),
                            torch.tensor(positions, dtype=torch.long, device=self.device), meta,
                            decode_lens, decode_tables, chunk_specs, logits_rows, sample_seqs,
-                           mm_segments=mm_segments, prompt_lp=prompt_lp)
+                           mm_segments=mm_segments, prompt_lp=prompt_lp, pool_spans=pool_spans)
         if self.is_driver:
             self._plan_sampling(batch)
         return batch
@@ -284,6 +296,17 @@ class ModelRunner:
                     entry.setdefault(t, (v, r))
                     entries.append(entry)
             out[seq_id] = (pos0, entries)
+        return out
+
+    def pool(self, spans: list[tuple[int, int, int, int, int]], hidden: torch.Tensor) -> dict[int, list[float]]:
+        """The pooler over each prompt chunk's hidden rows: the vectors of prompts that ended."""
+        out: dict[int, list[float]] = {}
+        if self.pooler is None:
+            return out
+        for seq_id, row0, start, n, prompt_len in spans:
+            vec = self.pooler.chunk(seq_id, hidden[row0:row0 + n], start, prompt_len)
+            if vec is not None:
+                out[seq_id] = vec.cpu().tolist()
         return out
 
     def encode(self, inputs: list[tuple[str, dict[str, Any]]]) -> None:

@@ -24,14 +24,17 @@ from pagellm.kernels.machine import Numerics, choose_numerics, cpu_info
 from pagellm.layers.custom_op import select_kernels
 from pagellm.layers.linear import Linear
 from pagellm.layers.moe import SparseMoeBlock
+from pagellm.layers.pooler import Pooler
 from pagellm.lora.adapter import LoRAAdapter, load_adapter
 from pagellm.lora.layers import ModelLoRA, module_shapes
 from pagellm.lora_request import AdapterSpec
-from pagellm.models import get_model_class
+from pagellm.models import BASE_MODELS, get_model_class
 from pagellm.models.decoder import DecoderForCausalLM, model_sliding_window
+from pagellm.pooling_params import PoolingInfo
 from pagellm.weights import freq_factors, iter_weights, load_model_config
 from pagellm.weights.gguf_quant import KERNEL_TYPES, int8_format, part_format
 from pagellm.weights.loader import projection_dtype
+from pagellm.weights.pooling_setup import resolve_pooling
 from pagellm.worker.cache_engine import CacheEngine, HostKVMemory, KVCacheSpec
 from pagellm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
 from pagellm.worker.draft_runner import DraftRunner
@@ -93,6 +96,7 @@ class ModelInfo:
     # What the K/V of a block depend on besides its tokens (sha256 hex): KV transfer keys on it.
     kv_fingerprint: str = ""
     is_multimodal: bool = False  # takes images (a vision-language model: ``encode_images``)
+    pooling: PoolingInfo | None = None  # runner="pooling": how prompts become vectors
 
 
 class Worker:
@@ -153,7 +157,13 @@ class Worker:
         hf_config = load_model_config(source)
         if self.config.model.max_model_len:
             hf_config.get_text_config().max_model_len = self.config.model.max_model_len  # (what longrope decides by)
-        cls = get_model_class(hf_config.architectures[0])
+        arch = hf_config.architectures[0]
+        cls = get_model_class(arch)
+        base = arch in BASE_MODELS  # (no LM head: a pooling runner's; tied, so none is expected)
+        if base and self.config.model.runner != "pooling":
+            raise ValueError(f"{arch} is a base model without an LM head: it can only embed (runner='pooling')")
+        if base:
+            hf_config.tie_word_embeddings = True
         with torch.device("meta"):
             num_layers = hf_config.get_text_config().num_hidden_layers
             if self.pp.num_stages > num_layers:
@@ -173,8 +183,10 @@ class Worker:
             for m in model.modules():
                 if isinstance(m, Linear):
                     m.weight = nn.Parameter(torch.empty(m.weight.shape, dtype=torch.bfloat16), requires_grad=False)
-        model.load_weights(iter_weights(source, hf_config, lazy=sharded,
-                                        keep_gguf_blocks=source.is_gguf and not sharded and self._int8_possible()))
+        weights = iter_weights(source, hf_config, lazy=sharded,
+                               keep_gguf_blocks=source.is_gguf and not sharded and self._int8_possible())
+        model.load_weights(((n if n.startswith("model.") else f"model.{n}", t) for n, t in weights) if base
+                           else weights)
         return (model if chosen is not None else model.to(self.dtype)).eval(), hf_config, source
 
     def _numerics_before_loading(self, model: DecoderForCausalLM, source: Any, sharded: bool,
@@ -248,6 +260,7 @@ class Worker:
                                  "would not see (use method 'ngram' or 'suffix')")
             self._load_draft(spec_cfg.model, text_config.vocab_size)
         self.max_positions = text_config.max_position_embeddings
+        self.pooling = self._pooling(model, hf_config, source.path)
         lora = self.config.lora
         if lora.enable_lora and any(isinstance(m, SparseMoeBlock) for m in model.modules()):
             raise ValueError(f"enable_lora: LoRA adapters on a mixture-of-experts model ({arch}) are not supported")
@@ -267,7 +280,29 @@ class Worker:
             lora_module_shapes=module_shapes(model),
             kv_fingerprint=self.kv_fp.hex(),
             is_multimodal=hasattr(model, "encode_images"),
+            pooling=self.pooling,
         )
+
+    def _pooling(self, model: DecoderForCausalLM, hf_config: Any, path: str) -> PoolingInfo | None:
+        """The pooling runner's setup (``None`` for a generating one), refusing what it lacks."""
+        cfg = self.config
+        if cfg.model.runner != "pooling":
+            return None
+        unsupported = {"a vision-language model": hasattr(model, "encode_images"),
+                       "pipeline parallelism": self.pp.num_stages > 1,
+                       "speculative_config": cfg.speculative is not None, "enable_lora": cfg.lora.enable_lora}
+        for name, on in unsupported.items():
+            if on:
+                raise ValueError(f"runner='pooling' does not support {name} yet")
+        user = cfg.model.pooler_config
+        pooling_type, normalize = resolve_pooling(path, user.pooling_type if user else None,
+                                                  user.normalize if user else None)
+        text = hf_config.get_text_config()
+        matryoshka = getattr(text, "matryoshka_dimensions", None) or bool(getattr(text, "is_matryoshka", False))
+        info = PoolingInfo(pooling_type, normalize, text.hidden_size, matryoshka)
+        logger.info("pooling runner: %s pooling, %s, %d dimensions", pooling_type,
+                    "normalized" if normalize else "not normalized", text.hidden_size)
+        return info
 
     def _kv_fingerprint(self, path: str, arch: str) -> bytes:
         """The identity of this worker's K/V values and layout: model weights (their files'
@@ -411,6 +446,8 @@ class Worker:
         self.model_runner = ModelRunner(self.model, self.spec.block_size, self.device, self.attn_backend,
                                         self.tp.is_driver and self.pp.is_last)
         self.model_runner.lora = self.model_lora
+        if self.pooling is not None:
+            self.model_runner.pooler = Pooler(self.pooling.pooling_type, self.pooling.normalize)
         if graphs:
             self._capture_cuda_graphs()
         kvt = self.config.kv_transfer

@@ -1,0 +1,45 @@
+"""Embedding requests (``runner="pooling"``): vLLM's ``PoolingParams``, the runner's resolved setup
+(``PoolingInfo``, which crosses process bounds as plain data), and Matryoshka ``dimensions``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingInfo:
+    """A pooling runner's setup, resolved at start-up (``weights/pooling_setup.py``)."""
+
+    pooling_type: str  # LAST, MEAN or CLS
+    normalize: bool
+    hidden_size: int
+    # Matryoshka embeddings (a request's ``dimensions`` may cut them): the sizes the checkpoint
+    # lists, True for any size, False for none.
+    matryoshka: list[int] | bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingParams:
+    """``dimensions``: keep the first this many values (a Matryoshka model's), normalized again."""
+
+    dimensions: int | None = None
+
+    def apply(self, vector: list[float], info: PoolingInfo) -> list[float]:
+        """``vector`` cut to ``dimensions``; a ``ValueError`` naming ``dimensions`` where the model
+        cannot be cut there."""
+        n = self.dimensions
+        if n is None or n == len(vector):
+            return vector
+        if not info.matryoshka:
+            raise ValueError("dimensions: this model does not support Matryoshka representation (its config "
+                             "declares no matryoshka_dimensions)")
+        allowed = info.matryoshka if isinstance(info.matryoshka, list) else None
+        if not isinstance(n, int) or n < 1 or n > len(vector) or (allowed is not None and n not in allowed):
+            raise ValueError(f"dimensions must be {'one of ' + str(allowed) if allowed else f'in [1, {len(vector)}]'}, "
+                             f"got {n!r}")
+        cut = vector[:n]
+        if not info.normalize:
+            return cut
+        norm = math.sqrt(math.fsum(x * x for x in cut)) or 1.0
+        return [x / norm for x in cut]
