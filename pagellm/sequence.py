@@ -217,8 +217,11 @@ class SequenceGroup:
 
     @property
     def prompt_logprobs_done(self) -> bool:
-        """Whether every prompt position after the first has its entry."""
-        return self.prompt_logprobs is not None and all(e is not None for e in self.prompt_logprobs[1:])
+        """Whether every prompt position after the first has its entry (a one-token prompt has none
+        to score)."""
+        if self.prompt_logprobs is None:
+            return self.sampling_params.prompt_logprobs is not None and len(self.prompt_token_ids) == 1
+        return all(e is not None for e in self.prompt_logprobs[1:])
 
     def is_finished(self) -> bool:
         return all(s.status.is_finished for s in self.seqs)

@@ -63,6 +63,7 @@ def test_prompt_logprobs_equal_hf_under_small_chunks(path):
     for prompt, out in zip(PROMPTS, outs, strict=True):
         check_against_hf(path, prompt, out.prompt_logprobs)
     assert _generate(llm, PROMPTS[:1], k=None)[0].prompt_logprobs is None
+    assert _generate(llm, [[42]])[0].prompt_logprobs == [None]  # (one token: nothing to score)
     zero = _generate(llm, PROMPTS[1:2], k=0)[0].prompt_logprobs
     assert [list(d) for d in zero[1:]] == [[t] for t in PROMPTS[1][1:]]  # only each actual token
     with pytest.raises(ValueError, match="prompt_logprobs must be an integer in"):

@@ -156,8 +156,7 @@ class OutputProcessor:
         """vLLM's ``RequestOutput.prompt_logprobs`` once the whole prompt is computed."""
         done = self._prompt_logprobs.get(group.request_id)
         if done is None and group.prompt_logprobs_done:
-            assert group.prompt_logprobs is not None
             done = [None if d is None else {t: Logprob(lp, rank, self.tokenizer.decode([t], False))
-                                            for t, (lp, rank) in d.items()} for d in group.prompt_logprobs]
+                                            for t, (lp, rank) in d.items()} for d in group.prompt_logprobs or [None]]
             self._prompt_logprobs[group.request_id] = done
         return done
