@@ -149,7 +149,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.logits_rows]).float()  # a collective under TP
         if not self.is_driver:
             return None
-        result = ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_lps)
+        result = ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_lps, pooled=self.pool(batch.pool_spans, hidden))
         self.sample(batch, logits, so, result)
         self.verify_drafts(batch, logits, result)
         if self.draft is not None and so.draft_k:
