@@ -212,34 +212,3 @@ def test_grouped_weights_give_each_row_its_own_weights_bits(kind: str) -> None:
     with pytest.raises(ValueError, match="offsets must rise"):
         gemm.linear_grouped(x, torch.tensor([p.data_ptr() for p in packed]), offsets - 1, n, bits, amx)
 
-
-def test_an_unpacked_bfloat16_weight_multiplies_float32_activations(ckpt_root, monkeypatch) -> None:
-    """With the kernels off (``PAGELLM_CPU_KERNELS=0``) a bfloat16 checkpoint's projections stay
-    unpacked bfloat16 while activations are float32: the product runs in bfloat16 (it raised a
-    dtype error before), and a whole model generates."""
-    torch.manual_seed(0)
-    layer = Linear(64, 32)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(32, 64) * 0.1)
-        layer.bias.copy_(torch.randn(32))
-    layer.to(torch.bfloat16)
-    x = torch.randn(5, 64)
-    ref = x.double() @ layer.weight.double().T + layer.bias.double()
-    y = layer(x)
-    assert y.dtype == torch.float32
-    torch.testing.assert_close(y.double(), ref, rtol=0.02, atol=0.05)
-
-    import transformers
-
-    from pagellm import LLM, SamplingParams
-
-    from conftest import build_tiny_checkpoint
-
-    src = build_tiny_checkpoint(ckpt_root, "llama")
-    path = f"{src}-bf16"
-    transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(path)
-    transformers.AutoTokenizer.from_pretrained(src).save_pretrained(path)
-    monkeypatch.setenv("PAGELLM_CPU_KERNELS", "0")
-    out = LLM(path).generate([[1, 5, 9]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-                             use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 6

@@ -324,6 +324,39 @@ def test_bfloat16_is_logprob_close_to_hf_float32(ckpt_root, arch):
     assert all(g <= MAX_GAP["tiny_bfloat16"] for g in gaps), f"divergences at HF logprob gaps {gaps}"
 
 
+def test_a_16_bit_model_without_the_cpu_kernels_computes_in_its_own_dtype(ckpt_root, tmp_path):
+    """``dtype="float16"`` (no CPU kernel takes it) and ``dtype="bfloat16"`` with the kernels off:
+    the projections keep the model's dtype and ``F.linear`` runs in it (they were widened to
+    float32 for packing, which then failed on 16-bit activations), logprob-close to HF float32."""
+    import subprocess
+
+    from pagellm.layers.linear import Linear
+
+    path = build_tiny_checkpoint(ckpt_root, "llama")
+    prompts = random_prompts(4, seed=7, hi=120)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    got, engine = engine_greedy_top(path, prompts, NEW_TOKENS, dtype="float16")
+    linears = [m for m in engine.executor.worker.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.weight.dtype == torch.float16 and m.packed is None for m in linears)
+    gaps = check_logprobs_close(got, [hf_greedy_top(hf, p, NEW_TOKENS) for p in prompts])
+    assert all(g <= MAX_GAP["tiny_bfloat16"] for g in gaps), f"divergences at HF logprob gaps {gaps}"
+    # A bfloat16 checkpoint with the kernels off, in a process of its own (the kernels are chosen
+    # once per process).
+    bf16 = str(tmp_path / "bf16")
+    transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(bf16)
+    transformers.AutoTokenizer.from_pretrained(path).save_pretrained(bf16)
+    code = ("from pagellm import LLM, SamplingParams; import torch; from pagellm.layers.linear import Linear\n"
+            f"llm = LLM({bf16!r}, dtype='bfloat16')\n"
+            "out = llm.generate([[1, 5, 9]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), "
+            "use_tqdm=False)\n"
+            "m = llm.llm_engine.executor.worker.model\n"
+            "assert all(x.weight.dtype == torch.bfloat16 for x in m.modules() if isinstance(x, Linear))\n"
+            "print(len(out[0].outputs[0].token_ids))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PAGELLM_CPU_KERNELS": "0"})
+    assert run.returncode == 0 and run.stdout.split()[-1] == "6", run.stderr[-2000:]
+
+
 def test_the_tiny_mixtrals_bfloat16_divergences_are_hfs_own(ckpt_root):
     """Why the tiny Mixtral is not in the gate above: where pagellm's bfloat16 run leaves the float32
     reference's top 5, HF itself does, at the same position with the same tokens, once its attention

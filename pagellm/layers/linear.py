@@ -215,9 +215,6 @@ class Linear(nn.Linear):
             return gemm.linear(x, self.packed_q, self.out_features, bias, bits=self.q_bits)
         if self.packed is not None:
             return gemm.linear(x, self.packed, self.out_features, bias)
-        if x.dtype != self.weight.dtype:  # a bfloat16 weight left unpacked (kernels off): bfloat16 GEMMs
-            return F.linear(x.to(self.weight.dtype), self.weight, None if bias is None else bias.to(
-                self.weight.dtype)).to(x.dtype)
         return F.linear(x, self.weight, bias)
 
     def gemm_descriptor(self) -> list[int] | None:

@@ -380,7 +380,7 @@ class Worker:
                         time.perf_counter() - start)
         weight_types = gguf_weight_types(model)
         packed_int8 = 0
-        if self.device.type == "cpu" and hasattr(model, "pack_for_cpu"):
+        if self.cpu_numerics and hasattr(model, "pack_for_cpu"):
             packed_int8 = model.pack_for_cpu(numerics.compute_dtype, numerics.int8, after_each=trim)
             trim()
         if weight_types:
