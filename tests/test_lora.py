@@ -295,3 +295,29 @@ def test_smollm2_mixed_batch_matches_peft(smollm2_path, tmp_path):
     got, _ = _run(None, prompts, which, max_loras=3, kv_cache_memory="256MiB")
     assert got == want
     assert sum(w != b for w, b in zip(want, base, strict=True)) >= 3, "the adapters must change the outputs"
+
+
+def test_a_16_bit_model_keeps_its_adapters_in_its_dtype(ckpt_root):
+    """A float16 model (no CPU kernel: the torch path in float16) multiplies its activations by
+    adapter slots of its own dtype, logprob-close to the float32 engine with the same adapter."""
+    from test_numerics import check_logprobs_close
+
+    from pagellm.lora.layers import lora_modules
+
+    path = build_tiny_checkpoint(ckpt_root, "llama")
+    adapter = make_adapter(path, f"{path}-lora-qv", 1, ["q_proj", "v_proj"])
+    prompts = random_prompts(4, seed=13, hi=60)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=5)
+    runs = {}
+    for dtype in ("float32", "float16"):
+        engine = LLMEngine.from_engine_args(EngineArgs(model=path, dtype=dtype, enable_lora=True,
+                                                       kv_cache_memory="64MiB"))
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": p}, params, lora_request=LoRARequest("qv", 1, adapter))
+        done = run_to_completion(engine)
+        runs[dtype] = [(done[str(i)].outputs[0].token_ids,
+                        [{t: lp[t].logprob for t in sorted(lp, key=lambda t: lp[t].rank)[:5]}
+                         for lp in done[str(i)].outputs[0].logprobs]) for i in range(len(prompts))]
+        slots = [m.lora for m in lora_modules(engine.executor.worker.model).values()]
+        assert slots and all(s.At.dtype == getattr(torch, dtype) for s in slots)
+    check_logprobs_close(runs["float16"], runs["float32"])

@@ -111,12 +111,11 @@ class ModelLoRA:
                  dtype: torch.dtype = torch.float32) -> None:
         self.ctx = LoRAContext()
         self.modules = lora_modules(model)
-        # On a CPU the slots stay float32 (the kernel's and the packed GEMMs' activations); on a GPU
-        # they take the model's dtype, as the torch path multiplies them with its activations.
-        slot_dtype = torch.float32 if device.type == "cpu" else dtype
+        # ``dtype``: the activations' (float32 between a CPU's packed GEMMs, else the model's), which
+        # the updates multiply.
         for m in self.modules.values():
             m.lora = LoRASlots(self.ctx, num_slots, m.in_features, [o for _, o in _parts(m)], max_rank, device,
-                               slot_dtype)
+                               dtype)
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         for key, m in self.modules.items():
