@@ -25,19 +25,25 @@ class PoolingParams:
 
     dimensions: int | None = None
 
-    def apply(self, vector: list[float], info: PoolingInfo) -> list[float]:
-        """``vector`` cut to ``dimensions``; a ``ValueError`` naming ``dimensions`` where the model
-        cannot be cut there."""
-        n = self.dimensions
-        if n is None or n == len(vector):
-            return vector
+    def check(self, info: PoolingInfo) -> None:
+        """A ``ValueError`` naming ``dimensions`` where this model's vectors cannot be cut there."""
+        n, size = self.dimensions, info.hidden_size
+        if n is None or n == size:
+            return
         if not info.matryoshka:
             raise ValueError("dimensions: this model does not support Matryoshka representation (its config "
                              "declares no matryoshka_dimensions)")
         allowed = info.matryoshka if isinstance(info.matryoshka, list) else None
-        if not isinstance(n, int) or n < 1 or n > len(vector) or (allowed is not None and n not in allowed):
-            raise ValueError(f"dimensions must be {'one of ' + str(allowed) if allowed else f'in [1, {len(vector)}]'}, "
+        if not isinstance(n, int) or n < 1 or n > size or (allowed is not None and n not in allowed):
+            raise ValueError(f"dimensions must be {'one of ' + str(allowed) if allowed else f'in [1, {size}]'}, "
                              f"got {n!r}")
+
+    def apply(self, vector: list[float], info: PoolingInfo) -> list[float]:
+        """``vector`` cut to ``dimensions`` (``check`` first)."""
+        self.check(info)
+        n = self.dimensions
+        if n is None or n == len(vector):
+            return vector
         cut = vector[:n]
         if not info.normalize:
             return cut

@@ -113,6 +113,7 @@ class LLM:
         if info is None:
             raise ValueError("LLM.embed needs an LLM made with runner='pooling'")
         params = pooling_params or PoolingParams()
+        params.check(info)  # (refused before anything runs)
         ids = []
         try:
             for prompt in _prompt_list(prompts):

@@ -427,36 +427,30 @@ class OpenAIServer:
                 yield Delta(out, c, text, part, first, start)
 
     def _logprobs_completion(self, c: Any, offset0: int) -> dict[str, Any] | None:
-        if c.logprobs is None:
-            return None
+        return None if c.logprobs is None else self._legacy_logprobs(c.token_ids, c.logprobs, offset0)
+
+    def _legacy_logprobs(self, token_ids: list[int], logprobs: list[Any], offset0: int) -> dict[str, Any]:
+        """OpenAI's legacy ``logprobs`` of these tokens, their text starting at ``offset0``; an
+        entry ``None`` (a prompt's first token) has no logprob and no top ones."""
         tokens, token_lps, tops, offsets = [], [], [], []
         off = offset0
-        for tid, d in zip(c.token_ids, c.logprobs, strict=False):
+        for tid, d in zip(token_ids, logprobs, strict=False):
             text = self.tokenizer.decode([tid], False)
             tokens.append(text)
-            token_lps.append(d[tid].logprob if tid in d else None)
-            tops.append({v.decoded_token or self.tokenizer.decode([t], False): v.logprob for t, v in d.items()})
+            token_lps.append(d[tid].logprob if d is not None and tid in d else None)
+            tops.append(None if d is None else {v.decoded_token or self.tokenizer.decode([t], False): v.logprob
+                                                for t, v in d.items()})
             offsets.append(off)
             off += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     def _logprobs_echoed(self, out: RequestOutput, c: Any, echo: bool, offset0: int) -> dict[str, Any] | None:
-        """OpenAI's legacy logprobs, led by the prompt's tokens where it is echoed: the first with no
-        logprob, each other with its own and the top ones (``prompt_logprobs``)."""
+        """OpenAI's legacy logprobs, led by the prompt's tokens where it is echoed (``prompt_logprobs``)."""
         lp = self._logprobs_completion(c, offset0)
         if lp is None or not echo or out.prompt_logprobs is None:
             return lp
-        tokens, token_lps, tops, offsets = [], [], [], []
-        off = 0
-        for tid, d in zip(out.prompt_token_ids, out.prompt_logprobs, strict=True):
-            text = self.tokenizer.decode([tid], False)
-            tokens.append(text)
-            token_lps.append(None if d is None else d[tid].logprob)
-            tops.append(None if d is None else {v.decoded_token or "": v.logprob for v in d.values()})
-            offsets.append(off)
-            off += len(text)
-        return {"tokens": tokens + lp["tokens"], "token_logprobs": token_lps + lp["token_logprobs"],
-                "top_logprobs": tops + lp["top_logprobs"], "text_offset": offsets + lp["text_offset"]}
+        prompt = self._legacy_logprobs(out.prompt_token_ids, out.prompt_logprobs, 0)
+        return {key: prompt[key] + lp[key] for key in lp}
 
     def _logprobs_chat(self, c: Any, top: int) -> dict[str, Any] | None:
         if c.logprobs is None:
@@ -647,7 +641,7 @@ class OpenAIServer:
                            param="encoding_format")
         params = PoolingParams(body.dimensions)
         try:
-            params.apply([1.0] * info.hidden_size, info)  # (refused before anything runs)
+            params.check(info)  # (refused before anything runs)
         except ValueError as e:
             raise APIError(str(e), param="dimensions") from None
         inputs = self._embedding_inputs(body.input)
