@@ -94,7 +94,7 @@ def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, cache_d
         seqs.append((num_computed, n, blocks, k_all, v_all, torch.randn(n, hq, d)))
     decodes = [s for s in seqs if s[1] == 1 and s[0] > 0]
     chunks = [s for s in seqs if not (s[1] == 1 and s[0] > 0)]
-    prefill_kernel = decode_kernel and d == 64
+    prefill_kernel = decode_kernel and d in (64, 128)
     # The backend the engine would choose for this cache: the reference, or the kernels that apply.
     backend = CpuPagedAttention.for_cache(key_cache, torch.float32) if decode_kernel else TorchPagedAttention()
     assert getattr(backend, "decode_kernel", False) == decode_kernel
@@ -184,14 +184,14 @@ def test_decode_kernel_with_a_window_and_a_softcap_equals_a_float64_formula(wind
         start += n
 
 
-@pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4), (32, 1)])
-def test_prefill_kernel_over_long_contexts(hq, hkv):
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 64), (32, 1, 64), (16, 8, 128), (5, 1, 128)])
+def test_prefill_kernel_over_long_contexts(hq, hkv, d):
     """Chunks after thousands of cached tokens and a long fresh prompt: the prefill kernel's tiling
     changes with the context length (fewer query tokens per task), the result must not."""
-    backend = CpuPagedAttention.for_cache(torch.empty(1, hkv, 64), torch.float32)
+    backend = CpuPagedAttention.for_cache(torch.empty(1, hkv, d), torch.float32)
     require_cpu_kernel(lambda: backend.prefill_kernel)
     torch.manual_seed(0)
-    bs, d = 16, 64
+    bs = 16
     shapes = [(3000, 40), (0, 1100), (1999, 1)]
     num_blocks = sum(-(-(c + n) // bs) for c, n in shapes) + 8
     key_cache, value_cache = torch.randn(num_blocks * bs, hkv, d), torch.randn(num_blocks * bs, hkv, d)
@@ -213,16 +213,17 @@ def test_prefill_kernel_over_long_contexts(hq, hkv):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.int8])
-def test_prefill_kernel_gives_the_decode_kernels_bits(cache_dtype):
+@pytest.mark.parametrize("d,hq", [(64, 9), (128, 6)])
+def test_prefill_kernel_gives_the_decode_kernels_bits(cache_dtype, d, hq):
     """Prompt tokens through the prefill kernel and the same tokens decoded one by one give the same
     bits (a request preempted by recompute prefills tokens it had decoded, and a cached answer
     repeated in a prompt was decoded): fresh chunks, chunks after thousands of cached tokens,
-    one-token chunks, grouped-query heads, every cache type."""
-    backend = CpuPagedAttention.for_cache(torch.empty(1, 3, cache_head_dim(64, cache_dtype), dtype=cache_dtype),
+    one-token chunks, grouped-query heads, every cache type, both head sizes."""
+    hkv, bs, num_blocks = 3, 16, 400
+    backend = CpuPagedAttention.for_cache(torch.empty(1, hkv, cache_head_dim(d, cache_dtype), dtype=cache_dtype),
                                           torch.float32)
     require_cpu_kernel(lambda: backend.prefill_kernel and backend.decode_kernel)
     torch.manual_seed(3)
-    hq, hkv, d, bs, num_blocks = 9, 3, 64, 16, 400
     key_cache = to_cache(torch.randn(num_blocks * bs, hkv, d), cache_dtype)
     value_cache = to_cache(torch.randn(num_blocks * bs, hkv, d), cache_dtype)
     free = torch.randperm(num_blocks).tolist()

@@ -47,6 +47,31 @@ def test_rms_norm_reads_row_strided_input():
         assert torch.allclose(cpu_ops.rms_norm(x, w, 1e-6), ref._norm(x.contiguous()), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("t", [1, 3, 50])
+def test_per_head_rms_norm_reads_the_qkv_output_in_place(t, monkeypatch):
+    """Qwen3's q/k norm: every head row of a strided [T, H, D] view of the qkv output, against a
+    float64 formula; RMSNorm's kernel path takes it (3-D input, heads contiguous)."""
+    torch.manual_seed(t)
+    hq, hkv, d = 4, 2, 128
+    qkv = torch.randn(t, (hq + 2 * hkv) * d) * 3
+    q = qkv[:, :hq * d].view(t, hq, d)
+    w = torch.randn(d)
+    x = q.double()
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    got = cpu_ops.rms_norm_heads(q, w, 1e-6)
+    assert got.shape == (t, hq, d) and got.is_contiguous()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    norm = RMSNorm(d, 1e-6)
+    norm.use_kernel = True
+    with torch.no_grad():
+        norm.weight.copy_(w)
+    calls = []
+    monkeypatch.setattr(cpu_ops, "rms_norm_heads", lambda *a: calls.append(1) or got)
+    with torch.inference_mode():
+        norm(q)
+    assert calls == [1]
+
+
 @pytest.mark.parametrize("t", [1, 40])
 def test_rotary_in_place_equals_apply_rotary_exactly(t):
     rope = RotaryEmbedding(64, 4096, 100000.0)

@@ -117,7 +117,7 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: to
 # query tile), and shares each K/V row among the KV head's query heads: 2.1-2.4x SDPA's rate on
 # SmolLM2's shapes (docs/performance.md).
 _PREFILL_ARGS = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
-                 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_float])
+                 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int64])
 _PREFILL_SIGNATURES: kernels.Signatures = {
     "paged_prefill_f32": (ctypes.c_int, _PREFILL_ARGS),
     "paged_prefill_f16": (ctypes.c_int, _PREFILL_ARGS),
@@ -129,7 +129,7 @@ _PREFILL = {torch.float32: "paged_prefill_f32", torch.float16: "paged_prefill_f1
 
 def prefill_usable_for(key_cache: torch.Tensor) -> bool:
     """Whether prefill chunks over this cache (``[num_slots, Hkv, D]``) can take the prefill kernel:
-    a float32, float16 or int8 CPU cache with head size 64 on an AVX-512 machine."""
+    a float32, float16 or int8 CPU cache with head size 64 or 128 on an AVX-512 machine."""
     if key_cache.device.type != "cpu" or key_cache.dtype not in _PREFILL:
         return False
     lib = kernels.load("paged_prefill", _PREFILL_SIGNATURES)
@@ -167,5 +167,5 @@ def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: t
     status = getattr(lib, _PREFILL[key_cache.dtype])(out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0),
                                    key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
                                    block_tables.shape[1], token_starts.data_ptr(), num_computed.data_ptr(),
-                                   query_lens.data_ptr(), len(token_starts), hq, hkv, block_size, scale)
+                                   query_lens.data_ptr(), len(token_starts), hq, hkv, block_size, scale, d)
     _check_status(status, "prefill")

@@ -3,7 +3,7 @@
 Decided once, at start-up, from the cache and the model dtype (:meth:`CpuPagedAttention.for_cache`):
 which kernels apply here (``cpu_kernel.py``: decode over a float32, float16 or int8 cache, with a
 layer's sliding window and logit soft-cap where it has them; prefill
-over the same with head size 64 on AVX-512, summing as the decode kernel does; ``cpu_ops.write_kv``:
+over the same with head size 64 or 128 on AVX-512, summing as the decode kernel does; ``cpu_ops.write_kv``:
 the K/V write). Each step's metadata then names the kernel groups (``DECODE_KERNEL``, ``PREFILL_KERNEL``) and
 ``TorchPagedAttention.forward`` runs them through the methods registered for those kinds. Nothing
 is re-checked per layer except the layout the kernels need.

@@ -22,27 +22,41 @@
 
 #define PAR_MIN_ROWS 16
 
+/* h[0:n] = norm(xr[0:n]). HF: h * rsqrt(mean(h^2) + eps), then weight * h. */
+static inline __attribute__((always_inline)) void norm_row(const float *xr, const float *weight, float *h, int64_t n,
+                                                           float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
+  const float inv = 1.f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) h[i] = weight[i] * (xr[i] * inv);
+}
+
 /* x [T, n] (row stride x_stride); if residual: residual += x, out = norm(residual); else out =
- * norm(x). out [T, n] contiguous. HF: h * rsqrt(mean(h^2) + eps), then weight * h. */
+ * norm(x). out [T, n] contiguous. */
 void rms_norm_f32(const float *x, int64_t x_stride, float *residual, const float *weight, float *out,
                   int64_t T, int64_t n, float eps) {
 #pragma omp parallel for if (T >= PAR_MIN_ROWS)
   for (int64_t t = 0; t < T; ++t) {
     const float *xr = x + t * x_stride;
-    float *h = out + t * n;
     if (residual) {
       float *r = residual + t * n;
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) r[i] += xr[i];
       xr = r;
     }
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
-    const float inv = 1.f / sqrtf(ss / (float)n + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) h[i] = weight[i] * (xr[i] * inv);
+    norm_row(xr, weight, out + t * n, n, eps);
   }
+}
+
+/* A norm per head (Qwen3's q/k norm): x [T, H, n] with row stride x_stride and heads contiguous
+ * (a strided view of the qkv output, read in place); out [T, H, n] contiguous. */
+void rms_norm_heads_f32(const float *x, int64_t x_stride, const float *weight, float *out, int64_t T, int64_t H,
+                        int64_t n, float eps) {
+#pragma omp parallel for if (T >= PAR_MIN_ROWS)
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) norm_row(x + t * x_stride + h * n, weight, out + (t * H + h) * n, n, eps);
 }
 
 /* Rotate-half rotary, in place: x [T, H, D] with row stride x_stride (heads contiguous), per-token

@@ -17,6 +17,7 @@ from pagellm import kernels
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES: kernels.Signatures = {
     "rms_norm_f32": (None, [_P, _I, _P, _P, _P, _I, _I, _F]),
+    "rms_norm_heads_f32": (None, [_P, _I, _P, _P, _I, _I, _I, _F]),
     "rotary_f32": (None, [_P, _I, _P, _P, _I, _I, _I]),
     "silu_and_mul_f32": (None, [_P, _P, _I, _I]),
     "moe_combine_f32": (None, [_P, _P, _P, _P, _I, _I, _I]),
@@ -74,6 +75,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         raise ValueError("residual must be contiguous")
     _lib().rms_norm_f32(x.data_ptr(), _rows(x, "x"), None if residual is None else residual.data_ptr(),
                       weight.contiguous().data_ptr(), out.data_ptr(), t, n, eps)
+    return out
+
+
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``norm`` of every head row of ``x [T, H, n]`` (rows strided allowed, heads contiguous);
+    returns a new contiguous ``[T, H, n]``."""
+    t, h, n = x.shape
+    if x.stride(2) != 1 or x.stride(1) != n:
+        raise ValueError(f"x must have contiguous heads, got strides {x.stride()}")
+    out = torch.empty(t, h, n, dtype=x.dtype)
+    _lib().rms_norm_heads_f32(x.data_ptr(), x.stride(0), weight.contiguous().data_ptr(), out.data_ptr(), t, h, n, eps)
     return out
 
 

@@ -1,11 +1,11 @@
-/* Paged prefill attention for CPU: every prefill chunk of a step, float32 or float16 cache, head
- * size 64 (AVX-512). Each query token attends causally to its sequence's cached K/V, read straight from
+/* Paged prefill attention for CPU: every prefill chunk of a step, float32, float16 or int8 cache,
+ * head size 64 or 128 (AVX-512; D = 16 * DV below, each instance compiled with its own constant). Each query token attends causally to its sequence's cached K/V, read straight from
  * the blocks (the chunk's own K/V were written there first), so a chunk that starts after cached
  * tokens (prefix-cache hit, chunked prefill) needs no gather and no mask tensor.
  *
- * out:          [T, out_stride]       row t, head j at out + t * out_stride + j * 64
+ * out:          [T, out_stride]       row t, head j at out + t * out_stride + j * D
  * q:            [T, q_stride]         the same layout (q is a strided view of the qkv output)
- * key/value:    [num_slots, Hkv, 64]  slot = block_id * block_size + offset
+ * key/value:    [num_slots, Hkv, D]   slot = block_id * block_size + offset
  * block_tables: [C, max_blocks]       int64, one row per chunk
  * token_starts, num_computed, q_lens: [C] int64; chunk c's tokens are rows token_starts[c] ..,
  *               at positions num_computed[c] .. num_computed[c] + q_lens[c] - 1
@@ -14,8 +14,8 @@
  * g = Hq / Hkv query heads of that KV head, so every K/V row loaded serves g heads. Rows are
  * the vector lanes throughout: q is transposed once per task (Qt[d][row], pre-scaled), the
  * scores are computed key-major (St[key][row]: a key's element broadcast against 32 rows of Qt),
- * the softmax runs down the keys 16 rows at a time, and P V accumulates 4 rows x 64 dims in
- * registers over 128-key slices of V that stay in L1. No K transpose is needed. Every sum runs in
+ * the softmax runs down the keys 16 rows at a time, and P V accumulates 32 rows x 8 dims in
+ * registers (rows as lanes again: a key's weights are one load) over slices of V that stay in L1. No K transpose is needed. Every sum runs in
  * the decode kernel's order (paged_decode.c): a score as its 16 partial sums folded by sum16's
  * tree, the softmax denominator as 16 running sums added by hsum512's, P V key by key. So a
  * token's result is the same bits whether it was decoded or prefilled, and whatever the chunking
@@ -31,12 +31,19 @@
 #endif
 #include "simd_common.h"
 
-int paged_prefill_supported(int64_t D) { return avx512_head64(D); }
+/* The head sizes with an instance: 64 (SmolLM2), 128 (Llama 3, Qwen3, Mistral). */
+int paged_prefill_supported(int64_t D) {
+#ifdef __AVX512F__
+  return D == 64 || D == 128;
+#else
+  (void)D;
+  return 0;
+#endif
+}
 
 #ifdef __AVX512F__
-#define D 64
-#define KEYS 8      /* keys per score micro-tile (x 32 rows) */
-#define PV_KEYS 128 /* keys per P V slice: 32 KiB of V, reused from L1 by every 4-row block */
+#define KEYS_MAX 8  /* keys per score micro-tile (x 32 rows): 8 at D = 64, 4 at 128 (registers) */
+#define PV_BYTES (32 * 1024) /* bytes of V per P V slice, reused from L1 by every row block */
 #define ST_FLOATS (1 << 16) /* score buffer target per task (256 KiB, L2): sets the token tile */
 
 typedef struct {
@@ -44,13 +51,13 @@ typedef struct {
 } Task;
 
 typedef struct {
-  float *qt, *st, *o, *inv, *kb, *ks, *vs; /* ks, vs: an int8 cache's row scales, per key */
-  int64_t *pos, *koff;
+  float *qt, *st, *o, *inv, *kb, *vb, *ks, *vs; /* kb, vb: K, V rows widened; ks, vs: int8 row scales */
+  int64_t *pos;
   int64_t cap_rows, cap_keys;
 } Scratch;
 
 /* 1 on success; 0 when memory ran out (the scratch is then empty and the task must not run). */
-static int scratch_reserve(Scratch *s, int64_t rows, int64_t keys) {
+static int scratch_reserve(Scratch *s, int64_t rows, int64_t keys, int64_t D) {
   if (rows > s->cap_rows) {
     free(s->qt), free(s->o), free(s->inv), free(s->pos);
     s->cap_rows = rows;
@@ -62,35 +69,36 @@ static int scratch_reserve(Scratch *s, int64_t rows, int64_t keys) {
     if (!s->qt || !s->o || !s->inv || !s->pos) s->cap_rows = 0;
   }
   if (keys > s->cap_keys && s->cap_rows) {
-    free(s->st), free(s->koff), free(s->kb), free(s->ks), free(s->vs);
+    free(s->st), free(s->kb), free(s->vb), free(s->ks), free(s->vs);
     s->cap_keys = keys;
     s->st = (float *)aligned_alloc(64, sizeof(float) * keys * s->cap_rows);
-    s->koff = (int64_t *)malloc(sizeof(int64_t) * keys);
     s->kb = (float *)aligned_alloc(64, sizeof(float) * D * keys);
+    s->vb = (float *)aligned_alloc(64, sizeof(float) * D * keys);
     s->ks = (float *)malloc(sizeof(float) * keys);
     s->vs = (float *)malloc(sizeof(float) * keys);
-    if (!s->st || !s->koff || !s->kb || !s->ks || !s->vs) s->cap_keys = 0;
+    if (!s->st || !s->kb || !s->vb || !s->ks || !s->vs) s->cap_keys = 0;
   }
   return s->cap_rows >= rows && s->cap_keys >= keys;
 }
 
 /* St[j][r0 .. r0 + 32) for keys j0 .. j0 + KEYS of kb (the task's keys, contiguous; rows past the
  * last key are zero). Each score is summed exactly as the decode kernel sums it (paged_decode.c
- * task64 and sum16): 16 partial sums p_l = q_l k_l + q_{l+16} k_{l+16} + q_{l+32} k_{l+32} +
- * q_{l+48} k_{l+48} (a product, then three fused multiply-adds), folded as
+ * taskv and sum16): 16 partial sums p_l = q_l k_l + q_{l+16} k_{l+16} + ... + q_{l+D-16} k_{l+D-16}
+ * (a product, then DV - 1 fused multiply-adds), folded as
  * x_c = (p_4c + p_4c+2) + (p_4c+1 + p_4c+3) and score = (x_0 + x_1) + (x_2 + x_3), times the key
  * row's scale over an int8 cache. */
 static inline __attribute__((always_inline)) void scores_tile(float *st, int64_t rp, const float *qt, int64_t r0,
                                                               const float *kb, const float *ks, int64_t j0,
-                                                              const int et) {
+                                                              const int et, const int DV) {
+  const int D = 16 * DV, KEYS = DV == 4 ? 8 : 4;
   const float *k = kb + j0 * D;
-  __m512 x2[KEYS][2]; /* x_2, kept until x_3 is there */
+  __m512 x2[KEYS_MAX][2]; /* x_2, kept until x_3 is there */
   for (int c = 0; c < 4; ++c) {
-    __m512 e[2][KEYS][2]; /* p_4c + p_4c+2, p_4c+1 + p_4c+3; per key and 16-row half */
+    __m512 e[2][KEYS_MAX][2]; /* p_4c + p_4c+2, p_4c+1 + p_4c+3; per key and 16-row half */
     for (int m = 0; m < 4; ++m) {
       const int l = 4 * c + m;
-      __m512 qa[4], qb[4];
-      for (int i = 0; i < 4; ++i) {
+      __m512 qa[8], qb[8];
+      for (int i = 0; i < DV; ++i) {
         qa[i] = _mm512_load_ps(qt + (l + 16 * i) * rp + r0);
         qb[i] = _mm512_load_ps(qt + (l + 16 * i) * rp + r0 + 16);
       }
@@ -98,7 +106,7 @@ static inline __attribute__((always_inline)) void scores_tile(float *st, int64_t
         const float *kj = k + jj * D + l;
         const __m512 k0 = _mm512_set1_ps(kj[0]);
         __m512 pa = _mm512_mul_ps(qa[0], k0), pb = _mm512_mul_ps(qb[0], k0);
-        for (int i = 1; i < 4; ++i) {
+        for (int i = 1; i < DV; ++i) {
           const __m512 ki = _mm512_set1_ps(kj[16 * i]);
           pa = _mm512_fmadd_ps(qa[i], ki, pa);
           pb = _mm512_fmadd_ps(qb[i], ki, pb);
@@ -127,29 +135,34 @@ static inline __attribute__((always_inline)) void scores_tile(float *st, int64_t
   }
 }
 
-/* o[r0 .. r0 + 4) (+)= sum over keys j0 .. j1 of St[j][r] * V[j]. */
-static inline __attribute__((always_inline)) void pv_tile(float *o, const float *st, int64_t rp, int64_t r0,
-                                                          const void *vc, const int64_t *koff, const float *vs,
-                                                          int64_t j0, int64_t j1, const int et) {
-  __m512 a[4][4];
-  for (int r = 0; r < 4; ++r)
-    for (int c = 0; c < 4; ++c)
-      a[r][c] = j0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(o + (r0 + r) * D + c * 16);
+/* Dims per P V tile: 8 dims x 32 rows of accumulators (16 registers). */
+#define PV_DIMS 8
+
+/* Ot[d][r0 .. r0 + 32) (+)= sum over keys j0 .. j1 of St[j][r] * V[j][d] for dims d0 .. d0 + 8, V
+ * widened in vb. Rows are the lanes, as in the scores: a key's weights are one load from St and its
+ * values broadcasts, and every output is summed key by key from zero (the decode kernel's order). */
+static inline __attribute__((always_inline)) void pv_tile(float *ot, const float *st, int64_t rp, int64_t r0,
+                                                          const float *vb, const float *vs, int64_t j0, int64_t j1,
+                                                          int64_t d0, const int et, const int D) {
+  __m512 a[PV_DIMS][2];
+  for (int i = 0; i < PV_DIMS; ++i)
+    for (int h = 0; h < 2; ++h)
+      a[i][h] = j0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(ot + (d0 + i) * rp + r0 + 16 * h);
   for (int64_t j = j0; j < j1; ++j) {
-    const __m512 v0 = load16(vc, koff[j], et), v1 = load16(vc, koff[j] + 16, et), v2 = load16(vc, koff[j] + 32, et),
-                 v3 = load16(vc, koff[j] + 48, et);
-    const float *p = st + j * rp + r0;
-    const float vsj = et == ET_I8 ? vs[j] : 1.f; /* an int8 V row's scale, on each weight as decode does */
-    for (int r = 0; r < 4; ++r) {
-      const __m512 pr = _mm512_set1_ps(p[r] * vsj);
-      a[r][0] = _mm512_fmadd_ps(pr, v0, a[r][0]);
-      a[r][1] = _mm512_fmadd_ps(pr, v1, a[r][1]);
-      a[r][2] = _mm512_fmadd_ps(pr, v2, a[r][2]);
-      a[r][3] = _mm512_fmadd_ps(pr, v3, a[r][3]);
+    __m512 pa = _mm512_load_ps(st + j * rp + r0), pb = _mm512_load_ps(st + j * rp + r0 + 16);
+    if (et == ET_I8) { /* an int8 V row's scale, on each weight as decode does */
+      const __m512 sc = _mm512_set1_ps(vs[j]);
+      pa = _mm512_mul_ps(pa, sc), pb = _mm512_mul_ps(pb, sc);
+    }
+    const float *v = vb + j * D + d0;
+    for (int i = 0; i < PV_DIMS; ++i) {
+      const __m512 vi = _mm512_set1_ps(v[i]);
+      a[i][0] = _mm512_fmadd_ps(pa, vi, a[i][0]);
+      a[i][1] = _mm512_fmadd_ps(pb, vi, a[i][1]);
     }
   }
-  for (int r = 0; r < 4; ++r)
-    for (int c = 0; c < 4; ++c) _mm512_store_ps(o + (r0 + r) * D + c * 16, a[r][c]);
+  for (int i = 0; i < PV_DIMS; ++i)
+    for (int h = 0; h < 2; ++h) _mm512_store_ps(ot + (d0 + i) * rp + r0 + 16 * h, a[i][h]);
 }
 
 /* Which of the 16 rows whose positions are pv (rows 0-7) and pv2 (rows 8-15) may see key j. */
@@ -161,17 +174,22 @@ static inline __mmask16 sees(int64_t j, __m512i pv, __m512i pv2) {
 static inline __attribute__((always_inline)) int run_task(
     Scratch *s, const Task *tk, float *out, int64_t out_stride, const float *q, int64_t q_stride, const void *kc,
     const void *vc, const int64_t *bt, int64_t ts, int64_t nc, int64_t h, int64_t g, int64_t Hkv, int64_t bs,
-    float scale, const int et) {
+    float scale, const int et, const int DV) {
+  const int D = 16 * DV, KEYS = DV == 4 ? 8 : 4, PV_KEYS = PV_BYTES / (4 * D);
   const int64_t R = tk->nt * g, rp = (R + 31) / 32 * 32;
   const int64_t L = nc + tk->t0 + tk->nt; /* keys the last token attends to */
   const int64_t lk = (L + KEYS - 1) / KEYS * KEYS;
-  if (!scratch_reserve(s, rp, lk)) return 0;
+  if (!scratch_reserve(s, rp, lk, D)) return 0;
   const int64_t hs = et == ET_I8 ? D + 4 : D; /* an int8 row's values, then its float32 scale */
   const int64_t row = Hkv * hs;
   for (int64_t j = 0; j < L; ++j) {
-    s->koff[j] = (bt[j / bs] * bs + j % bs) * row + h * hs;
-    for (int c = 0; c < 4; ++c) _mm512_store_ps(s->kb + j * D + c * 16, load16(kc, s->koff[j] + c * 16, et));
-    if (et == ET_I8) s->ks[j] = row_scale(kc, s->koff[j]), s->vs[j] = row_scale(vc, s->koff[j]);
+    const int64_t off = (bt[j / bs] * bs + j % bs) * row + h * hs;
+    /* Widened once here (exactly), not by every row block that reads them. */
+    for (int c = 0; c < DV; ++c) {
+      _mm512_store_ps(s->kb + j * D + c * 16, load16(kc, off + c * 16, et));
+      _mm512_store_ps(s->vb + j * D + c * 16, load16(vc, off + c * 16, et));
+    }
+    if (et == ET_I8) s->ks[j] = row_scale_d(kc, off, D), s->vs[j] = row_scale_d(vc, off, D);
   }
   memset(s->kb + L * D, 0, sizeof(float) * D * (lk - L));
   /* rows r = t * g + i: token t0 + t, query head h * g + i; padding rows repeat the last row's
@@ -198,13 +216,13 @@ static inline __attribute__((always_inline)) int run_task(
   /* Scores: each 32-row group only up to the keys its last row sees. */
   for (int64_t r0 = 0; r0 < rp; r0 += 32) {
     const int64_t nk = s->pos[r0 + 31] + 1;
-    for (int64_t j0 = 0; j0 < nk; j0 += KEYS) scores_tile(s->st, rp, s->qt, r0, s->kb, s->ks, j0, et);
+    for (int64_t j0 = 0; j0 < nk; j0 += KEYS) scores_tile(s->st, rp, s->qt, r0, s->kb, s->ks, j0, et, DV);
   }
   /* Softmax down the keys, 16 rows per vector; masked (future) keys become exact zeros. */
   for (int64_t r0 = 0; r0 < rp; r0 += 16) {
     const __m512i pv = _mm512_loadu_si512((const void *)(s->pos + r0));
     const __m512i pv2 = _mm512_loadu_si512((const void *)(s->pos + r0 + 8));
-    const int64_t nk = s->pos[r0 + 15] + 1;
+    const int64_t nk = s->pos[r0 + 15] + 1, nk32 = s->pos[(r0 | 31)] + 1;
     __m512 m = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < nk; ++j) m = _mm512_mask_max_ps(m, sees(j, pv, pv2), m, _mm512_load_ps(s->st + j * rp + r0));
     /* The decode kernel's order: sixteen running sums (key j into sum j % 16), then hsum512's tree. */
@@ -215,24 +233,29 @@ static inline __attribute__((always_inline)) int run_task(
       _mm512_store_ps(s->st + j * rp + r0, e);
       sum[j & 15] = _mm512_add_ps(sum[j & 15], e);
     }
+    /* P V reads 32 rows up to the keys the last of them sees: zeros for these 16 past their own. */
+    for (int64_t j = nk; j < nk32; ++j) _mm512_store_ps(s->st + j * rp + r0, _mm512_setzero_ps());
     for (int i = 0; i < 8; ++i) sum[i] = _mm512_add_ps(sum[i + 8], sum[i]);
     for (int i = 0; i < 4; ++i) sum[i] = _mm512_add_ps(sum[i + 4], sum[i]);
     const __m512 total = _mm512_add_ps(_mm512_add_ps(sum[0], sum[2]), _mm512_add_ps(sum[1], sum[3]));
     _mm512_storeu_ps(s->inv + r0, _mm512_div_ps(_mm512_set1_ps(1.f), total));
   }
-  /* P V over 128-key slices; a 4-row block stops at the keys its last row sees. */
-  const int64_t r4 = (R + 3) / 4 * 4;
-  for (int64_t j0 = 0; j0 < L; j0 += PV_KEYS) {
-    for (int64_t r0 = 0; r0 < r4; r0 += 4) {
-      const int64_t nk = s->pos[r0 + 3] + 1;
-      if (nk <= j0) continue;
-      pv_tile(s->o, s->st, rp, r0, vc, s->koff, s->vs, j0, nk < j0 + PV_KEYS ? nk : j0 + PV_KEYS, et);
-    }
+  /* P V (into Ot[d][r], in s->o) over slices of V that stay in L1; a 32-row group stops at the
+   * keys its last row sees. */
+  for (int64_t r0 = 0; r0 < rp; r0 += 32) {
+    const int64_t nk = s->pos[r0 + 31] + 1;
+    for (int64_t j0 = 0; j0 < nk; j0 += PV_KEYS)
+      for (int64_t d0 = 0; d0 < D; d0 += PV_DIMS)
+        pv_tile(s->o, s->st, rp, r0, s->vb, s->vs, j0, nk < j0 + PV_KEYS ? nk : j0 + PV_KEYS, d0, et, D);
   }
+  int32_t dix[16]; /* Ot's column of a row: 16 of its dims, rp apart */
+  for (int i = 0; i < 16; ++i) dix[i] = (int32_t)(i * rp);
+  const __m512i di = _mm512_loadu_si512((const void *)dix);
   for (int64_t r = 0; r < R; ++r) {
     float *dst = out + (ts + tk->t0 + r / g) * out_stride + (h * g + r % g) * D;
     const __m512 iv = _mm512_set1_ps(s->inv[r]);
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(dst + c * 16, _mm512_mul_ps(_mm512_load_ps(s->o + r * D + c * 16), iv));
+    for (int c = 0; c < DV; ++c)
+      _mm512_storeu_ps(dst + c * 16, _mm512_mul_ps(_mm512_i32gather_ps(di, s->o + c * 16 * rp + r, 4), iv));
   }
   return 1;
 }
@@ -252,7 +275,8 @@ static int64_t tile_tokens(int64_t L, int64_t q_len, int64_t g) {
 static inline __attribute__((always_inline)) int prefill_all(
     float *out, int64_t out_stride, const float *q, int64_t q_stride, const void *kc, const void *vc,
     const int64_t *block_tables, int64_t max_blocks, const int64_t *token_starts, const int64_t *num_computed,
-    const int64_t *q_lens, int64_t C, int64_t Hq, int64_t Hkv, int64_t block_size, float scale, const int et) {
+    const int64_t *q_lens, int64_t C, int64_t Hq, int64_t Hkv, int64_t block_size, float scale, const int et,
+    const int DV) {
 #ifdef __AVX512F__
   const int64_t g = Hq / Hkv;
   int64_t n = 0;
@@ -283,32 +307,39 @@ static inline __attribute__((always_inline)) int prefill_all(
     for (int64_t i = 0; i < n; ++i) {
       const int64_t c = tasks[i].c;
       if (!run_task(&s, &tasks[i], out, out_stride, q, q_stride, kc, vc, block_tables + c * max_blocks,
-                    token_starts[c], num_computed[c], tasks[i].h, g, Hkv, block_size, scale, et)) {
+                    token_starts[c], num_computed[c], tasks[i].h, g, Hkv, block_size, scale, et, DV)) {
 #pragma omp atomic write
         failed = 1;
       }
     }
-    free(s.qt), free(s.st), free(s.o), free(s.inv), free(s.pos), free(s.koff), free(s.kb), free(s.ks), free(s.vs);
+    free(s.qt), free(s.st), free(s.o), free(s.inv), free(s.pos), free(s.kb), free(s.vb), free(s.ks);
+    free(s.vs);
   }
   free(tasks);
   return failed ? -1 : 0;
 #else
   (void)out, (void)out_stride, (void)q, (void)q_stride, (void)kc, (void)vc, (void)block_tables;
   (void)max_blocks, (void)token_starts, (void)num_computed, (void)q_lens, (void)C, (void)Hq, (void)Hkv;
-  (void)block_size, (void)scale, (void)et;
+  (void)block_size, (void)scale, (void)et, (void)DV;
   return -1; /* never called: paged_prefill_supported() is 0 without AVX-512 */
 #endif
 }
 
 /* The exported entry points: over a float32 cache, a float16 one (kv_cache_dtype="float16") and an
- * int8 one (kv_cache_dtype="int8": rows of 64 values and their float32 scale); K/V widened exactly
- * as they are read, an int8 row's scale applied where the decode kernel applies it. */
+ * int8 one (kv_cache_dtype="int8": rows of D values and their float32 scale); K/V widened exactly
+ * as they are read, an int8 row's scale applied where the decode kernel applies it. D is 64 or 128
+ * (paged_prefill_supported); -2 for any other. */
 #define PREFILL_ENTRY(name, T, et)                                                                                   \
   int name(float *out, int64_t out_stride, const float *q, int64_t q_stride, const T *kc, const T *vc,              \
            const int64_t *block_tables, int64_t max_blocks, const int64_t *token_starts, const int64_t *num_computed, \
-           const int64_t *q_lens, int64_t C, int64_t Hq, int64_t Hkv, int64_t block_size, float scale) {           \
-    return prefill_all(out, out_stride, q, q_stride, kc, vc, block_tables, max_blocks, token_starts, num_computed, \
-                       q_lens, C, Hq, Hkv, block_size, scale, et);                                                  \
+           const int64_t *q_lens, int64_t C, int64_t Hq, int64_t Hkv, int64_t block_size, float scale, int64_t D) { \
+    if (D == 64)                                                                                                     \
+      return prefill_all(out, out_stride, q, q_stride, kc, vc, block_tables, max_blocks, token_starts,              \
+                         num_computed, q_lens, C, Hq, Hkv, block_size, scale, et, 4);                                \
+    if (D == 128)                                                                                                    \
+      return prefill_all(out, out_stride, q, q_stride, kc, vc, block_tables, max_blocks, token_starts,              \
+                         num_computed, q_lens, C, Hq, Hkv, block_size, scale, et, 8);                                \
+    return -2;                                                                                                       \
   }
 PREFILL_ENTRY(paged_prefill_f32, float, ET_F32)
 PREFILL_ENTRY(paged_prefill_f16, uint16_t, ET_F16)

@@ -47,16 +47,6 @@ static inline float exp_f32(float x) {
  * soft-capping, cap * tanh(s / cap) (Gemma 2), in the decode kernel's two paths alike. */
 static inline float tanh_f32(float x) { return 1.0f - 2.0f / (exp_f32(2.0f * x) + 1.0f); }
 
-/* The AVX-512 paths are written for head size 64 only. */
-static inline int avx512_head64(int64_t D) {
-#ifdef __AVX512F__
-  return D == 64;
-#else
-  (void)D;
-  return 0;
-#endif
-}
-
 #ifdef __AVX512F__
 #include <immintrin.h>
 
@@ -75,9 +65,6 @@ static inline float row_scale_d(const void *base, int64_t off, int64_t d) {
   memcpy(&s, (const int8_t *)base + off + d, sizeof s);
   return s;
 }
-
-/* row_scale_d for head size 64 (the prefill kernel's). */
-static inline float row_scale(const void *base, int64_t off) { return row_scale_d(base, off, 64); }
 
 /* The sum of x's 16 lanes in a fixed order, GCC's _mm512_reduce_add_ps spelled out: lanes i + 8,
  * then i + 4, then (0 + 2) + (1 + 3). The decode kernel's softmax denominator; the prefill kernel

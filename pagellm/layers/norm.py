@@ -33,8 +33,10 @@ class RMSNorm(CustomOp):
         return self._norm(x), x
 
     def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """One pass instead of seven, ``residual`` updated in place (the decoder owns it). Rows only:
-        a per-head norm (Qwen3's q/k norm, 3-D) stays on the reference."""
+        """One pass instead of seven, ``residual`` updated in place (the decoder owns it). A per-head
+        norm (Qwen3's q/k norm: 3-D, heads contiguous) reads the qkv output in place."""
+        if x.dim() == 3 and residual is None and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+            return cpu_ops.rms_norm_heads(x, self.weight, self.eps)
         if x.dim() != 2:
             return self.forward_native(x, residual)
         if residual is None:
