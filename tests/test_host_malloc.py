@@ -15,27 +15,31 @@ pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ve
 # 2048-token prefill's gate/up output is 24 MiB), each written and freed, after the worker's tuning
 # (or not); prints the minor page faults that cost.
 SCRIPT = """
-import resource, torch
+import resource, sys, torch
 from pagellm.worker.host_malloc import tune_malloc
 print(tune_malloc())
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for mib in range(8, 29):
+for mib in range(int(sys.argv[1]), int(sys.argv[2])):
     torch.ones(mib << 18)  # written: every page touched
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def _faults(tuning: str) -> tuple[str, int]:
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env={"PAGELLM_MALLOC_TUNING": tuning, "PATH": ""},
+def _faults(tuning: str, mib: range) -> tuple[str, int]:
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(mib.start), str(mib.stop)],
+                         env={"PAGELLM_MALLOC_TUNING": tuning, "PATH": ""},
                          capture_output=True, text=True, check=True).stdout.split()
     return out[0], int(out[1])
 
 
-def test_tuned_allocator_reuses_freed_activations_instead_of_faulting_them_in():
-    tuned, tuned_faults = _faults("1")
-    untuned, untuned_faults = _faults("0")
+# 8 to 28 MiB: under glibc's mmap ceiling; 40 to 60 MiB: above it (a 2048-token step's gate/up
+# output of a 1024-wide model with a 3072-wide MLP is 48 MiB).
+@pytest.mark.parametrize("mib", [range(8, 29), range(40, 61)])
+def test_tuned_allocator_reuses_freed_activations_instead_of_faulting_them_in(mib):
+    tuned, tuned_faults = _faults("1", mib)
+    untuned, untuned_faults = _faults("0", mib)
     assert (tuned, untuned) == ("True", "False")
-    pages = sum(range(8, 29)) * 256
+    pages = sum(mib) * 256
     # Untuned, each tensor larger than the last is a fresh mmap (glibc raises its threshold only
     # after freeing one), faulted in page by page; tuned, the heap grows once to the largest.
     assert untuned_faults > pages // 2
