@@ -15,7 +15,8 @@
  * the vector lanes throughout: q is transposed once per task (Qt[d][row], pre-scaled), the
  * scores are computed key-major (St[key][row]: a key's element broadcast against 32 rows of Qt),
  * the softmax runs down the keys 16 rows at a time, and P V accumulates 32 rows x 8 dims in
- * registers (rows as lanes again: a key's weights are one load) over slices of V that stay in L1. No K transpose is needed. Every sum runs in
+ * registers (rows as lanes again: a key's weights are one load, its values broadcasts) over slices
+ * of V that stay in L1. No K transpose is needed. Every sum runs in
  * the decode kernel's order (paged_decode.c): a score as its 16 partial sums folded by sum16's
  * tree, the softmax denominator as 16 running sums added by hsum512's, P V key by key. So a
  * token's result is the same bits whether it was decoded or prefilled, and whatever the chunking
@@ -135,13 +136,13 @@ static inline __attribute__((always_inline)) void scores_tile(float *st, int64_t
   }
 }
 
-/* Dims per P V tile: 8 dims x 32 rows of accumulators (16 registers). */
+/* Dims per pv_cols tile: 8 dims x 32 rows of accumulators (16 registers). */
 #define PV_DIMS 8
 
 /* Ot[d][r0 .. r0 + 32) (+)= sum over keys j0 .. j1 of St[j][r] * V[j][d] for dims d0 .. d0 + 8, V
  * widened in vb. Rows are the lanes, as in the scores: a key's weights are one load from St and its
  * values broadcasts, and every output is summed key by key from zero (the decode kernel's order). */
-static inline __attribute__((always_inline)) void pv_tile(float *ot, const float *st, int64_t rp, int64_t r0,
+static inline __attribute__((always_inline)) void pv_cols(float *ot, const float *st, int64_t rp, int64_t r0,
                                                           const float *vb, const float *vs, int64_t j0, int64_t j1,
                                                           int64_t d0, const int et, const int D) {
   __m512 a[PV_DIMS][2];
@@ -184,7 +185,7 @@ static inline __attribute__((always_inline)) int run_task(
   const int64_t row = Hkv * hs;
   for (int64_t j = 0; j < L; ++j) {
     const int64_t off = (bt[j / bs] * bs + j % bs) * row + h * hs;
-    /* Widened once here (exactly), not by every row block that reads them. */
+    /* Widened once here (exactly): pv_cols reads each key again for every 8 dims. */
     for (int c = 0; c < DV; ++c) {
       _mm512_store_ps(s->kb + j * D + c * 16, load16(kc, off + c * 16, et));
       _mm512_store_ps(s->vb + j * D + c * 16, load16(vc, off + c * 16, et));
@@ -233,7 +234,7 @@ static inline __attribute__((always_inline)) int run_task(
       _mm512_store_ps(s->st + j * rp + r0, e);
       sum[j & 15] = _mm512_add_ps(sum[j & 15], e);
     }
-    /* P V reads 32 rows up to the keys the last of them sees: zeros for these 16 past their own. */
+    /* pv_cols reads 32 rows up to the keys the last of them sees: zeros for these 16 past their own. */
     for (int64_t j = nk; j < nk32; ++j) _mm512_store_ps(s->st + j * rp + r0, _mm512_setzero_ps());
     for (int i = 0; i < 8; ++i) sum[i] = _mm512_add_ps(sum[i + 8], sum[i]);
     for (int i = 0; i < 4; ++i) sum[i] = _mm512_add_ps(sum[i + 4], sum[i]);
@@ -246,7 +247,7 @@ static inline __attribute__((always_inline)) int run_task(
     const int64_t nk = s->pos[r0 + 31] + 1;
     for (int64_t j0 = 0; j0 < nk; j0 += PV_KEYS)
       for (int64_t d0 = 0; d0 < D; d0 += PV_DIMS)
-        pv_tile(s->o, s->st, rp, r0, s->vb, s->vs, j0, nk < j0 + PV_KEYS ? nk : j0 + PV_KEYS, d0, et, D);
+        pv_cols(s->o, s->st, rp, r0, s->vb, s->vs, j0, nk < j0 + PV_KEYS ? nk : j0 + PV_KEYS, d0, et, D);
   }
   int32_t dix[16]; /* Ot's column of a row: 16 of its dims, rp apart */
   for (int i = 0; i < 16; ++i) dix[i] = (int32_t)(i * rp);
@@ -306,8 +307,15 @@ static inline __attribute__((always_inline)) int prefill_all(
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
       const int64_t c = tasks[i].c;
-      if (!run_task(&s, &tasks[i], out, out_stride, q, q_stride, kc, vc, block_tables + c * max_blocks,
-                    token_starts[c], num_computed[c], tasks[i].h, g, Hkv, block_size, scale, et, DV)) {
+      /* (DV spelled as constants here: the parallel region is outlined before inlining, so a DV
+       * passed through would stay a run-time value and leave every per-dimension loop rolled) */
+      const int ok = DV == 4 ? run_task(&s, &tasks[i], out, out_stride, q, q_stride, kc, vc,
+                                        block_tables + c * max_blocks, token_starts[c], num_computed[c],
+                                        tasks[i].h, g, Hkv, block_size, scale, et, 4)
+                             : run_task(&s, &tasks[i], out, out_stride, q, q_stride, kc, vc,
+                                        block_tables + c * max_blocks, token_starts[c], num_computed[c],
+                                        tasks[i].h, g, Hkv, block_size, scale, et, 8);
+      if (!ok) {
 #pragma omp atomic write
         failed = 1;
       }
