@@ -136,8 +136,8 @@ static inline __attribute__((always_inline)) void prefetch_first_blocks(const vo
 /* Head size D = 16 * DV (64, 80, 96, 128 or 256), G query heads of KV head h (G * DV <= 16): q and
  * the accumulators live in registers. kc/vc are float32, float16 or int8 caches (et; a head row is hs
  * elements apart, D + the scale's 4 for int8); the arithmetic is float32 either way, an int8 row's
- * scale applied to its score and to its softmax weight. At head size 64 (DV = 4) every sum runs in
- * the order the prefill kernel reproduces (paged_prefill.c). */
+ * scale applied to its score and to its softmax weight. At head sizes 64 and 128 (DV = 4, 8) every
+ * sum runs in the order the prefill kernel reproduces (paged_prefill.c). */
 static inline __attribute__((always_inline)) void taskv(
     float *out, const float *qh, const void *kc, const void *vc, const int64_t *bt, int64_t L,
     const int G, int64_t row, int64_t h, int64_t bs, float scale, float *scores, const int et, int64_t lo,

@@ -1,7 +1,8 @@
 /* Paged prefill attention for CPU: every prefill chunk of a step, float32, float16 or int8 cache,
- * head size 64 or 128 (AVX-512; D = 16 * DV below, each instance compiled with its own constant). Each query token attends causally to its sequence's cached K/V, read straight from
- * the blocks (the chunk's own K/V were written there first), so a chunk that starts after cached
- * tokens (prefix-cache hit, chunked prefill) needs no gather and no mask tensor.
+ * head size 64 or 128 (AVX-512; D = 16 * DV below, each instance compiled with its own constant).
+ * Each query token attends causally to its sequence's cached K/V, read straight from the blocks
+ * (the chunk's own K/V were written there first), so a chunk that starts after cached tokens
+ * (prefix-cache hit, chunked prefill) needs no gather and no mask tensor.
  *
  * out:          [T, out_stride]       row t, head j at out + t * out_stride + j * D
  * q:            [T, q_stride]         the same layout (q is a strided view of the qkv output)
