@@ -211,4 +211,3 @@ def test_grouped_weights_give_each_row_its_own_weights_bits(kind: str) -> None:
             _close(own, F.linear(rows, w), k)
     with pytest.raises(ValueError, match="offsets must rise"):
         gemm.linear_grouped(x, torch.tensor([p.data_ptr() for p in packed]), offsets - 1, n, bits, amx)
-

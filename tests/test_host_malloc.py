@@ -11,9 +11,8 @@ import pytest
 pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                                 reason="glibc's mallopt")
 
-# Activations whose size changes from step to step (a step's token count does), 8 to 28 MiB (a
-# 2048-token prefill's gate/up output is 24 MiB), each written and freed, after the worker's tuning
-# (or not); prints the minor page faults that cost.
+# Activations whose size changes from step to step (a step's token count does), each written and
+# freed, after the worker's tuning (or not); prints the minor page faults that cost.
 SCRIPT = """
 import resource, sys, torch
 from pagellm.worker.host_malloc import tune_malloc
@@ -32,8 +31,8 @@ def _faults(tuning: str, mib: range) -> tuple[str, int]:
     return out[0], int(out[1])
 
 
-# 8 to 28 MiB: under glibc's mmap ceiling; 40 to 60 MiB: above it (a 2048-token step's gate/up
-# output of a 1024-wide model with a 3072-wide MLP is 48 MiB).
+# 8 to 28 MiB: under glibc's mmap ceiling (SmolLM2's 2048-token gate/up output is 24 MiB); 40 to 60
+# MiB: above it (a 1024-wide model with a 3072-wide MLP writes 48 MiB).
 @pytest.mark.parametrize("mib", [range(8, 29), range(40, 61)])
 def test_tuned_allocator_reuses_freed_activations_instead_of_faulting_them_in(mib):
     tuned, tuned_faults = _faults("1", mib)

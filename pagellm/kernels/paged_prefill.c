@@ -44,7 +44,8 @@ int paged_prefill_supported(int64_t D) {
 }
 
 #ifdef __AVX512F__
-#define KEYS_MAX 8  /* keys per score micro-tile (x 32 rows): 8 at D = 64, 4 at 128 (registers) */
+#define KEYS_MAX 8 /* keys per score micro-tile (x 32 rows): 8 at D = 64, 4 at 128 (registers) */
+#define SCORE_KEYS(DV) ((DV) == 4 ? KEYS_MAX : KEYS_MAX / 2)
 #define PV_BYTES (32 * 1024) /* bytes of V per P V slice, reused from L1 by every row block */
 #define ST_FLOATS (1 << 16) /* score buffer target per task (256 KiB, L2): sets the token tile */
 
@@ -92,7 +93,7 @@ static int scratch_reserve(Scratch *s, int64_t rows, int64_t keys, int64_t D) {
 static inline __attribute__((always_inline)) void scores_tile(float *st, int64_t rp, const float *qt, int64_t r0,
                                                               const float *kb, const float *ks, int64_t j0,
                                                               const int et, const int DV) {
-  const int D = 16 * DV, KEYS = DV == 4 ? 8 : 4;
+  const int D = 16 * DV, KEYS = SCORE_KEYS(DV);
   const float *k = kb + j0 * D;
   __m512 x2[KEYS_MAX][2]; /* x_2, kept until x_3 is there */
   for (int c = 0; c < 4; ++c) {
@@ -177,7 +178,7 @@ static inline __attribute__((always_inline)) int run_task(
     Scratch *s, const Task *tk, float *out, int64_t out_stride, const float *q, int64_t q_stride, const void *kc,
     const void *vc, const int64_t *bt, int64_t ts, int64_t nc, int64_t h, int64_t g, int64_t Hkv, int64_t bs,
     float scale, const int et, const int DV) {
-  const int D = 16 * DV, KEYS = DV == 4 ? 8 : 4, PV_KEYS = PV_BYTES / (4 * D);
+  const int D = 16 * DV, KEYS = SCORE_KEYS(DV), PV_KEYS = PV_BYTES / (4 * D);
   const int64_t R = tk->nt * g, rp = (R + 31) / 32 * 32;
   const int64_t L = nc + tk->t0 + tk->nt; /* keys the last token attends to */
   const int64_t lk = (L + KEYS - 1) / KEYS * KEYS;
@@ -342,13 +343,9 @@ static inline __attribute__((always_inline)) int prefill_all(
   int name(float *out, int64_t out_stride, const float *q, int64_t q_stride, const T *kc, const T *vc,              \
            const int64_t *block_tables, int64_t max_blocks, const int64_t *token_starts, const int64_t *num_computed, \
            const int64_t *q_lens, int64_t C, int64_t Hq, int64_t Hkv, int64_t block_size, float scale, int64_t D) { \
-    if (D == 64)                                                                                                     \
-      return prefill_all(out, out_stride, q, q_stride, kc, vc, block_tables, max_blocks, token_starts,              \
-                         num_computed, q_lens, C, Hq, Hkv, block_size, scale, et, 4);                                \
-    if (D == 128)                                                                                                    \
-      return prefill_all(out, out_stride, q, q_stride, kc, vc, block_tables, max_blocks, token_starts,              \
-                         num_computed, q_lens, C, Hq, Hkv, block_size, scale, et, 8);                                \
-    return -2;                                                                                                       \
+    if (!paged_prefill_supported(D)) return -2;                                                                      \
+    return prefill_all(out, out_stride, q, q_stride, kc, vc, block_tables, max_blocks, token_starts, num_computed, \
+                       q_lens, C, Hq, Hkv, block_size, scale, et, (int)(D / 16));                                   \
   }
 PREFILL_ENTRY(paged_prefill_f32, float, ET_F32)
 PREFILL_ENTRY(paged_prefill_f16, uint16_t, ET_F16)

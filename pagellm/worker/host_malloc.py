@@ -63,7 +63,7 @@ def tune_malloc() -> bool:
     _done = bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)) and bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) \
         and bool(mallopt(M_MMAP_MAX, 0))
     if _done:
-        logger.debug("glibc malloc: mmap threshold %d MiB, trim threshold %d MiB",
+        logger.debug("glibc malloc: mmap threshold %d MiB, trim threshold %d MiB, no mmapped allocations",
                      MMAP_THRESHOLD >> 20, TRIM_THRESHOLD >> 20)
     return _done
 
