@@ -91,14 +91,35 @@ def test_bf16_gemm_equals_the_rounded_product_and_is_batch_invariant(amx):
     for n, k in ((960, 576), (576, 1536), (33, 577), (5, 40)):
         w, x, b = torch.randn(n, k), torch.randn(150, k), torch.randn(n)
         packed = gemm.pack_bf16(w)
-        y = gemm.linear(x, packed, n, b, bits=16, amx=amx)
-        # The exact product of the bf16-rounded inputs, plus the bias: only the float32 sums' order differs.
-        ref = x.bfloat16().double() @ w.bfloat16().double().T + b.double()
-        torch.testing.assert_close(y.double(), ref, atol=2e-3, rtol=1e-5)
-        for m in (1, 2, 13, 15, 16, 17, 31, 33, 64, 149):
-            for start in (0, 1):
-                part = gemm.linear(x[start:start + m], packed, n, b, bits=16, amx=amx)
-                assert torch.equal(part, y[start:start + m]), f"row results changed with the batch (m={m}, {start=})"
+        for bias in (b, None):  # (without a bias, whole AMX tiles are stored straight into y)
+            y = gemm.linear(x, packed, n, bias, bits=16, amx=amx)
+            # The exact product of the bf16-rounded inputs, plus the bias: only the float32 sums' order differs.
+            ref = x.bfloat16().double() @ w.bfloat16().double().T + (0 if bias is None else b.double())
+            torch.testing.assert_close(y.double(), ref, atol=2e-3, rtol=1e-5)
+            for m in (1, 2, 13, 15, 16, 17, 31, 33, 64, 149):
+                for start in (0, 1):
+                    part = gemm.linear(x[start:start + m], packed, n, bias, bits=16, amx=amx)
+                    assert torch.equal(part, y[start:start + m]), \
+                        f"row results changed with the batch (m={m}, {start=}, bias={bias is not None})"
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_gemm_rounds_x_as_torch_does(amx):
+    """x times the identity is x rounded to bfloat16 (every other term is an exact zero), ties to even
+    as torch rounds, over every bit pattern of normal numbers far from the ends (the dot-product
+    instructions flush subnormals; inf times zero would be NaN)."""
+    (require_amx_kernel if amx else require_bf16_kernel)()
+    torch.manual_seed(0)
+    k = 53  # (three 16-lane runs and a tail)
+    mantissa = torch.randint(0, 2**23, (40, k), dtype=torch.int32)
+    exponent = torch.randint(127 - 60, 127 + 60, (40, k), dtype=torch.int32)
+    sign = torch.randint(0, 2, (40, k), dtype=torch.int32)
+    x = ((sign << 31) | (exponent << 23) | mantissa).view(torch.float32).clone()
+    x[0, :4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-8 + 2**-20])  # ties both ways, past a tie
+    x[1, 48:] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 3 * 2**-8), 2 - 2**-9, 1 + 2**-9])  # in the scalar tail
+    y = gemm.linear(x, gemm.pack_bf16(torch.eye(k)), k, bits=16, amx=amx)
+    assert torch.equal(y, x.bfloat16().float())
+
 
 
 def int8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
