@@ -211,3 +211,31 @@ def test_grouped_weights_give_each_row_its_own_weights_bits(kind: str) -> None:
             _close(own, F.linear(rows, w), k)
     with pytest.raises(ValueError, match="offsets must rise"):
         gemm.linear_grouped(x, torch.tensor([p.data_ptr() for p in packed]), offsets - 1, n, bits, amx)
+
+
+@pytest.mark.parametrize("hidden,inter", [(80, 64), (576, 1536), (1024, 160)])
+def test_fused_mlp_on_amx_gives_the_unfused_bits(hidden: int, inter: int) -> None:
+    """``mlp_silu_amx`` (gate/up, SiLU * up and down in one call, the activations kept bfloat16) against
+    the three calls it replaces: the same bits for every row count (padding rows, several row blocks,
+    a partial panel of K at hidden 80); and close to the float64 formula over the rounded inputs."""
+    from pagellm.kernels import cpu_ops
+
+    from conftest import require_amx_kernel
+
+    require_amx_kernel()
+    torch.manual_seed(0)
+    wgu, wd = torch.randn(2 * inter, hidden) * 0.1, torch.randn(hidden, inter) * 0.1
+    pgu, pd = gemm.pack_bf16(wgu), gemm.pack_bf16(wd)
+    x = torch.randn(700, hidden)
+    for m in (1, 15, 16, 17, 33, 150, 700):
+        got = gemm.mlp_silu_amx(x[:m], pgu, pd, hidden, inter)
+        act = cpu_ops.silu_and_mul(gemm.linear(x[:m], pgu, 2 * inter, bits=16, amx=True))
+        want = gemm.linear(act, pd, hidden, bits=16, amx=True)
+        assert torch.equal(got, want), m
+    gu = x.bfloat16().double() @ wgu.bfloat16().double().T
+    act64 = F.silu(gu[:, :inter]) * gu[:, inter:]
+    ref = act64.float().bfloat16().double() @ wd.bfloat16().double().T
+    # (act rounded to bfloat16 on both sides; a float32 sum's last bit can move that rounding)
+    torch.testing.assert_close(got.double(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().mean()))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        gemm.mlp_silu_amx(x, pgu, pd, hidden, inter - 16)

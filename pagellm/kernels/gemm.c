@@ -31,6 +31,7 @@
 #endif
 #include "gguf_blocks.h" /* QB, RN, fit_q */
 #include "gemm_tile.h"   /* NR, PanelOut, tile_height, store_tile */
+#include "simd_common.h" /* exp512: the SiLU of silu_and_mul_f32 */
 
 #define MR 14 /* rows per tile: 28 accumulators + 2 weights + 1 broadcast of 32 registers */
 #define XBLOCK (1024 * 1024) /* bytes of x per row block: it stays in L2 (2 MiB) across all panels */
@@ -361,37 +362,54 @@ static void amx_configure(void) {
   _tile_loadconfig(&cfg);
 }
 
-/* One panel against rows [0, M16) of the padded bf16 x (M16 a multiple of 16), into y rows < M.
- * Every output is the tile dot products' sum over k in order, whatever the tiling of rows: the
- * result of a row depends on nothing but that row. */
+/* The lines of the panels a thread takes next, prefetched into L2 a few per k step of this one
+ * (its first pass over a panel read it from L3 otherwise): up to two streams of `lines` lines. */
+typedef struct {
+  const char *next[2];
+  int64_t left[2], per;
+} Prefetch;
+
+static Prefetch prefetch_plan(const char *a, const char *b, int64_t lines, int64_t steps) {
+  Prefetch pf = {{a, b}, {a != NULL ? lines : 0, b != NULL ? lines : 0}, (lines + steps - 1) / steps};
+  return pf;
+}
+
+/* Tiles 0-3 = rows [0, 16) and [16, 32) (the second only if `two`) of xb, KP pairs, times the B
+ * tiles at b6 and b7 (rows NR * 4 bytes apart), summed over k in order. */
+static inline __attribute__((always_inline)) void amx_dot(const uint16_t *xb, int64_t KP, const char *b6,
+                                                          const char *b7, int two, Prefetch *pf) {
+  const int64_t lda = KP * 4, ldb = NR * 4; /* bytes */
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k0 = 0; k0 < KP; k0 += 16) {
+    const char *a = (const char *)(xb + k0 * 2);
+    _tile_loadd(4, a, lda);
+    _tile_loadd(6, b6 + k0 * ldb, ldb);
+    _tile_loadd(7, b7 + k0 * ldb, ldb);
+    for (int s = 0; s < 2; ++s)
+      for (int64_t l = 0; l < pf->per && pf->left[s] > 0; ++l, --pf->left[s], pf->next[s] += 64)
+        _mm_prefetch(pf->next[s], _MM_HINT_T1);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (two) {
+      _tile_loadd(5, a + 16 * lda, lda);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
+/* One panel against rows [0, M16) of the padded bf16 x (M16 a multiple of 16), into y rows < M;
+ * `next`: the panel this thread takes next (or NULL). Every output is the tile dot products' sum
+ * over k in order, whatever the tiling of rows: the result of a row depends on nothing but that row. */
 static void amx_panel(float *y, int64_t ldy, const uint16_t *xb, int64_t KP, const uint32_t *wp, const float *bias,
                       int64_t M, int64_t M16, int64_t left, float *scratch, const char *next) {
-  const int64_t lda = KP * 4, ldb = NR * 4; /* bytes */
-  /* The next panel's lines prefetched into L2, spread evenly over this panel's k steps. */
-  const int64_t steps = (M16 + 31) / 32 * (KP / 16), per = (2 * KP + steps - 1) / steps;
-  const char *end = next != NULL ? next + KP * NR * 4 : NULL;
+  Prefetch pf = prefetch_plan(next, NULL, 2 * KP, (M16 + 31) / 32 * (KP / 16));
   for (int64_t m0 = 0; m0 < M16; m0 += 32) {
     const int two = m0 + 16 < M16;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t k0 = 0; k0 < KP; k0 += 16) {
-      const char *a = (const char *)(xb + m0 * 2 * KP + k0 * 2);
-      const char *b = (const char *)(wp + k0 * NR);
-      _tile_loadd(4, a, lda);
-      _tile_loadd(6, b, ldb);
-      _tile_loadd(7, b + 64, ldb);
-      if (next != NULL)
-        for (int64_t l = 0; l < per && next < end; ++l, next += 64) _mm_prefetch(next, _MM_HINT_T1);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      if (two) {
-        _tile_loadd(5, a + 16 * lda, lda);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-    }
+    amx_dot(xb + m0 * 2 * KP, KP, (const char *)wp, (const char *)wp + 64, two, &pf);
     const int64_t rows = (two ? 32 : 16) < M - m0 ? (two ? 32 : 16) : M - m0;
     const int64_t cols = left < NR ? left : NR;
     if (bias == NULL && cols == NR && rows == (two ? 32 : 16)) { /* whole tiles: straight into y */
@@ -415,6 +433,35 @@ static void amx_panel(float *y, int64_t ldy, const uint16_t *xb, int64_t KP, con
         y[(m0 + r) * ldy + j] = scratch[r * NR + j] + (bias != NULL ? bias[j] : 0.f);
   }
 }
+
+/* The gate panel wg and the up panel wu (the same 32 features of each) against rows [0, M16) of x,
+ * into act rows [0, M16): bfloat16(silu(gate) * up), columns [0, 32), rows ldact apart. Each tile
+ * pair holds 16 gate and the same 16 up features; silu * up is silu_and_mul_f32's expression on the
+ * same float32 sums, and the bfloat16 rounding round_rows', so act is what the unfused path gives
+ * the down projection, bit for bit. Zero rows of x give zero rows. */
+static void amx_panel_glu(uint16_t *act, int64_t ldact, const uint16_t *xb, int64_t KP, const uint32_t *wg,
+                          const uint32_t *wu, int64_t M16, float *scratch, const char *next_g, const char *next_u) {
+  Prefetch pf = prefetch_plan(next_g, next_u, 2 * KP, 2 * ((M16 + 31) / 32) * (KP / 16));
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int h = 0; h < 2; ++h)
+    for (int64_t m0 = 0; m0 < M16; m0 += 32) {
+      const int two = m0 + 16 < M16;
+      amx_dot(xb + m0 * 2 * KP, KP, (const char *)wg + h * 64, (const char *)wu + h * 64, two, &pf);
+      _tile_stored(0, scratch, NR * 4);
+      _tile_stored(1, scratch + 16, NR * 4);
+      if (two) {
+        _tile_stored(2, scratch + 16 * NR, NR * 4);
+        _tile_stored(3, scratch + 16 * NR + 16, NR * 4);
+      }
+      for (int64_t r = 0; r < (two ? 32 : 16); ++r) {
+        const __m512 g = _mm512_loadu_ps(scratch + r * NR), u = _mm512_loadu_ps(scratch + r * NR + 16);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 o = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), u);
+        _mm256_storeu_si256((__m256i *)(act + (m0 + r) * ldact + h * 16), bf16_round16(o));
+      }
+    }
+}
+
 /* A thread's tile state and its scratch for amx_panel; NULL (and *failed set) when out of memory.
  * amx_thread_end releases both. */
 static float *amx_thread_begin(int *failed) {
@@ -442,33 +489,49 @@ int gemm_amx_supported(void) {
 #endif
 }
 
+#ifdef __AMX_BF16__
+/* Inside a parallel region: y = xb W^T (+ bias) for the rounded, padded x (round_rows). Blocks of
+ * rows whose bf16 x stays in L2 (half of it) against every panel: at 2048 rows a panel otherwise
+ * streams all of x from L3 (1.2 -> 1.6 TFLOP/s, benchmarks/gemm.py --bf16). */
+static void amx_gemm_rows(float *y, int64_t ldy, const uint16_t *xb, int64_t KP, const float *wp, const float *bias,
+                          int64_t M, int64_t N, float *scratch) {
+  const int64_t M16 = (M + 15) / 16 * 16, P = (N + NR - 1) / NR;
+  int64_t rb = XBLOCK / 2 / (KP * 4) / 32 * 32;
+  rb = rb < 32 ? 32 : rb;
+  for (int64_t m0 = 0; m0 < M16; m0 += rb) {
+    const int64_t rows16 = M16 - m0 < rb ? M16 - m0 : rb, rows = M - m0 < rb ? M - m0 : rb;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < P; ++p)
+      amx_panel(y + m0 * ldy + p * NR, ldy, xb + m0 * 2 * KP, KP, (const uint32_t *)wp + p * KP * NR,
+                bias == NULL ? NULL : bias + p * NR, rows, rows16, N - p * NR, scratch,
+                p + 1 < P ? (const char *)((const uint32_t *)wp + (p + 1) * KP * NR) : NULL);
+  }
+}
+
+/* x [M, K] rounded into a new buffer of M16 rows (padding rows zero); NULL if out of memory. */
+static uint16_t *rounded_copy(const float *x, int64_t ldx, int64_t M, int64_t K) {
+  const int64_t KP = KPAIRS(K), M16 = (M + 15) / 16 * 16;
+  uint16_t *xb = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 2 * KP * (M16 ? M16 : 16));
+  if (xb == NULL) return NULL;
+  memset(xb + M * 2 * KP, 0, sizeof(uint16_t) * 2 * KP * (M16 - M));
+  round_rows(xb, x, ldx, M, K);
+  return xb;
+}
+#endif
+
 /* gemm_packed_bf16 on AMX tiles: the same bfloat16 inputs; 0, or -1 (scratch or AMX unavailable). */
 int gemm_packed_bf16_amx(float *y, int64_t ldy, const float *x, int64_t ldx, const float *wp, const float *bias,
                          int64_t M, int64_t N, int64_t K) {
 #ifdef __AMX_BF16__
   if (!amx_ready()) return -1;
-  const int64_t KP = KPAIRS(K), M16 = (M + 15) / 16 * 16, P = (N + NR - 1) / NR;
-  uint16_t *xb = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 2 * KP * (M16 ? M16 : 16));
+  uint16_t *xb = rounded_copy(x, ldx, M, K);
   if (xb == NULL) return -1;
-  memset(xb + M * 2 * KP, 0, sizeof(uint16_t) * 2 * KP * (M16 - M)); /* padding rows: zeros */
-  round_rows(xb, x, ldx, M, K);
   int failed = 0;
 #pragma omp parallel
   {
     float *scratch = amx_thread_begin(&failed);
     if (scratch != NULL) {
-      /* Blocks of rows whose bf16 x stays in L2 (half of it) against every panel: at 2048 rows a
-       * panel otherwise streams all of x from L3 (1.2 -> 1.6 TFLOP/s, benchmarks/gemm.py --bf16). */
-      int64_t rb = XBLOCK / 2 / (KP * 4) / 32 * 32;
-      rb = rb < 32 ? 32 : rb;
-      for (int64_t m0 = 0; m0 < M16; m0 += rb) {
-        const int64_t rows16 = M16 - m0 < rb ? M16 - m0 : rb, rows = M - m0 < rb ? M - m0 : rb;
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < P; ++p)
-          amx_panel(y + m0 * ldy + p * NR, ldy, xb + m0 * 2 * KP, KP, (const uint32_t *)wp + p * KP * NR,
-                    bias == NULL ? NULL : bias + p * NR, rows, rows16, N - p * NR, scratch,
-                    p + 1 < P ? (const char *)((const uint32_t *)wp + (p + 1) * KP * NR) : NULL);
-      }
+      amx_gemm_rows(y, ldy, xb, KPAIRS(K), wp, bias, M, N, scratch);
       amx_thread_end(scratch);
     }
   }
@@ -476,6 +539,54 @@ int gemm_packed_bf16_amx(float *y, int64_t ldy, const float *x, int64_t ldx, con
   return failed ? -1 : 0;
 #else
   (void)y; (void)ldy; (void)x; (void)ldx; (void)wp; (void)bias; (void)M; (void)N; (void)K;
+  return -1;
+#endif
+}
+
+/* A gated MLP on AMX tiles: y [M, H] = down(silu(gate) * up), gate | up = x Wgu^T, for wgu packed from
+ * [2I, H] (gate rows, then up rows) and wd from [H, I], I a multiple of 32, no biases. The same bits as
+ * gemm_packed_bf16_amx, silu_and_mul_f32 and gemm_packed_bf16_amx again, but the activations go from
+ * the gate/up tiles straight into the down projection's bfloat16 rows: a 2048-token step of
+ * Qwen3-0.6B's shape no longer writes and re-reads a 48 MiB float32 gate/up output and a 24 MiB
+ * product. 0, or -1 (scratch or AMX unavailable, or I not a multiple of 32). */
+int mlp_silu_bf16_amx(float *y, int64_t ldy, const float *x, int64_t ldx, const float *wgu, const float *wd,
+                      int64_t M, int64_t H, int64_t I) {
+#ifdef __AMX_BF16__
+  if (!amx_ready() || I % 32 != 0) return -1;
+  const int64_t KP = KPAIRS(H), M16 = (M + 15) / 16 * 16, PG = I / 32;
+  uint16_t *xb = rounded_copy(x, ldx, M, H);
+  uint16_t *act = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * I * (M16 ? M16 : 16)); /* KPAIRS(I) = I / 2 */
+  if (xb == NULL || act == NULL) {
+    free(xb);
+    free(act);
+    return -1;
+  }
+  int failed = 0;
+#pragma omp parallel
+  {
+    float *scratch = amx_thread_begin(&failed);
+    if (scratch != NULL) {
+      int64_t rb = XBLOCK / 2 / (KP * 4) / 32 * 32;
+      rb = rb < 32 ? 32 : rb;
+      for (int64_t m0 = 0; m0 < M16; m0 += rb) {
+        const int64_t rows16 = M16 - m0 < rb ? M16 - m0 : rb;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < PG; ++p) {
+          const uint32_t *wg = (const uint32_t *)wgu + p * KP * NR, *wu = wg + PG * KP * NR;
+          amx_panel_glu(act + m0 * I + p * NR, I, xb + m0 * 2 * KP, KP, wg, wu, rows16, scratch,
+                        p + 1 < PG ? (const char *)(wg + KP * NR) : NULL,
+                        p + 1 < PG ? (const char *)(wu + KP * NR) : NULL);
+        }
+      }
+      amx_gemm_rows(y, ldy, act, I / 2, wd, NULL, M, H, scratch); /* (after the loop's barrier) */
+      amx_thread_end(scratch);
+    }
+  }
+  free(xb);
+  free(act);
+  return failed ? -1 : 0;
+#else
+  (void)y; (void)ldy; (void)x; (void)ldx; (void)wgu; (void)wd; (void)M; (void)H; (void)I;
   return -1;
 #endif
 }

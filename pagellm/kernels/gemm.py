@@ -35,6 +35,7 @@ SIGNATURES: kernels.Signatures = {
     "gemm_amx_supported": (ctypes.c_int, []),
     "gemm_packed_bf16_amx": (ctypes.c_int, [_P, _I, _P, _I, _P, _P, _I, _I, _I]),
     "gemm_grouped": (ctypes.c_int, [_P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I]),
+    "mlp_silu_bf16_amx": (ctypes.c_int, [_P, _I, _P, _I, _P, _P, _I, _I, _I]),
 }
 
 
@@ -175,6 +176,29 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
         else:
             lib.gemm_packed_q(*args, bits)
     return y.view(*x.shape[:-1], out_features)
+
+
+def mlp_silu_amx(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, hidden: int,
+                 intermediate: int) -> torch.Tensor:
+    """``down(silu(gate) * up)`` with ``gate | up = x Wgu^T``, for ``gate_up = pack_bf16(Wgu [2I, H])``
+    and ``down = pack_bf16(Wd [H, I])``, on AMX tiles in one call: the same bits as
+    ``linear(..., bits=16, amx=True)``, ``cpu_ops.silu_and_mul`` and ``linear`` again (the activations
+    stay bfloat16 rows in cache between the products). ``I`` must be a multiple of 32."""
+    lib = _lib()
+    assert lib is not None, "check amx_supported() before pack_bf16()"
+    if intermediate % 32 or x.shape[-1] != hidden:
+        raise ValueError(f"x [..., {x.shape[-1]}] and intermediate {intermediate} do not fit the fused MLP "
+                         f"(hidden {hidden}; intermediate a multiple of 32)")
+    if gate_up.numel() != lib.packed_size_bf16(2 * intermediate, hidden) \
+            or down.numel() != lib.packed_size_bf16(hidden, intermediate):
+        raise ValueError(f"packed weights do not fit gate/up [{2 * intermediate}, {hidden}] and down "
+                         f"[{hidden}, {intermediate}]")
+    x2, y = rows_and_output(x, None, hidden)
+    m = x2.shape[0]
+    if m and lib.mlp_silu_bf16_amx(y.data_ptr(), hidden, x2.data_ptr(), x2.stride(0) if m > 1 else hidden,
+                                   gate_up.data_ptr(), down.data_ptr(), m, hidden, intermediate) != 0:
+        raise MemoryError("the fused MLP could not allocate its scratch")
+    return y.view(*x.shape[:-1], hidden)
 
 
 def linear_grouped(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, out_features: int,

@@ -22,9 +22,9 @@ from torch import nn
 
 from pagellm.attention import AttentionMetadata
 from pagellm.distributed import PipelineStage, TensorParallelGroup
-from pagellm.kernels import gemm_int8
+from pagellm.kernels import gemm, gemm_int8
 from pagellm.kernels.decode_graph import DecodeGraph
-from pagellm.layers.activation import gated_activation
+from pagellm.layers.activation import SiluAndMul, gated_activation
 from pagellm.layers.linear import Linear
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_shard
@@ -164,11 +164,27 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(part, config.hidden_size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self._packed_for_amx()
+        if packed is not None:
+            g = self.gate_up_proj
+            return gemm.mlp_silu_amx(x, *packed, g.in_features, g.out_features // 2)
         if x.shape[0] > MLP_CHUNK_MIN_ROWS and self._sliceable():
             # A long prefill in slices whose gate/up output stays in cache for SiLU*mul and the
             # down projection (2048 rows of SmolLM2 write and re-read 25 MiB otherwise).
             return torch.cat([self._forward(c) for c in x.split(MLP_CHUNK_ROWS)])
         return self._forward(x)
+
+    def _packed_for_amx(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The packed gate/up and down weights where both projections are on the AMX bfloat16 kernel
+        with SiLU's kernel between them, no biases, adapters or all-reduce: then one call gives the
+        same bits (``gemm.mlp_silu_amx``)."""
+        g, d = self.gate_up_proj, self.down_proj
+        if (g.packed_bf16 is None or d.packed_bf16 is None or not g.amx or not d.amx
+                or not isinstance(self.act_fn, SiluAndMul) or not self.act_fn.use_kernel
+                or g.bias is not None or d.bias is not None or g.lora is not None or d.lora is not None
+                or d.tp.world_size != 1 or g.out_features % 64):
+            return None
+        return g.packed_bf16, d.packed_bf16
 
     def _sliceable(self) -> bool:
         """Only over the int8 kernels: every batch size runs through them, so a row's output is the
