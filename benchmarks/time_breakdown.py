@@ -4,7 +4,7 @@ Wraps the engine's functions with exclusive timers (a nested call's time is not 
 
     scheduling          Scheduler.schedule + update_from_output
     input preparation   ModelRunner.execute_model's own Python (flat batch, slot_mapping) + build_metadata
-    linear (GEMM)       every nn.Linear in the layers, but the experts'
+    linear (GEMM)       every nn.Linear in the layers, but the experts'; an MLP fused on AMX whole
     mixture of experts  the MoE layers whole: routing, grouping, the experts' and shared expert's GEMMs
     attention           the paged attention backend (K/V write, decode kernel / SDPA)
     other model ops     embedding, RMSNorm, rotary, SiLU*mul, residual adds (model time minus the above)
@@ -89,6 +89,8 @@ def instrument(engine, timers: ExclusiveTimers) -> None:
     for m in model.model.layers.modules():  # not the LM head's, which counts as "lm head"
         if isinstance(m, torch.nn.Linear) and id(m) not in in_moe:
             m.forward = timers.wrap(m.forward, "linear (GEMM)")
+    from pagellm.kernels import gemm
+    gemm.mlp_silu_amx = timers.wrap(gemm.mlp_silu_amx, "linear (GEMM)")  # (an MLP's two GEMMs and SiLU in one call)
 
 
 def main() -> None:
