@@ -551,7 +551,10 @@ int gemm_packed_bf16_amx(float *y, int64_t ldy, const float *x, int64_t ldx, con
  * product. 0, or -1 (scratch or AMX unavailable, or I not a multiple of 32). */
 int mlp_silu_bf16_amx(float *y, int64_t ldy, const float *x, int64_t ldx, const float *wgu, const float *wd,
                       int64_t M, int64_t H, int64_t I) {
-#ifdef __AMX_BF16__
+#ifndef __AMX_BF16__
+  (void)y; (void)ldy; (void)x; (void)ldx; (void)wgu; (void)wd; (void)M; (void)H; (void)I;
+  return -1;
+#else
   if (!amx_ready() || I % 32 != 0) return -1;
   const int64_t KP = KPAIRS(H), M16 = (M + 15) / 16 * 16, PG = I / 32;
   uint16_t *xb = rounded_copy(x, ldx, M, H);
@@ -585,9 +588,6 @@ int mlp_silu_bf16_amx(float *y, int64_t ldy, const float *x, int64_t ldx, const 
   free(xb);
   free(act);
   return failed ? -1 : 0;
-#else
-  (void)y; (void)ldy; (void)x; (void)ldx; (void)wgu; (void)wd; (void)M; (void)H; (void)I;
-  return -1;
 #endif
 }
 
