@@ -319,7 +319,7 @@ void pack_weight_bf16(uint32_t *dst, const float *w, int64_t N, int64_t K) {
 }
 
 #ifdef __AVX512F__
-/* bf16_round of 16 floats at once, bit for bit (the scalar loop was a third of a 2048-row GEMM's
+/* bf16_round of 16 floats at once, bit for bit (the scalar loop was a quarter of a 2048-row GEMM's
  * time at K = 2048, one thread; vcvtneps2bf16 is not used: it flushes denormals). */
 static inline __m256i bf16_round16(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
