@@ -106,7 +106,7 @@ def test_bf16_gemm_equals_the_rounded_product_and_is_batch_invariant(amx):
 @pytest.mark.parametrize("amx", [False, True])
 def test_bf16_gemm_rounds_x_as_torch_does(amx):
     """x times the identity is x rounded to bfloat16 (every other term is an exact zero), ties to even
-    as torch rounds, over every bit pattern of normal numbers far from the ends (the dot-product
+    as torch rounds, over random bit patterns of normal numbers far from the ends (the dot-product
     instructions flush subnormals; inf times zero would be NaN)."""
     (require_amx_kernel if amx else require_bf16_kernel)()
     torch.manual_seed(0)
@@ -119,7 +119,6 @@ def test_bf16_gemm_rounds_x_as_torch_does(amx):
     x[1, 48:] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 3 * 2**-8), 2 - 2**-9, 1 + 2**-9])  # in the scalar tail
     y = gemm.linear(x, gemm.pack_bf16(torch.eye(k)), k, bits=16, amx=amx)
     assert torch.equal(y, x.bfloat16().float())
-
 
 
 def int8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -401,6 +401,16 @@ static inline __attribute__((always_inline)) void amx_dot(const uint16_t *xb, in
   }
 }
 
+/* Tiles 0-3 (rows 0-15 and, if `two`, 16-31 of a 32-column panel) into dst, rows ld floats apart. */
+static inline void amx_store_tiles(float *dst, int64_t ld, int two) {
+  _tile_stored(0, dst, ld * 4);
+  _tile_stored(1, dst + 16, ld * 4);
+  if (two) {
+    _tile_stored(2, dst + 16 * ld, ld * 4);
+    _tile_stored(3, dst + 16 * ld + 16, ld * 4);
+  }
+}
+
 /* One panel against rows [0, M16) of the padded bf16 x (M16 a multiple of 16), into y rows < M;
  * `next`: the panel this thread takes next (or NULL). Every output is the tile dot products' sum
  * over k in order, whatever the tiling of rows: the result of a row depends on nothing but that row. */
@@ -413,21 +423,10 @@ static void amx_panel(float *y, int64_t ldy, const uint16_t *xb, int64_t KP, con
     const int64_t rows = (two ? 32 : 16) < M - m0 ? (two ? 32 : 16) : M - m0;
     const int64_t cols = left < NR ? left : NR;
     if (bias == NULL && cols == NR && rows == (two ? 32 : 16)) { /* whole tiles: straight into y */
-      float *yy = y + m0 * ldy;
-      _tile_stored(0, yy, ldy * 4);
-      _tile_stored(1, yy + 16, ldy * 4);
-      if (two) {
-        _tile_stored(2, yy + 16 * ldy, ldy * 4);
-        _tile_stored(3, yy + 16 * ldy + 16, ldy * 4);
-      }
+      amx_store_tiles(y + m0 * ldy, ldy, two);
       continue;
     }
-    _tile_stored(0, scratch, NR * 4);
-    _tile_stored(1, scratch + 16, NR * 4);
-    if (two) {
-      _tile_stored(2, scratch + 16 * NR, NR * 4);
-      _tile_stored(3, scratch + 16 * NR + 16, NR * 4);
-    }
+    amx_store_tiles(scratch, NR, two);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t j = 0; j < cols; ++j)
         y[(m0 + r) * ldy + j] = scratch[r * NR + j] + (bias != NULL ? bias[j] : 0.f);
@@ -447,12 +446,7 @@ static void amx_panel_glu(uint16_t *act, int64_t ldact, const uint16_t *xb, int6
     for (int64_t m0 = 0; m0 < M16; m0 += 32) {
       const int two = m0 + 16 < M16;
       amx_dot(xb + m0 * 2 * KP, KP, (const char *)wg + h * 64, (const char *)wu + h * 64, two, &pf);
-      _tile_stored(0, scratch, NR * 4);
-      _tile_stored(1, scratch + 16, NR * 4);
-      if (two) {
-        _tile_stored(2, scratch + 16 * NR, NR * 4);
-        _tile_stored(3, scratch + 16 * NR + 16, NR * 4);
-      }
+      amx_store_tiles(scratch, NR, two);
       for (int64_t r = 0; r < (two ? 32 : 16); ++r) {
         const __m512 g = _mm512_loadu_ps(scratch + r * NR), u = _mm512_loadu_ps(scratch + r * NR + 16);
         const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
@@ -489,15 +483,20 @@ int gemm_amx_supported(void) {
 #endif
 }
 
+/* Rows per block of an AMX product with KP pairs of k: blocks whose bf16 x stays in L2 (half of it)
+ * against every panel; at 2048 rows a panel otherwise streams all of x from L3 (1.2 -> 1.6 TFLOP/s,
+ * benchmarks/gemm.py --bf16). */
+static inline int64_t amx_row_block(int64_t KP) {
+  const int64_t rb = XBLOCK / 2 / (KP * 4) / 32 * 32;
+  return rb < 32 ? 32 : rb;
+}
+
 #ifdef __AMX_BF16__
-/* Inside a parallel region: y = xb W^T (+ bias) for the rounded, padded x (round_rows). Blocks of
- * rows whose bf16 x stays in L2 (half of it) against every panel: at 2048 rows a panel otherwise
- * streams all of x from L3 (1.2 -> 1.6 TFLOP/s, benchmarks/gemm.py --bf16). */
+/* Inside a parallel region: y = xb W^T (+ bias) for the rounded, padded x (round_rows), block of rows
+ * (amx_row_block) by block. */
 static void amx_gemm_rows(float *y, int64_t ldy, const uint16_t *xb, int64_t KP, const float *wp, const float *bias,
                           int64_t M, int64_t N, float *scratch) {
-  const int64_t M16 = (M + 15) / 16 * 16, P = (N + NR - 1) / NR;
-  int64_t rb = XBLOCK / 2 / (KP * 4) / 32 * 32;
-  rb = rb < 32 ? 32 : rb;
+  const int64_t M16 = (M + 15) / 16 * 16, P = (N + NR - 1) / NR, rb = amx_row_block(KP);
   for (int64_t m0 = 0; m0 < M16; m0 += rb) {
     const int64_t rows16 = M16 - m0 < rb ? M16 - m0 : rb, rows = M - m0 < rb ? M - m0 : rb;
 #pragma omp for schedule(static)
@@ -569,8 +568,7 @@ int mlp_silu_bf16_amx(float *y, int64_t ldy, const float *x, int64_t ldx, const 
   {
     float *scratch = amx_thread_begin(&failed);
     if (scratch != NULL) {
-      int64_t rb = XBLOCK / 2 / (KP * 4) / 32 * 32;
-      rb = rb < 32 ? 32 : rb;
+      const int64_t rb = amx_row_block(KP);
       for (int64_t m0 = 0; m0 < M16; m0 += rb) {
         const int64_t rows16 = M16 - m0 < rb ? M16 - m0 : rb;
 #pragma omp for schedule(static)
@@ -661,8 +659,8 @@ int gemm_grouped(float *y, int64_t ldy, const float *x, int64_t ldx, const int64
   if (amx && (kind != 16 || !amx_ready())) return -1;
 #endif
   const int64_t KP = KPAIRS(K), kk = kind == 16 ? KP : K;
-  int64_t rb = amx ? XBLOCK / 2 / (KP * 4) / 32 * 32 : XBLOCK / (4 * kk) / MR * MR;
-  if (rb < (amx ? 32 : 4 * MR)) rb = amx ? 32 : 4 * MR;
+  int64_t rb = amx ? amx_row_block(KP) : XBLOCK / (4 * kk) / MR * MR;
+  if (rb < 4 * MR && !amx) rb = 4 * MR;
   int64_t S = 0;
   Block *blocks = blocks_of(wps, off, G, rb, &S);
   if (blocks == NULL) return -1;
