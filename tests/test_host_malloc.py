@@ -12,34 +12,39 @@ pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ve
                                 reason="glibc's mallopt")
 
 # Activations whose size changes from step to step (a step's token count does), each written and
-# freed, after the worker's tuning (or not); prints the minor page faults that cost.
+# freed, after the worker's tuning (or not), in two passes over the same sizes (later steps repeat
+# earlier steps' sizes); prints the minor page faults each pass cost.
 SCRIPT = """
 import resource, sys, torch
 from pagellm.worker.host_malloc import tune_malloc
 print(tune_malloc())
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for mib in range(int(sys.argv[1]), int(sys.argv[2])):
-    torch.ones(mib << 18)  # written: every page touched
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+for _ in range(2):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for mib in range(int(sys.argv[1]), int(sys.argv[2])):
+        torch.ones(mib << 18)  # written: every page touched
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def _faults(tuning: str, mib: range) -> tuple[str, int]:
+def _faults(tuning: str, mib: range) -> tuple[str, int, int]:
     out = subprocess.run([sys.executable, "-c", SCRIPT, str(mib.start), str(mib.stop)],
                          env={"PAGELLM_MALLOC_TUNING": tuning, "PATH": ""},
                          capture_output=True, text=True, check=True).stdout.split()
-    return out[0], int(out[1])
+    return out[0], int(out[1]), int(out[2])
 
 
 # 8 to 28 MiB: under glibc's mmap ceiling (SmolLM2's 2048-token gate/up output is 24 MiB); 40 to 60
 # MiB: above it (a 1024-wide model with a 3072-wide MLP writes 48 MiB).
 @pytest.mark.parametrize("mib", [range(8, 29), range(40, 61)])
 def test_tuned_allocator_reuses_freed_activations_instead_of_faulting_them_in(mib):
-    tuned, tuned_faults = _faults("1", mib)
-    untuned, untuned_faults = _faults("0", mib)
+    tuned, tuned_first, tuned_again = _faults("1", mib)
+    untuned, untuned_first, _ = _faults("0", mib)
     assert (tuned, untuned) == ("True", "False")
     pages = sum(mib) * 256
     # Untuned, each tensor larger than the last is a fresh mmap (glibc raises its threshold only
-    # after freeing one), faulted in page by page; tuned, the heap grows once to the largest.
-    assert untuned_faults > pages // 2
-    assert tuned_faults < pages // 5
+    # after freeing one), faulted in page by page. Tuned, the heap grows towards the largest (by how
+    # much depends on the process's layout: 10-23 % of the pages seen here, CI's highest run) and
+    # then serves every size again from memory already faulted in.
+    assert untuned_first > pages // 2
+    assert tuned_first < untuned_first // 2
+    assert tuned_again < pages // 50
