@@ -298,13 +298,6 @@ int gemm_bf16_supported(void) {
 /* In 32-bit slots: one per pair of k per output. */
 int64_t packed_size_bf16(int64_t N, int64_t K) { return (N + NR - 1) / NR * NR * KPAIRS(K); }
 
-static inline uint16_t bf16_round(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays a (quiet) NaN */
-  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 void pack_weight_bf16(uint32_t *dst, const float *w, int64_t N, int64_t K) {
   const int64_t P = (N + NR - 1) / NR, KP = KPAIRS(K);
 #pragma omp parallel for schedule(static)
@@ -317,20 +310,6 @@ void pack_weight_bf16(uint32_t *dst, const float *w, int64_t N, int64_t K) {
         dst[(p * KP + i) * NR + j] = (uint32_t)lo | ((uint32_t)hi << 16);
       }
 }
-
-#ifdef __AVX512F__
-/* bf16_round of 16 floats at once, bit for bit (the scalar loop was a quarter of a 2048-row GEMM's
- * time at K = 2048, one thread; vcvtneps2bf16 is not used: it flushes denormals). */
-static inline __m256i bf16_round16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
-                                                _mm512_set1_epi32(0x7F800000));
-  const __m512i q = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, q));
-}
-#endif
 
 /* xb rows [0, M) (2 * KPAIRS(K) bf16 each, zero past K) = x rows rounded to bfloat16. */
 static void round_rows(uint16_t *xb, const float *x, int64_t ldx, int64_t M, int64_t K) {
@@ -349,19 +328,6 @@ static void round_rows(uint16_t *xb, const float *x, int64_t ldx, int64_t M, int
 }
 
 #ifdef __AMX_BF16__
-/* Tiles 0-3: C (2 row tiles x 2 column halves of the panel, 16 x 16 floats each); 4-5: A (16 rows x
- * 16 pairs of x); 6-7: B (16 pairs x 16 outputs of the panel). */
-static void amx_configure(void) {
-  TileConfig cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
-
 /* The lines of the panels a thread takes next, prefetched into L2 a few per k step of this one
  * (its first pass over a panel read it from L3 otherwise): up to two streams of `lines` lines. */
 typedef struct {
@@ -375,7 +341,9 @@ static Prefetch prefetch_plan(const char *a, const char *b, int64_t lines, int64
 }
 
 /* Tiles 0-3 = rows [0, 16) and [16, 32) (the second only if `two`) of xb, KP pairs, times the B
- * tiles at b6 and b7 (rows NR * 4 bytes apart), summed over k in order. */
+ * tiles at b6 and b7 (rows NR * 4 bytes apart), summed over k in order. Tiles 0-3: C (2 row tiles x
+ * 2 column halves of the panel, 16 x 16 floats each); 4-5: A (16 rows x 16 pairs of x); 6-7: B (16
+ * pairs x 16 outputs of the panel), as amx_configure_16x64 sets them. */
 static inline __attribute__((always_inline)) void amx_dot(const uint16_t *xb, int64_t KP, const char *b6,
                                                           const char *b7, int two, Prefetch *pf) {
   const int64_t lda = KP * 4, ldb = NR * 4; /* bytes */
@@ -465,7 +433,7 @@ static float *amx_thread_begin(int *failed) {
     *failed = 1;
     return NULL;
   }
-  amx_configure();
+  amx_configure_16x64();
   return scratch;
 }
 

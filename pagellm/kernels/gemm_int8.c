@@ -366,14 +366,6 @@ static inline __attribute__((always_inline)) void tile_k(float *y, int64_t ldy, 
 #define AMX_ROWS 16
 static int amx_enabled = -1; /* -1: not asked yet */
 
-static void amx_configure(void) {
-  TileConfig c;
-  memset(&c, 0, sizeof c);
-  c.palette_id = 1;
-  for (int t = 0; t < 8; ++t) c.rows[t] = AMX_ROWS, c.colsb[t] = 64;
-  _tile_loadconfig(&c);
-}
-
 /* One super-block of a K4 panel as tdpbsud operands: ops[chunk of 64 k][half][h, l, m][16 groups of
  * 4 k][16 outputs x 4 bytes], the groups as tile_k feeds vpdpbusd. */
 typedef uint8_t KOperands[4][2][3][16][64];
@@ -587,7 +579,7 @@ static void row_block_k(float *y, int64_t ldy, const int8_t *xq, const float *dx
 #pragma omp parallel
   {
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-  if (amx_rows) amx_configure(); /* tile state is per thread */
+  if (amx_rows) amx_configure_16x64(); /* tile state is per thread */
 #endif
 #pragma omp for schedule(static)
   for (int64_t p = 0; p < P; ++p) {

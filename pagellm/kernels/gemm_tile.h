@@ -1,4 +1,5 @@
-/* What the GEMM kernels share about a panel of 32 outputs (included by gemm.c and gemm_int8.c;
+/* What the GEMM kernels share about a panel of 32 outputs (included by gemm.c, gemm_int8.c and
+ * paged_prefill_amx.c, which takes its AMX set-up;
  * pagellm/kernels/__init__.py hashes this header into every kernel's build key). */
 #ifndef PAGELLM_GEMM_TILE_H
 #define PAGELLM_GEMM_TILE_H
@@ -70,6 +71,16 @@ typedef struct {
   uint16_t colsb[16];
   uint8_t rows[16];
 } TileConfig;
+
+/* Tiles 0-7 all 16 rows of 64 bytes: 16 x 16 float32 sums, 16 rows x 32 bfloat16 (or 64 int8), or 16
+ * pairs (quads) of k x 16 outputs. The tile state is per thread: each thread configures its own. */
+static inline void amx_configure_16x64(void) {
+  TileConfig cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
 #endif
 
 #endif

@@ -1,4 +1,5 @@
-/* What the kernels share (included by cpu_ops.c, paged_decode.c and paged_prefill.c;
+/* What the kernels share (included by cpu_ops.c, gemm.c, paged_decode.c, paged_prefill.c and
+ * paged_prefill_amx.c;
  * pagellm/kernels/__init__.py hashes this header into every kernel's build key). */
 #ifndef PAGELLM_SIMD_COMMON_H
 #define PAGELLM_SIMD_COMMON_H
@@ -46,6 +47,15 @@ static inline float exp_f32(float x) {
 /* tanh(x) = 1 - 2 / (exp(2x) + 1), with exp_f32 (clamped, so large |x| give +-1): attention logit
  * soft-capping, cap * tanh(s / cap) (Gemma 2), in the decode kernel's two paths alike. */
 static inline float tanh_f32(float x) { return 1.0f - 2.0f / (exp_f32(2.0f * x) + 1.0f); }
+
+/* float32 -> bfloat16, rounded to nearest even (torch's .bfloat16()); a NaN stays a quiet NaN. The
+ * bfloat16 GEMMs' weights and x, and the AMX prefill attention's q, K, V and P. */
+static inline uint16_t bf16_round(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays a (quiet) NaN */
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -98,6 +108,18 @@ static inline __m512 tanh512(__m512 x) {
   const __m512 one = _mm512_set1_ps(1.0f);
   const __m512 e = exp512(_mm512_add_ps(x, x));
   return _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
+}
+
+/* bf16_round of 16 floats at once, bit for bit (the scalar loop was a quarter of a 2048-row GEMM's
+ * time at K = 2048, one thread; vcvtneps2bf16 is not used: it flushes denormals). */
+static inline __m256i bf16_round16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000));
+  const __m512i q = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, q));
 }
 #endif
 #endif
