@@ -264,3 +264,114 @@ def test_backend_is_chosen_once_per_cache(monkeypatch):
     cpu = select_attention_backend(torch.empty(4, 2, 64), torch.float32)
     assert isinstance(cpu, CpuPagedAttention) and cpu.decode_kernel and cpu.write_kv_kernel
     assert "cpu_kernel" not in vars(torch_paged) and "cpu_ops" not in vars(torch_paged)
+
+
+def _bf16_tiles_reference(q, k_all, v_all, num_computed, scale):
+    """float64, the AMX prefill kernel's numerics written out: q, K and V rounded to bfloat16, the
+    softmax weights exp(s - max) rounded to bfloat16 before P V, their float64 sum divided out."""
+    def bf(x):
+        return x.to(torch.bfloat16).double()
+
+    hq, hkv = q.shape[1], k_all.shape[1]
+    k = bf(k_all).repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+    v = bf(v_all).repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+    s = bf(q).transpose(0, 1) @ k.transpose(1, 2) * scale
+    allowed = torch.arange(k_all.shape[0])[None, :] <= (torch.arange(q.shape[0]) + num_computed)[:, None]
+    s = s.masked_fill(~allowed, float("-inf"))
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    return ((bf(e) @ v) / e.sum(-1, keepdim=True)).transpose(0, 1).reshape(q.shape[0], -1)
+
+
+def _bf16_tiles_backend(hkv, d, cache_dtype):
+    from conftest import require_kernel
+
+    backend = CpuPagedAttention.for_cache(torch.empty(1, hkv, d, dtype=cache_dtype), torch.float32,
+                                          bf16_prefill=True)
+    require_kernel(lambda: backend.prefill_bf16_tiles, "AMX prefill attention kernel",
+                   ("avx512f", "amx_bf16", "amx_tile"), ("PAGELLM_CPU_AMX",))
+    return backend
+
+
+def _run_steps(backend, steps, key_cache, value_cache, d):
+    """Each step a list of ``(num_computed, q, k, v, blocks)``: one-token ones after cached tokens go
+    in as decodes (as a pooling run's scheduler hands them over), the rest as chunks. The output
+    rows of each entry, in the order given."""
+    bs, outs = 16, {}
+    for step in steps:
+        decodes = [i for i, (c, q, *_) in enumerate(step) if c > 0 and q.shape[0] == 1]
+        chunks = [i for i in range(len(step)) if i not in decodes]
+        meta = backend.build_metadata([step[i][0] + 1 for i in decodes], [step[i][4] for i in decodes],
+                                      [(step[i][0], step[i][1].shape[0], step[i][4]) for i in chunks], bs,
+                                      torch.device("cpu"))
+        assert {g.kind for g in meta.groups} == {AttentionKind.PREFILL_KERNEL}
+        order = [decodes[j] for j in meta.decode_order] + chunks
+        meta.slot_mapping = torch.tensor([step[i][4][p // bs] * bs + p % bs for i in order
+                                          for p in range(step[i][0], step[i][0] + step[i][1].shape[0])])
+        out = backend.forward(*(torch.cat([step[i][j] for i in order]) for j in (1, 2, 3)), key_cache, value_cache,
+                              meta, d ** -0.5)
+        start = 0
+        for i in order:
+            n = step[i][1].shape[0]
+            outs[id(step[i])] = out[start:start + n]
+            start += n
+    return [outs[id(e)] for step in steps for e in step]
+
+
+@pytest.mark.parametrize("hq,hkv,d,cache_dtype", [(16, 8, 128, torch.float16), (9, 3, 64, torch.float32),
+                                                  (6, 3, 128, torch.float32), (32, 1, 64, torch.float16)])
+def test_bf16_tile_prefill_equals_its_float64_formula(hq, hkv, d, cache_dtype):
+    """The prefill kernel on AMX bfloat16 tiles (pooling runs in bfloat16 numerics) against its
+    numerics written in float64: fresh chunks, chunks after thousands of cached tokens, one-token
+    chunks, grouped-query heads, both head sizes, a float32 or float16 cache."""
+    backend = _bf16_tiles_backend(hkv, d, cache_dtype)
+    torch.manual_seed(0)
+    bs, shapes = 16, [(0, 37), (100, 50), (333, 1), (5, 300), (2500, 64), (0, 700), (40, 1)]
+    num_blocks = sum(-(-(c + n) // bs) for c, n in shapes) + 8
+    key_cache = torch.randn(num_blocks * bs, hkv, d).to(cache_dtype)
+    value_cache = torch.randn(num_blocks * bs, hkv, d).to(cache_dtype)
+    free = torch.randperm(num_blocks).tolist()
+    step, full = [], []
+    for c, n in shapes:
+        blocks = [free.pop() for _ in range(-(-(c + n) // bs))]
+        k_all, v_all = (torch.randn(c + n, hkv, d).to(cache_dtype).float() for _ in range(2))
+        past = [blocks[p // bs] * bs + p % bs for p in range(c)]
+        key_cache[past], value_cache[past] = k_all[:c].to(cache_dtype), v_all[:c].to(cache_dtype)
+        step.append((c, torch.randn(n, hq, d), k_all[c:], v_all[c:], blocks))
+        full.append((k_all, v_all))
+    outs = _run_steps(backend, [step], key_cache, value_cache, d)
+    for (c, q, *_), (k_all, v_all), out in zip(step, full, outs, strict=True):
+        torch.testing.assert_close(out.double(), _bf16_tiles_reference(q, k_all, v_all, c, d ** -0.5),
+                                   rtol=0, atol=2e-3)
+        # bfloat16's rounding, not float32 attention (which meets 1e-5: test_prefill_kernel_over_long_contexts)
+        assert (out - _dense_reference(q, k_all, v_all, c, d ** -0.5)).abs().max() > 1e-4
+
+
+def test_bf16_tile_prefill_is_batch_and_chunk_invariant():
+    """A row's bits depend only on its query, its position and the keys before it: the same prompts
+    prefilled together, one by one, and cut into chunks (some of one token) in other steps."""
+    hq, hkv, d, bs = 8, 2, 128, 16
+    backend = _bf16_tiles_backend(hkv, d, torch.float16)
+    torch.manual_seed(1)
+    lens = [300, 45, 1, 600, 17]
+    key_cache = torch.zeros(200 * bs, hkv, d, dtype=torch.float16)
+    value_cache = torch.zeros_like(key_cache)
+    free = torch.randperm(200).tolist()
+    prompts = []
+    for n in lens:
+        prompts.append((torch.randn(n, hq, d), torch.randn(n, hkv, d), torch.randn(n, hkv, d),
+                        [free.pop() for _ in range(-(-n // bs))]))
+
+    def cut(i, a, b):
+        q, k, v, blocks = prompts[i]
+        return (a, q[a:b], k[a:b], v[a:b], blocks)
+
+    together = _run_steps(backend, [[cut(i, 0, n) for i, n in enumerate(lens)]], key_cache, value_cache, d)
+    alone = [_run_steps(backend, [[cut(i, 0, n)]], key_cache, value_cache, d)[0] for i, n in enumerate(lens)]
+    cuts = {0: [0, 1, 130, 131, 300], 1: [0, 44, 45], 2: [0, 1], 3: [0, 257, 258, 599, 600], 4: [0, 16, 17]}
+    steps = [[cut(i, c[s], c[s + 1]) for i, c in cuts.items() if s + 1 < len(c)] for s in range(4)]
+    chunked = _run_steps(backend, steps, key_cache, value_cache, d)
+    rejoined = [torch.cat([o for (c, q, *_, blocks), o in zip([e for st in steps for e in st], chunked, strict=True)
+                           if blocks is prompts[i][3]]) for i in range(len(lens))]
+    for i in range(len(lens)):
+        assert torch.equal(together[i], alone[i]), i
+        assert torch.equal(together[i], rejoined[i]), i

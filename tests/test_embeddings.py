@@ -166,3 +166,26 @@ def test_embeddings_through_the_openai_client(pooling_server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
     assert "/v1/embeddings" in e.value.body["message"]
+
+
+def test_bfloat16_pooling_attention_takes_bf16_tiles(tmp_path):
+    """A pooling run never decodes, so in bfloat16 numerics its prefill attention takes AMX bfloat16
+    tiles (a generating run keeps the kernel that sums as decodes do): the vectors stay close to
+    HF's float32 ones, and chunked, batched or alone they are the same bits."""
+    from conftest import require_amx_kernel
+
+    require_amx_kernel()
+    path = build_tiny_checkpoint(str(tmp_path), "qwen3", head_dim=64)  # (a head size with an AMX kernel)
+    llm = LLM(path, dtype="bfloat16", runner="pooling", pooler_config={"pooling_type": "MEAN"},
+              max_num_batched_tokens=16, long_prefill_token_threshold=8)
+    assert llm.llm_engine.executor.worker.model_runner.attn_backend.prefill_bf16_tiles
+    batched = _embed(llm)
+    for prompt, vec in zip(PROMPTS, batched, strict=True):
+        want = hf_pooled(path, prompt, "MEAN")
+        got = torch.tensor(vec, dtype=torch.float64)
+        assert got @ want > 0.999, (got @ want).item()
+        assert (got - want).abs().max() > 1e-5  # (bfloat16 numerics, not float32's)
+    assert [_embed(llm, [p])[0] for p in PROMPTS] == batched
+    assert _embed(llm, PROMPTS[::-1])[::-1] == batched
+    generating = LLM(path, dtype="bfloat16")
+    assert not generating.llm_engine.executor.worker.model_runner.attn_backend.prefill_bf16_tiles

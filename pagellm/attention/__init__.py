@@ -33,10 +33,13 @@ def get_attention_backend(name: str = "torch") -> type[TorchPagedAttention]:
     return getattr(importlib.import_module(module), cls)
 
 
-def select_attention_backend(key_cache: torch.Tensor, query_dtype: torch.dtype) -> TorchPagedAttention:
+def select_attention_backend(key_cache: torch.Tensor, query_dtype: torch.dtype,
+                             bf16_prefill: bool = False) -> TorchPagedAttention:
     """The backend for this cache (one layer's ``[num_slots, Hkv, D]``) and model dtype: ``"cuda"``
     (Triton) for a cache on a GPU, ``"cpu"`` when a compiled kernel applies to it, else the
-    ``"torch"`` reference (``PAGELLM_CUDA_KERNELS=0`` keeps a GPU on the reference)."""
+    ``"torch"`` reference (``PAGELLM_CUDA_KERNELS=0`` keeps a GPU on the reference).
+    ``bf16_prefill``: the run never decodes and its GEMMs are bfloat16, so CPU prefill attention may
+    take bfloat16 tiles too (``CpuPagedAttention.for_cache``)."""
     import os
 
     from pagellm import kernels
@@ -44,7 +47,8 @@ def select_attention_backend(key_cache: torch.Tensor, query_dtype: torch.dtype) 
     if key_cache.device.type == "cuda" and os.environ.get("PAGELLM_CUDA_KERNELS", "1") != "0":
         return get_attention_backend("cuda").for_cache(key_cache, query_dtype)  # type: ignore[attr-defined]
     if key_cache.device.type == "cpu" and kernels.enabled():
-        cpu = get_attention_backend("cpu").for_cache(key_cache, query_dtype)  # type: ignore[attr-defined]
+        cpu = get_attention_backend("cpu").for_cache(key_cache, query_dtype,  # type: ignore[attr-defined]
+                                                     bf16_prefill=bf16_prefill)
         if cpu.uses_kernels:
             return cpu
     return get_attention_backend("torch")()

@@ -13,6 +13,7 @@ rows carry their scale (``kv_quant.py``).
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 
@@ -125,6 +126,13 @@ _PREFILL_SIGNATURES: kernels.Signatures = {
     "paged_prefill_supported": (ctypes.c_int, [ctypes.c_int64]),
 }
 _PREFILL = {torch.float32: "paged_prefill_f32", torch.float16: "paged_prefill_f16", torch.int8: "paged_prefill_i8"}
+# On AMX bfloat16 tiles (``paged_prefill_amx.c``), for runs that never decode: same arguments.
+_PREFILL_AMX_SIGNATURES: kernels.Signatures = {
+    "paged_prefill_amx_f32": (ctypes.c_int, _PREFILL_ARGS),
+    "paged_prefill_amx_f16": (ctypes.c_int, _PREFILL_ARGS),
+    "paged_prefill_amx_supported": (ctypes.c_int, [ctypes.c_int64]),
+}
+_PREFILL_AMX = {torch.float32: "paged_prefill_amx_f32", torch.float16: "paged_prefill_amx_f16"}
 
 
 def prefill_usable_for(key_cache: torch.Tensor) -> bool:
@@ -136,19 +144,39 @@ def prefill_usable_for(key_cache: torch.Tensor) -> bool:
     return lib is not None and bool(lib.paged_prefill_supported(value_head_dim(key_cache)))
 
 
+def prefill_bf16_tiles_usable_for(key_cache: torch.Tensor) -> bool:
+    """Whether prefill chunks over this cache can take the AMX kernel (``bf16_tiles=True`` below): a
+    float32 or float16 CPU cache with head size 64 or 128 on a machine with AMX bfloat16 tiles
+    (``PAGELLM_CPU_AMX=0`` says no, as it does for the GEMMs)."""
+    if key_cache.device.type != "cpu" or key_cache.dtype not in _PREFILL_AMX \
+            or os.environ.get("PAGELLM_CPU_AMX", "1") == "0":
+        return False
+    lib = kernels.load("paged_prefill_amx", _PREFILL_AMX_SIGNATURES)
+    return lib is not None and bool(lib.paged_prefill_amx_supported(key_cache.shape[-1]))
+
+
 def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, block_tables: torch.Tensor, token_starts: torch.Tensor,
                             num_computed: torch.Tensor, query_lens: torch.Tensor, block_size: int,
-                            scale: float) -> None:
+                            scale: float, bf16_tiles: bool = False) -> None:
     """Causal attention of every prefill chunk of a step over its sequence's cached K/V.
 
     Chunk ``c``'s tokens are rows ``token_starts[c] ..`` of ``query`` ``[T, Hq, D]`` (rows may be
     strided, heads contiguous) and of ``out`` ``[T, Hq * D]``, at positions ``num_computed[c] ..``;
     their own K/V must already be in the cache. ``block_tables`` ``[C, max_blocks]`` and the
     per-chunk vectors are contiguous int64 CPU tensors.
+
+    ``bf16_tiles``: q, K, V and the softmax weights rounded to bfloat16, products summed in float32
+    on AMX tiles (``paged_prefill_amx.c``; see :func:`prefill_bf16_tiles_usable_for`). Batch
+    invariant, but not the decode kernel's sums: only for runs that never decode (pooling).
     """
-    lib = kernels.load("paged_prefill", _PREFILL_SIGNATURES)
-    assert lib is not None, "check prefill_usable_for() first"
+    if bf16_tiles:
+        lib = kernels.load("paged_prefill_amx", _PREFILL_AMX_SIGNATURES)
+        usable, names = prefill_bf16_tiles_usable_for(key_cache), _PREFILL_AMX
+    else:
+        lib = kernels.load("paged_prefill", _PREFILL_SIGNATURES)
+        usable, names = prefill_usable_for(key_cache), _PREFILL
+    assert lib is not None, "check prefill_usable_for() / prefill_bf16_tiles_usable_for() first"
     t, hq, d = query.shape
     hkv = key_cache.shape[1]
     if query.dtype != torch.float32 or query.stride(2) != 1 or query.stride(1) != d:
@@ -156,15 +184,15 @@ def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: t
     if out.dtype != torch.float32 or out.shape != (t, hq * d) or out.stride(1) != 1:
         raise ValueError("out must be float32 [T, Hq * D] with contiguous rows")
     for x, name in ((key_cache, "key_cache"), (value_cache, "value_cache")):
-        if x.dtype != key_cache.dtype or x.dtype not in _PREFILL or not x.is_contiguous():
-            raise ValueError(f"{name} must be contiguous float32, float16 or int8 (both caches the same)")
-    if not prefill_usable_for(key_cache):
-        raise ValueError(f"no prefill kernel for head size {d} on this machine")
+        if x.dtype != key_cache.dtype or x.dtype not in names or not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous {', '.join(str(t)[6:] for t in names)} (both caches the same)")
+    if not usable:
+        raise ValueError(f"no {'AMX ' if bf16_tiles else ''}prefill kernel for head size {d} on this machine")
     for x, name in ((block_tables, "block_tables"), (token_starts, "token_starts"), (num_computed, "num_computed"),
                     (query_lens, "query_lens")):
         if x.dtype != torch.int64 or not x.is_contiguous():
             raise ValueError(f"{name} must be contiguous int64")
-    status = getattr(lib, _PREFILL[key_cache.dtype])(out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0),
+    status = getattr(lib, names[key_cache.dtype])(out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0),
                                    key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
                                    block_tables.shape[1], token_starts.data_ptr(), num_computed.data_ptr(),
                                    query_lens.data_ptr(), len(token_starts), hq, hkv, block_size, scale, d)

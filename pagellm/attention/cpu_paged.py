@@ -2,11 +2,12 @@
 
 Decided once, at start-up, from the cache and the model dtype (:meth:`CpuPagedAttention.for_cache`):
 which kernels apply here (``cpu_kernel.py``: decode over a float32, float16 or int8 cache, with a
-layer's sliding window and logit soft-cap where it has them; prefill
-over the same with head size 64 or 128 on AVX-512, summing as the decode kernel does; ``cpu_ops.write_kv``:
-the K/V write). Each step's metadata then names the kernel groups (``DECODE_KERNEL``, ``PREFILL_KERNEL``) and
-``TorchPagedAttention.forward`` runs them through the methods registered for those kinds. Nothing
-is re-checked per layer except the layout the kernels need.
+layer's sliding window and logit soft-cap where it has them; prefill over the same with head size 64
+or 128 on AVX-512, summing as the decode kernel does, or, for a run that never decodes, on AMX
+bfloat16 tiles; ``cpu_ops.write_kv``: the K/V write). Each step's metadata then names the kernel
+groups (``DECODE_KERNEL``, ``PREFILL_KERNEL``) and ``TorchPagedAttention.forward`` runs them through
+the methods registered for those kinds. Nothing is re-checked per layer except the layout the
+kernels need.
 """
 
 from __future__ import annotations
@@ -27,27 +28,33 @@ class CpuPagedAttention(TorchPagedAttention):
 
     name = "cpu"
 
-    def __init__(self, decode_kernel: bool, prefill_kernel: bool, write_kv_kernel: bool) -> None:
+    def __init__(self, decode_kernel: bool, prefill_kernel: bool, write_kv_kernel: bool,
+                 prefill_bf16_tiles: bool = False) -> None:
         super().__init__()
         self.decode_kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
         self.write_kv_kernel = write_kv_kernel
+        self.prefill_bf16_tiles = prefill_bf16_tiles
         self.impls[AttentionKind.DECODE_KERNEL] = self._decode_kernel
         self.impls[AttentionKind.PREFILL_KERNEL] = self._prefill_kernel
         self.windowed_impls[AttentionKind.DECODE_KERNEL] = self._decode_kernel_windowed
 
     def __repr__(self) -> str:
         return (f"CpuPagedAttention(decode_kernel={self.decode_kernel}, prefill_kernel={self.prefill_kernel}, "
-                f"write_kv_kernel={self.write_kv_kernel})")
+                f"write_kv_kernel={self.write_kv_kernel}, prefill_bf16_tiles={self.prefill_bf16_tiles})")
 
     @classmethod
-    def for_cache(cls, key_cache: torch.Tensor, query_dtype: torch.dtype) -> CpuPagedAttention:
+    def for_cache(cls, key_cache: torch.Tensor, query_dtype: torch.dtype,
+                  bf16_prefill: bool = False) -> CpuPagedAttention:
         """The kernels that apply to this cache (``[num_slots, Hkv, D]``) under ``query_dtype``
-        queries: they compute in float32 and build on first use (``None`` of them if they cannot)."""
+        queries: they compute in float32 and build on first use (``None`` of them if they cannot).
+        ``bf16_prefill``: a run that never decodes (pooling) in bfloat16 numerics, whose prefill
+        chunks may take bfloat16 tiles where the machine has them."""
         f32 = query_dtype == torch.float32
-        return cls(decode_kernel=f32 and cpu_kernel.usable_for(key_cache),
-                   prefill_kernel=f32 and cpu_kernel.prefill_usable_for(key_cache),
-                   write_kv_kernel=f32 and cpu_ops.writes_kv_into(key_cache))
+        prefill = f32 and cpu_kernel.prefill_usable_for(key_cache)
+        return cls(decode_kernel=f32 and cpu_kernel.usable_for(key_cache), prefill_kernel=prefill,
+                   write_kv_kernel=f32 and cpu_ops.writes_kv_into(key_cache),
+                   prefill_bf16_tiles=prefill and bf16_prefill and cpu_kernel.prefill_bf16_tiles_usable_for(key_cache))
 
     @property
     def uses_kernels(self) -> bool:
@@ -57,7 +64,14 @@ class CpuPagedAttention(TorchPagedAttention):
     def _decode_groups(self, decode_lens: list[int], decode_block_tables: list[list[int]], block_size: int,
                        device: torch.device) -> tuple[list[AttentionGroup], list[int]]:
         """All decodes as one ``DECODE_KERNEL`` group: the kernel reads blocks in place, so grouping
-        by length or shared prefix gains nothing."""
+        by length or shared prefix gains nothing. With bfloat16 tiles (a run that never decodes) a
+        "decode" is a one-token prefill chunk after cached tokens, and takes the same kernel as the
+        others: its numerics must not depend on where the prompt was cut."""
+        if self.prefill_bf16_tiles and decode_lens:
+            groups: list[AttentionGroup] = []
+            chunks = [(n - 1, 1, table) for n, table in zip(decode_lens, decode_block_tables, strict=True)]
+            self._chunk_groups(groups, 0, chunks, block_size, device)
+            return groups, list(range(len(decode_lens)))
         if not (self.decode_kernel and decode_lens):
             return super()._decode_groups(decode_lens, decode_block_tables, block_size, device)
         table = _padded_block_table(decode_lens, decode_block_tables, block_size)
@@ -119,8 +133,7 @@ class CpuPagedAttention(TorchPagedAttention):
                                           value_cache, grp.kv_blocks, grp.seq_lens, block_size, scale,
                                           window=window, softcap=softcap)
 
-    @staticmethod
-    def _prefill_kernel(out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor, key: torch.Tensor,
+    def _prefill_kernel(self, out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor, key: torch.Tensor,
                         value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_size: int,
                         scale: float) -> None:
         # Reads every chunk's K/V (just written by forward) in place; queries stay strided.
@@ -128,4 +141,4 @@ class CpuPagedAttention(TorchPagedAttention):
         if grp.kv_blocks is None or info is None:
             raise ValueError("a PREFILL_KERNEL group needs kv_blocks and prefill_chunks")
         cpu_kernel.paged_prefill_attention(out, query, key_cache, value_cache, grp.kv_blocks, info[0], info[1],
-                                           info[2], block_size, scale)
+                                           info[2], block_size, scale, bf16_tiles=self.prefill_bf16_tiles)

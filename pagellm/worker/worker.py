@@ -440,8 +440,13 @@ class Worker:
         graphs = self._cuda_graphs_apply()
         self.cache_engine = CacheEngine(self.spec, num_blocks, self.device, num_cpu_blocks, memory,
                                         scratch_block=graphs)
-        # Chosen once for this cache and model dtype: which attention kernels apply here.
-        self.attn_backend = select_attention_backend(self.cache_engine.kv_caches[0][0], self.dtype)
+        # Chosen once for this cache and model dtype: which attention kernels apply here. A pooling run
+        # never decodes, so under 16-bit GEMMs its prefill attention may round to bfloat16 tiles too
+        # (there is no decoded token whose bits a prefilled one must repeat).
+        sixteen = self.numerics.int8 or self.numerics.compute_dtype == torch.bfloat16
+        self.attn_backend = select_attention_backend(self.cache_engine.kv_caches[0][0], self.dtype,
+                                                     bf16_prefill=self.pooling is not None and self.cpu_numerics
+                                                     and sixteen)
         logger.info("attention backend: %r", self.attn_backend)
         self.model_runner = ModelRunner(self.model, self.spec.block_size, self.device, self.attn_backend,
                                         self.tp.is_driver and self.pp.is_last)
