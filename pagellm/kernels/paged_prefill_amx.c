@@ -155,6 +155,34 @@ static inline __attribute__((always_inline)) void round_keys(uint16_t *kt, uint1
   }
 }
 
+/* Tiles 0-3 = 0, then += A x B over the 2 x 2 block both products are made of: A rows at a0 (tile 4)
+ * and a1 (5), B at b0 (6) and b1 (7); into c, c + 16, c + 16 ld and c + 16 ld + 16 (floats). */
+static inline __attribute__((always_inline)) void zero_2x2(void) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+static inline __attribute__((always_inline)) void dot_2x2(const void *a0, const void *a1, int64_t lda,
+                                                          const void *b0, const void *b1, int64_t ldb) {
+  _tile_loadd(4, a0, lda);
+  _tile_loadd(5, a1, lda);
+  _tile_loadd(6, b0, ldb);
+  _tile_loadd(7, b1, ldb);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
+static inline __attribute__((always_inline)) void store_2x2(float *c, int64_t ld) {
+  _tile_stored(0, c, ld * 4);
+  _tile_stored(1, c + 16, ld * 4);
+  _tile_stored(2, c + 16 * ld, ld * 4);
+  _tile_stored(3, c + 16 * ld + 16, ld * 4);
+}
+
 static inline __attribute__((always_inline)) int run_task(Scratch *s, const Task *tk, float *out,
                                                           int64_t out_stride, const float *q, int64_t q_stride,
                                                           const void *kc, const void *vc, const int64_t *bt,
@@ -175,30 +203,17 @@ static inline __attribute__((always_inline)) int run_task(Scratch *s, const Task
       _mm256_store_si256((__m256i *)(dst + c * 16), r < R ? bf16_round16(_mm512_loadu_ps(src + c * 16))
                                                           : _mm256_setzero_si256());
   }
-  const int64_t ldq = D * 2, ldk = 64, ldv = D * 4, lds = L32 * 4, ldp = L32 * 2, ldo = D * 4; /* bytes */
+  const int64_t ldq = D * 2, ldk = 64, ldv = D * 4, ldp = L32 * 2; /* bytes */
   for (int64_t r0 = 0; r0 < rp; r0 += 32) {
     /* a row's position; padding rows take the last real row's and are not written out */
     const int64_t last = nc + tk->t0 + ((r0 + 31 < R ? r0 + 31 : R - 1) / g), nk32 = (last + 1 + 31) / 32 * 32;
     const uint16_t *qa = s->qb + r0 * D;
     for (int64_t j0 = 0; j0 < nk32; j0 += 32) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int t = 0; t < D / 32; ++t) {
-        _tile_loadd(4, qa + t * 32, ldq);
-        _tile_loadd(5, qa + 16 * D + t * 32, ldq);
-        _tile_loadd(6, s->kt + j0 * D + t * 16 * 32, ldk);
-        _tile_loadd(7, s->kt + (j0 + 16) * D + t * 16 * 32, ldk);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-      _tile_stored(0, s->st + j0, lds);
-      _tile_stored(1, s->st + j0 + 16, lds);
-      _tile_stored(2, s->st + 16 * L32 + j0, lds);
-      _tile_stored(3, s->st + 16 * L32 + j0 + 16, lds);
+      zero_2x2();
+      for (int t = 0; t < D / 32; ++t)
+        dot_2x2(qa + t * 32, qa + 16 * D + t * 32, ldq, s->kt + j0 * D + t * 16 * 32,
+                s->kt + (j0 + 16) * D + t * 16 * 32, ldk);
+      store_2x2(s->st + j0, L32);
     }
     const __m512 sc = _mm512_set1_ps(scale);
     for (int i = 0; i < 32; ++i) {
@@ -223,25 +238,12 @@ static inline __attribute__((always_inline)) int run_task(Scratch *s, const Task
       s->inv[i] = 1.f / hsum512(sum);
     }
     for (int d0 = 0; d0 < D; d0 += 32) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      zero_2x2();
       for (int64_t j0 = 0; j0 < nk32; j0 += 32) {
         const uint16_t *vb = s->vt + j0 * D + d0 * 2;
-        _tile_loadd(4, s->pb + j0, ldp);
-        _tile_loadd(5, s->pb + 16 * L32 + j0, ldp);
-        _tile_loadd(6, vb, ldv);
-        _tile_loadd(7, vb + 32, ldv);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        dot_2x2(s->pb + j0, s->pb + 16 * L32 + j0, ldp, vb, vb + 32, ldv);
       }
-      _tile_stored(0, s->ob + d0, ldo);
-      _tile_stored(1, s->ob + d0 + 16, ldo);
-      _tile_stored(2, s->ob + 16 * D + d0, ldo);
-      _tile_stored(3, s->ob + 16 * D + d0 + 16, ldo);
+      store_2x2(s->ob + d0, D);
     }
     for (int i = 0; i < 32 && r0 + i < R; ++i) {
       const int64_t r = r0 + i;
