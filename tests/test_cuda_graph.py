@@ -51,7 +51,7 @@ def test_decode_steps_through_the_static_buffers_keep_greedy_outputs(ckpt_root, 
     kw = dict(dtype="float32", device="cpu", num_gpu_blocks_override=12, max_num_seqs=4)
     ref = [o.outputs[0].token_ids for o in LLM(path, **kw).generate(prompts, params, use_tqdm=False)]
 
-    monkeypatch.setattr(worker_mod, "select_attention_backend", lambda cache, dtype: CudaPagedAttention())
+    monkeypatch.setattr(worker_mod, "select_attention_backend", lambda cache, dtype, **kw: CudaPagedAttention())
     monkeypatch.setattr(worker_mod.Worker, "_cuda_graphs_apply", lambda self: True)
     monkeypatch.setattr(cuda_graph, "cuda_graph", EagerReplay.make)
     replayed: list[int] = []
