@@ -94,7 +94,7 @@ def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, cache_d
         seqs.append((num_computed, n, blocks, k_all, v_all, torch.randn(n, hq, d)))
     decodes = [s for s in seqs if s[1] == 1 and s[0] > 0]
     chunks = [s for s in seqs if not (s[1] == 1 and s[0] > 0)]
-    prefill_kernel = decode_kernel and d in (64, 128)
+    prefill_kernel = decode_kernel and d in (64, 80, 96, 128, 256)
     # The backend the engine would choose for this cache: the reference, or the kernels that apply.
     backend = CpuPagedAttention.for_cache(key_cache, torch.float32) if decode_kernel else TorchPagedAttention()
     assert getattr(backend, "decode_kernel", False) == decode_kernel
@@ -148,7 +148,8 @@ def test_decode_kernel_with_a_window_and_a_softcap_equals_a_float64_formula(wind
                                                                              block_size):
     """The decode kernel's sliding window and soft-cap (its AVX-512 path at head sizes 64 to 256 over
     each cache, its generic path at 40 and 16) over decodes of every length around the window and
-    block edges; a prefill chunk in the same step takes the reference path."""
+    block edges; the prefill chunks in the same step take the prefill kernel at the AVX-512 sizes
+    (the reference at the others): a fresh one longer than the window and one after cached tokens."""
     require_cpu_kernel(cpu_kernel.available)
     hq, hkv = 8, 2
     torch.manual_seed(d + block_size)
@@ -159,7 +160,7 @@ def test_decode_kernel_with_a_window_and_a_softcap_equals_a_float64_formula(wind
     backend = CpuPagedAttention.for_cache(key_cache, torch.float32)
     assert backend.decode_kernel, f"no decode kernel for a {cache_dtype} cache of head size {d}"
     seqs = []
-    for num_computed, n in [(c, 1) for c in (1, 2, 4, 5, 6, 15, 16, 17, 36, 37, 38, 80)] + [(20, 7)]:
+    for num_computed, n in [(c, 1) for c in (1, 2, 4, 5, 6, 15, 16, 17, 36, 37, 38, 80)] + [(20, 7), (0, 90)]:
         total = num_computed + n
         k_all, v_all = (_representable((total, hkv, d), cache_dtype) for _ in range(2))
         blocks = [free.pop() for _ in range(-(-total // block_size))]
@@ -167,10 +168,11 @@ def test_decode_kernel_with_a_window_and_a_softcap_equals_a_float64_formula(wind
         key_cache[past] = to_cache(k_all[:num_computed], cache_dtype)
         value_cache[past] = to_cache(v_all[:num_computed], cache_dtype)
         seqs.append((num_computed, n, blocks, k_all, v_all, torch.randn(n, hq, d) * 4))
-    decodes, chunks = seqs[:-1], seqs[-1:]
+    decodes, chunks = seqs[:-2], seqs[-2:]
     meta = backend.build_metadata([c + 1 for c, *_ in decodes], [b for _, _, b, *_ in decodes],
                                   [(c, n, b) for c, n, b, *_ in chunks], block_size, torch.device("cpu"))
     assert any(g.kind == AttentionKind.DECODE_KERNEL for g in meta.groups)
+    assert any(g.kind == AttentionKind.PREFILL_KERNEL for g in meta.groups) == (d % 16 == 0 and d != 16)
     order = [decodes[i] for i in meta.decode_order] + chunks
     meta.slot_mapping = torch.tensor([b[p // block_size] * block_size + p % block_size
                                       for c, n, b, *_ in order for p in range(c, c + n)])
@@ -213,12 +215,15 @@ def test_prefill_kernel_over_long_contexts(hq, hkv, d):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.int8])
-@pytest.mark.parametrize("d,hq", [(64, 9), (128, 6)])
-def test_prefill_kernel_gives_the_decode_kernels_bits(cache_dtype, d, hq):
+@pytest.mark.parametrize("d,hq,window,softcap", [
+    (64, 9, None, None), (128, 6, None, None), (80, 3, None, None), (96, 12, None, 30.0), (256, 6, None, None),
+    (64, 9, 50, None), (128, 6, 512, None), (256, 12, 40, 50.0), (256, 3, 1, None)])
+def test_prefill_kernel_gives_the_decode_kernels_bits(cache_dtype, d, hq, window, softcap):
     """Prompt tokens through the prefill kernel and the same tokens decoded one by one give the same
     bits (a request preempted by recompute prefills tokens it had decoded, and a cached answer
     repeated in a prompt was decoded): fresh chunks, chunks after thousands of cached tokens,
-    one-token chunks, grouped-query heads, every cache type, both head sizes."""
+    one-token chunks, grouped-query heads, every cache type, every head size with a kernel, sliding
+    windows (shorter and longer than the chunks, one token) and soft-caps (Gemma 2: 50)."""
     hkv, bs, num_blocks = 3, 16, 400
     backend = CpuPagedAttention.for_cache(torch.empty(1, hkv, cache_head_dim(d, cache_dtype), dtype=cache_dtype),
                                           torch.float32)
@@ -237,7 +242,8 @@ def test_prefill_kernel_gives_the_decode_kernels_bits(cache_dtype, d, hq):
     meta = backend.build_metadata([], [], chunks, bs, torch.device("cpu"))
     assert [g.kind for g in meta.groups] == [AttentionKind.PREFILL_KERNEL]
     meta.slot_mapping = torch.tensor([slot for *_, slot in tokens])
-    prefilled = backend.forward(q, k, v, key_cache.clone(), value_cache.clone(), meta, d ** -0.5)
+    kc, vc = key_cache.clone(), value_cache.clone()
+    prefilled = backend.forward(q, k, v, kc, vc, meta, d ** -0.5, window, softcap)
 
     meta = backend.build_metadata([n for n, *_ in tokens], [b for _, b, _ in tokens], [], bs, torch.device("cpu"))
     assert {g.kind for g in meta.groups} == {AttentionKind.DECODE_KERNEL}
@@ -245,8 +251,16 @@ def test_prefill_kernel_gives_the_decode_kernels_bits(cache_dtype, d, hq):
     meta.slot_mapping = torch.tensor([tokens[i][2] for i in meta.decode_order])
     decoded = torch.empty_like(prefilled)
     decoded[order] = backend.forward(q[order], k[order], v[order], key_cache.clone(), value_cache.clone(), meta,
-                                     d ** -0.5)
+                                     d ** -0.5, window, softcap)
     assert torch.equal(prefilled, decoded)
+    if window is not None or softcap is not None:  # and both are the formula (so neither ignored them)
+        start = 0
+        for c, n, blocks in chunks:  # (every K/V as the cache holds them after the step)
+            slots = [blocks[p // bs] * bs + p % bs for p in range(c + n)]
+            k_all, v_all = from_cache(kc[slots], torch.float32), from_cache(vc[slots], torch.float32)
+            ref = _windowed_reference(q[start:start + n], k_all, v_all, c, d ** -0.5, window, softcap)
+            torch.testing.assert_close(prefilled[start:start + n].double(), ref, atol=2e-5, rtol=1e-5)
+            start += n
 
 
 def test_backend_is_chosen_once_per_cache(monkeypatch):

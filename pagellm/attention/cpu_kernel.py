@@ -5,8 +5,8 @@ The pure-PyTorch decode path gathers every block a decode reads into a dense buf
 SDPA over it: the K/V bytes cross memory three times, and at 64 decodes that is more than half
 of a step. The kernel reads K and V straight from their blocks, once. Unavailable (no compiler,
 ``PAGELLM_CPU_KERNELS=0``, a non-CPU device, a cache that is not float32, float16 or int8, or a
-float16 or int8 cache without AVX-512 / a head size of 64, 80, 96, 128 or 256): the pure path runs, and it remains the
-oracle the tests compare against. Queries and outputs are float32 either way; an int8 cache's
+float16 or int8 cache without AVX-512 / a head size of 64, 80, 96, 128 or 256): the pure path runs, and it
+remains the oracle the tests compare against. Queries and outputs are float32 either way; an int8 cache's
 rows carry their scale (``kv_quant.py``).
 """
 
@@ -119,10 +119,11 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: to
 # SmolLM2's shapes (docs/performance.md).
 _PREFILL_ARGS = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
                  + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int64])
+_PREFILL_WINDOWED_ARGS = _PREFILL_ARGS + [ctypes.c_int64, ctypes.c_float]  # + window, softcap (0: none)
 _PREFILL_SIGNATURES: kernels.Signatures = {
-    "paged_prefill_f32": (ctypes.c_int, _PREFILL_ARGS),
-    "paged_prefill_f16": (ctypes.c_int, _PREFILL_ARGS),
-    "paged_prefill_i8": (ctypes.c_int, _PREFILL_ARGS),
+    "paged_prefill_f32": (ctypes.c_int, _PREFILL_WINDOWED_ARGS),
+    "paged_prefill_f16": (ctypes.c_int, _PREFILL_WINDOWED_ARGS),
+    "paged_prefill_i8": (ctypes.c_int, _PREFILL_WINDOWED_ARGS),
     "paged_prefill_supported": (ctypes.c_int, [ctypes.c_int64]),
 }
 _PREFILL = {torch.float32: "paged_prefill_f32", torch.float16: "paged_prefill_f16", torch.int8: "paged_prefill_i8"}
@@ -137,7 +138,8 @@ _PREFILL_AMX = {torch.float32: "paged_prefill_amx_f32", torch.float16: "paged_pr
 
 def prefill_usable_for(key_cache: torch.Tensor) -> bool:
     """Whether prefill chunks over this cache (``[num_slots, Hkv, D]``) can take the prefill kernel:
-    a float32, float16 or int8 CPU cache with head size 64 or 128 on an AVX-512 machine."""
+    a float32, float16 or int8 CPU cache with head size 64, 80, 96, 128 or 256 (the decode kernel's
+    AVX-512 sizes, whose sums it reproduces) on an AVX-512 machine."""
     if key_cache.device.type != "cpu" or key_cache.dtype not in _PREFILL:
         return False
     lib = kernels.load("paged_prefill", _PREFILL_SIGNATURES)
@@ -158,7 +160,8 @@ def prefill_bf16_tiles_usable_for(key_cache: torch.Tensor) -> bool:
 def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, block_tables: torch.Tensor, token_starts: torch.Tensor,
                             num_computed: torch.Tensor, query_lens: torch.Tensor, block_size: int,
-                            scale: float, bf16_tiles: bool = False) -> None:
+                            scale: float, bf16_tiles: bool = False, window: int | None = None,
+                            softcap: float | None = None) -> None:
     """Causal attention of every prefill chunk of a step over its sequence's cached K/V.
 
     Chunk ``c``'s tokens are rows ``token_starts[c] ..`` of ``query`` ``[T, Hq, D]`` (rows may be
@@ -166,10 +169,20 @@ def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: t
     their own K/V must already be in the cache. ``block_tables`` ``[C, max_blocks]`` and the
     per-chunk vectors are contiguous int64 CPU tensors.
 
+    ``window``: a query at position ``p`` sees keys ``p - window < k <= p``; ``softcap``: each score
+    ``s`` becomes ``softcap * tanh(s / softcap)`` (both as the decode kernel applies them).
+
     ``bf16_tiles``: q, K, V and the softmax weights rounded to bfloat16, products summed in float32
     on AMX tiles (``paged_prefill_amx.c``; see :func:`prefill_bf16_tiles_usable_for`). Batch
-    invariant, but not the decode kernel's sums: only for runs that never decode (pooling).
+    invariant, but not the decode kernel's sums: only for runs that never decode (pooling), and
+    without a window or a soft-cap.
     """
+    if window is not None and window < 1:
+        raise ValueError(f"window must be a positive number of positions, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    if bf16_tiles and (window is not None or softcap is not None):
+        raise ValueError("the AMX prefill kernel has no sliding window or soft-cap")
     if bf16_tiles:
         lib = kernels.load("paged_prefill_amx", _PREFILL_AMX_SIGNATURES)
         usable, names = prefill_bf16_tiles_usable_for(key_cache), _PREFILL_AMX
@@ -192,8 +205,9 @@ def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: t
                     (query_lens, "query_lens")):
         if x.dtype != torch.int64 or not x.is_contiguous():
             raise ValueError(f"{name} must be contiguous int64")
-    status = getattr(lib, names[key_cache.dtype])(out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0),
-                                   key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
-                                   block_tables.shape[1], token_starts.data_ptr(), num_computed.data_ptr(),
-                                   query_lens.data_ptr(), len(token_starts), hq, hkv, block_size, scale, d)
+    args = (out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0), key_cache.data_ptr(),
+            value_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], token_starts.data_ptr(),
+            num_computed.data_ptr(), query_lens.data_ptr(), len(token_starts), hq, hkv, block_size, scale, d)
+    kernel = getattr(lib, names[key_cache.dtype])
+    status = kernel(*args) if bf16_tiles else kernel(*args, window or 0, softcap or 0.0)
     _check_status(status, "prefill")

@@ -2,9 +2,9 @@
 
 Decided once, at start-up, from the cache and the model dtype (:meth:`CpuPagedAttention.for_cache`):
 which kernels apply here (``cpu_kernel.py``: decode over a float32, float16 or int8 cache, with a
-layer's sliding window and logit soft-cap where it has them; prefill over the same with head size 64
-or 128 on AVX-512, summing as the decode kernel does, or, for a run that never decodes, on AMX
-bfloat16 tiles; ``cpu_ops.write_kv``: the K/V write). Each step's metadata then names the kernel
+layer's sliding window and logit soft-cap where it has them; prefill over the same with head size 64,
+80, 96, 128 or 256 on AVX-512, windows and soft-caps included, summing as the decode kernel does, or,
+for a run that never decodes, on AMX bfloat16 tiles; ``cpu_ops.write_kv``: the K/V write). Each step's metadata then names the kernel
 groups (``DECODE_KERNEL``, ``PREFILL_KERNEL``) and ``TorchPagedAttention.forward`` runs them through
 the methods registered for those kinds. Nothing is re-checked per layer except the layout the
 kernels need.
@@ -38,6 +38,7 @@ class CpuPagedAttention(TorchPagedAttention):
         self.impls[AttentionKind.DECODE_KERNEL] = self._decode_kernel
         self.impls[AttentionKind.PREFILL_KERNEL] = self._prefill_kernel
         self.windowed_impls[AttentionKind.DECODE_KERNEL] = self._decode_kernel_windowed
+        self.windowed_impls[AttentionKind.PREFILL_KERNEL] = self._prefill_kernel_windowed
 
     def __repr__(self) -> str:
         return (f"CpuPagedAttention(decode_kernel={self.decode_kernel}, prefill_kernel={self.prefill_kernel}, "
@@ -136,9 +137,17 @@ class CpuPagedAttention(TorchPagedAttention):
     def _prefill_kernel(self, out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor, key: torch.Tensor,
                         value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_size: int,
                         scale: float) -> None:
-        # Reads every chunk's K/V (just written by forward) in place; queries stay strided.
+        self._prefill_kernel_windowed(out, grp, query, key_cache, value_cache, block_size, scale, None, None)
+
+    def _prefill_kernel_windowed(self, out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor,
+                                 key_cache: torch.Tensor, value_cache: torch.Tensor, block_size: int, scale: float,
+                                 window: int | None, softcap: float | None) -> None:
+        # Reads every chunk's K/V (just written by forward) in place; queries stay strided. A layer with
+        # a window or a soft-cap takes the float32 kernel (the AMX one has neither).
         info = grp.prefill_chunks
         if grp.kv_blocks is None or info is None:
             raise ValueError("a PREFILL_KERNEL group needs kv_blocks and prefill_chunks")
+        tiles = self.prefill_bf16_tiles and window is None and softcap is None
         cpu_kernel.paged_prefill_attention(out, query, key_cache, value_cache, grp.kv_blocks, info[0], info[1],
-                                           info[2], block_size, scale, bf16_tiles=self.prefill_bf16_tiles)
+                                           info[2], block_size, scale, bf16_tiles=tiles, window=window,
+                                           softcap=softcap)

@@ -136,8 +136,8 @@ static inline __attribute__((always_inline)) void prefetch_first_blocks(const vo
 /* Head size D = 16 * DV (64, 80, 96, 128 or 256), G query heads of KV head h (G * DV <= 16): q and
  * the accumulators live in registers. kc/vc are float32, float16 or int8 caches (et; a head row is hs
  * elements apart, D + the scale's 4 for int8); the arithmetic is float32 either way, an int8 row's
- * scale applied to its score and to its softmax weight. At head sizes 64 and 128 (DV = 4, 8) every
- * sum runs in the order the prefill kernel reproduces (paged_prefill.c). */
+ * scale applied to its score and to its softmax weight. Every sum runs in the order the prefill kernel
+ * reproduces (paged_prefill.c), with or without a window and a soft-cap. */
 static inline __attribute__((always_inline)) void taskv(
     float *out, const float *qh, const void *kc, const void *vc, const int64_t *bt, int64_t L,
     const int G, int64_t row, int64_t h, int64_t bs, float scale, float *scores, const int et, int64_t lo,
@@ -197,14 +197,11 @@ static inline __attribute__((always_inline)) void taskv(
     float *sj = scores + j * L;
     const __m512 mj = _mm512_set1_ps(m[j]);
     __m512 sum = _mm512_setzero_ps();
-    int64_t t = lo;
-    for (; t + 16 <= L; t += 16) {
-      __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sj + t), mj));
-      _mm512_storeu_ps(sj + t, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    if (t < L) {
-      __mmask16 mk = (__mmask16)((1u << (L - t)) - 1);
+    /* Key t into lane t % 16 (a window's first vector masked below lo): the lanes the prefill
+     * kernel gives its sixteen running sums, whatever the window. */
+    for (int64_t t = lo & ~(int64_t)15; t < L; t += 16) {
+      __mmask16 mk = t < lo ? (__mmask16)(0xFFFFu << (lo - t)) : (__mmask16)0xFFFF;
+      if (L - t < 16) mk &= (__mmask16)((1u << (L - t)) - 1);
       __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sj + t), mj));
       _mm512_mask_storeu_ps(sj + t, mk, e);
       sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mk, e));
