@@ -246,14 +246,15 @@ def round_to_gguf_blocks(w: torch.Tensor, bits: int) -> torch.Tensor:
     return (d * (w / d).round().clamp(-128, 127)).view(n, k)
 
 
-def build_tiny_gguf_valued_checkpoint(root: str, arch: str) -> str:
+def build_tiny_gguf_valued_checkpoint(root: str, arch: str, **overrides) -> str:
     """The tiny random ``arch`` model with every projection rounded to Q4_1 blocks and the embedding
-    and LM head to Q8_0, as a GGUF checkpoint's would be: what ``quantization="gguf"`` runs."""
+    and LM head to Q8_0, as a GGUF checkpoint's would be: what ``quantization="gguf"`` runs.
+    ``overrides`` (config fields) need a ``root`` of their own: the directory is named by ``arch``."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    src = build_tiny_checkpoint(root, arch)
+    src = build_tiny_checkpoint(root, arch, **overrides)
     path = os.path.join(root, f"tiny-{arch}-gguf-valued")
     if os.path.exists(os.path.join(path, "config.json")):
         return path

@@ -6,6 +6,7 @@ token ids as the default configuration; invariants are checked after every step.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -20,6 +21,7 @@ from conftest import (
     require_bf16_kernel,
     require_f32_gemm_kernel,
     require_int8_kernel,
+    run_to_completion,
 )
 from test_hf_parity import engine_greedy, random_prompts
 
@@ -194,3 +196,80 @@ def test_smollm2_logprobs_of_a_prompt_alone_equal_its_logprobs_in_a_batch(dtype,
             alone = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0]
             assert alone.token_ids == together.outputs[0].token_ids
             assert alone.logprobs == together.outputs[0].logprobs
+
+
+# Every family at the head sizes real checkpoints use, in the numerics a GGUF file gets by default
+# on a CPU (int8 GEMMs over its blocks, a float16 K/V cache): SmolLM2 and Llama 3.2 1B (64), Phi-3
+# (96), Mistral, Qwen3, Mixtral and Llama 3 8B (128), Gemma 2 and 3 (256; windows and soft-caps that bind).
+DEFAULT_NUMERICS_MODELS = {
+    "llama-64": ("llama", dict(head_dim=64)),
+    "phi3-96": ("phi3", dict(head_dim=96, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                              "partial_rotary_factor": 0.75})),
+    "mistral-128": ("mistral", dict(head_dim=128)),
+    "qwen3-128": ("qwen3", dict(head_dim=128)),
+    "mixtral-128": ("mixtral", dict(head_dim=128)),
+    "gemma2-256": ("gemma2", dict(head_dim=256, query_pre_attn_scalar=256)),
+    "gemma3-256": ("gemma3", dict(head_dim=256, query_pre_attn_scalar=256)),
+}
+
+
+_REQUEST_IDS = itertools.count()
+
+
+def _greedy_with_logprobs(engine, prompts: list[list[int]], max_tokens: int = MAX_TOKENS):
+    """Each prompt's greedy tokens and their logprobs (floats, to compare bit for bit)."""
+    from pagellm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    ids = [f"r{next(_REQUEST_IDS)}" for _ in prompts]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(rid, {"prompt_token_ids": p}, params)
+    done = run_to_completion(engine)
+    outs = [done[rid].outputs[0] for rid in ids]
+    return [(o.token_ids, [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs, strict=True)]) for o in outs]
+
+
+@pytest.mark.parametrize("model", list(DEFAULT_NUMERICS_MODELS))
+def test_default_numerics_do_not_depend_on_scheduling_at_every_head_size(ckpt_root, model):
+    """The same tokens and the same logprob bits, cold and after every scheduling change: a prefix
+    hit on an earlier prompt's blocks, a prompt that repeats an earlier answer (its decoded K/V
+    cached or prefilled again), chunked prefill, preemption by recompute and by swap. Before the
+    prefill kernel took head size 256 (and windows and soft-caps), a prefix hit moved Gemma's
+    logprobs: its fresh prefill and its cached-K/V path summed differently."""
+    from pagellm import EngineArgs, LLMEngine
+
+    require_int8_kernel()
+    arch, overrides = DEFAULT_NUMERICS_MODELS[model]
+    path = build_tiny_gguf_valued_checkpoint(os.path.join(ckpt_root, model), arch, **overrides)
+    prompts = random_prompts(6, seed=21, lo=40, hi=120)
+
+    def engine(**kwargs):
+        return LLMEngine.from_engine_args(EngineArgs(model=path, quantization="gguf", kv_cache_memory="64MiB",
+                                                     **kwargs))
+
+    cold_engine = engine()
+    worker = cold_engine.executor.worker
+    assert worker.cache_engine.kv.dtype == torch.float16 and worker.numerics.int8, "not the default GGUF numerics"
+    backend = worker.attn_backend
+    assert backend.prefill_kernel and backend.decode_kernel, f"{backend}: a kernel is missing (AVX-512?)"
+    cold = _greedy_with_logprobs(cold_engine, prompts)
+
+    # Prefix hits: each prompt's first two thirds computed (and cached) by an earlier request.
+    hit_engine = engine()
+    _greedy_with_logprobs(hit_engine, [p[:len(p) * 2 // 3] for p in prompts], max_tokens=1)
+    hits = hit_engine.scheduler.prefix_cache_stats.hits
+    assert _greedy_with_logprobs(hit_engine, prompts) == cold, "a prefix hit changed tokens or logprobs"
+    assert hit_engine.scheduler.prefix_cache_stats.hits > hits, "no prefix hit"
+    # An answer repeated as a prompt: its first 17 tokens were decoded, and are now prefix hits (whole
+    # blocks) or prefilled again (the rest); the continuation must be the answer's own.
+    repeated = _greedy_with_logprobs(hit_engine, [p + toks[:17] for p, (toks, _) in zip(prompts, cold, strict=True)],
+                                     max_tokens=MAX_TOKENS - 17)
+    assert repeated == [(toks[17:], lps[17:]) for toks, lps in cold], "prefilling decoded tokens changed them"
+
+    for name in ("chunk_every_prompt", "tight_cache_and_chunks", "tight_swap"):
+        e = engine(**_kwargs(name, prompts))
+        assert _greedy_with_logprobs(e, prompts) == cold, name
+        if name.startswith("tight"):
+            assert e.scheduler.num_preemptions > 0, f"{name}: no preemption"
+        if "swap" in name:
+            assert e.scheduler.num_swap_outs > 0, f"{name}: no swap"
