@@ -133,6 +133,39 @@ static inline __attribute__((always_inline)) void prefetch_first_blocks(const vo
       prefetch_row(base, bt[b] * bs * row + head_off + i * row, et, D);
 }
 
+/* The scores of the c (<= 16) tokens gathered in part (one query head's 16-lane partial sums, one
+ * vector per token): folded by sum16, times the int8 rows' scales, capped (softcap > 0), stored at
+ * dst; returns the running maximum mv updated. */
+static inline __attribute__((always_inline)) __m512 flush_scores(__m512 *part, int c, const float *ks, const int et,
+                                                                 float softcap, float *dst, __m512 mv) {
+  const __mmask16 mk = (__mmask16)((1u << c) - 1);
+  for (int z = c; z < 16; ++z) part[z] = _mm512_setzero_ps();
+  __m512 s = sum16(part);
+  if (et == ET_I8) s = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(mk, ks));
+  if (softcap > 0.f) {
+    const __m512 cap = _mm512_set1_ps(softcap);
+    s = _mm512_mul_ps(cap, tanh512(_mm512_div_ps(s, cap)));
+  }
+  _mm512_mask_storeu_ps(dst, mk, s);
+  return _mm512_mask_max_ps(mv, mk, mv, s);
+}
+
+/* One query head's scores sj[lo .. L) (maximum in mv's lanes) -> their exponentials; returns
+ * 1 / their sum. Key t goes into lane t % 16 (a window's first vector masked below lo): the lanes the
+ * prefill kernel gives its sixteen running sums, whatever the window. */
+static inline __attribute__((always_inline)) float softmax_row(float *sj, int64_t L, int64_t lo, __m512 mv) {
+  const __m512 mj = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = lo & ~(int64_t)15; t < L; t += 16) {
+    __mmask16 mk = t < lo ? (__mmask16)(0xFFFFu << (lo - t)) : (__mmask16)0xFFFF;
+    if (L - t < 16) mk &= (__mmask16)((1u << (L - t)) - 1);
+    __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sj + t), mj));
+    _mm512_mask_storeu_ps(sj + t, mk, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mk, e));
+  }
+  return 1.f / hsum512(sum);
+}
+
 /* Head size D = 16 * DV (64, 80, 96, 128 or 256), G query heads of KV head h (G * DV <= 16): q and
  * the accumulators live in registers. kc/vc are float32, float16 or int8 caches (et; a head row is hs
  * elements apart, D + the scale's 4 for int8); the arithmetic is float32 either way, an int8 row's
@@ -157,7 +190,6 @@ static inline __attribute__((always_inline)) void taskv(
   int64_t t = lo; /* position of part[.][0] */
   const int64_t nb = (L + bs - 1) / bs, b0 = lo / bs; /* (a window's first block: b0) */
   const int64_t pf = prefetch_blocks(bs);
-  const __m512 cap = _mm512_set1_ps(softcap);
   prefetch_first_blocks(kc, bt + b0, nb - b0, L - b0 * bs, pf, bs, row, h * hs, et, D);
   for (int64_t b = b0; b < nb; ++b) {
     const int64_t kb = bt[b] * bs * row + h * hs;
@@ -175,39 +207,15 @@ static inline __attribute__((always_inline)) void taskv(
         part[j][c] = a;
       }
       if (++c == 16 || b * bs + i + 1 == L) {
-        const __mmask16 mk = (__mmask16)((1u << c) - 1);
-        for (int j = 0; j < G; ++j) {
-          for (int z = c; z < 16; ++z) part[j][z] = _mm512_setzero_ps();
-          __m512 s = sum16(part[j]);
-          if (et == ET_I8) s = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(mk, ks));
-          if (softcap > 0.f) s = _mm512_mul_ps(cap, tanh512(_mm512_div_ps(s, cap)));
-          _mm512_mask_storeu_ps(scores + j * L + t, mk, s);
-          mv[j] = _mm512_mask_max_ps(mv[j], mk, mv[j], s);
-        }
+        for (int j = 0; j < G; ++j) mv[j] = flush_scores(part[j], c, ks, et, softcap, scores + j * L + t, mv[j]);
         t += c;
         c = 0;
       }
     }
   }
   prefetch_first_blocks(vc, bt + b0, nb - b0, L - b0 * bs, pf, bs, row, h * hs, et, D); /* arriving while the softmax runs */
-  float m[4];
-  for (int j = 0; j < G; ++j) m[j] = _mm512_reduce_max_ps(mv[j]);
   float inv[4];
-  for (int j = 0; j < G; ++j) {
-    float *sj = scores + j * L;
-    const __m512 mj = _mm512_set1_ps(m[j]);
-    __m512 sum = _mm512_setzero_ps();
-    /* Key t into lane t % 16 (a window's first vector masked below lo): the lanes the prefill
-     * kernel gives its sixteen running sums, whatever the window. */
-    for (int64_t t = lo & ~(int64_t)15; t < L; t += 16) {
-      __mmask16 mk = t < lo ? (__mmask16)(0xFFFFu << (lo - t)) : (__mmask16)0xFFFF;
-      if (L - t < 16) mk &= (__mmask16)((1u << (L - t)) - 1);
-      __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sj + t), mj));
-      _mm512_mask_storeu_ps(sj + t, mk, e);
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mk, e));
-    }
-    inv[j] = 1.f / hsum512(sum);
-  }
+  for (int j = 0; j < G; ++j) inv[j] = softmax_row(scores + j * L, L, lo, mv[j]);
   __m512 acc[4][16];
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < DV; ++c) acc[j][c] = _mm512_setzero_ps();
@@ -231,14 +239,89 @@ static inline __attribute__((always_inline)) void taskv(
     for (int c = 0; c < DV; ++c) _mm512_storeu_ps(out + j * D + c * 16, _mm512_mul_ps(acc[j][c], _mm512_set1_ps(inv[j])));
 }
 
+/* taskv for more query heads than fit in registers (g > GMAX below: Gemma's 4 per KV head at head
+ * size 256, Llama 3 8B's 4 at 128): every head in one pass over K and one over V, so each K/V row is
+ * read from memory once per KV head rather than once per register-sized group of heads. A row stays
+ * in registers while the heads' q (scaled), partial sums and accumulators are read from `work`
+ * (L1-resident: g * (2 D + 273) floats, 64-byte aligned); every sum is taskv's, in taskv's order. */
+static inline __attribute__((always_inline)) void taskv_all(
+    float *out, const float *qh, const void *kc, const void *vc, const int64_t *bt, int64_t L, int64_t g,
+    int64_t row, int64_t h, int64_t bs, float scale, float *scores, const int et, int64_t lo, float softcap,
+    const int DV, float *work) {
+  const int D = 16 * DV;
+  const int64_t hs = et == ET_I8 ? D + 4 : D;
+  __m512 *q = (__m512 *)work, *part = q + g * DV, *acc = part + g * 16, *mv = acc + g * DV;
+  float *inv = (float *)(mv + g);
+  for (int64_t j = 0; j < g; ++j) {
+    for (int c = 0; c < DV; ++c) q[j * DV + c] = _mm512_mul_ps(_mm512_loadu_ps(qh + j * D + c * 16), _mm512_set1_ps(scale));
+    mv[j] = _mm512_set1_ps(-INFINITY);
+  }
+  float ks[16];
+  int c = 0;
+  int64_t t = lo;
+  const int64_t nb = (L + bs - 1) / bs, b0 = lo / bs, pf = prefetch_blocks(bs);
+  prefetch_first_blocks(kc, bt + b0, nb - b0, L - b0 * bs, pf, bs, row, h * hs, et, D);
+  for (int64_t b = b0; b < nb; ++b) {
+    const int64_t kb = bt[b] * bs * row + h * hs;
+    const int64_t kn = b + pf < nb ? bt[b + pf] * bs * row + h * hs : kb;
+    const int64_t n = L - b * bs < bs ? L - b * bs : bs;
+    for (int64_t i = b == b0 ? lo - b0 * bs : 0; i < n; ++i) {
+      const int64_t k = kb + i * row;
+      prefetch_row(kc, kn + i * row, et, D);
+      __m512 kv[16];
+      for (int v = 0; v < DV; ++v) kv[v] = load16(kc, k + 16 * v, et);
+      if (et == ET_I8) ks[c] = row_scale_d(kc, k, D);
+      for (int64_t j = 0; j < g; ++j) {
+        const __m512 *qj = q + j * DV;
+        __m512 a = _mm512_mul_ps(qj[0], kv[0]);
+        for (int v = 1; v < DV; ++v) a = _mm512_fmadd_ps(qj[v], kv[v], a);
+        part[j * 16 + c] = a;
+      }
+      if (++c == 16 || b * bs + i + 1 == L) {
+        for (int64_t j = 0; j < g; ++j) mv[j] = flush_scores(part + j * 16, c, ks, et, softcap, scores + j * L + t, mv[j]);
+        t += c;
+        c = 0;
+      }
+    }
+  }
+  prefetch_first_blocks(vc, bt + b0, nb - b0, L - b0 * bs, pf, bs, row, h * hs, et, D);
+  for (int64_t j = 0; j < g; ++j) inv[j] = softmax_row(scores + j * L, L, lo, mv[j]);
+  for (int64_t j = 0; j < g * DV; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t b = b0; b < nb; ++b) {
+    const int64_t vb = bt[b] * bs * row + h * hs;
+    const int64_t vn = b + pf < nb ? bt[b + pf] * bs * row + h * hs : vb;
+    const int64_t n = L - b * bs < bs ? L - b * bs : bs;
+    for (int64_t i = b == b0 ? lo - b0 * bs : 0; i < n; ++i) {
+      const int64_t v = vb + i * row;
+      prefetch_row(vc, vn + i * row, et, D);
+      __m512 vv[16];
+      for (int c2 = 0; c2 < DV; ++c2) vv[c2] = load16(vc, v + 16 * c2, et);
+      const float vs = et == ET_I8 ? row_scale_d(vc, v, D) : 1.f;
+      for (int64_t j = 0; j < g; ++j) {
+        const __m512 p = _mm512_set1_ps(scores[j * L + b * bs + i] * vs);
+        __m512 *aj = acc + j * DV;
+        for (int c2 = 0; c2 < DV; ++c2) aj[c2] = _mm512_fmadd_ps(p, vv[c2], aj[c2]);
+      }
+    }
+  }
+  for (int64_t j = 0; j < g; ++j)
+    for (int c2 = 0; c2 < DV; ++c2)
+      _mm512_storeu_ps(out + j * D + c2 * 16, _mm512_mul_ps(acc[j * DV + c2], _mm512_set1_ps(inv[j])));
+}
+
 /* One (sequence, KV head) task of the AVX-512 path: query heads in register-sized groups (GMAX of
- * them: q and the accumulators of a group fill at most 16 registers). */
+ * them: q and the accumulators of a group fill at most 16 registers), or all at once (taskv_all)
+ * where there are more. */
 #define TASKV(GG) taskv(o + j0 * D, qh + j0 * D, kc, vc, bt, L, GG, row, h, bs, scale, scores, et, lo, softcap, DV)
 static inline __attribute__((always_inline)) void taskv_groups(
     float *o, const float *qh, const void *kc, const void *vc, const int64_t *bt, int64_t L, int64_t g,
     int64_t row, int64_t h, int64_t bs, float scale, float *scores, const int et, int64_t lo, float softcap,
-    const int DV) {
+    const int DV, float *work) {
   const int D = 16 * DV, GMAX = DV <= 4 ? 4 : DV == 5 ? 3 : DV <= 8 ? 2 : 1;
+  if (g > GMAX) {
+    taskv_all(o, qh, kc, vc, bt, L, g, row, h, bs, scale, scores, et, lo, softcap, DV, work);
+    return;
+  }
   for (int64_t j0 = 0; j0 < g; j0 += GMAX) {
     const int G = g - j0 < GMAX ? (int)(g - j0) : GMAX;
     /* (G <= GMAX; the GMAX terms, constant per DV, let the compiler drop the groups DV cannot have) */
@@ -289,7 +372,8 @@ static inline __attribute__((always_inline)) int decode_all(
   {
     float *scores = NULL;
     int64_t cap = 0;
-    float *acc = (float *)malloc(sizeof(float) * (g * D + 2 * g)); /* + task_impl's max and 1/sum */
+    /* task_impl's accumulators, max and 1/sum, or taskv_all's work (the larger) */
+    float *acc = (float *)aligned_alloc(64, (sizeof(float) * (g * (2 * D + 16 * 17 + 1) + 16) + 63) / 64 * 64);
     if (acc == NULL) {
 #pragma omp atomic write
       failed = 1;
@@ -319,11 +403,11 @@ static inline __attribute__((always_inline)) int decode_all(
       const int64_t *bt = block_tables + b * max_blocks;
 #ifdef __AVX512F__
       switch (avx512_dv(D)) { /* a constant DV per case: q and the sums stay in registers */
-        case 4: taskv_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et, lo, softcap, 4); continue;
-        case 5: taskv_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et, lo, softcap, 5); continue;
-        case 6: taskv_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et, lo, softcap, 6); continue;
-        case 8: taskv_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et, lo, softcap, 8); continue;
-        case 16: taskv_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et, lo, softcap, 16); continue;
+        case 4: taskv_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et, lo, softcap, 4, acc); continue;
+        case 5: taskv_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et, lo, softcap, 5, acc); continue;
+        case 6: taskv_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et, lo, softcap, 6, acc); continue;
+        case 8: taskv_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et, lo, softcap, 8, acc); continue;
+        case 16: taskv_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et, lo, softcap, 16, acc); continue;
         default: break;
       }
 #endif
