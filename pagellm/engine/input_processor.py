@@ -130,6 +130,16 @@ class InputProcessor:
             check_kv_transfer_params(kv_params)
         return kv_params
 
+    def _with_end_of_generation(self, sampling: SamplingParams) -> SamplingParams:
+        """The tokenizer's EOS, and (vLLM's rule for generation_config.json's ids) the model's other
+        end-of-generation ids as stop token ids, unless ``ignore_eos``: a stop there reports the id as
+        its ``stop_reason``, as vLLM's does."""
+        eos = self.tokenizer.eos_token_id
+        extra = [t for t in self.tokenizer.eog_token_ids if t != eos and t not in sampling.stop_token_ids]
+        if sampling.ignore_eos or not extra:
+            return sampling.clone(eos_token_id=eos)
+        return sampling.clone(eos_token_id=eos, stop_token_ids=[*sampling.stop_token_ids, *extra])
+
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams | None,
                 new_seq_id: Callable[[], int], arrival_time: float | None = None, priority: int = 0,
                 cache_salt: str | None = None) -> SequenceGroup:
@@ -141,7 +151,7 @@ class InputProcessor:
         kv_params = self._kv_transfer_params(prompt)
         ids, features = self._images(request_id, prompt, ids)
         self._check_prompt(ids)
-        sampling = sampling.clone(eos_token_id=self.tokenizer.eos_token_id)
+        sampling = self._with_end_of_generation(sampling)
         seq = Sequence(new_seq_id(), ids)
         group = SequenceGroup(request_id, [seq], sampling, arrival_time or time.monotonic(), text, priority, cache_salt)
         group.kv_transfer.params = kv_params

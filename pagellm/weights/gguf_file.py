@@ -187,6 +187,23 @@ def gguf_architecture(path: str) -> str:
     return arch
 
 
+# What llama.cpp ends generation on (llama-vocab.cpp): the ids the file names, and the tokens whose
+# text marks an end of turn in the families that use them (Llama 3, Qwen/ChatML, Phi-3, Gemma, ...).
+_EOG_ID_KEYS = ("eos", "eot", "eom", "fim_pad", "fim_rep", "fim_sep")
+_EOG_TEXTS = frozenset(("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
+                        "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>"))
+
+
+def gguf_end_of_generation_ids(path: str) -> list[int]:
+    """The token ids that end generation in this GGUF file as llama.cpp derives them: its
+    ``tokenizer.ggml.{eos,eot,eom,fim_*}_token_id`` and every token whose text is an end-of-turn
+    marker (Gemma's ``<end_of_turn>``, Llama 3's ``<|eot_id|>``, ChatML's ``<|im_end|>``, ...)."""
+    r = _reader(path)
+    ids = {int(v) for k in _EOG_ID_KEYS if (v := _field(r, f"tokenizer.ggml.{k}_token_id")) is not None}
+    ids.update(i for i, text in enumerate(_field(r, "tokenizer.ggml.tokens", ())) if text in _EOG_TEXTS)
+    return sorted(ids)
+
+
 def gguf_config(path: str):
     """An HF ``PretrainedConfig`` built from the GGUF metadata."""
     import transformers
