@@ -10,6 +10,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import types
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -854,6 +855,16 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def as_cli_message(message: str) -> str:
+    """An engine error for a command-line user: each engine argument written as Python's ``name=value``
+    becomes its flag (``--name-kebab value``), and ``chat_template=...`` the ``--chat-template FILE``
+    flag, so ``pagellm serve`` never tells its user to pass a keyword argument it cannot pass."""
+    names = "|".join(sorted((f.name for f in fields(EngineArgs)), key=len, reverse=True))
+    message = message.replace("chat_template=...", "--chat-template FILE")
+    return re.sub(rf"\b({names})=(['\"]?)([^'\"\s,;:()]*)\2",
+                  lambda m: f"--{m.group(1).replace('_', '-')} {m.group(3)}".rstrip(), message)
 
 
 def _cli_type(annotation: Any) -> tuple[type, tuple[str, ...] | None]:

@@ -97,3 +97,31 @@ def test_generation_config_end_of_turn_stops_through_the_server(end_of_turn_mode
     finally:
         srv.stop()
         engine.shutdown()
+
+
+def test_a_model_without_a_chat_template_names_the_flag_to_each_caller(tiny_llama, tmp_path):
+    """Offline, the ``chat_template`` keyword; through the server, its ``--chat-template`` flag."""
+    path = str(tmp_path / "no-template")
+    shutil.copytree(tiny_llama, path)
+    cfg_path = os.path.join(path, "tokenizer_config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg.pop("chat_template", None)
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    for extra in ("chat_template.jinja", "chat_template.json"):
+        if os.path.exists(os.path.join(path, extra)):
+            os.remove(os.path.join(path, extra))
+    messages = [{"role": "user", "content": "Hi"}]
+    with LLM(path, kv_cache_memory="16MiB") as llm, pytest.raises(ValueError, match="chat_template="):
+        llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False)
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=path, kv_cache_memory="16MiB"))
+    srv = _Server(engine, None)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+        assert "--chat-template FILE" in e.value.message and "chat_template=" not in e.value.message
+    finally:
+        srv.stop()
+        engine.shutdown()

@@ -143,6 +143,10 @@ def test_cli_generate(tiny_llama, capsys):
     assert rc == 0 and "5 tokens, finish_reason=length" in out
     assert main(["generate", "Hello", "--model", tiny_llama, "--temperature", "-1", "--quiet"]) == 2
     assert "temperature" in capsys.readouterr().err
+    # An engine argument the error names is the flag the command line takes, not the Python keyword.
+    assert main(["generate", "Hello", "--model", tiny_llama, "--max-model-len", "99999", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-model-len 99999 exceeds" in err and "max_model_len=" not in err
 
 
 def test_priority_without_priority_policy_is_rejected(engine):

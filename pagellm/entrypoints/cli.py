@@ -7,7 +7,7 @@ import logging
 import sys
 from typing import Any
 
-from pagellm.config import EngineArgs
+from pagellm.config import EngineArgs, as_cli_message
 from pagellm.entrypoints.chat_utils import MediaConnector
 from pagellm.lora_request import LoRARequest
 from pagellm.sampling_params import SamplingParams
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             return bench_serve.main(args)
         return cmd_chat(args)
     except (ValueError, FileNotFoundError) as e:
-        print(f"pagellm: error: {e}", file=sys.stderr)
+        print(f"pagellm: error: {as_cli_message(str(e))}", file=sys.stderr)
         return 2
 
 

@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
 import pagellm
+from pagellm.config import as_cli_message
 from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagellm.engine.core_proc import AsyncEngineClient
 from pagellm.engine.lora_manager import LoRAInUse
@@ -258,7 +259,8 @@ class OpenAIServer:
         except ValueError as e:
             if "chat_template_kwargs" in str(e):
                 raise APIError(str(e), param="chat_template_kwargs") from None
-            raise APIError(f"cannot apply the chat template: {type(e).__name__}: {e}", param="messages") from e
+            raise APIError(f"cannot apply the chat template: {type(e).__name__}: {as_cli_message(str(e))}",
+                           param="messages") from e
         except Exception as e:  # a template that rejects the conversation; the message only, no traceback
             raise APIError(f"cannot apply the chat template: {type(e).__name__}: {e}", param="messages") from e
         if images:
@@ -342,8 +344,8 @@ class OpenAIServer:
         gen = self.engine.generate(prompt, params, rid, priority, lora)
         try:
             first = await gen.__anext__()
-        except ValueError as e:
-            raise APIError(str(e)) from e
+        except ValueError as e:  # (an engine argument it names is a server flag here)
+            raise APIError(as_cli_message(str(e))) from e
         if first.error is not None:  # e.g. a constraint that did not compile: nothing was generated
             raise APIError(first.error, param=_error_param(first.error))
 
@@ -401,7 +403,7 @@ class OpenAIServer:
         try:
             out = task.result()
         except ValueError as e:
-            raise APIError(str(e)) from e
+            raise APIError(as_cli_message(str(e))) from e
         if out is not None and out.error is not None:
             raise APIError(out.error, param=_error_param(out.error))
         return out
