@@ -8,13 +8,15 @@ and optionally an HF bfloat16 safetensors directory. Each engine runs in a fresh
 - ``tg128``: single-stream decode, 128 tokens after a 16-token prompt (llama-bench's tg128);
 - ``pp2048``: one 2,048-token prompt's prefill (llama-bench's pp2048, here through the scheduler);
 - ``w64``: the shared W64 workload's requests (its token ids are SmolLM2's vocabulary, as here);
-- start-up seconds and peak RSS (``VmHWM``), against the file's size.
+- start-up seconds and peak RSS (``VmHWM``) beside the file's size.
 
 llama.cpp runs through ``llama-cpp-python`` from another venv (``--llama-python``, 2 threads;
 benchmark-only, never a dependency). The decode roofline is the bytes a token reads (every matrix
 once; K/V is negligible at this context) over the machine's copy bandwidth, measured here.
 
     python benchmarks/scale.py --shapes 1.7b --formats q4_k_m --llama-python ../llama-venv/bin/python
+    python benchmarks/scale.py --shapes gemma3-270m,gemma2-2b,phi3-mini,mistral-7b --w64 0 \
+        --llama-python ../llama-venv/bin/python
 """
 
 from __future__ import annotations
@@ -32,12 +34,24 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 W64 = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "bench", "workload_n64_seed0.json"))
 
-from pagellm.weights.gguf_write import LlamaShape, q4_k_m, write_llama_gguf  # noqa: E402
+from pagellm.weights.gguf_write import DecoderShape, q4_k_m, write_decoder_gguf  # noqa: E402
 
 SHAPES = {
-    "360m": LlamaShape(hidden=960, intermediate=2560, layers=32, heads=15, kv_heads=5),  # SmolLM2-360M
-    "1.7b": LlamaShape(hidden=2048, intermediate=8192, layers=24, heads=32, kv_heads=32),  # SmolLM2-1.7B
-    "3b": LlamaShape(hidden=3072, intermediate=8192, layers=28, heads=24, kv_heads=8),  # Llama-3.2-3B, SmolLM2 vocab
+    "360m": DecoderShape(hidden=960, intermediate=2560, layers=32, heads=15, kv_heads=5),  # SmolLM2-360M
+    "1.7b": DecoderShape(hidden=2048, intermediate=8192, layers=24, heads=32, kv_heads=32),  # SmolLM2-1.7B
+    "3b": DecoderShape(hidden=3072, intermediate=8192, layers=28, heads=24, kv_heads=8),  # Llama-3.2-3B, SmolLM2 vocab
+    # The families off SmolLM2's shape. Gemma's vocabularies at their real size (the LM head is most of
+    # Gemma 3 270M's work), SmolLM2's tokens padded with unused ones; Phi-3 and Mistral keep SmolLM2's
+    # 49,152 (theirs: 32,064 and 32,000; W64's token ids need 49,152).
+    "gemma3-270m": DecoderShape(arch="gemma3", hidden=640, intermediate=2048, layers=18, heads=4, kv_heads=1,
+                                head_dim=256, vocab=262144, context=32768, rope_theta=1e6, sliding_window=512),
+    "gemma2-2b": DecoderShape(arch="gemma2", hidden=2304, intermediate=9216, layers=26, heads=8, kv_heads=4,
+                              head_dim=256, vocab=256000, rope_theta=10000.0, sliding_window=4096,
+                              attn_softcap=50.0, final_softcap=30.0),
+    "phi3-mini": DecoderShape(arch="phi3", hidden=3072, intermediate=8192, layers=32, heads=32, kv_heads=32,
+                              context=4096, rope_theta=10000.0, sliding_window=2047, tied=False),
+    "mistral-7b": DecoderShape(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, context=32768,
+                               rope_theta=1e6, tied=False),
 }
 
 
@@ -65,7 +79,7 @@ def build_gguf(shape: str, fmt: str) -> str:
     qtype = (lambda n: q4_k_m(n, s.layers)) if fmt == "q4_k_m" else (lambda n: T.Q8_0)
     t0 = time.perf_counter()
     tmp = path + ".tmp"
-    counts = write_llama_gguf(tmp, s, tensor, qtype, resolve_model_source(None).path)
+    counts = write_decoder_gguf(tmp, s, tensor, qtype, resolve_model_source(None).path)
     os.replace(tmp, path)
     print(f"# wrote {path} ({os.path.getsize(path) / 2**30:.2f} GiB, {counts}) in {time.perf_counter() - t0:.0f} s",
           flush=True)
@@ -140,12 +154,6 @@ def memory_bandwidth() -> float:
     return 2 * a.numel() * 4 / best
 
 
-def kv_bytes(text: str) -> int:
-    from pagellm.utils import parse_size
-
-    return parse_size(text)
-
-
 def peak_rss() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
@@ -156,7 +164,9 @@ def child_pagellm(args: argparse.Namespace) -> dict:
 
     extra = json.loads(args.engine_args)
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, max_model_len=4096, kv_cache_memory=args.kv_cache_memory, **extra)
+    if args.kv_cache_memory:
+        extra["kv_cache_memory"] = args.kv_cache_memory
+    llm = LLM(model=args.model, max_model_len=4096, **extra)
     out: dict = {"startup_s": time.perf_counter() - t0, "rss_after_load": peak_rss(),
                  "numerics": llm.llm_engine.model_info.dtype}
     rng = np.random.default_rng(1)
@@ -238,7 +248,7 @@ def main() -> None:
     p.add_argument("--shapes", default="1.7b", help=f"comma-separated, of {sorted(SHAPES)}")
     p.add_argument("--formats", default="q4_k_m", help="comma-separated: q4_k_m, q8_0 (GGUF), bf16 (HF directory)")
     p.add_argument("--w64", type=int, default=64, help="W64 requests to run (0: none)")
-    p.add_argument("--kv-cache-memory", default="2GiB")
+    p.add_argument("--kv-cache-memory", default=None, help="pagellm's KV budget (default: the engine's own)")
     p.add_argument("--pagellm-args", default='{}',
                    help="engine keywords for the GGUF files, as JSON (default: none, auto numerics)")
     p.add_argument("--pagellm-bf16-args", default='{}',
@@ -266,7 +276,8 @@ def main() -> None:
             roof = bw / weight_bytes_per_token(path)
             me = [sys.executable, os.path.abspath(__file__), "--child", "pagellm", "--model", path,
                   "--engine-args", args.pagellm_bf16_args if fmt == "bf16" else args.pagellm_args,
-                  "--kv-cache-memory", args.kv_cache_memory, "--w64", str(args.w64)]
+                  "--w64", str(args.w64)]
+            me += ["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory else []
             results = {"pagellm": run_child(me)}
             if args.llama_python and fmt != "bf16":
                 results["llama.cpp"] = run_child([args.llama_python, "-c", LLAMA_CHILD, path, str(args.threads)])
@@ -275,10 +286,9 @@ def main() -> None:
             for engine, r in results.items():
                 rows.append((shape, fmt, size, roof, engine, r))
                 print(json.dumps({"shape": shape, "format": fmt, "engine": engine, **r}), flush=True)
-    kv = kv_bytes(args.kv_cache_memory)
-    print(f"\n(peak RSS less pagellm's {args.kv_cache_memory} KV budget, over the file's size; llama.cpp's "
-          "n_ctx=4096 cache is counted in its RSS)")
-    print("\n| shape | file | engine | start-up s | (peak RSS - KV) / file | tg128 tok/s (% of roofline) | "
+    print("\n(llama.cpp: n_ctx=4096; pagellm: max_model_len=4096, its KV budget "
+          f"{args.kv_cache_memory or 'by default'})")
+    print("\n| shape | file | engine | start-up s | peak RSS GiB | tg128 tok/s (% of roofline) | "
           "pp2048 tok/s | W64 total tok/s |")
     print("|---|---|---|---|---|---|---|---|")
     for shape, fmt, size, roof, engine, r in rows:
@@ -290,8 +300,7 @@ def main() -> None:
             print(f"| {shape} | bf16 directory | {engine} | {r['startup_s']:.1f} | - | - | - | {w64} |")
             continue
         print(f"| {shape} | {fmt} {size / 2**30:.2f} GiB | {engine} | {r['startup_s']:.1f} | "
-              f"{(r['peak_rss'] - (kv if engine == 'pagellm' else 0)) / size:.2f} | "
-              f"{r['tg128']:.1f} ({100 * r['tg128'] / roof:.0f} % of {roof:.1f}) | "
+              f"{r['peak_rss'] / 2**30:.2f} | {r['tg128']:.1f} ({100 * r['tg128'] / roof:.0f} % of {roof:.1f}) | "
               f"{r['pp2048']:.0f} | {w64} |")
 
 

@@ -138,6 +138,9 @@ class CacheConfig:
 
     block_size: int = 16
     kv_cache_memory: int = parse_size(DEFAULT_KV_CACHE_MEMORY)
+    # The budget is the default, not the user's: no more blocks than max_num_seqs sequences of
+    # max_model_len tokens can fill (a small model's short context needs far less than 2 GiB).
+    size_to_model: bool = False
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     # CPU swap pool for preemption by swap, in GiB (vLLM's ``--swap-space``); 0 = no swapping.
@@ -605,7 +608,8 @@ _HELP = {
                     "(activations rounded to int8 per 32 or 256 values; AVX512-VNNI, AVX2 or plain C); "
                     "q8_0: quantize an HF checkpoint's projections on load to GGUF Q8_0 blocks (8 bits per "
                     "weight and a scale per 32) for the same kernel; default: none",
-    "kv_cache_memory": "KV cache byte budget, e.g. 2GiB (ignored with --num-gpu-blocks-override)",
+    "kv_cache_memory": "KV cache byte budget, e.g. 2GiB (ignored with --num-gpu-blocks-override; default: 2GiB, "
+                       "or less where max_num_seqs sequences of max_model_len tokens need less)",
     "num_gpu_blocks_override": "exact number of KV blocks (on any device)",
     "long_prefill_token_threshold": "most prompt tokens one request computes per step (0 = no cap)",
     "num_threads": "torch CPU threads per worker (default: the cores, shared out between local workers)",
@@ -681,7 +685,7 @@ class EngineArgs:
     runner: Runner = "generate"
     pooler_config: dict | str | None = None
     block_size: int = 16
-    kv_cache_memory: str | int = DEFAULT_KV_CACHE_MEMORY
+    kv_cache_memory: str | int | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
@@ -730,7 +734,7 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_engine_config(self) -> EngineConfig:
-        budget = parse_size(self.kv_cache_memory, "kv_cache_memory")
+        budget = parse_size(self.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, "kv_cache_memory")
         sched_kwargs: dict[str, Any] = dict(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -749,6 +753,7 @@ class EngineArgs:
                               quantization=self.quantization, runner=self.runner,
                               pooler_config=PoolerConfig.from_any(self.pooler_config)),
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory=budget,
+                              size_to_model=self.kv_cache_memory is None,
                               num_gpu_blocks_override=self.num_gpu_blocks_override,
                               enable_prefix_caching=self.enable_prefix_caching,
                               swap_space=None if self.swap_space is None else float(self.swap_space),

@@ -300,3 +300,16 @@ def test_a_dropped_engine_is_freed(tiny_llama, tmp_path, kw):
     del eng
     gc.collect()
     assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
+
+
+def test_default_kv_budget_is_no_larger_than_the_sequences_can_fill(tiny_llama):
+    """The default 2 GiB budget shrinks to what max_num_seqs sequences of max_model_len tokens fill
+    (plus one block); a budget the user names is kept."""
+    with LLM(tiny_llama, max_model_len=64, max_num_seqs=3) as llm:
+        assert llm.llm_engine.num_blocks == 3 * 64 // 16 + 1
+        out = llm.generate([{"prompt_token_ids": [5] * 40}] * 3, SamplingParams(temperature=0, max_tokens=20,
+                                                                                 ignore_eos=True), use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in out] == [20] * 3
+    with LLM(tiny_llama, max_model_len=64, max_num_seqs=3, kv_cache_memory="1MiB") as llm:
+        kv = llm.llm_engine.executor.worker.cache_engine.kv
+        assert llm.llm_engine.num_blocks == 2**20 // (kv.nbytes // llm.llm_engine.num_blocks) > 13

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from pagellm.kernels import gemm_int8
 from pagellm.weights import gguf_quant as gq
-from pagellm.weights.gguf_write import LlamaShape, write_llama_gguf
+from pagellm.weights.gguf_write import DecoderShape, write_decoder_gguf
 
 from conftest import require_int8_kernel, round_to_gguf_blocks
 
@@ -283,8 +283,8 @@ def write_kquant_llama(path: str, bundled: str) -> None:
         if len(shape) == 1:  # norms
             return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         return (rng.standard_normal(shape) * (0.25 if name == "token_embd" else 0.08)).astype(np.float32)
-    shape = LlamaShape(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, context=2048, rope_theta=10000.0)
-    counts = write_llama_gguf(path, shape, tensor, lambda name: KQ_TYPES.get(name, T.Q4_K), bundled)
+    shape = DecoderShape(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, context=2048, rope_theta=10000.0)
+    counts = write_decoder_gguf(path, shape, tensor, lambda name: KQ_TYPES.get(name, T.Q4_K), bundled)
     assert counts == {"Q6_K": 3, "Q8_0": 1, "Q5_0": 1, "Q5_1": 1, "Q4_K": 9, "F32": 5}, counts
 
 

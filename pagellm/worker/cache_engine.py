@@ -122,6 +122,9 @@ class HostKVMemory:
         raw = torch.frombuffer(self._buf, dtype=torch.uint8)[:nbytes]
         if ahead < nbytes:
             _fault_in(raw[ahead:])
+        keep = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        if ahead > keep and hasattr(mmap, "MADV_DONTNEED"):  # the budget's unused rest, faulted in meanwhile
+            self._buf.madvise(mmap.MADV_DONTNEED, keep, self.nbytes - keep)
         logger.info("KV cache: %.2f GiB faulted in at start-up, %.2f of them while the model loaded (%.2f s in all)",
                     nbytes / 2**30, min(ahead, nbytes) / 2**30, time.perf_counter() - self._start)
         return raw

@@ -424,6 +424,9 @@ class Worker:
                     f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block "
                     f"(one block of {cache.block_size} tokens needs {self.block_bytes} bytes)"
                 )
+            if cache.size_to_model:  # (+1: the block a preempted sequence's recompute may straddle)
+                max_len = self.config.model.max_model_len or self.max_positions
+                n = min(n, self.config.scheduler.max_num_seqs * -(-max_len // cache.block_size) + 1)
         if cache.num_cpu_blocks_override is not None:
             n_cpu = cache.num_cpu_blocks_override
         elif cache.swap_space is None:
