@@ -112,6 +112,19 @@ def test_silu_and_mul():
     assert torch.allclose(cpu_ops.silu_and_mul(gu), ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("i", [1536, 2048 + 7])
+def test_gelu_tanh_and_mul_equals_a_float64_formula(i):
+    """Gemma's GeGLU (vector lanes and the scalar tail) against gelu_pytorch_tanh in float64, and
+    batch-invariant: a row's result does not depend on the rows beside it."""
+    gu = torch.randn(33, 2 * i) * 4
+    g, u = gu[:, :i].double(), gu[:, i:].double()
+    ref = 0.5 * g * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (g + 0.044715 * g ** 3))) * u
+    got = cpu_ops.gelu_tanh_and_mul(gu)
+    # (near g = -4 and below, 1 + tanh cancels in float32, as it does in torch's own gelu: absolute error)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cpu_ops.gelu_tanh_and_mul(gu[5:6]), got[5:6])
+
+
 @pytest.mark.parametrize("t,k", [(1, 1), (3, 2), (40, 4)])
 def test_moe_combine_equals_pytorchs_products_and_adds(t, k):
     """Each token's weighted expert rows added in slot order: the reference op's bits (a mul, then

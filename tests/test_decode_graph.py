@@ -6,10 +6,16 @@ import os
 
 import pytest
 import torch
+from test_scheduling_invariance import DEFAULT_NUMERICS_MODELS
 
 from pagellm.kernels import decode_graph
 
-from conftest import require_bf16_kernel, require_f32_gemm_kernel
+from conftest import (
+    build_tiny_gguf_valued_checkpoint,
+    require_bf16_kernel,
+    require_f32_gemm_kernel,
+    require_int8_kernel,
+)
 from test_hf_parity import random_prompts
 
 
@@ -75,7 +81,7 @@ def test_smollm2_decode_graph_under_preemption_and_sampling():
 def test_decode_graph_checks_its_tables_and_inputs():
     _require_graph()
     fns = torch.ones(len(decode_graph.FNS), dtype=torch.int64)
-    dims = torch.tensor([8, 2, 1, 4, 16, 16], dtype=torch.int64)
+    dims = torch.tensor([8, 2, 1, 4, 16, 16, 0, 1], dtype=torch.int64)  # (one rope table)
     layers = torch.zeros(1, len(decode_graph.LAYER_FIELDS), dtype=torch.int64)
     with pytest.raises(ValueError, match="wrong shape"):
         decode_graph.DecodeGraph(fns[:-1], dims, layers, 1e-6, 0.5, [])
@@ -87,12 +93,23 @@ def test_decode_graph_checks_its_tables_and_inputs():
     bad_kind[0, decode_graph.LAYER_FIELDS.index("o_kind")] = 7
     with pytest.raises(ValueError, match="unknown GEMM kinds"):
         decode_graph.DecodeGraph(fns, dims, bad_kind, 1e-6, 0.5, [])
+    bad_rope = layers.clone()
+    bad_rope[0, decode_graph.LAYER_FIELDS.index("rope")] = 1
+    with pytest.raises(ValueError, match="rope table"):
+        decode_graph.DecodeGraph(fns, dims, bad_rope, 1e-6, 0.5, [])
+    windowed = layers.clone()
+    windowed[0, decode_graph.LAYER_FIELDS.index("window")] = 4
+    no_windowed_kernel = fns.clone()
+    no_windowed_kernel[decode_graph.FNS.index("decode_windowed")] = 0
+    with pytest.raises(ValueError, match="address"):
+        decode_graph.DecodeGraph(no_windowed_kernel, dims, windowed, 1e-6, 0.5, [])
+    decode_graph.DecodeGraph(no_windowed_kernel, dims, layers, 1e-6, 0.5, [])  # (no layer calls it)
     g = decode_graph.DecodeGraph(fns, dims, layers, 1e-6, 0.5, [])
     assert (g.hidden, g.head_dim, g.block_size) == (8, 4, 16)
     with pytest.raises(ValueError, match="2 K/V caches for 1 layers"):
         g.bind_caches([(torch.zeros(1), torch.zeros(1))] * 2)
     t = 3
-    args = dict(cos=torch.zeros(t, 4), sin=torch.zeros(t, 4), slot_mapping=torch.zeros(t, dtype=torch.int64),
+    args = dict(cos=torch.zeros(1, t, 4), sin=torch.zeros(1, t, 4), slot_mapping=torch.zeros(t, dtype=torch.int64),
                 block_tables=torch.zeros(t, 2, dtype=torch.int64), seq_lens=torch.ones(t, dtype=torch.int64))
     with pytest.raises(ValueError, match="bind_caches"):
         g.run(torch.zeros(t, 8), **args)  # never reaches the kernels with dangling cache pointers
@@ -105,3 +122,26 @@ def test_decode_graph_checks_its_tables_and_inputs():
         g.run(torch.zeros(t, 8), **{**args, "seq_lens": torch.ones(t, dtype=torch.int32)})
     with pytest.raises(ValueError, match="block_tables"):
         g.run(torch.zeros(t, 8), **{**args, "block_tables": torch.zeros(t + 1, 2, dtype=torch.int64)})
+
+
+@pytest.mark.parametrize("model", ["gemma2-256", "gemma3-256", "qwen3-128", "mistral-128"])
+def test_decode_graph_takes_gemma_qk_norms_and_windows_with_the_same_bits(ckpt_root, model):
+    """Gemma 2 and 3's blocks (four norms, GeGLU, a window on the sliding layers, Gemma 2's soft-caps,
+    Gemma 3's q/k norms and two rotary tables), Qwen3's q/k norms and Mistral's window in the default
+    GGUF numerics: every token and logprob the same floats with the graph as layer by layer."""
+    from pagellm import LLM, SamplingParams
+
+    _require_graph()
+    require_int8_kernel()
+    arch, overrides = DEFAULT_NUMERICS_MODELS[model]
+    path = build_tiny_gguf_valued_checkpoint(os.path.join(ckpt_root, model), arch, **overrides)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, seed=9, lo=20, hi=60)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (30, 12, 40, 25)]
+    with LLM(path, quantization="gguf", kv_cache_memory="64MiB", enable_prefix_caching=False) as llm:
+        graphed = llm.generate(prompts, params, use_tqdm=False)
+        assert _graphs(llm).graph is not None, "every op of these layers is a kernel: the graph applies"
+        _layer_by_layer(llm)
+        plain = llm.generate(prompts, params, use_tqdm=False)
+    for g, p in zip(graphed, plain, strict=True):
+        assert g.outputs[0].token_ids == p.outputs[0].token_ids
+        assert g.outputs[0].logprobs == p.outputs[0].logprobs

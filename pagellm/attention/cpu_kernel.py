@@ -53,13 +53,19 @@ def usable_for(key_cache: torch.Tensor) -> bool:
     return key_cache.dtype == torch.float32 or bool(lib.paged_decode_f16_supported(value_head_dim(key_cache)))
 
 
-def decode_kernel_address(key_cache: torch.Tensor) -> int | None:
+def decode_kernel_address(key_cache: torch.Tensor, windowed: bool = False) -> int | None:
     """The address of the decode kernel for this cache (``kernels/decode_graph.c`` calls it through a
-    table), ``None`` where :func:`usable_for` says no."""
+    table), ``None`` where :func:`usable_for` says no. ``windowed``: the entry point that takes a
+    window, a soft-cap and the cache's :func:`element_type`."""
     lib = kernels.load("paged_decode", _SIGNATURES)
     if lib is None or not usable_for(key_cache):
         return None
-    return kernels.address(getattr(lib, _DECODE[key_cache.dtype]))
+    return kernels.address(getattr(lib, "paged_decode_windowed" if windowed else _DECODE[key_cache.dtype]))
+
+
+def element_type(cache_dtype: torch.dtype) -> int:
+    """How the windowed decode kernel numbers a cache's element type."""
+    return _ELEMENT_TYPE[cache_dtype]
 
 
 def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,

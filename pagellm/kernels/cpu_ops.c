@@ -101,6 +101,34 @@ void silu_and_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I) {
   }
 }
 
+/* gelu_tanh(gate) * up for gate_up [T, 2I] (Gemma's GeGLU, HF's gelu_pytorch_tanh):
+ * 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) u, tanh as simd_common.h's. The layer's reference
+ * (F.gelu) rounds differently in the last bits; the compiled decode step calls this same kernel. */
+#define GELU_K0 0.7978845608028654f
+#define GELU_K1 0.044715f
+void gelu_tanh_and_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I) {
+#pragma omp parallel for if (T >= PAR_MIN_ROWS)
+  for (int64_t t = 0; t < T; ++t) {
+    const float *g = gate_up + t * 2 * I, *u = g + I;
+    float *o = out + t * I;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.f);
+    const __m512 k0 = _mm512_set1_ps(GELU_K0), k1 = _mm512_set1_ps(GELU_K1);
+    for (; i + 16 <= I; i += 16) {
+      const __m512 x = _mm512_loadu_ps(g + i);
+      const __m512 inner = _mm512_mul_ps(k0, _mm512_add_ps(x, _mm512_mul_ps(k1, _mm512_mul_ps(_mm512_mul_ps(x, x), x))));
+      const __m512 y = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, tanh512(inner)));
+      _mm512_storeu_ps(o + i, _mm512_mul_ps(y, _mm512_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < I; ++i) {
+      const float x = g[i];
+      o[i] = 0.5f * x * (1.f + tanh_f32(GELU_K0 * (x + GELU_K1 * (x * x * x)))) * u[i];
+    }
+  }
+}
+
 /* A mixture of experts' outputs, combined per token: out[t] = sum_j fl(y[pos[t, j]] * w[t, j]), the
  * products added in j order starting from the first (no zero: the same bits as PyTorch's mul, then
  * one add per slot). y [*, H] holds every (token, slot)'s expert output, rows grouped by expert. */

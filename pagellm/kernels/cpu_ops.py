@@ -20,6 +20,7 @@ _SIGNATURES: kernels.Signatures = {
     "rms_norm_heads_f32": (None, [_P, _I, _P, _P, _I, _I, _I, _F]),
     "rotary_f32": (None, [_P, _I, _P, _P, _I, _I, _I]),
     "silu_and_mul_f32": (None, [_P, _P, _I, _I]),
+    "gelu_tanh_and_mul_f32": (None, [_P, _P, _I, _I]),
     "moe_combine_f32": (None, [_P, _P, _P, _P, _I, _I, _I]),
     "write_kv_f32": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I]),
     "write_kv_f16": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I]),
@@ -104,6 +105,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
     _lib().silu_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2)
+    return out
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up`` for ``gate_up [T, 2I]`` contiguous; returns ``[T, I]``."""
+    t, two_i = gate_up.shape
+    gate_up = gate_up.contiguous()
+    out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
+    _lib().gelu_tanh_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2)
     return out
 
 

@@ -22,15 +22,22 @@ SIGNATURES: kernels.Signatures = {
 }
 # The order of decode_graph.c's enums.
 FNS = ("gemm_int8", "gemm_float32", "gemm_quantized", "gemm_bfloat16", "gemm_bfloat16_amx",
-       "rms_norm", "rotary", "silu_and_mul", "write_kv", "decode")
-DIMS = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size")
+       "rms_norm", "rotary", "silu_and_mul", "write_kv", "decode", "rms_norm_heads", "gelu_and_mul",
+       "decode_windowed")
+DIMS = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size", "cache_et", "rope_tables")
 # A projection (``Linear.gemm_descriptor``): the GEMM kind, packed weight, bias (0: none), bits (int8),
 # and for float32 the quantized copy batches of up to q_max_rows rows read (0: none).
 W_FIELDS = ("kind", "ptr", "bias", "bits", "q_ptr", "q_bits", "q_max_rows")
 GEMM_KINDS = ("int8", "float32", "bfloat16", "bfloat16_amx")  # kind = index; its kernel is FNS' "gemm_<kind>"
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# (pre/post_ff_norm: Gemma's block, 0 in Llama's; q/k_norm: 0 for none; rope: the layer's cos/sin table;
+# window: 0 for none; softcap: its float32 bits, 0 for none; act: ACTIVATIONS' index.)
 LAYER_FIELDS = (("in_norm", "post_norm") + tuple(f"{p}_{f}" for p in PROJECTIONS for f in W_FIELDS)
-                + ("key_cache", "value_cache"))
+                + ("key_cache", "value_cache", "pre_ff_norm", "post_ff_norm", "q_norm", "k_norm", "rope", "window",
+                   "softcap", "act"))
+ACTIVATIONS = ("silu_and_mul", "gelu_and_mul")
+# The kernels a layer calls only where its row says so.
+_OPTIONAL_FNS = ("rms_norm_heads", "gelu_and_mul", "decode_windowed", "silu_and_mul")
 
 
 def _gemm_fns(kind: int) -> list[int]:
@@ -78,6 +85,7 @@ class DecodeGraph:
     # The caches the kernels in ``fns`` were chosen for: any others must look the same.
     cache_dtype: torch.dtype | None = None
     cache_shape: tuple[int, ...] = ()
+    rope_keys: tuple[str | None, ...] = (None,)  # the models' rotary table of each cos/sin index
     block_size: int = 0  # (from dims)
     hidden: int = 0
     head_dim: int = 0
@@ -92,9 +100,19 @@ class DecodeGraph:
         kinds = self.layers[:, [LAYER_FIELDS.index(f"{p}_kind") for p in PROJECTIONS]].unique().tolist()
         if any(k not in range(len(GEMM_KINDS)) for k in kinds):
             raise ValueError(f"unknown GEMM kinds in {kinds}")
-        needed = [FNS.index(n) for n in FNS if not n.startswith("gemm_")] + [i for k in kinds for i in _gemm_fns(k)]
+        needed = [FNS.index(n) for n in FNS if not n.startswith("gemm_") and n not in _OPTIONAL_FNS]
+        needed += [i for k in kinds for i in _gemm_fns(k)]
+        column = {name: self.layers[:, LAYER_FIELDS.index(name)] for name in ("q_norm", "window", "softcap", "act")}
+        needed += [FNS.index(ACTIVATIONS[a]) for a in column["act"].unique().tolist()]
+        if bool((column["q_norm"] != 0).any()):
+            needed.append(FNS.index("rms_norm_heads"))
+        if bool(((column["window"] != 0) | (column["softcap"] != 0)).any()):
+            needed.append(FNS.index("decode_windowed"))
         if not bool((self.fns[needed] != 0).all()):
             raise ValueError("a decode graph needs the address of every kernel its layers call")
+        rope = self.layers[:, LAYER_FIELDS.index("rope")]
+        if bool(((rope < 0) | (rope >= int(self.dims[DIMS.index("rope_tables")]))).any()):
+            raise ValueError("a layer's rope table is not one of the graph's")
         self.hidden, self.head_dim, self.block_size = (int(self.dims[DIMS.index(n)])
                                                        for n in ("hidden", "head_dim", "block_size"))
 
@@ -121,15 +139,17 @@ class DecodeGraph:
             block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer over ``x [T, hidden]`` (the embedded tokens, one decode per row); returns
         ``(the last layer's output, the residual stream)`` as the Python layers do. ``x`` becomes
-        the residual stream in place. ``cos / sin [T, head_dim]``, ``slot_mapping [T]``,
-        ``block_tables [T, max_blocks]``, ``seq_lens [T]``: contiguous, as the kernels take them."""
+        the residual stream in place. ``cos / sin [rope_tables, T, head_dim]`` (each layer reads its
+        table), ``slot_mapping [T]``, ``block_tables [T, max_blocks]``, ``seq_lens [T]``: contiguous,
+        as the kernels take them."""
         lib = _lib()
         assert lib is not None, "check enabled() first"
         t, hidden, head_dim = x.shape[0], self.hidden, self.head_dim
+        tables = int(self.dims[DIMS.index("rope_tables")])
         if x.dtype != torch.float32 or x.shape != (t, hidden) or not x.is_contiguous():
             raise ValueError(f"x must be contiguous float32 [T, {hidden}], got {x.dtype} {tuple(x.shape)}")
-        for v, shape, dtype, name in ((cos, (t, head_dim), torch.float32, "cos"),
-                                      (sin, (t, head_dim), torch.float32, "sin"),
+        for v, shape, dtype, name in ((cos, (tables, t, head_dim), torch.float32, "cos"),
+                                      (sin, (tables, t, head_dim), torch.float32, "sin"),
                                       (slot_mapping, (t,), torch.int64, "slot_mapping"),
                                       (seq_lens, (t,), torch.int64, "seq_lens")):
             if v.dtype != dtype or v.shape != shape or not v.is_contiguous():

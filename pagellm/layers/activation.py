@@ -23,11 +23,14 @@ class SiluAndMul(CustomOp):
 
 class GeluTanhAndMul(CustomOp):
     """``gate_up [T, 2I]`` -> ``gelu(gate, approximate="tanh") * up`` ``[T, I]`` (HF's
-    ``gelu_pytorch_tanh``); no compiled kernel yet, so the reference runs everywhere."""
+    ``gelu_pytorch_tanh``)."""
 
     def forward_native(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
+
+    def forward_cpu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.gelu_tanh_and_mul(gate_up)
 
 
 def gated_activation(config: object) -> CustomOp:

@@ -3,21 +3,23 @@
 The graph replays exactly the kernels the Python layers call on a CPU, so it applies only where
 every one of them is a compiled kernel: every projection packed for one of the GEMM kernels (int8
 over GGUF blocks, float32 with its quantized copy for small batches, or bfloat16; ``Linear.matmul``'s
-choice, made the same way in C), the compiled norms, rotary and SiLU*mul, the
-``"cpu"`` attention backend's K/V write and decode kernels, one process (no tensor or pipeline
-split), no LoRA adapters, no per-head q/k norm, no sliding window or logit soft-cap (a Llama-shaped
-layer with SwiGLU). A step takes it when all its rows are decodes (one ``DECODE_KERNEL`` group);
-prefill and mixed steps run layer by layer. Outputs are the same bits either way (tested), so
-nothing about scheduling can tell the two apart.
+choice, made the same way in C), the compiled norms (per-head q/k norms included), rotary (whole
+heads; a table per layer type, Gemma 3's) and SiLU or GELU (tanh) times up, the ``"cpu"`` attention
+backend's K/V write and decode kernels (with a layer's sliding window and soft-cap), one process (no
+tensor or pipeline split), no LoRA adapters. Layers are Llama's block or Gemma 2 and 3's (two more
+norms); a step takes it when all its rows are decodes (one ``DECODE_KERNEL`` group); prefill and
+mixed steps run layer by layer. Outputs are the same bits either way (tested), so nothing about
+scheduling can tell the two apart.
 """
 
 from __future__ import annotations
 
+import struct
 from typing import TYPE_CHECKING
 
 import torch
 
-from pagellm.attention.cpu_kernel import decode_kernel_address
+from pagellm.attention.cpu_kernel import decode_kernel_address, element_type
 from pagellm.attention.metadata import AttentionGroup, AttentionKind, AttentionMetadata
 from pagellm.kernels import cpu_ops, decode_graph, gemm, gemm_int8
 from pagellm.kernels.decode_graph import DecodeGraph
@@ -42,8 +44,9 @@ def capture(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tenso
     """The graph of ``model``'s layers over these caches, or ``None`` where it does not apply
     (see the module's docstring; every condition is checked here, once)."""
     from pagellm.attention.cpu_paged import CpuPagedAttention
-    from pagellm.layers.activation import SiluAndMul
+    from pagellm.layers.activation import GeluTanhAndMul, SiluAndMul
     from pagellm.models.decoder import DecoderLayer
+    from pagellm.models.gemma import Gemma2DecoderLayer
 
     backend = meta.backend
     if not decode_graph.enabled() or not isinstance(backend, CpuPagedAttention) \
@@ -52,7 +55,8 @@ def capture(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tenso
     if not (model.pp.is_first and model.pp.is_last) or model.embed_tokens.tp.world_size != 1 \
             or model.embed_tokens.weight.dtype != torch.float32:
         return None  # (a tensor-parallel layer all-reduces between the kernels)
-    layers = [la for la in model.layers if type(la) is DecoderLayer]  # (Llama-shaped: not Gemma's, not MoE)
+    # Llama's block or Gemma's (its exact classes: a subclass may change what forward does; MoE's does)
+    layers = [la for la in model.layers if type(la) in (DecoderLayer, Gemma2DecoderLayer)]
     if not kv_caches or len(kv_caches) != len(layers) or len(layers) != len(model.layers):
         return None
     key_cache = kv_caches[0][0]
@@ -65,49 +69,73 @@ def capture(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tenso
     hidden, d = model.hidden_size, attn.head_dim
     inter = mlp.down_proj.in_features
     eps = first.input_layernorm.eps
+    rope_keys = tuple(model.rotary_tables)
+    if any(emb.head_dim != d for emb in model.rotary_tables.values()):
+        return None  # (partial rotary: the layer rotates part of each head, off the kernel)
     rows: list[list[int]] = []
     keep: list[torch.Tensor] = []
     for layer in layers:
-        a, m = layer.self_attn, layer.mlp
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if a.q_norm is not None or a.sliding_window is not None \
-                or a.logit_softcap is not None or not a.rotary.use_kernel or not isinstance(m.act_fn, SiluAndMul) \
-                or not m.act_fn.use_kernel \
-                or any(not n.use_kernel or n.eps != eps or n.weight.dtype != torch.float32 for n in norms) \
-                or (a.num_heads, a.num_kv_heads, a.head_dim, a.scale) != (attn.num_heads, attn.num_kv_heads, d,
-                                                                          attn.scale):
+        row = _layer_row(layer, attn, hidden, d, inter, eps, rope_keys, keep, (SiluAndMul, GeluTanhAndMul))
+        if row is None:
             return None
-        projections = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
-        shapes = [((a.num_heads + 2 * a.num_kv_heads) * d, hidden), (hidden, a.num_heads * d), (2 * inter, hidden),
-                  (hidden, inter)]
-        row = [0] * len(decode_graph.LAYER_FIELDS)
-        for p, (n, k), name in zip(projections, shapes, decode_graph.PROJECTIONS, strict=True):
-            fields = p.gemm_descriptor()
-            if fields is None or (p.out_features, p.in_features) != (n, k):
-                return None
-            at = decode_graph.LAYER_FIELDS.index(f"{name}_kind")
-            row[at:at + len(decode_graph.W_FIELDS)] = fields
-        for n, name in zip(norms, ("in_norm", "post_norm"), strict=True):
-            w = n.weight.detach().contiguous()
-            keep.append(w)
-            row[decode_graph.LAYER_FIELDS.index(name)] = w.data_ptr()
         rows.append(row)
     gemms = gemm.kernel_addresses()
     gemms["int8"] = gemm_int8.kernel_address() if gemm_int8.supported() else 0
     fns = [gemms.get(n.removeprefix("gemm_"), 0) for n in decode_graph.FNS if n.startswith("gemm_")]
     fns += [cpu_ops.address("rms_norm_f32"), cpu_ops.address("rotary_f32"), cpu_ops.address("silu_and_mul_f32"),
-            write_kv_fn, decode_fn]
+            write_kv_fn, decode_fn, cpu_ops.address("rms_norm_heads_f32"), cpu_ops.address("gelu_tanh_and_mul_f32"),
+            decode_kernel_address(key_cache, windowed=True) or 0]
     try:
         graph = DecodeGraph(
             fns=torch.tensor(fns, dtype=torch.int64),
-            dims=torch.tensor([hidden, attn.num_heads, attn.num_kv_heads, d, inter, meta.block_size],
-                              dtype=torch.int64),
+            dims=torch.tensor([hidden, attn.num_heads, attn.num_kv_heads, d, inter, meta.block_size,
+                               element_type(key_cache.dtype), len(rope_keys)], dtype=torch.int64),
             layers=torch.tensor(rows, dtype=torch.int64), eps=eps, scale=attn.scale, keep=keep,
-            cache_dtype=key_cache.dtype, cache_shape=tuple(key_cache.shape))
+            cache_dtype=key_cache.dtype, cache_shape=tuple(key_cache.shape), rope_keys=rope_keys)
         graph.bind_caches(kv_caches)
     except ValueError:  # a kernel it needs is missing, or caches of mixed types or shapes
         return None
     return graph
+
+
+def _layer_row(layer, first_attn, hidden: int, d: int, inter: int, eps: float, rope_keys: tuple[str | None, ...],
+               keep: list[torch.Tensor], activations: tuple[type, ...]) -> list[int] | None:
+    """One layer's row of the table, or ``None`` if some op of it is not the kernel the graph calls
+    (or its shapes are not the first layer's)."""
+    a, m = layer.self_attn, layer.mlp
+    gemma = hasattr(layer, "pre_feedforward_layernorm")
+    norms = {"in_norm": layer.input_layernorm, "post_norm": layer.post_attention_layernorm}
+    if gemma:
+        norms |= {"pre_ff_norm": layer.pre_feedforward_layernorm, "post_ff_norm": layer.post_feedforward_layernorm}
+    if a.q_norm is not None and a.k_norm is not None:
+        norms |= {"q_norm": a.q_norm, "k_norm": a.k_norm}
+    elif a.q_norm is not None or a.k_norm is not None:
+        return None
+    if not a.rotary.use_kernel or type(m.act_fn) not in activations or not m.act_fn.use_kernel \
+            or any(not n.use_kernel or n.eps != eps or n.weight.dtype != torch.float32 for n in norms.values()) \
+            or (a.num_heads, a.num_kv_heads, a.head_dim, a.scale) != (first_attn.num_heads, first_attn.num_kv_heads,
+                                                                      d, first_attn.scale):
+        return None
+    projections = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+    shapes = [((a.num_heads + 2 * a.num_kv_heads) * d, hidden), (hidden, a.num_heads * d), (2 * inter, hidden),
+              (hidden, inter)]
+    row = [0] * len(decode_graph.LAYER_FIELDS)
+    for p, (n, k), name in zip(projections, shapes, decode_graph.PROJECTIONS, strict=True):
+        fields = p.gemm_descriptor()
+        if fields is None or (p.out_features, p.in_features) != (n, k):
+            return None
+        at = decode_graph.LAYER_FIELDS.index(f"{name}_kind")
+        row[at:at + len(decode_graph.W_FIELDS)] = fields
+    for name, norm in norms.items():
+        w = norm.weight.detach().contiguous()
+        keep.append(w)
+        row[decode_graph.LAYER_FIELDS.index(name)] = w.data_ptr()
+    row[decode_graph.LAYER_FIELDS.index("rope")] = rope_keys.index(a.rope_key)
+    row[decode_graph.LAYER_FIELDS.index("window")] = a.sliding_window or 0
+    softcap = struct.unpack("<i", struct.pack("<f", a.logit_softcap or 0.0))[0]
+    row[decode_graph.LAYER_FIELDS.index("softcap")] = softcap
+    row[decode_graph.LAYER_FIELDS.index("act")] = activations.index(type(m.act_fn))
+    return row
 
 
 class DecodeGraphCapture:

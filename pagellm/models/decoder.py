@@ -275,9 +275,9 @@ class DecoderModel(nn.Module):
         if decode_graph is not None and group is not None:
             assert group.kv_blocks is not None and group.seq_lens is not None  # (decode_group checked)
             t = x.shape[0]
-            cos, sin = ropes[None]  # (the graph takes only Llama-shaped layers: one table)
-            x, residual = decode_graph.run(x, cos.view(t, -1), sin.view(t, -1), meta.slot_mapping,
-                                           group.kv_blocks, group.seq_lens)
+            # The tables stacked in the graph's order (each layer reads its own by index).
+            cos, sin = (torch.stack([ropes[k][i].view(t, -1) for k in decode_graph.rope_keys]) for i in (0, 1))
+            x, residual = decode_graph.run(x, cos, sin, meta.slot_mapping, group.kv_blocks, group.seq_lens)
         else:
             for layer, kv_cache in zip(self.layers[self.start:self.end], kv_caches, strict=True):
                 x, residual = layer(ropes[layer.self_attn.rope_key], x, residual, kv_cache, meta)  # type: ignore[union-attr,index]
