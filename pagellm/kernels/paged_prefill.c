@@ -1,5 +1,6 @@
 /* Paged prefill attention for CPU: every prefill chunk of a step, float32, float16 or int8 cache,
- * head size 64 or 128 (AVX-512; D = 16 * DV below, each instance compiled with its own constant).
+ * head size 64, 80, 96, 128 or 256 (AVX-512; D = 16 * DV below, each instance compiled with its own
+ * constant), a sliding window and a logit soft-cap where the layer has them.
  * Each query token attends causally to its sequence's cached K/V, read straight from the blocks
  * (the chunk's own K/V were written there first), so a chunk that starts after cached tokens
  * (prefix-cache hit, chunked prefill) needs no gather and no mask tensor.
