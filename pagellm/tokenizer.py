@@ -43,24 +43,6 @@ def _load_gguf_tokenizer(source: ModelSource):
     return tok
 
 
-def _end_of_generation_ids(source: ModelSource, eos: int | None) -> tuple[int, ...]:
-    ids = {eos} if eos is not None else set()
-    if source.is_gguf:
-        from pagellm.weights.gguf_file import gguf_end_of_generation_ids
-
-        ids.update(gguf_end_of_generation_ids(source.path))
-    elif os.path.exists(os.path.join(source.path, "generation_config.json")):
-        from transformers import GenerationConfig
-
-        try:
-            config_eos = GenerationConfig.from_pretrained(source.path).eos_token_id
-        except (OSError, ValueError) as e:  # a broken generation config must not stop the engine
-            logger.warning("ignoring %s/generation_config.json: %s", source.path, e)
-            config_eos = None
-        ids.update([config_eos] if isinstance(config_eos, int) else config_eos or ())
-    return tuple(sorted(ids))
-
-
 class Tokenizer:
     """Thin wrapper over ``transformers.AutoTokenizer``: encode, decode, chat template, EOS."""
 
@@ -78,10 +60,6 @@ class Tokenizer:
         if chat_template is not None:
             self.hf.chat_template = chat_template
         self.eos_token_id: int | None = self.hf.eos_token_id
-        # Every id that ends generation (EOS included): what llama.cpp derives from a GGUF file, the ids
-        # in an HF checkpoint's generation_config.json (vLLM's rule). An instruction-tuned model's end of
-        # turn (Gemma's <end_of_turn>, Llama 3's <|eot_id|>) is often not the tokenizer's EOS.
-        self.eog_token_ids: tuple[int, ...] = _end_of_generation_ids(source, self.eos_token_id)
         # A vision-language model's image placeholder text (``<image>``; Qwen2-VL's
         # ``<|vision_start|><|image_pad|><|vision_end|>``; set by the engine), else None.
         self.image_placeholder: str | None = None

@@ -50,10 +50,14 @@ def test_smollm2_decode_graph_gives_the_layer_by_layer_logprobs(dtype, kv):
     prompts = [{"prompt_token_ids": p} for p in random_prompts(5, seed=3, lo=5, hi=90)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in (3, 9, 17, 24, 30)]
     with LLM(None, dtype=dtype, kv_cache_dtype=kv, kv_cache_memory="64MiB", enable_prefix_caching=False) as llm:
-        graphed = llm.generate(prompts, params, use_tqdm=False)
-        assert _graphs(llm).graph is not None, "every projection here is packed: the graph applies"
-        _layer_by_layer(llm)
-        plain = llm.generate(prompts, params, use_tqdm=False)
+        _assert_graph_gives_the_layer_by_layer_logprobs(llm, prompts, params)
+
+
+def _assert_graph_gives_the_layer_by_layer_logprobs(llm, prompts, params) -> None:
+    graphed = llm.generate(prompts, params, use_tqdm=False)
+    assert _graphs(llm).graph is not None, "every op of these layers is a kernel: the graph applies"
+    _layer_by_layer(llm)
+    plain = llm.generate(prompts, params, use_tqdm=False)
     for g, p in zip(graphed, plain, strict=True):
         assert g.outputs[0].token_ids == p.outputs[0].token_ids
         assert g.outputs[0].logprobs == p.outputs[0].logprobs
@@ -138,10 +142,4 @@ def test_decode_graph_takes_gemma_qk_norms_and_windows_with_the_same_bits(ckpt_r
     prompts = [{"prompt_token_ids": p} for p in random_prompts(4, seed=9, lo=20, hi=60)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (30, 12, 40, 25)]
     with LLM(path, quantization="gguf", kv_cache_memory="64MiB", enable_prefix_caching=False) as llm:
-        graphed = llm.generate(prompts, params, use_tqdm=False)
-        assert _graphs(llm).graph is not None, "every op of these layers is a kernel: the graph applies"
-        _layer_by_layer(llm)
-        plain = llm.generate(prompts, params, use_tqdm=False)
-    for g, p in zip(graphed, plain, strict=True):
-        assert g.outputs[0].token_ids == p.outputs[0].token_ids
-        assert g.outputs[0].logprobs == p.outputs[0].logprobs
+        _assert_graph_gives_the_layer_by_layer_logprobs(llm, prompts, params)

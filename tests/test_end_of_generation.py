@@ -64,7 +64,7 @@ def end_of_turn_model(tiny_llama, tmp_path_factory):
 def test_generation_config_end_of_turn_stops_offline(end_of_turn_model):
     path, messages, reply, k = end_of_turn_model
     with LLM(path, kv_cache_memory="16MiB") as llm:
-        assert reply[k] in llm.llm_engine.tokenizer.eog_token_ids
+        assert reply[k] in llm.llm_engine.model_info.end_of_generation_ids
         out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
         assert out.token_ids == reply[:k + 1] and out.finish_reason == "stop" and out.stop_reason == reply[k]
         # ignore_eos keeps its meaning: every end-of-generation id is an ordinary token then.

@@ -59,6 +59,8 @@ class InputProcessor:
     kv_capacity_tokens: int  # every KV block's token slots: no prompt longer than that can ever run
     mm: MultiModalProcessor | None = None  # a vision-language model's image processing
     encoder_limit: int = 0  # the most placeholder tokens one image may take (encoder budget and cache)
+    # Every id that ends generation besides the tokenizer's EOS: the checkpoint's (ModelInfo's).
+    end_of_generation_ids: tuple[int, ...] = ()
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """``(text or None, token ids)`` of any accepted prompt form."""
@@ -135,10 +137,11 @@ class InputProcessor:
         end-of-generation ids as stop token ids, unless ``ignore_eos``: a stop there reports the id as
         its ``stop_reason``, as vLLM's does."""
         eos = self.tokenizer.eos_token_id
-        extra = [t for t in self.tokenizer.eog_token_ids if t != eos and t not in sampling.stop_token_ids]
+        stop_ids = sampling.stop_token_ids or []
+        extra = [t for t in self.end_of_generation_ids if t != eos and t not in stop_ids]
         if sampling.ignore_eos or not extra:
             return sampling.clone(eos_token_id=eos)
-        return sampling.clone(eos_token_id=eos, stop_token_ids=[*sampling.stop_token_ids, *extra])
+        return sampling.clone(eos_token_id=eos, stop_token_ids=[*stop_ids, *extra])
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | BeamSearchParams | None,
                 new_seq_id: Callable[[], int], arrival_time: float | None = None, priority: int = 0,

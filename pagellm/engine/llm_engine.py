@@ -94,7 +94,8 @@ class LLMEngine:
         mm_processor, encoder = self._multimodal(config) if info.is_multimodal else (None, None)
         self.input_processor = InputProcessor(config, self.tokenizer, info.vocab_size, self.max_model_len,
                                               self.num_blocks * self.block_size, mm_processor,
-                                              min(encoder.budget, encoder.cache_size) if encoder else 0)
+                                              min(encoder.budget, encoder.cache_size) if encoder else 0,
+                                              info.end_of_generation_ids)
         self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching,
                                                self.num_cpu_blocks, config.scheduler.watermark)
         lora, kvt = config.lora, config.kv_transfer

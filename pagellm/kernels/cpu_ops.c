@@ -79,54 +79,49 @@ void rotary_f32(float *x, int64_t x_stride, const float *cos, const float *sin, 
   }
 }
 
-/* out [T, I] = silu(gate) * up with gate_up [T, 2I] = [gate | up]. silu(g) = g / (1 + exp(-g)).
- * On AVX-512, 16 lanes at a time through exp512 (fused multiply-adds: about half the instructions
- * of the compiler's vectorisation of exp_f32, which this file's fp-contract=off keeps unfused);
- * SmolLM2's 30 MLPs spent 2-3 % of a W64 run here. */
-void silu_and_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I) {
-#pragma omp parallel for if (T >= PAR_MIN_ROWS)
-  for (int64_t t = 0; t < T; ++t) {
-    const float *g = gate_up + t * 2 * I, *u = g + I;
-    float *o = out + t * I;
-    int64_t i = 0;
-#ifdef __AVX512F__
-    const __m512 one = _mm512_set1_ps(1.f);
-    for (; i + 16 <= I; i += 16) {
-      const __m512 gv = _mm512_loadu_ps(g + i);
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-      _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
-    }
-#endif
-    for (; i < I; ++i) o[i] = g[i] / (1.f + exp_f32(-g[i])) * u[i];
-  }
-}
-
-/* gelu_tanh(gate) * up for gate_up [T, 2I] (Gemma's GeGLU, HF's gelu_pytorch_tanh):
- * 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) u, tanh as simd_common.h's. The layer's reference
- * (F.gelu) rounds differently in the last bits; the compiled decode step calls this same kernel. */
+/* out [T, I] = act(gate) * up with gate_up [T, 2I] = [gate | up], act SiLU (gelu = 0) or GELU with
+ * tanh (gelu = 1: Gemma's GeGLU, HF's gelu_pytorch_tanh). silu(g) = g / (1 + exp(-g));
+ * gelu(g) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh as simd_common.h's (the GeGLU
+ * layer's reference, F.gelu, rounds differently in the last bits; the decode graph calls this same
+ * kernel). On AVX-512, 16 lanes at a time through exp512 (fused multiply-adds: about half the
+ * instructions of the compiler's vectorisation of exp_f32, which this file's fp-contract=off keeps
+ * unfused); SmolLM2's 30 MLPs spent 2-3 % of a W64 run here. */
 #define GELU_K0 0.7978845608028654f
 #define GELU_K1 0.044715f
-void gelu_tanh_and_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I) {
+static inline __attribute__((always_inline)) void gated_and_mul(const float *gate_up, float *out, int64_t T,
+                                                                int64_t I, const int gelu) {
 #pragma omp parallel for if (T >= PAR_MIN_ROWS)
   for (int64_t t = 0; t < T; ++t) {
     const float *g = gate_up + t * 2 * I, *u = g + I;
     float *o = out + t * I;
     int64_t i = 0;
 #ifdef __AVX512F__
-    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.f);
+    const __m512 one = _mm512_set1_ps(1.f), half = _mm512_set1_ps(0.5f);
     const __m512 k0 = _mm512_set1_ps(GELU_K0), k1 = _mm512_set1_ps(GELU_K1);
     for (; i + 16 <= I; i += 16) {
       const __m512 x = _mm512_loadu_ps(g + i);
-      const __m512 inner = _mm512_mul_ps(k0, _mm512_add_ps(x, _mm512_mul_ps(k1, _mm512_mul_ps(_mm512_mul_ps(x, x), x))));
-      const __m512 y = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, tanh512(inner)));
+      __m512 y;
+      if (gelu) {
+        const __m512 inner = _mm512_mul_ps(k0, _mm512_add_ps(x, _mm512_mul_ps(k1, _mm512_mul_ps(_mm512_mul_ps(x, x), x))));
+        y = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, tanh512(inner)));
+      } else {
+        y = _mm512_div_ps(x, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+      }
       _mm512_storeu_ps(o + i, _mm512_mul_ps(y, _mm512_loadu_ps(u + i)));
     }
 #endif
     for (; i < I; ++i) {
       const float x = g[i];
-      o[i] = 0.5f * x * (1.f + tanh_f32(GELU_K0 * (x + GELU_K1 * (x * x * x)))) * u[i];
+      o[i] = (gelu ? 0.5f * x * (1.f + tanh_f32(GELU_K0 * (x + GELU_K1 * (x * x * x)))) : x / (1.f + exp_f32(-x)))
+             * u[i];
     }
   }
+}
+
+void silu_and_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I) { gated_and_mul(gate_up, out, T, I, 0); }
+
+void gelu_tanh_and_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I) {
+  gated_and_mul(gate_up, out, T, I, 1);
 }
 
 /* A mixture of experts' outputs, combined per token: out[t] = sum_j fl(y[pos[t, j]] * w[t, j]), the

@@ -99,22 +99,22 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     _lib().rotary_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, h, d)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate_up [T, 2I]`` contiguous; returns ``[T, I]``."""
+def _gated(kernel: str, gate_up: torch.Tensor) -> torch.Tensor:
     t, two_i = gate_up.shape
     gate_up = gate_up.contiguous()
     out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
-    _lib().silu_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2)
+    getattr(_lib(), kernel)(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2)
     return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up [T, 2I]`` contiguous; returns ``[T, I]``."""
+    return _gated("silu_and_mul_f32", gate_up)
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``gelu(gate, approximate="tanh") * up`` for ``gate_up [T, 2I]`` contiguous; returns ``[T, I]``."""
-    t, two_i = gate_up.shape
-    gate_up = gate_up.contiguous()
-    out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
-    _lib().gelu_tanh_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2)
-    return out
+    return _gated("gelu_tanh_and_mul_f32", gate_up)
 
 
 def moe_combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -166,6 +166,35 @@ static inline __attribute__((always_inline)) float softmax_row(float *sj, int64_
   return 1.f / hsum512(sum);
 }
 
+/* A cached head row as DV vectors of float32 (an int8 row's integers, its scale applied by the caller). */
+static inline __attribute__((always_inline)) void load_row(__m512 *r, const void *cache, int64_t off, const int et,
+                                                           const int DV) {
+  for (int v = 0; v < DV; ++v) r[v] = load16(cache, off + 16 * v, et);
+}
+
+/* A query head's 16-lane partial sums against a key row: a product, then DV - 1 fused multiply-adds. */
+static inline __attribute__((always_inline)) __m512 dot_row(const __m512 *q, const __m512 *k, const int DV) {
+  __m512 a = _mm512_mul_ps(q[0], k[0]);
+  for (int v = 1; v < DV; ++v) a = _mm512_fmadd_ps(q[v], k[v], a);
+  return a;
+}
+
+/* The rows of KV head h at positions lo .. L - 1 of one sequence (block table bt; the names below
+ * are the tasks' own), in order: the body runs with `off` (the row's element offset in `cache`) and
+ * `p` (its position), the rows pf blocks ahead prefetched meanwhile. A macro, so that each pass's
+ * body inlines with its constants. */
+#define FOR_EACH_ROW(cache, off, p, ...)                                                            \
+  for (int64_t b_ = b0; b_ < nb; ++b_) {                                                           \
+    const int64_t base_ = bt[b_] * bs * row + h * hs;                                              \
+    const int64_t next_ = b_ + pf < nb ? bt[b_ + pf] * bs * row + h * hs : base_;                  \
+    const int64_t n_ = L - b_ * bs < bs ? L - b_ * bs : bs;                                        \
+    for (int64_t i_ = b_ == b0 ? lo - b0 * bs : 0; i_ < n_; ++i_) {                                \
+      const int64_t off = base_ + i_ * row, p = b_ * bs + i_;                                      \
+      prefetch_row(cache, next_ + i_ * row, et, D);                                                \
+      __VA_ARGS__                                                                                  \
+    }                                                                                              \
+  }
+
 /* Head size D = 16 * DV (64, 80, 96, 128 or 256), G query heads of KV head h (G * DV <= 16): q and
  * the accumulators live in registers. kc/vc are float32, float16 or int8 caches (et; a head row is hs
  * elements apart, D + the scale's 4 for int8); the arithmetic is float32 either way, an int8 row's
@@ -191,50 +220,32 @@ static inline __attribute__((always_inline)) void taskv(
   const int64_t nb = (L + bs - 1) / bs, b0 = lo / bs; /* (a window's first block: b0) */
   const int64_t pf = prefetch_blocks(bs);
   prefetch_first_blocks(kc, bt + b0, nb - b0, L - b0 * bs, pf, bs, row, h * hs, et, D);
-  for (int64_t b = b0; b < nb; ++b) {
-    const int64_t kb = bt[b] * bs * row + h * hs;
-    const int64_t kn = b + pf < nb ? bt[b + pf] * bs * row + h * hs : kb;
-    const int64_t n = L - b * bs < bs ? L - b * bs : bs;
-    for (int64_t i = b == b0 ? lo - b0 * bs : 0; i < n; ++i) {
-      const int64_t k = kb + i * row;
-      prefetch_row(kc, kn + i * row, et, D);
-      __m512 kv[16];
-      for (int v = 0; v < DV; ++v) kv[v] = load16(kc, k + 16 * v, et);
-      if (et == ET_I8) ks[c] = row_scale_d(kc, k, D);
-      for (int j = 0; j < G; ++j) {
-        __m512 a = _mm512_mul_ps(q[j][0], kv[0]);
-        for (int v = 1; v < DV; ++v) a = _mm512_fmadd_ps(q[j][v], kv[v], a);
-        part[j][c] = a;
-      }
-      if (++c == 16 || b * bs + i + 1 == L) {
-        for (int j = 0; j < G; ++j) mv[j] = flush_scores(part[j], c, ks, et, softcap, scores + j * L + t, mv[j]);
-        t += c;
-        c = 0;
-      }
+  FOR_EACH_ROW(kc, k, p, {
+    __m512 kv[16];
+    load_row(kv, kc, k, et, DV);
+    if (et == ET_I8) ks[c] = row_scale_d(kc, k, D);
+    for (int j = 0; j < G; ++j) part[j][c] = dot_row(q[j], kv, DV);
+    if (++c == 16 || p + 1 == L) {
+      for (int j = 0; j < G; ++j) mv[j] = flush_scores(part[j], c, ks, et, softcap, scores + j * L + t, mv[j]);
+      t += c;
+      c = 0;
     }
-  }
+  })
   prefetch_first_blocks(vc, bt + b0, nb - b0, L - b0 * bs, pf, bs, row, h * hs, et, D); /* arriving while the softmax runs */
   float inv[4];
   for (int j = 0; j < G; ++j) inv[j] = softmax_row(scores + j * L, L, lo, mv[j]);
   __m512 acc[4][16];
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < DV; ++c) acc[j][c] = _mm512_setzero_ps();
-  for (int64_t b = b0; b < nb; ++b) {
-    const int64_t vb = bt[b] * bs * row + h * hs;
-    const int64_t vn = b + pf < nb ? bt[b + pf] * bs * row + h * hs : vb;
-    const int64_t n = L - b * bs < bs ? L - b * bs : bs;
-    for (int64_t i = b == b0 ? lo - b0 * bs : 0; i < n; ++i) {
-      const int64_t v = vb + i * row;
-      prefetch_row(vc, vn + i * row, et, D);
-      __m512 vv[16];
-      for (int c = 0; c < DV; ++c) vv[c] = load16(vc, v + 16 * c, et);
-      const float vs = et == ET_I8 ? row_scale_d(vc, v, D) : 1.f; /* (x * 1.f is x: other caches unchanged) */
-      for (int j = 0; j < G; ++j) {
-        const __m512 p = _mm512_set1_ps(scores[j * L + b * bs + i] * vs);
-        for (int c = 0; c < DV; ++c) acc[j][c] = _mm512_fmadd_ps(p, vv[c], acc[j][c]);
-      }
+  FOR_EACH_ROW(vc, v, p, {
+    __m512 vv[16];
+    load_row(vv, vc, v, et, DV);
+    const float vs = et == ET_I8 ? row_scale_d(vc, v, D) : 1.f; /* (x * 1.f is x: other caches unchanged) */
+    for (int j = 0; j < G; ++j) {
+      const __m512 w = _mm512_set1_ps(scores[j * L + p] * vs);
+      for (int c2 = 0; c2 < DV; ++c2) acc[j][c2] = _mm512_fmadd_ps(w, vv[c2], acc[j][c2]);
     }
-  }
+  })
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < DV; ++c) _mm512_storeu_ps(out + j * D + c * 16, _mm512_mul_ps(acc[j][c], _mm512_set1_ps(inv[j])));
 }
@@ -261,49 +272,30 @@ static inline __attribute__((always_inline)) void taskv_all(
   int64_t t = lo;
   const int64_t nb = (L + bs - 1) / bs, b0 = lo / bs, pf = prefetch_blocks(bs);
   prefetch_first_blocks(kc, bt + b0, nb - b0, L - b0 * bs, pf, bs, row, h * hs, et, D);
-  for (int64_t b = b0; b < nb; ++b) {
-    const int64_t kb = bt[b] * bs * row + h * hs;
-    const int64_t kn = b + pf < nb ? bt[b + pf] * bs * row + h * hs : kb;
-    const int64_t n = L - b * bs < bs ? L - b * bs : bs;
-    for (int64_t i = b == b0 ? lo - b0 * bs : 0; i < n; ++i) {
-      const int64_t k = kb + i * row;
-      prefetch_row(kc, kn + i * row, et, D);
-      __m512 kv[16];
-      for (int v = 0; v < DV; ++v) kv[v] = load16(kc, k + 16 * v, et);
-      if (et == ET_I8) ks[c] = row_scale_d(kc, k, D);
-      for (int64_t j = 0; j < g; ++j) {
-        const __m512 *qj = q + j * DV;
-        __m512 a = _mm512_mul_ps(qj[0], kv[0]);
-        for (int v = 1; v < DV; ++v) a = _mm512_fmadd_ps(qj[v], kv[v], a);
-        part[j * 16 + c] = a;
-      }
-      if (++c == 16 || b * bs + i + 1 == L) {
-        for (int64_t j = 0; j < g; ++j) mv[j] = flush_scores(part + j * 16, c, ks, et, softcap, scores + j * L + t, mv[j]);
-        t += c;
-        c = 0;
-      }
+  FOR_EACH_ROW(kc, k, p, {
+    __m512 kv[16];
+    load_row(kv, kc, k, et, DV);
+    if (et == ET_I8) ks[c] = row_scale_d(kc, k, D);
+    for (int64_t j = 0; j < g; ++j) part[j * 16 + c] = dot_row(q + j * DV, kv, DV);
+    if (++c == 16 || p + 1 == L) {
+      for (int64_t j = 0; j < g; ++j) mv[j] = flush_scores(part + j * 16, c, ks, et, softcap, scores + j * L + t, mv[j]);
+      t += c;
+      c = 0;
     }
-  }
+  })
   prefetch_first_blocks(vc, bt + b0, nb - b0, L - b0 * bs, pf, bs, row, h * hs, et, D);
   for (int64_t j = 0; j < g; ++j) inv[j] = softmax_row(scores + j * L, L, lo, mv[j]);
   for (int64_t j = 0; j < g * DV; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t b = b0; b < nb; ++b) {
-    const int64_t vb = bt[b] * bs * row + h * hs;
-    const int64_t vn = b + pf < nb ? bt[b + pf] * bs * row + h * hs : vb;
-    const int64_t n = L - b * bs < bs ? L - b * bs : bs;
-    for (int64_t i = b == b0 ? lo - b0 * bs : 0; i < n; ++i) {
-      const int64_t v = vb + i * row;
-      prefetch_row(vc, vn + i * row, et, D);
-      __m512 vv[16];
-      for (int c2 = 0; c2 < DV; ++c2) vv[c2] = load16(vc, v + 16 * c2, et);
-      const float vs = et == ET_I8 ? row_scale_d(vc, v, D) : 1.f;
-      for (int64_t j = 0; j < g; ++j) {
-        const __m512 p = _mm512_set1_ps(scores[j * L + b * bs + i] * vs);
-        __m512 *aj = acc + j * DV;
-        for (int c2 = 0; c2 < DV; ++c2) aj[c2] = _mm512_fmadd_ps(p, vv[c2], aj[c2]);
-      }
+  FOR_EACH_ROW(vc, v, p, {
+    __m512 vv[16];
+    load_row(vv, vc, v, et, DV);
+    const float vs = et == ET_I8 ? row_scale_d(vc, v, D) : 1.f;
+    for (int64_t j = 0; j < g; ++j) {
+      const __m512 w = _mm512_set1_ps(scores[j * L + p] * vs);
+      __m512 *aj = acc + j * DV;
+      for (int c2 = 0; c2 < DV; ++c2) aj[c2] = _mm512_fmadd_ps(w, vv[c2], aj[c2]);
     }
-  }
+  })
   for (int64_t j = 0; j < g; ++j)
     for (int c2 = 0; c2 < DV; ++c2)
       _mm512_storeu_ps(out + j * D + c2 * 16, _mm512_mul_ps(acc[j * DV + c2], _mm512_set1_ps(inv[j])));

@@ -56,7 +56,8 @@ def capture(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tenso
             or model.embed_tokens.weight.dtype != torch.float32:
         return None  # (a tensor-parallel layer all-reduces between the kernels)
     # Llama's block or Gemma's (its exact classes: a subclass may change what forward does; MoE's does)
-    layers = [la for la in model.layers if type(la) in (DecoderLayer, Gemma2DecoderLayer)]
+    blocks = (DecoderLayer, Gemma2DecoderLayer)
+    layers = [la for la in model.layers if isinstance(la, DecoderLayer) and type(la) in blocks]
     if not kv_caches or len(kv_caches) != len(layers) or len(layers) != len(model.layers):
         return None
     key_cache = kv_caches[0][0]

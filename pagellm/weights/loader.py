@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -10,6 +11,8 @@ from typing import Any
 import torch
 
 from pagellm.config import ModelSource
+
+logger = logging.getLogger(__name__)
 
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
                        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -28,6 +31,28 @@ def load_model_config(source: ModelSource) -> Any:
     if not getattr(config, "architectures", None):
         raise ValueError(f"{source.path}/config.json names no architectures")
     return config
+
+
+def end_of_generation_ids(source: ModelSource) -> tuple[int, ...]:
+    """The ids a checkpoint says end generation besides (or including) its tokenizer's EOS: in a
+    GGUF file, what llama.cpp derives (``gguf_file.gguf_end_of_generation_ids``); in an HF directory,
+    ``generation_config.json``'s ``eos_token_id`` (an id or a list), as vLLM reads it. An
+    instruction-tuned model's end of turn (Gemma's ``<end_of_turn>``, Llama 3's ``<|eot_id|>``) is often
+    not its tokenizer's EOS."""
+    if source.is_gguf:
+        from pagellm.weights.gguf_file import gguf_end_of_generation_ids
+
+        return tuple(gguf_end_of_generation_ids(source.path))
+    if not os.path.exists(os.path.join(source.path, "generation_config.json")):
+        return ()
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(source.path).eos_token_id
+    except (OSError, ValueError) as e:  # a broken generation config must not stop the engine
+        logger.warning("ignoring %s/generation_config.json: %s", source.path, e)
+        return ()
+    return tuple(sorted({eos} if isinstance(eos, int) else set(eos or ())))
 
 
 def _safetensors_files(directory: str) -> list[str]:

@@ -33,7 +33,7 @@ from pagellm.models.decoder import DecoderForCausalLM, model_sliding_window
 from pagellm.pooling_params import PoolingInfo
 from pagellm.weights import freq_factors, iter_weights, load_model_config
 from pagellm.weights.gguf_quant import KERNEL_TYPES, int8_format, part_format
-from pagellm.weights.loader import projection_dtype
+from pagellm.weights.loader import end_of_generation_ids, projection_dtype
 from pagellm.weights.pooling_setup import resolve_pooling
 from pagellm.worker.cache_engine import CacheEngine, HostKVMemory, KVCacheSpec
 from pagellm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
@@ -97,6 +97,7 @@ class ModelInfo:
     kv_fingerprint: str = ""
     is_multimodal: bool = False  # takes images (a vision-language model: ``encode_images``)
     pooling: PoolingInfo | None = None  # runner="pooling": how prompts become vectors
+    end_of_generation_ids: tuple[int, ...] = ()  # the checkpoint's own (weights/loader.py), EOS aside
 
 
 class Worker:
@@ -281,6 +282,7 @@ class Worker:
             kv_fingerprint=self.kv_fp.hex(),
             is_multimodal=hasattr(model, "encode_images"),
             pooling=self.pooling,
+            end_of_generation_ids=end_of_generation_ids(source),
         )
 
     def _pooling(self, model: DecoderForCausalLM, hf_config: Any, path: str) -> PoolingInfo | None:
