@@ -116,6 +116,17 @@ def require_f32_gemm_kernel() -> None:
                    ("PAGELLM_CPU_GEMM",))
 
 
+def require_attention_kernels(head_dim: int, cache_dtype: torch.dtype) -> None:
+    """The decode and prefill attention kernels over a cache of this head size and element type (a
+    float16 or int8 cache, or a prefill, needs AVX-512)."""
+    from pagellm.attention import cpu_kernel
+    from pagellm.attention.kv_quant import cache_head_dim
+
+    row = torch.empty(1, 1, cache_head_dim(head_dim, cache_dtype), dtype=cache_dtype)
+    require_kernel(lambda: cpu_kernel.usable_for(row) and cpu_kernel.prefill_usable_for(row),
+                   f"attention kernels for head size {head_dim} over a {cache_dtype} cache", ("avx512f",))
+
+
 def require_int8_kernel() -> None:
     from pagellm.kernels import gemm_int8
 

@@ -18,6 +18,7 @@ from pagellm.utils import cdiv
 from conftest import (
     build_tiny_checkpoint,
     build_tiny_gguf_valued_checkpoint,
+    require_attention_kernels,
     require_bf16_kernel,
     require_f32_gemm_kernel,
     require_int8_kernel,
@@ -137,7 +138,9 @@ def test_kquant_gguf_outputs_do_not_depend_on_scheduling(ckpt_root, smollm2_path
 def test_smollm2_outputs_do_not_depend_on_scheduling():
     prompts = random_prompts(8, seed=11, lo=5, hi=120)
     ref, _ = engine_greedy(None, prompts, MAX_TOKENS)
-    for name in ("tight_cache_and_chunks", "max_num_seqs_1", "block_size_1", "tight_swap"):
+    # (chunking, recompute and swap on the real model; batch size and block size alone are the tiny
+    # models' configurations above, every family's)
+    for name in ("tight_cache_and_chunks", "tight_swap"):
         got, engine = engine_greedy(None, prompts, MAX_TOKENS, **_kwargs(name, prompts))
         assert got == ref, name
         if name.startswith("tight"):
@@ -168,7 +171,7 @@ def test_smollm2_narrow_kv_cache_outputs_do_not_depend_on_scheduling(kv):
     ref, engine = engine_greedy(None, prompts, MAX_TOKENS, **kwargs)
     worker = engine.executor.worker
     assert getattr(worker.attn_backend, "decode_kernel", False) == cpu_kernel.usable_for(worker.cache_engine.kv[0, 0])
-    for name in ("tight_cache_and_chunks", "max_num_seqs_1", "block_size_1", "tight_swap"):
+    for name in ("tight_cache_and_chunks", "tight_swap"):
         got, engine = engine_greedy(None, prompts, MAX_TOKENS, **kwargs, **_kwargs(name, prompts))
         assert got == ref, name
         if name.startswith("tight"):
@@ -240,6 +243,7 @@ def test_default_numerics_do_not_depend_on_scheduling_at_every_head_size(ckpt_ro
 
     require_int8_kernel()
     arch, overrides = DEFAULT_NUMERICS_MODELS[model]
+    require_attention_kernels(overrides["head_dim"], torch.float16)
     path = build_tiny_gguf_valued_checkpoint(os.path.join(ckpt_root, model), arch, **overrides)
     prompts = random_prompts(6, seed=21, lo=40, hi=120)
 
@@ -251,7 +255,7 @@ def test_default_numerics_do_not_depend_on_scheduling_at_every_head_size(ckpt_ro
     worker = cold_engine.executor.worker
     assert worker.cache_engine.kv.dtype == torch.float16 and worker.numerics.int8, "not the default GGUF numerics"
     backend = worker.attn_backend
-    assert backend.prefill_kernel and backend.decode_kernel, f"{backend}: a kernel is missing (AVX-512?)"
+    assert backend.prefill_kernel and backend.decode_kernel, f"{backend}: the engine did not take the kernels"
     cold = _greedy_with_logprobs(cold_engine, prompts)
 
     # Prefix hits: each prompt's first two thirds computed (and cached) by an earlier request.
