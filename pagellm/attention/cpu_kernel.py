@@ -38,6 +38,13 @@ def _check_status(status: int, kernel: str) -> None:
         raise MemoryError(f"the {kernel} attention kernel could not allocate its scratch memory")
 
 
+def _check_window_softcap(window: int | None, softcap: float | None) -> None:
+    if window is not None and window < 1:
+        raise ValueError(f"window must be a positive number of positions, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+
+
 def available() -> bool:
     """Build (once) and load the kernel; ``False`` when it is disabled or cannot be built."""
     return kernels.load("paged_decode", _SIGNATURES) is not None
@@ -99,10 +106,7 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: to
     for t, name in ((block_tables, "block_tables"), (seq_lens, "seq_lens")):
         if t.dtype != torch.int64 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous int64")
-    if window is not None and window < 1:
-        raise ValueError(f"window must be a positive number of positions, got {window}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be positive, got {softcap}")
+    _check_window_softcap(window, softcap)
     if window is not None or softcap is not None:
         status = lib.paged_decode_windowed(
             out.data_ptr(), query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
@@ -183,10 +187,7 @@ def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: t
     invariant, but not the decode kernel's sums: only for runs that never decode (pooling), and
     without a window or a soft-cap.
     """
-    if window is not None and window < 1:
-        raise ValueError(f"window must be a positive number of positions, got {window}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be positive, got {softcap}")
+    _check_window_softcap(window, softcap)
     if bf16_tiles and (window is not None or softcap is not None):
         raise ValueError("the AMX prefill kernel has no sliding window or soft-cap")
     if bf16_tiles:

@@ -44,7 +44,6 @@ def capture(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tenso
     """The graph of ``model``'s layers over these caches, or ``None`` where it does not apply
     (see the module's docstring; every condition is checked here, once)."""
     from pagellm.attention.cpu_paged import CpuPagedAttention
-    from pagellm.layers.activation import GeluTanhAndMul, SiluAndMul
     from pagellm.models.decoder import DecoderLayer
     from pagellm.models.gemma import Gemma2DecoderLayer
 
@@ -76,7 +75,7 @@ def capture(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tenso
     rows: list[list[int]] = []
     keep: list[torch.Tensor] = []
     for layer in layers:
-        row = _layer_row(layer, attn, hidden, d, inter, eps, rope_keys, keep, (SiluAndMul, GeluTanhAndMul))
+        row = _layer_row(layer, attn, hidden, d, inter, eps, rope_keys, keep)
         if row is None:
             return None
         rows.append(row)
@@ -100,9 +99,12 @@ def capture(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tenso
 
 
 def _layer_row(layer, first_attn, hidden: int, d: int, inter: int, eps: float, rope_keys: tuple[str | None, ...],
-               keep: list[torch.Tensor], activations: tuple[type, ...]) -> list[int] | None:
+               keep: list[torch.Tensor]) -> list[int] | None:
     """One layer's row of the table, or ``None`` if some op of it is not the kernel the graph calls
     (or its shapes are not the first layer's)."""
+    from pagellm.layers.activation import GeluTanhAndMul, SiluAndMul
+
+    activations = (SiluAndMul, GeluTanhAndMul)  # (decode_graph.ACTIVATIONS' order)
     a, m = layer.self_attn, layer.mlp
     gemma = hasattr(layer, "pre_feedforward_layernorm")
     norms = {"in_norm": layer.input_layernorm, "post_norm": layer.post_attention_layernorm}

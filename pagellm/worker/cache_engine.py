@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from pagellm.attention.kv_quant import cache_head_dim
+from pagellm.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ class HostKVMemory:
         raw = torch.frombuffer(self._buf, dtype=torch.uint8)[:nbytes]
         if ahead < nbytes:
             _fault_in(raw[ahead:])
-        keep = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        keep = cdiv(nbytes, mmap.PAGESIZE) * mmap.PAGESIZE
         if ahead > keep and hasattr(mmap, "MADV_DONTNEED"):  # the budget's unused rest, faulted in meanwhile
             self._buf.madvise(mmap.MADV_DONTNEED, keep, self.nbytes - keep)
         logger.info("KV cache: %.2f GiB faulted in at start-up, %.2f of them while the model loaded (%.2f s in all)",

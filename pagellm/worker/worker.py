@@ -31,6 +31,7 @@ from pagellm.lora_request import AdapterSpec
 from pagellm.models import BASE_MODELS, get_model_class
 from pagellm.models.decoder import DecoderForCausalLM, model_sliding_window
 from pagellm.pooling_params import PoolingInfo
+from pagellm.utils import cdiv
 from pagellm.weights import freq_factors, iter_weights, load_model_config
 from pagellm.weights.gguf_quant import KERNEL_TYPES, int8_format, part_format
 from pagellm.weights.loader import end_of_generation_ids, projection_dtype
@@ -426,9 +427,9 @@ class Worker:
                     f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block "
                     f"(one block of {cache.block_size} tokens needs {self.block_bytes} bytes)"
                 )
-            if cache.size_to_model:  # (+1: the block a preempted sequence's recompute may straddle)
+            if cache.size_to_model:  # (and one block to spare)
                 max_len = self.config.model.max_model_len or self.max_positions
-                n = min(n, self.config.scheduler.max_num_seqs * -(-max_len // cache.block_size) + 1)
+                n = min(n, self.config.scheduler.max_num_seqs * cdiv(max_len, cache.block_size) + 1)
         if cache.num_cpu_blocks_override is not None:
             n_cpu = cache.num_cpu_blocks_override
         elif cache.swap_space is None:
