@@ -293,18 +293,21 @@ static inline __attribute__((always_inline)) void tile_k(float *y, int64_t ldy, 
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < B; ++b, rec += rec_size) {
     /* The panel's first tile streams its records from memory: every line of the record KPF ahead
-     * into L2 (one line ahead left one stream at 19-22 GB/s of a 35 GB/s read bandwidth on a 2-core
-     * AMD EPYC; 25-27 GB/s with this, one row through SmolLM2-1.7B's Q4_K/Q6_K projections). Later
-     * tiles find the records in L2. */
-    if (first)
-      for (int64_t c = 0; c < rec_size; c += 64) _mm_prefetch((const char *)(rec + KPF * rec_size + c), _MM_HINT_T1);
-    else
-      _mm_prefetch((const char *)(rec + rec_size), _MM_HINT_T0);
+     * into L2, a share of them per sub-block below (one line ahead left one stream at 19-22 GB/s of a
+     * 35 GB/s read bandwidth on a 2-core AMD EPYC, one row through SmolLM2-1.7B's Q4_K/Q6_K
+     * projections; the whole record at once, 25-27 GB/s, but K6's 116 lines in one burst held its
+     * rows at 24-25 GB/s; spread, 33-35 GB/s over Mistral 7B's Q6_K shapes). Later tiles find the
+     * records in L2. */
+    if (!first) _mm_prefetch((const char *)(rec + rec_size), _MM_HINT_T0);
     const int8_t *sc = (const int8_t *)(rec + 2 * NR * 4), *mn = sc + S * NR;
     const uint8_t *qs = (const uint8_t *)(mn + S * NR);
     __m512i sum[MRK][2];
     for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
     for (int64_t j = 0; j < S; ++j, qs += KQB(fmt)) {
+      if (first) { /* lines [j per, (j + 1) per) of the record KPF ahead */
+        const int64_t per = (rec_size / 64 + S - 1) / S * 64, c1 = (j + 1) * per < rec_size ? (j + 1) * per : rec_size;
+        for (int64_t c = j * per; c < c1; c += 64) _mm_prefetch((const char *)(rec + KPF * rec_size + c), _MM_HINT_T1);
+      }
       __m512i dot[MRK][2];
       for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
       if (fmt == FMT_K4) {
