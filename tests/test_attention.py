@@ -50,7 +50,8 @@ def _dense_reference(q, k_all, v_all, num_computed, scale):
 @pytest.mark.parametrize("decode_kernel,d,cache_dtype", [
     (False, 16, torch.float32), (True, 16, torch.float32), (True, 64, torch.float32),
     (False, 16, torch.float16), (True, 64, torch.float16), (False, 16, torch.int8), (True, 64, torch.int8),
-    (True, 80, torch.float32), (True, 96, torch.int8), (True, 128, torch.float16), (True, 256, torch.float16)])
+    (True, 80, torch.float32), (True, 96, torch.int8), (True, 128, torch.float16), (True, 256, torch.float16),
+    (True, 48, torch.float16)])
 def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, cache_dtype, monkeypatch):
     monkeypatch.setattr(torch_paged, "MIN_SHARED_TOKENS", 4)  # exercise cascade groups on small shapes
     if decode_kernel:
@@ -94,7 +95,7 @@ def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, cache_d
         seqs.append((num_computed, n, blocks, k_all, v_all, torch.randn(n, hq, d)))
     decodes = [s for s in seqs if s[1] == 1 and s[0] > 0]
     chunks = [s for s in seqs if not (s[1] == 1 and s[0] > 0)]
-    prefill_kernel = decode_kernel and d in (64, 80, 96, 128, 256)
+    prefill_kernel = decode_kernel and d % 16 == 0 and d <= 256  # the kernels' head sizes (AVX-512)
     # The backend the engine would choose for this cache: the reference, or the kernels that apply.
     backend = CpuPagedAttention.for_cache(key_cache, torch.float32) if decode_kernel else TorchPagedAttention()
     assert getattr(backend, "decode_kernel", False) == decode_kernel
@@ -143,13 +144,15 @@ def _windowed_reference(q, k_all, v_all, num_computed, scale, window, softcap):
 @pytest.mark.parametrize("window,softcap", [(1, None), (5, None), (37, None), (None, 4.0), (16, 2.5)])
 @pytest.mark.parametrize("d,cache_dtype,block_size", [
     (64, torch.float32, 16), (64, torch.float16, 3), (64, torch.int8, 16), (96, torch.float32, 16),
-    (128, torch.float16, 16), (256, torch.int8, 5), (40, torch.float32, 16), (16, torch.float32, 1)])
+    (128, torch.float16, 16), (256, torch.int8, 5), (40, torch.float32, 16), (16, torch.float32, 1),
+    (48, torch.float16, 16)])
 def test_decode_kernel_with_a_window_and_a_softcap_equals_a_float64_formula(window, softcap, d, cache_dtype,
                                                                              block_size):
     """The decode kernel's sliding window and soft-cap (its AVX-512 path at head sizes 64 to 256 over
-    each cache, its generic path at 40 and 16) over decodes of every length around the window and
-    block edges; the prefill chunks in the same step take the prefill kernel at the AVX-512 sizes
-    (the reference at the others): a fresh one longer than the window and one after cached tokens."""
+    each cache, its generic AVX-512 instance at 48 and 16, its portable path at 40) over decodes of
+    every length around the window and block edges; the prefill chunks in the same step take the
+    prefill kernel at the AVX-512 sizes (the reference at 40): a fresh one longer than the window and
+    one after cached tokens."""
     require_cpu_kernel(cpu_kernel.available)
     hq, hkv = 8, 2
     torch.manual_seed(d + block_size)
@@ -172,7 +175,7 @@ def test_decode_kernel_with_a_window_and_a_softcap_equals_a_float64_formula(wind
     meta = backend.build_metadata([c + 1 for c, *_ in decodes], [b for _, _, b, *_ in decodes],
                                   [(c, n, b) for c, n, b, *_ in chunks], block_size, torch.device("cpu"))
     assert any(g.kind == AttentionKind.DECODE_KERNEL for g in meta.groups)
-    assert any(g.kind == AttentionKind.PREFILL_KERNEL for g in meta.groups) == (d % 16 == 0 and d != 16)
+    assert any(g.kind == AttentionKind.PREFILL_KERNEL for g in meta.groups) == (d % 16 == 0)
     order = [decodes[i] for i in meta.decode_order] + chunks
     meta.slot_mapping = torch.tensor([b[p // block_size] * block_size + p % block_size
                                       for c, n, b, *_ in order for p in range(c, c + n)])
@@ -217,7 +220,8 @@ def test_prefill_kernel_over_long_contexts(hq, hkv, d):
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.int8])
 @pytest.mark.parametrize("d,hq,window,softcap", [
     (64, 9, None, None), (128, 6, None, None), (80, 3, None, None), (96, 12, None, 30.0), (256, 6, None, None),
-    (64, 9, 50, None), (128, 6, 512, None), (256, 12, 40, 50.0), (256, 3, 1, None)])
+    (64, 9, 50, None), (128, 6, 512, None), (256, 12, 40, 50.0), (256, 3, 1, None),
+    (32, 12, None, None), (48, 6, 40, 30.0), (112, 3, None, None)])  # the generic instance's sizes
 def test_prefill_kernel_gives_the_decode_kernels_bits(cache_dtype, d, hq, window, softcap):
     """Prompt tokens through the prefill kernel and the same tokens decoded one by one give the same
     bits (a request preempted by recompute prefills tokens it had decoded, and a cached answer

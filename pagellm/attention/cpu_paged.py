@@ -2,8 +2,8 @@
 
 Decided once, at start-up, from the cache and the model dtype (:meth:`CpuPagedAttention.for_cache`):
 which kernels apply here (``cpu_kernel.py``: decode over a float32, float16 or int8 cache, with a
-layer's sliding window and logit soft-cap where it has them; prefill over the same with head size
-64, 80, 96, 128 or 256 on AVX-512, windows and soft-caps included, summing as the decode kernel
+layer's sliding window and logit soft-cap where it has them; prefill over the same with a head size
+that is a multiple of 16 up to 256 on AVX-512, windows and soft-caps included, summing as the decode kernel
 does, or, for a run that never decodes, on AMX bfloat16 tiles; ``cpu_ops.write_kv``: the K/V
 write). Each step's metadata then names the kernel groups (``DECODE_KERNEL``, ``PREFILL_KERNEL``)
 and ``TorchPagedAttention.forward`` runs them through the methods registered for those kinds.

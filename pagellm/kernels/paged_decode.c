@@ -13,8 +13,9 @@
  * block's rows are prefetched into L2 while this one is read (blocks are scattered, so the hardware
  * prefetcher cannot guess them: 1.3-1.5x on 64 decodes), the first blocks of each pass all at
  * once when it starts, and the head size is a compile-time constant so the dot products vectorize
- * fully: on AVX-512 for 64, 80, 96, 128 and 256 (q and the sums in registers; every cache type), in
- * the portable path for 64 and 128 (float32 caches; any other size runs it generically).
+ * fully: on AVX-512 for 64, 80, 96, 128 and 256 (q and the sums in registers; every cache type; any
+ * other multiple of 16 up to 256 runs the same sums with the size a run-time value), in the portable
+ * path for 64 and 128 (float32 caches; any other size runs it generically).
  */
 #include <math.h>
 #include <omp.h>
@@ -325,18 +326,12 @@ static inline __attribute__((always_inline)) void taskv_groups(
 }
 #undef TASKV
 
-/* Head sizes with an AVX-512 path (16 * DV for the DV taskv is built for). */
-static inline int avx512_dv(int64_t D) {
-  return D == 64 ? 4 : D == 80 ? 5 : D == 96 ? 6 : D == 128 ? 8 : D == 256 ? 16 : 0;
-}
-
 #endif
 
-/* Whether the float16 and int8 caches' decode path exists here (AVX-512, head size 64, 80, 96, 128
- * or 256). */
+/* Whether the float16 and int8 caches' decode path exists here (AVX-512, head_dv's sizes). */
 int paged_decode_f16_supported(int64_t D) {
 #ifdef __AVX512F__
-  return avx512_dv(D) != 0;
+  return head_dv(D) != 0;
 #else
   (void)D;
   return 0;
@@ -394,13 +389,17 @@ static inline __attribute__((always_inline)) int decode_all(
       const float *qh = q + b * q_stride + h * g * D;
       const int64_t *bt = block_tables + b * max_blocks;
 #ifdef __AVX512F__
-      switch (avx512_dv(D)) { /* a constant DV per case: q and the sums stay in registers */
+      const int dv = head_dv(D);
+      switch (dv) { /* a constant DV per case: q and the sums stay in registers */
         case 4: taskv_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et, lo, softcap, 4, acc); continue;
         case 5: taskv_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et, lo, softcap, 5, acc); continue;
         case 6: taskv_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et, lo, softcap, 6, acc); continue;
         case 8: taskv_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et, lo, softcap, 8, acc); continue;
         case 16: taskv_groups(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et, lo, softcap, 16, acc); continue;
-        default: break;
+        case 0: break;
+        default: /* another multiple of 16: taskv_all's order, DV a run-time value */
+          taskv_all(o, qh, kc, vc, bt, L, g, row, h, block_size, scale, scores, et, lo, softcap, dv, acc);
+          continue;
       }
 #endif
       if (et != ET_F32) continue; /* unreachable: no portable float16 or int8 path */

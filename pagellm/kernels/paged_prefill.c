@@ -1,6 +1,7 @@
 /* Paged prefill attention for CPU: every prefill chunk of a step, float32, float16 or int8 cache,
  * head size 64, 80, 96, 128 or 256 (AVX-512; D = 16 * DV below, each instance compiled with its own
- * constant), a sliding window and a logit soft-cap where the layer has them.
+ * constant) or another multiple of 16 up to 256 (one instance, DV a run-time value), a sliding
+ * window and a logit soft-cap where the layer has them.
  * Each query token attends causally to its sequence's cached K/V, read straight from the blocks
  * (the chunk's own K/V were written there first), so a chunk that starts after cached tokens
  * (prefix-cache hit, chunked prefill) needs no gather and no mask tensor.
@@ -34,11 +35,12 @@
 #endif
 #include "simd_common.h"
 
-/* The head sizes with an instance, the decode kernel's AVX-512 ones: 64 (SmolLM2, Llama 3.2 1B), 80
- * (Phi-2), 96 (Phi-3), 128 (Llama 3, Qwen3, Mistral), 256 (Gemma 2 and 3). */
+/* The decode kernel's AVX-512 head sizes (head_dv): instances for 64 (SmolLM2, Llama 3.2 1B), 80
+ * (Phi-2), 96 (Phi-3), 128 (Llama 3, Qwen3, Mistral) and 256 (Gemma 2 and 3), one generic instance
+ * for the other multiples of 16 up to 256. */
 int paged_prefill_supported(int64_t D) {
 #ifdef __AVX512F__
-  return D == 64 || D == 80 || D == 96 || D == 128 || D == 256;
+  return head_dv(D) != 0;
 #else
   (void)D;
   return 0;
@@ -366,7 +368,8 @@ static inline __attribute__((always_inline)) int prefill_all(
        * passed through would stay a run-time value and leave every per-dimension loop rolled) */
 #define RUN(DVC) run_task(&s, &tasks[i], out, out_stride, q, q_stride, kc, vc, bt, token_starts[c], num_computed[c], \
                           tasks[i].h, g, Hkv, block_size, scale, et, DVC, W, softcap)
-      const int ok = DV == 4 ? RUN(4) : DV == 5 ? RUN(5) : DV == 6 ? RUN(6) : DV == 8 ? RUN(8) : RUN(16);
+      const int ok = DV == 4 ? RUN(4) : DV == 5 ? RUN(5) : DV == 6 ? RUN(6) : DV == 8 ? RUN(8) : DV == 16 ? RUN(16)
+                                                                                                   : RUN(DV);
 #undef RUN
       if (!ok) {
 #pragma omp atomic write

@@ -10,6 +10,11 @@
  * float32 scale (pagellm/attention/kv_quant.py). */
 enum { ET_F32 = 0, ET_F16 = 1, ET_I8 = 2 };
 
+/* The attention kernels' head sizes, as DV = D / 16 vectors: any multiple of 16 up to 256 (0: none).
+ * 64, 80, 96, 128 and 256 have instances with DV a compile-time constant; the others run one
+ * generic instance (DV a run-time value: the same operations in the same order, loops rolled). */
+static inline int head_dv(int64_t D) { return D % 16 == 0 && D >= 16 && D <= 256 ? (int)(D / 16) : 0; }
+
 /* exp(x) in float32 to ~2 ulp: Cephes' expf. x = n ln2 + r with |r| <= ln2/2, a degree-6
  * polynomial for exp(r), times 2^n. One set of constants for the scalar version (written so the
  * compiler vectorises it; glibc's expf is a scalar call without -ffast-math) and exp512 below. */
