@@ -85,6 +85,7 @@ class GGUFIndex:
 _SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
             12: "<f8"}
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 
 
 class _Unsupported(ValueError):
@@ -120,6 +121,14 @@ def _parse_header(mm: np.ndarray) -> GGUFIndex:
                 arr = np.frombuffer(buf, dtype=dt, count=n, offset=offs)
                 offs += n * dt.itemsize
                 return arr
+            if etype == _STRING:  # (a tokenizer's vocabulary: one tight loop, 262,144 strings for Gemma 3)
+                out, at, length = [], offs, _U64.unpack_from
+                for _ in range(n):
+                    (k,) = length(buf, at)
+                    out.append(str(buf[at + 8:at + 8 + k], "utf-8", "replace"))
+                    at += 8 + k
+                offs = at
+                return out
             return [value(etype) for _ in range(n)]
         if vtype not in _SCALARS:
             raise _Unsupported(f"GGUF value type {vtype}")

@@ -227,6 +227,8 @@ class Worker:
         self._kv_memory = HostKVMemory(cache.kv_cache_memory) \
             if self.device.type == "cpu" and cache.num_gpu_blocks_override is None else None
         try:
+            # (before the weights: a GGUF file's header is parsed once, and dropped once they are loaded)
+            eog_ids = end_of_generation_ids(resolve_model_source(self.config.model.model))
             model, hf_config, source = self._build_model(self.config.model.model, self.config.model.quantization)
         except BaseException:
             if self._kv_memory is not None:
@@ -283,7 +285,7 @@ class Worker:
             kv_fingerprint=self.kv_fp.hex(),
             is_multimodal=hasattr(model, "encode_images"),
             pooling=self.pooling,
-            end_of_generation_ids=end_of_generation_ids(source),
+            end_of_generation_ids=eog_ids,
         )
 
     def _pooling(self, model: DecoderForCausalLM, hf_config: Any, path: str) -> PoolingInfo | None:
