@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import resource
+
 import pytest
+import torch
 
 from pagellm import LLM, LLMEngine, SamplingParams
 from pagellm.config import EngineArgs
@@ -302,9 +305,16 @@ def test_a_dropped_engine_is_freed(tiny_llama, tmp_path, kw):
     assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
 
 
+def _faults_writing(t: torch.Tensor) -> int:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t.view(torch.uint8).fill_(0)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
 def test_default_kv_budget_is_no_larger_than_the_sequences_can_fill(tiny_llama):
     """The default 2 GiB budget shrinks to what max_num_seqs sequences of max_model_len tokens fill
-    (plus one block); a budget the user names is kept."""
+    (plus one block), and its pages fault in as blocks are written; a budget the user names is
+    kept, and faulted in at start-up (reserved)."""
     with LLM(tiny_llama, max_model_len=64, max_num_seqs=3) as llm:
         assert llm.llm_engine.num_blocks == 3 * 64 // 16 + 1
         out = llm.generate([{"prompt_token_ids": [5] * 40}] * 3, SamplingParams(temperature=0, max_tokens=20,
@@ -313,3 +323,9 @@ def test_default_kv_budget_is_no_larger_than_the_sequences_can_fill(tiny_llama):
     with LLM(tiny_llama, max_model_len=64, max_num_seqs=3, kv_cache_memory="1MiB") as llm:
         kv = llm.llm_engine.executor.worker.cache_engine.kv
         assert llm.llm_engine.num_blocks == 2**20 // (kv.nbytes // llm.llm_engine.num_blocks) > 13
+    with LLM(tiny_llama, max_model_len=1024, max_num_seqs=256) as llm:  # the default budget: untouched
+        kv = llm.llm_engine.executor.worker.cache_engine.kv
+        assert kv.nbytes >= 16 * 2**20 and _faults_writing(kv) >= kv.nbytes // 2**21 // 2
+    with LLM(tiny_llama, max_model_len=1024, max_num_seqs=256, kv_cache_memory="32MiB") as llm:  # reserved
+        kv = llm.llm_engine.executor.worker.cache_engine.kv
+        assert kv.nbytes >= 16 * 2**20 and _faults_writing(kv) <= 2

@@ -60,8 +60,9 @@ def _fault_in(raw: torch.Tensor) -> None:
 
 
 class HostKVMemory:
-    """The device KV cache's memory on a CPU, mapped and faulted in ahead of time: the worker
-    creates it before it loads the model, and a thread touches its pages meanwhile (numpy releases
+    """A KV budget the user named, on a CPU, mapped and faulted in ahead of time (reserved, as
+    vLLM's zeroed cache is): the worker creates it before it loads the model, and a thread touches
+    its pages meanwhile (numpy releases
     the GIL; the model's loading is mostly one thread, so the other core is free). ``take`` stops
     the thread and faults in what is left from torch's threads. SmolLM2 on a 2.6 GHz EPYC: the
     2 GiB that took 2.5 s of start-up after loading mostly fault in during it."""
@@ -131,7 +132,7 @@ class HostKVMemory:
         return raw
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, prefault: bool = False,
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
            memory: HostKVMemory | None = None) -> torch.Tensor:
     """``torch.zeros``, but on CPU from a fresh anonymous mapping: the OS zero-fills pages on first
     touch (``torch.zeros`` would write every byte a second time).
@@ -140,11 +141,11 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pre
     only on request): decode attention jumps between scattered blocks, and with 4 KiB pages
     nearly every block costs a TLB miss (docs/performance.md, "Huge pages for the KV cache").
 
-    ``prefault`` touches one byte per 4 KiB now, from every thread, so the zero-filling (and any
-    compaction the kernel needs to find huge pages) happens at start-up, as vLLM's zeroed cache
-    does, instead of inside the first steps that reach each block (W64: 4-5 % of the run's CPU
-    time in ``clear_page``). The swap pool stays lazy: most runs never swap. ``memory``: a
-    ``HostKVMemory`` mapped (and mostly faulted in) earlier, used instead of a new mapping.
+    Its pages fault in as blocks are first written, so the memory in use grows with the K/V held
+    (W64 on SmolLM2 peaks at 1.3 GiB instead of its 2 GiB budget's 2.5); the price is that first
+    touch inside the steps (in a VM here ~1.5 s a GiB, 2-3 % of W64). ``memory``: a
+    ``HostKVMemory`` mapped and faulted in while the model loaded (a budget the user named),
+    used instead of a new mapping. The swap pool is always lazy: most runs never swap.
     """
     if device.type != "cpu" or not math.prod(shape):  # (an empty buffer cannot be viewed as float)
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -152,12 +153,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pre
     if memory is not None:
         return memory.take(nbytes).view(dtype).view(shape)
     # frombuffer keeps the mapping alive as long as the tensor (and its views) live.
-    raw = torch.frombuffer(_anonymous_map(nbytes), dtype=torch.uint8)
-    if prefault:
-        start = time.perf_counter()
-        _fault_in(raw)
-        logger.info("KV cache: %.2f GiB faulted in at start-up in %.2f s", nbytes / 2**30, time.perf_counter() - start)
-    return raw.view(dtype).view(shape)
+    return torch.frombuffer(_anonymous_map(nbytes), dtype=torch.uint8).view(dtype).view(shape)
 
 
 class CacheEngine:
@@ -180,7 +176,7 @@ class CacheEngine:
         shape = (spec.num_layers, 2, rows, spec.num_kv_heads, spec.cache_head_dim)
         # Zeroed: attention gathers whole blocks and masks the unused tail slots, but a masked key
         # still multiplies its value by 0, so every slot must hold a finite number from the start.
-        self.kv = _zeros(shape, spec.dtype, device, prefault=True, memory=memory)
+        self.kv = _zeros(shape, spec.dtype, device, memory=memory)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(spec.num_layers)]
         cpu_shape = (spec.num_layers, 2, num_cpu_blocks * spec.block_size, spec.num_kv_heads, spec.cache_head_dim)
         self.cpu_kv = _zeros(cpu_shape, spec.dtype, torch.device("cpu"))

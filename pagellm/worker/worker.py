@@ -222,10 +222,12 @@ class Worker:
 
     def load_model(self) -> ModelInfo:
         cache = self.config.cache
-        # A byte budget bounds the KV cache before the model's shapes are known: map it now and
-        # fault it in while the model loads (initialize_cache takes it).
+        # A budget the user named is reserved: mapped now and faulted in while the model loads
+        # (initialize_cache takes it). The engine's own default is only a cap: its pages fault in
+        # as blocks are first written, so a lightly used engine stays small.
         self._kv_memory = HostKVMemory(cache.kv_cache_memory) \
-            if self.device.type == "cpu" and cache.num_gpu_blocks_override is None else None
+            if self.device.type == "cpu" and cache.num_gpu_blocks_override is None and not cache.size_to_model \
+            else None
         try:
             # (before the weights: a GGUF file's header is parsed once, and dropped once they are loaded)
             eog_ids = end_of_generation_ids(resolve_model_source(self.config.model.model))
