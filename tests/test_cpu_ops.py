@@ -87,6 +87,27 @@ def test_rotary_in_place_equals_apply_rotary_exactly(t):
     assert torch.equal(qkv[:, 768:], v_before)  # v untouched
 
 
+def test_rotary_table_grows_with_the_positions_and_keeps_its_bits():
+    """A CPU table covers the positions seen (4,096 rows, doubled as needed), so a 32k-position
+    model does not build 32k rows for short requests; entries are the same bits whatever the
+    table's length, and equal a float64 formula."""
+    rope = RotaryEmbedding(256, 32768, 10000.0)
+    early = rope.cos_sin(torch.tensor([0, 7, 4095]), torch.float32)
+    assert rope._cos.shape[0] == 4096
+    late = rope.cos_sin(torch.tensor([0, 7, 4095, 9000]), torch.float32)
+    assert rope._cos.shape[0] == 16384
+    assert all(torch.equal(a, b[:3]) for a, b in zip(early, late, strict=True))
+    whole = rope.cos_sin(torch.tensor([0, 7, 4095, 9000, 32767]), torch.float32)
+    assert rope._cos.shape[0] == 32768 and all(torch.equal(a, b[:4]) for a, b in zip(late, whole, strict=True))
+    inv = 1.0 / 10000.0 ** (torch.arange(0, 256, 2, dtype=torch.float64) / 256)
+    angle = torch.tensor([0, 7, 4095, 9000, 32767], dtype=torch.float64)[:, None] * inv
+    # (the float32 angle t * inv_freq is off by up to half an ulp of 32767 rad: ~2e-3 there)
+    torch.testing.assert_close(whole[0][:, 0, :128].double(), angle.cos(), atol=4e-3, rtol=0)
+    torch.testing.assert_close(whole[1][:, 0, 128:].double(), angle.sin(), atol=4e-3, rtol=0)
+    with pytest.raises(IndexError):
+        rope.cos_sin(torch.tensor([32768]), torch.float32)
+
+
 @pytest.mark.parametrize("adjacent", [True, False])
 def test_the_rotary_op_rotates_q_and_k_whether_or_not_they_share_rows(adjacent):
     """``ApplyRotary.forward_cpu`` rotates q and k in one pass when k's heads follow q's in each row
