@@ -210,6 +210,20 @@ def test_phi3_fused_weights_partial_longrope_match_hf(ckpt_root):
     assert len({tuple(r) for r in ref}) > 5
 
 
+def test_odd_partial_rotary_width_matches_hf(ckpt_root):
+    """head_dim x partial_rotary_factor odd (20 x 0.75 = 15): HF's table has ceil(15 / 2) frequencies,
+    so the first 16 features rotate; the rotary op must take that width, not 15 or the head's 20."""
+    path = build_tiny_checkpoint(os.path.join(ckpt_root, "head20"), "phi3", hidden_size=80, head_dim=20,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "partial_rotary_factor": 0.75})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert hf.model.rotary_emb.inv_freq.numel() == 8
+    prompts = random_prompts(4, seed=5)
+    ref = hf_greedy(hf, prompts)
+    got, _ = engine_greedy(path, prompts, max_model_len=512)
+    assert_equal_but_float32_ties(hf, prompts, got, ref)
+
+
 # HF name (after "model.layers.{i}." for layer tensors) -> llama.cpp's, for Gemma.
 _GEMMA_GGUF_NAMES = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
