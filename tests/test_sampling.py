@@ -192,6 +192,31 @@ def test_speculative_verification_on_cpu_gets_the_same_distribution_without_sort
 
 
 @needs_sampling_kernel
+def test_a_filter_the_kernel_lacks_sends_its_rows_to_the_reference(monkeypatch):
+    """A filter added to ``FILTERS`` but not to the kernel's declared set (here: rows at temperature
+    0.9 keep only even tokens) changes those rows' distribution exactly as the reference does, in
+    sampling and in the rejection sampler's target; other rows stay on the kernel."""
+    from pagellm.sampling import sampler as sampler_module
+
+    def even_only(logits, params):
+        keep = torch.tensor([p.temperature == 0.9 for p in params])[:, None] & (torch.arange(logits.shape[1]) % 2 == 1)
+        return logits.masked_fill(keep, float("-inf"))
+
+    monkeypatch.setattr(sampler_module, "FILTERS", sampler_module.FILTERS + [
+        sampler_module.Filter("even_only", lambda p, vocab: p.temperature == 0.9, even_only)])
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(2)) * 2
+    params = [SamplingParams(temperature=0.9, top_p=0.9), SamplingParams(temperature=1.0, top_k=50),
+              SamplingParams(temperature=0.9)]
+    expected = target_probs(logits.clone(), params)
+    assert (expected[[0, 2], 1::2] == 0).all() and (expected[1, 1::2] > 0).any()
+    torch.testing.assert_close(sampler_module.target_probs_cpu(logits, params), expected, rtol=1e-4, atol=1e-6)
+    gens = [torch.Generator().manual_seed(j) for j in range(3)]
+    rows = [SamplingRow(p, [], [], g) for p, g in zip(params, gens, strict=True)]
+    drawn = torch.stack([draw_cpu(logits, rows) for _ in range(200)])
+    assert (drawn[:, [0, 2]] % 2 == 0).all() and (drawn[:, 1] % 2 == 1).any()
+
+
+@needs_sampling_kernel
 def test_sampling_kernel_draw_is_the_inverse_cdf():
     """Evenly spaced uniforms must land on each token in proportion to its probability: with N of
     them, token i is drawn within one of N * p_i times (exact inverse-CDF sampling)."""

@@ -14,6 +14,10 @@ import torch
 
 from pagellm import kernels
 
+# The filters (``sampling/sampler.FILTERS`` by name) the kernel applies; a row using any other goes
+# through the PyTorch reference instead.
+KERNEL_FILTERS = frozenset({"temperature", "top_k", "top_p", "min_p"})
+
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES: kernels.Signatures = {
     "sample_rows_f32": (ctypes.c_int, [_P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P]),

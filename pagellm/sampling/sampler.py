@@ -91,34 +91,68 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
                 logits[i, banned] = float("-inf")
 
 
-def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p on the rows of ``logits`` (all random rows)."""
-    dev = logits.device
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
-    logits = logits / temps[:, None]
+def _temperature(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    return logits / temps[:, None]
+
+
+def _top_k(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     vocab = logits.shape[1]
-    top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    if any(k < vocab for k in top_ks):
-        k_t = torch.tensor(top_ks, device=dev)
-        sorted_desc = logits.sort(dim=-1, descending=True).values
-        kth = sorted_desc.gather(1, (k_t - 1)[:, None])
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    top_ps = [p.top_p for p in params]
-    if any(tp < 1.0 for tp in top_ps):
-        p_t = torch.tensor(top_ps, dtype=logits.dtype, device=dev)
-        sorted_logits, idx = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the mass strictly before it already reaches top_p (keeps at least one).
-        # Rows with top_p = 1 are left alone: their float32 cumsum can round to 1 before the tail.
-        drop = ((probs.cumsum(dim=-1) - probs) >= p_t[:, None]) & (p_t < 1.0)[:, None]
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(1, idx, sorted_logits)
-    min_ps = [p.min_p for p in params]
-    if any(mp > 0.0 for mp in min_ps):
-        m_t = torch.tensor(min_ps, dtype=logits.dtype, device=dev)
-        probs = logits.softmax(dim=-1)
-        logits = logits.masked_fill(probs < m_t[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    k_t = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device)
+    kth = logits.sort(dim=-1, descending=True).values.gather(1, (k_t - 1)[:, None])
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    p_t = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
+    sorted_logits, idx = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token when the mass strictly before it already reaches top_p (keeps at least one).
+    # Rows with top_p = 1 are left alone: their float32 cumsum can round to 1 before the tail.
+    drop = ((probs.cumsum(dim=-1) - probs) >= p_t[:, None]) & (p_t < 1.0)[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, idx, sorted_logits)
+
+
+def _min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    m_t = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
+    probs = logits.softmax(dim=-1)
+    return logits.masked_fill(probs < m_t[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+
+
+@dataclass(frozen=True, slots=True)
+class Filter:
+    """One transform of random rows' logits: its name, whether a row's parameters use it (given the
+    vocabulary size), and the op over all the rows (a row that does not use it is left as it is)."""
+
+    name: str
+    used: Callable[[SamplingParams, int], bool]
+    apply: Callable[[torch.Tensor, list[SamplingParams]], torch.Tensor]
+
+
+# The filters random rows go through, in order: :func:`target_probs` applies every one a row uses.
+FILTERS: list[Filter] = [
+    Filter("temperature", lambda p, vocab: True, _temperature),
+    Filter("top_k", lambda p, vocab: 0 < p.top_k < vocab, _top_k),
+    Filter("top_p", lambda p, vocab: p.top_p < 1.0, _top_p),
+    Filter("min_p", lambda p, vocab: p.min_p > 0.0, _min_p),
+]
+
+
+def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Every filter of :data:`FILTERS` some row uses, in order, on the rows of ``logits`` (all random rows)."""
+    vocab = logits.shape[1]
+    for f in FILTERS:
+        if any(f.used(p, vocab) for p in params):
+            logits = f.apply(logits, params)
     return logits
+
+
+def kernel_takes(params: SamplingParams, vocab: int) -> bool:
+    """Whether the sampling kernel computes this row's distribution: it uses no filter but those
+    the kernel declares (``sampling.KERNEL_FILTERS``). Any other row goes through the reference
+    (:func:`target_probs`), in sampling and in the rejection sampler's target alike."""
+    return all(f.name in sampling.KERNEL_FILTERS or not f.used(params, vocab) for f in FILTERS)
 
 
 # ``(greedy tokens of logits, logsumexp of raw)``: one row each. ``logits`` is ``raw`` itself unless
@@ -156,18 +190,23 @@ def draw_native(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 def _kernel_rows(logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor,
                  probs_out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
-    """The sampling kernel over ``logits`` with each row's filters: ``(tokens, rows it could not take)``."""
+    """The sampling kernel over ``logits`` with each row's filters: ``(tokens, rows it did not take)``
+    (rows that use a filter it lacks, and rows with no finite logit)."""
     vocab = logits.shape[1]
     tokens = sampling.sample_rows(logits, [p.temperature for p in params],
                                   [p.top_k if 0 < p.top_k < vocab else 0 for p in params],
                                   [p.top_p for p in params], [p.min_p for p in params], uniforms, probs_out)
-    return tokens, (tokens < 0).nonzero().flatten().tolist()
+    bad = (tokens < 0).nonzero().flatten().tolist()
+    if any(f.name not in sampling.KERNEL_FILTERS for f in FILTERS):  # (none today: no per-row check)
+        bad = sorted(set(bad) | {j for j, p in enumerate(params) if not kernel_takes(p, vocab)})
+    return tokens, bad
 
 
 def draw_cpu(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """The sampling kernel (float32 on CPU): the same filters as :func:`target_probs`, then an
     inverse-CDF draw with one float64 uniform per row from the row's generator (or torch's global
-    one). A row the kernel cannot take (no finite logit) goes through :func:`draw_native`."""
+    one). A row the kernel does not take (a filter it lacks, no finite logit) goes through
+    :func:`draw_native`."""
     u = torch.empty(len(rows), dtype=torch.float64)
     shared = [j for j, r in enumerate(rows) if r.generator is None]
     if shared:
