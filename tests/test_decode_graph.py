@@ -37,6 +37,28 @@ def _require_graph(dtype: str = "auto") -> None:
     assert decode_graph.enabled(), "decode_graph.c should build wherever the GEMM kernels do"
 
 
+def test_decode_graph_takes_only_layer_classes_that_declare_it():
+    """The graph replays Llama's block op for op: a layer class is taken only where its own body
+    declares ``DECODE_GRAPH`` (a subclass may change forward, as MoE's does: it inherits no claim)."""
+    from pagellm.models.decode_graph import graph_layer
+    from pagellm.models.decoder import DecoderLayer
+    from pagellm.models.gemma import Gemma2DecoderLayer
+    from pagellm.models.moe import MoeDecoderLayer
+
+    class NewBlock(DecoderLayer):  # a new family's block that forgot to say
+        pass
+
+    class DeclaredBlock(DecoderLayer):
+        DECODE_GRAPH = True
+
+    def layer(cls):
+        return cls.__new__(cls)  # (the class is what is read; no weights needed)
+
+    assert all(graph_layer(layer(c)) for c in (DecoderLayer, Gemma2DecoderLayer, DeclaredBlock))
+    assert not graph_layer(layer(NewBlock)) and not graph_layer(layer(MoeDecoderLayer))
+    assert not graph_layer(torch.nn.Linear(2, 2))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,kv", [("auto", "auto"), ("auto", "float32"), ("auto", "int8"), ("float32", "auto"),
                                       ("bfloat16", "auto")])

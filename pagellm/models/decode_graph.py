@@ -6,16 +6,17 @@ over GGUF blocks, float32 with its quantized copy for small batches, or bfloat16
 choice, made the same way in C), the compiled norms (per-head q/k norms included), rotary (whole
 heads; a table per layer type, Gemma 3's) and SiLU or GELU (tanh) times up, the ``"cpu"`` attention
 backend's K/V write and decode kernels (with a layer's sliding window and soft-cap), one process (no
-tensor or pipeline split), no LoRA adapters. Layers are Llama's block or Gemma 2 and 3's (two more
-norms); a step takes it when all its rows are decodes (one ``DECODE_KERNEL`` group); prefill and
-mixed steps run layer by layer. Outputs are the same bits either way (tested), so nothing about
+tensor or pipeline split), no LoRA adapters. Layers are those whose class declares ``DECODE_GRAPH``
+(Llama's block, Gemma 2 and 3's with two more norms; a subclass must declare it itself); a step
+takes it when all its rows are decodes (one ``DECODE_KERNEL`` group); prefill and mixed steps run
+layer by layer. Outputs are the same bits either way (tested), so nothing about
 scheduling can tell the two apart.
 """
 
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 
@@ -25,7 +26,7 @@ from pagellm.kernels import cpu_ops, decode_graph, gemm, gemm_int8
 from pagellm.kernels.decode_graph import DecodeGraph
 
 if TYPE_CHECKING:
-    from pagellm.models.decoder import DecoderModel
+    from pagellm.models.decoder import DecoderLayer, DecoderModel
 
 
 def decode_group(meta: AttentionMetadata) -> AttentionGroup | None:
@@ -39,13 +40,19 @@ def decode_group(meta: AttentionMetadata) -> AttentionGroup | None:
     return grp
 
 
+def graph_layer(layer: torch.nn.Module) -> TypeGuard[DecoderLayer]:
+    """Whether ``layer``'s own class declares that the graph replays it (``DECODE_GRAPH`` in the
+    class body: a subclass, which may change what forward does, must say so itself; MoE's does not)."""
+    from pagellm.models.decoder import DecoderLayer
+
+    return isinstance(layer, DecoderLayer) and bool(type(layer).__dict__.get("DECODE_GRAPH", False))
+
+
 def capture(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
             meta: AttentionMetadata) -> DecodeGraph | None:
     """The graph of ``model``'s layers over these caches, or ``None`` where it does not apply
     (see the module's docstring; every condition is checked here, once)."""
     from pagellm.attention.cpu_paged import CpuPagedAttention
-    from pagellm.models.decoder import DecoderLayer
-    from pagellm.models.gemma import Gemma2DecoderLayer
 
     backend = meta.backend
     if not decode_graph.enabled() or not isinstance(backend, CpuPagedAttention) \
@@ -54,9 +61,7 @@ def capture(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tenso
     if not (model.pp.is_first and model.pp.is_last) or model.embed_tokens.tp.world_size != 1 \
             or model.embed_tokens.weight.dtype != torch.float32:
         return None  # (a tensor-parallel layer all-reduces between the kernels)
-    # Llama's block or Gemma's (its exact classes: a subclass may change what forward does; MoE's does)
-    blocks = (DecoderLayer, Gemma2DecoderLayer)
-    layers = [la for la in model.layers if isinstance(la, DecoderLayer) and type(la) in blocks]
+    layers = [la for la in model.layers if graph_layer(la)]
     if not kv_caches or len(kv_caches) != len(layers) or len(layers) != len(model.layers):
         return None
     key_cache = kv_caches[0][0]

@@ -14,7 +14,7 @@ residual go from stage to stage.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -199,6 +199,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    # Whether a decode step may run this class's layers as one C call (models/decode_graph.py), which
+    # replays Llama's block op for op. Read from the class itself, never inherited: a subclass runs
+    # layer by layer until it declares that its forward is what the graph replays.
+    DECODE_GRAPH: ClassVar[bool] = True
+
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, tp: TensorParallelGroup, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -23,6 +23,8 @@ from pagellm.models.decoder import DecoderForCausalLM, DecoderLayer
 
 
 class Gemma2DecoderLayer(DecoderLayer):
+    DECODE_GRAPH = True  # (its two extra norms are in the graph's table)
+
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, tp: Any, layer: int = 0) -> None:
         super().__init__(config, qkv_bias, qk_norm, tp, layer)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
