@@ -28,18 +28,16 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from functools import partial
+from collections.abc import Iterable
 
 from pagellm.config import SchedulerConfig
-from pagellm.core.beam_search import advance_beams
 from pagellm.core.encoder_cache_manager import EncoderCacheManager
 from pagellm.core.invariants import check_scheduler_invariants
 from pagellm.core.kv_cache_manager import AllocStatus, KVCacheManager, SlotRequest
 from pagellm.core.kv_connector import KVConnectorScheduler
 from pagellm.core.kv_transfer_admission import KVTransferAdmission
 from pagellm.core.lora_admission import LoRAAdmission
+from pagellm.core.output_appliers import StopCheck, apply_beams, apply_computed, apply_pooled, apply_samples
 from pagellm.core.request_queue import FCFSRequestQueue, PriorityRequestQueue, RequestOrder
 from pagellm.core.scheduler_output import (
     CacheOps,
@@ -48,35 +46,9 @@ from pagellm.core.scheduler_output import (
     SchedulerOutput,
 )
 from pagellm.core.step_decisions import LeftOut, StepDecisions
-from pagellm.core.step_planner import StepPlanner
-from pagellm.core.stop_check import check_stop
+from pagellm.core.step_planner import StepInProgress, StepPlanner
 from pagellm.metrics import PrefixCacheStats, SchedulerStats
 from pagellm.sequence import Sequence, SequenceGroup, SequenceStatus
-
-# Speculative decoding's per-token stop check from the engine (stop strings need the text):
-# ``(group, seq) -> True`` when ``seq``'s last appended token completes a stop string.
-StopCheck = Callable[[SequenceGroup, Sequence], bool]
-
-
-@dataclass(slots=True)
-class _Step:
-    """What one ``schedule()`` call has decided so far; its phases add to it in turn."""
-
-    token_budget: int
-    ops: CacheOps = field(default_factory=CacheOps)
-    scheduled: list[tuple[SequenceGroup, list[SlotRequest]]] = field(default_factory=list)
-    preempted: list[SequenceGroup] = field(default_factory=list)  # out of blocks (phase 1)
-    forced: list[SequenceGroup] = field(default_factory=list)  # pushed out by a better request (phase 0)
-    waiting_stop: str = LeftOut.TOKEN_BUDGET  # why admissions stopped (the step trace's LeftOut)
-    lora_skipped: list[str] = field(default_factory=list)  # passed over for their adapter this step
-    encoder: EncoderCacheManager | None = None
-
-    def add(self, group: SequenceGroup, plan: list[SlotRequest]) -> None:
-        self.scheduled.append((group, plan))
-        self.token_budget -= sum(r.num_new_tokens for r in plan)
-        if self.encoder is not None and group.mm_features:  # the images its chunks overlap
-            for r in plan:
-                self.encoder.schedule(group, r.num_computed_tokens, r.num_new_tokens)
 
 
 class Scheduler:
@@ -184,11 +156,11 @@ class Scheduler:
             for seq in group.seqs:
                 if not seq.status.is_finished:
                     seq.status = status
-            self._release(group)
+            self.release(group)
             done.append(group)
         return done
 
-    def _release(self, group: SequenceGroup) -> None:
+    def release(self, group: SequenceGroup) -> None:
         if group in self.running:
             self.running.remove(group)
         elif group in self.swapped:
@@ -246,7 +218,7 @@ class Scheduler:
         for seq in group.seqs:
             if not seq.status.is_finished:
                 seq.status = SequenceStatus.FINISHED_IGNORED
-        self._release(group)
+        self.release(group)
         self._ignored.append(group)
 
     def num_running_seqs(self) -> int:
@@ -260,7 +232,7 @@ class Scheduler:
         """One step: priority preemption, running, swapped, waiting (see the module docstring)."""
         self.order.step += 1
         self.num_waiting_for_remote = 0
-        step = _Step(token_budget=self.config.max_num_batched_tokens, encoder=self.encoder)
+        step = StepInProgress(token_budget=self.config.max_num_batched_tokens, encoder=self.encoder)
         if self.encoder is not None:
             self.encoder.begin_step()
         self._decisions = StepDecisions(token_budget=step.token_budget) if self.record_decisions else None
@@ -278,14 +250,14 @@ class Scheduler:
         self.last_decisions = self._decisions
         return self._make_output(step)
 
-    def _record_left_out(self, step: _Step, d: StepDecisions) -> None:
+    def _record_left_out(self, step: StepInProgress, d: StepDecisions) -> None:
         d.token_budget_used = d.token_budget - step.token_budget
         for i, group in enumerate(self.waiting):
             d.left_out[group.request_id] = LeftOut.PRIORITY if self.priority_policy and i else step.waiting_stop
         for rid in step.lora_skipped:
             d.left_out[rid] = LeftOut.MAX_LORAS
 
-    def _preempt_for_priority(self, step: _Step) -> None:
+    def _preempt_for_priority(self, step: StepInProgress) -> None:
         """Phase 0: push out running requests the best waiting one outranks, worst first, until it fits."""
         if not self.waiting:
             return
@@ -312,7 +284,7 @@ class Scheduler:
         plan = self.planner.plan_admission(group, self.config.max_num_batched_tokens)
         return kv.num_new_blocks(plan) + kv.watermark_blocks <= kv.num_free_blocks
 
-    def _schedule_running(self, step: _Step) -> None:
+    def _schedule_running(self, step: StepInProgress) -> None:
         """Phase 1: running requests, best first, all of a request's sequences together; when the
         pool runs out of blocks the worst running request is preempted (possibly the one at hand)."""
         depth = self.config.max_concurrent_batches
@@ -342,7 +314,7 @@ class Scheduler:
             taken += 1
             i += 1
 
-    def _schedule_swapped(self, step: _Step) -> None:
+    def _schedule_swapped(self, step: StepInProgress) -> None:
         """Phase 2: swapped requests come back, best first, while blocks above the watermark allow."""
         kv = self.kv_cache_manager
         self.swapped.sort(key=self.order.key)
@@ -377,7 +349,7 @@ class Scheduler:
                 raise RuntimeError(f"can_swap_in promised room for request {group.request_id!r}'s next tokens")
             step.add(group, plan)
 
-    def _schedule_waiting(self, step: _Step) -> None:
+    def _schedule_waiting(self, step: StepInProgress) -> None:
         """Phase 3: waiting requests, best first, with their cached prefix counted as computed;
         nobody is admitted past an older (better) swapped request or a request pushed out this step."""
         kv = self.kv_cache_manager
@@ -457,7 +429,7 @@ class Scheduler:
         """End a request whose K/V did not arrive (policy ``fail``); the engine reports it."""
         for s in group.seqs:
             s.status = SequenceStatus.FINISHED_ABORTED
-        self._release(group)
+        self.release(group)
         self._load_failed.append(group)
 
     def _admit(self, group: SequenceGroup, plan: list[SlotRequest]) -> None:
@@ -481,7 +453,7 @@ class Scheduler:
         if self._decisions is not None:
             self._decisions.admitted.append((group.request_id, plan[0].num_computed_tokens))
 
-    def _make_output(self, step: _Step) -> SchedulerOutput:
+    def _make_output(self, step: StepInProgress) -> SchedulerOutput:
         if self.num_lookahead_tokens:
             self.planner.allocate_lookahead(step.scheduled, self.num_lookahead_tokens)
         step.ops.copy.extend(self.kv_cache_manager.take_copies())
@@ -508,20 +480,16 @@ class Scheduler:
     # ------------------------------------------------------------------ results
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
                            stop_check: StopCheck | None = None) -> tuple[list[SequenceGroup], list[SequenceGroup]]:
-        """Advance ``num_computed_tokens``, append sampled tokens (forking at a request's first
-        sample), apply token-level stops; a finished sequence frees its blocks at once.
-
-        Speculative decoding: ``num_computed_tokens`` advances by every scheduled token, then rolls
-        back by the rejected drafts; the accepted drafts and the token after them are appended one
-        by one, each checked for stops (and by ``stop_check``, the engine's stop strings), so a
-        stop inside an accepted run ends the sequence exactly where it would have ended without
-        speculation; blocks that held only rejected drafts go back to the pool.
+        """Apply a step's results to each sequence it scheduled (``core/output_appliers.py``):
+        computed tokens, then a pooled result, beams or samples with their stops; a finished
+        sequence frees its blocks at once. ``stop_check``: the engine's stop strings, checked per
+        accepted draft (speculative decoding), so a stop inside an accepted run ends the sequence
+        exactly where it would have ended without speculation.
 
         Returns ``(groups that got a new token, groups that finished)``.
         """
         updated: dict[str, SequenceGroup] = {}
         finished: list[SequenceGroup] = []
-        kv = self.kv_cache_manager
         if self.in_flight:
             self.in_flight.difference_update(s.request_id for s in scheduler_output.scheduled)
         for sched in scheduler_output.scheduled:
@@ -531,68 +499,28 @@ class Scheduler:
             seq = next((s for s in group.seqs if s.seq_id == sched.seq_id), None)
             if seq is None or seq.status != SequenceStatus.RUNNING:
                 continue
-            seq.num_computed_tokens += sched.num_scheduled_tokens
-            accepted = runner_output.spec_accepted.get(seq.seq_id, []) if sched.spec_token_ids else []
-            if sched.spec_token_ids:
-                seq.num_computed_tokens -= len(sched.spec_token_ids) - len(accepted)  # the rejected drafts
-                seq.spec_token_ids = []
-            kv.cache_full_blocks(seq, group.hash_key)
-            if self.encoder is not None:
-                self.encoder.release_computed(group)
-            if seq.seq_id in runner_output.prompt_logprobs:
-                group.record_prompt_logprobs(*runner_output.prompt_logprobs[seq.seq_id])
-            if seq.seq_id in runner_output.pooled:  # a pooling request's prompt is done: so is the request
-                group.pooled = runner_output.pooled[seq.seq_id]
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                self._free_seq(seq)
-                self._release(group)
-                finished.append(group)
-                updated[group.request_id] = group
+            accepted = apply_computed(self, group, seq, sched, runner_output)
+            if seq.seq_id in runner_output.pooled:
+                apply_pooled(self, group, seq, runner_output)
+            elif not sched.do_sample:
                 continue
-            if not sched.do_sample:
-                continue
-            if group.beam_state is not None:
-                advance_beams(group, seq, runner_output.sampled[seq.seq_id].top_logprobs or {},
-                              fork=partial(self._fork, group), free=self._free_seq)
-                updated[group.request_id] = group
-                if group.is_finished():
-                    self._release(group)
-                    finished.append(group)
-                continue
-            targets = [seq]
-            if sched.sample_seq_ids is not None and not group.forked:
-                targets += [self._fork(group, seq, child_id) for child_id in sched.sample_seq_ids[1:]]
-                group.forked = True
-            for target in targets:
-                tokens = [*accepted, runner_output.sampled[target.seq_id]] if target is seq else \
-                    [runner_output.sampled[target.seq_id]]
-                for sampled in tokens:
-                    target.append_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
-                    check_stop(target, group.sampling_params, self.max_model_len)
-                    if (len(tokens) > 1 and stop_check is not None
-                            and target.status != SequenceStatus.FINISHED_STOPPED and stop_check(group, target)):
-                        target.status = SequenceStatus.FINISHED_STOPPED
-                    if target.status.is_finished:
-                        break
-                if target.status.is_finished:
-                    self._free_seq(target)
-                elif sched.spec_token_ids or self.num_lookahead_tokens:
-                    kv.cache_full_blocks(target, group.hash_key)
-                    kv.trim(target, target.num_tokens)  # rejected drafts' and lookahead blocks
+            elif group.beam_state is not None:
+                apply_beams(self, group, seq, runner_output)
+            else:
+                apply_samples(self, group, seq, sched, accepted, runner_output, stop_check)
             updated[group.request_id] = group
-            if group.is_finished():
-                self._release(group)
+            if group.request_id not in self.requests:  # (the applier released it: finished)
                 finished.append(group)
         return list(updated.values()), finished
 
-    def _fork(self, group: SequenceGroup, parent: Sequence, child_id: int | None = None) -> Sequence:
+    def fork(self, group: SequenceGroup, parent: Sequence, child_id: int | None = None) -> Sequence:
         """A new sequence of ``group`` sharing every block of ``parent`` (a sample or a beam)."""
         child = parent.fork(self.new_seq_id() if child_id is None else child_id)
         self.kv_cache_manager.fork(parent, child)
         group.seqs.append(child)
         return child
 
-    def _free_seq(self, seq: Sequence) -> None:
+    def free_seq(self, seq: Sequence) -> None:
         """A sequence finished while its siblings go on: its blocks go back now."""
         self.kv_cache_manager.free(seq)
         self._finished_seq_ids.append(seq.seq_id)
@@ -603,9 +531,9 @@ class Scheduler:
             return
         seq.status = status
         if group.is_finished():
-            self._release(group)
+            self.release(group)
         else:
-            self._free_seq(seq)
+            self.free_seq(seq)
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:

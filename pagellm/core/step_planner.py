@@ -5,13 +5,35 @@ changes until the scheduler applies it (``allocate``, or ``Scheduler._admit``)."
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from pagellm.config import SchedulerConfig
 from pagellm.core.encoder_cache_manager import EncoderCacheManager
 from pagellm.core.kv_cache_manager import KVCacheManager, SlotRequest
-from pagellm.core.scheduler_output import ScheduledSequence
+from pagellm.core.scheduler_output import CacheOps, ScheduledSequence
 from pagellm.core.step_decisions import LeftOut
 from pagellm.sequence import Sequence, SequenceGroup
+
+
+@dataclass(slots=True)
+class StepInProgress:
+    """What one ``Scheduler.schedule()`` call has decided so far; its phases add to it in turn."""
+
+    token_budget: int
+    ops: CacheOps = field(default_factory=CacheOps)
+    scheduled: list[tuple[SequenceGroup, list[SlotRequest]]] = field(default_factory=list)
+    preempted: list[SequenceGroup] = field(default_factory=list)  # out of blocks (phase 1)
+    forced: list[SequenceGroup] = field(default_factory=list)  # pushed out by a better request (phase 0)
+    waiting_stop: str = LeftOut.TOKEN_BUDGET  # why admissions stopped (the step trace's LeftOut)
+    lora_skipped: list[str] = field(default_factory=list)  # passed over for their adapter this step
+    encoder: EncoderCacheManager | None = None
+
+    def add(self, group: SequenceGroup, plan: list[SlotRequest]) -> None:
+        self.scheduled.append((group, plan))
+        self.token_budget -= sum(r.num_new_tokens for r in plan)
+        if self.encoder is not None and group.mm_features:  # the images its chunks overlap
+            for r in plan:
+                self.encoder.schedule(group, r.num_computed_tokens, r.num_new_tokens)
 
 
 class StepPlanner:
