@@ -37,14 +37,31 @@ def _modules():
         yield path, rel.parts
 
 
-def _imports(path: Path) -> list[str]:
-    tree = ast.parse(path.read_text())
+def _is_module(dotted: str) -> bool:
+    """Whether ``pagellm.a.b`` names a module or package of ours (not a name defined in one)."""
+    p = PKG.joinpath(*dotted.split(".")[1:])
+    return p.with_suffix(".py").exists() or (p / "__init__.py").exists()
+
+
+def _imports(path: Path, source: str | None = None) -> list[str]:
+    """Every module ``path`` imports, ours resolved to ``pagellm.<module>``: relative imports
+    against its package, ``from pagellm(.pkg) import X`` to the submodule X where X is one, else to
+    the package's ``__init__`` (``pagellm.__init__`` for ``from pagellm import LLM``)."""
+    tree = ast.parse(source if source is not None else path.read_text())
+    package = ["pagellm", *path.relative_to(PKG).parts[:-1]]
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out += [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.append(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            if mod != "pagellm" and not (mod.startswith("pagellm.") and _is_module(mod)):
+                out.append(mod)
+                continue
+            for alias in node.names:
+                sub = f"{mod}.{alias.name}"
+                out.append(sub if _is_module(sub) else f"{mod}.__init__" if mod == "pagellm" else mod)
     return out
 
 
@@ -69,3 +86,16 @@ def test_imports_point_down():
                 continue
             bad.append(f"{'/'.join(parts)} (layer {layer}) imports {mod} (layer {tl})")
     assert not bad, "\n".join(bad)
+
+
+def test_the_import_resolver_sees_package_and_relative_imports():
+    """The rule above would be blind to ``from pagellm import LLM`` (the entry layer, through
+    ``__init__``) and to relative imports; both resolve to the module they load."""
+    core = PKG / "core" / "scheduler.py"
+    assert _imports(core, "from pagellm import LLM") == ["pagellm.__init__"]
+    assert _imports(core, "from pagellm import kernels") == ["pagellm.kernels"]
+    assert _imports(core, "from ..worker import cache_engine") == ["pagellm.worker.cache_engine"]
+    assert _imports(core, "from .block_pool import BlockPool") == ["pagellm.core.block_pool"]
+    assert _imports(core, "from . import block_pool") == ["pagellm.core.block_pool"]
+    gemm = PKG / "kernels" / "gemm.py"
+    assert _imports(gemm, "from pagellm.kernels import gemm_int8") == ["pagellm.kernels.gemm_int8"]
