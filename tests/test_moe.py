@@ -27,18 +27,20 @@ def _block(e: int = 8, k: int = 2, h: int = 256, inter: int = 128, shared: int =
     return block
 
 
-def _reference(block: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
-    """float64: softmax over all experts, top-k, renormalised or not, weighted SwiGLU experts."""
+def _reference(block: SparseMoeBlock, x: torch.Tensor, k: int, norm: bool) -> torch.Tensor:
+    """float64: softmax over all experts, top-``k`` (the config's ``num_experts_per_tok``),
+    renormalised or not (its ``norm_topk_prob``; not the block's own reading of them), weighted
+    SwiGLU experts."""
     xd = x.double()
     probs = torch.softmax(xd @ block.gate.weight.double().T, -1)
-    w, ids = probs.topk(block.top_k, -1)
-    if block.norm_topk_prob:
+    w, ids = probs.topk(k, -1)
+    if norm:
         w = w / w.sum(-1, keepdim=True)
     moe: FusedMoE = block.experts
     inter = moe.w2[0].in_features
     out = torch.zeros_like(xd)
     for t in range(x.shape[0]):
-        for j in range(block.top_k):
+        for j in range(k):
             e = int(ids[t, j])
             gu = moe.w13[e].weight.double() @ xd[t]
             out[t] += w[t, j] * (moe.w2[e].weight.double() @ (torch.nn.functional.silu(gu[:inter]) * gu[inter:]))
@@ -57,7 +59,7 @@ def test_moe_block_equals_a_float64_formula(shared, norm):
     x = torch.randn(37, 256)
     with torch.no_grad():
         got = block(x)
-    ref = _reference(block, x)
+    ref = _reference(block, x, 2, norm)
     assert torch.allclose(got.double(), ref, atol=1e-5, rtol=1e-4), float((got.double() - ref).abs().max())
 
 
@@ -93,7 +95,7 @@ def test_all_experts_in_one_call_equal_the_experts_one_by_one(dtype):
     block = _block(e=16, k=4)
     x = torch.randn(45, 256)
     with torch.no_grad():
-        ref = _reference(block, x)
+        ref = _reference(block, x, 4, True)
     for m in block.modules():
         if isinstance(m, Linear):
             assert m.pack_for_cpu(dtype, False)
