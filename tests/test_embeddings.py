@@ -39,6 +39,30 @@ def _read_json(path: str) -> dict:
         return json.load(f)
 
 
+def test_bfloat16_pooling_without_amx(tmp_path, monkeypatch):
+    """bfloat16 numerics on an AVX512-BF16 machine without AMX (or with it turned off): the
+    projections on the bfloat16 dot-product kernel, prefill attention on the float32 kernel (no
+    tiles); the vectors stay close to HF's float32 ones, and chunked, batched or alone they are the
+    same bits."""
+    from conftest import require_bf16_kernel
+
+    require_bf16_kernel()
+    monkeypatch.setenv("PAGELLM_CPU_AMX", "0")
+    path = build_tiny_checkpoint(str(tmp_path), "qwen3", head_dim=64)
+    llm = LLM(path, dtype="bfloat16", runner="pooling", pooler_config={"pooling_type": "MEAN"},
+              max_num_batched_tokens=16, long_prefill_token_threshold=8)
+    backend = llm.llm_engine.executor.worker.model_runner.attn_backend
+    assert llm.llm_engine.model_info.dtype == "bfloat16" and backend.prefill_kernel and not backend.prefill_bf16_tiles
+    batched = _embed(llm)
+    for prompt, vec in zip(PROMPTS, batched, strict=True):
+        want = hf_pooled(path, prompt, "MEAN")
+        got = torch.tensor(vec, dtype=torch.float64)
+        assert got @ want > 0.999, (got @ want).item()
+        assert (got - want).abs().max() > 1e-5  # (bfloat16 numerics, not float32's)
+    assert [_embed(llm, [p])[0] for p in PROMPTS] == batched
+    assert _embed(llm, PROMPTS[::-1])[::-1] == batched
+
+
 def _embed(llm: LLM, prompts=PROMPTS, **kw) -> list[list[float]]:
     return [o.outputs.embedding for o in llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False, **kw)]
 
