@@ -155,6 +155,25 @@ def test_prefix_cache_never_shares_kv_between_different_images(llava, images):
     assert other.outputs[0].token_ids == fresh[0].outputs[0].token_ids
 
 
+def test_prefix_cache_stops_where_a_second_image_differs(llava, images):
+    """Two requests with the same text and first image and different second images: the second is
+    cached up to the block where its second image starts (the first image's blocks included), no
+    further, and its tokens are a fresh engine's."""
+    llm = LLM(llava, dtype="float32", block_size=4)
+    text = "Look at <image> first, and then, after a few more words of text, at <image> and compare them"
+    first = llm.generate([_prompt(text, [images[0], images[1]])], GREEDY, use_tqdm=False)[0]
+    second = llm.generate([_prompt(text, [images[0], images[2]])], GREEDY, use_tqdm=False)[0]
+    image_id = llm.get_tokenizer().convert_tokens_to_ids("<image>")
+    ids = second.prompt_token_ids
+    second_image = next(i for i in range(ids.index(image_id) + 1, len(ids)) if ids[i] == image_id != ids[i - 1])
+    assert second_image >= ids.index(image_id) + 16 + 4  # (past the first image's 16 tokens and a block of text)
+    assert second.num_cached_tokens == second_image // 4 * 4
+    fresh = LLM(llava, dtype="float32", block_size=4).generate([_prompt(text, [images[0], images[2]])], GREEDY,
+                                                                 use_tqdm=False)
+    assert second.outputs[0].token_ids == fresh[0].outputs[0].token_ids
+    assert first.prompt_token_ids == ids  # (the same text: only the second image tells them apart)
+
+
 def test_parallel_sampling_and_beams_with_images(llava, hf_llava, images):
     text, imgs = "Describe <image> briefly.", [images[0]]
     llm = LLM(llava, dtype="float32")
