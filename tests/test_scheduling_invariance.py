@@ -232,9 +232,31 @@ def _greedy_with_logprobs(engine, prompts: list[list[int]], max_tokens: int = MA
     return [(o.token_ids, [lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs, strict=True)]) for o in outs]
 
 
+def _assert_close_to_hf_float32(path: str, engine, prompts: list[list[int]]) -> None:
+    """The default numerics (int8 GEMMs over the file's blocks, a float16 cache) stay logprob-close
+    to HF float32 on the same weights: where greedy diverges, each side's token is in the other's
+    top 5, at a near tie of HF's (``MAX_GAP["int8"]``)."""
+    import transformers
+    from test_numerics import MAX_GAP, TOP, check_logprobs_close, hf_greedy_top
+
+    from pagellm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
+    ids = [f"r{next(_REQUEST_IDS)}" for _ in prompts]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(rid, {"prompt_token_ids": p}, params)
+    done = run_to_completion(engine)
+    got = [(o.token_ids, [{t: lp[t].logprob for t in sorted(lp, key=lambda t: lp[t].rank)[:TOP]} for lp in o.logprobs])
+           for o in (done[rid].outputs[0] for rid in ids)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    gaps = check_logprobs_close(got, [hf_greedy_top(hf, p, MAX_TOKENS) for p in prompts])
+    assert all(g <= MAX_GAP["int8"] for g in gaps), f"divergences at HF logprob gaps {gaps}"
+
+
 @pytest.mark.parametrize("model", list(DEFAULT_NUMERICS_MODELS))
 def test_default_numerics_do_not_depend_on_scheduling_at_every_head_size(ckpt_root, model):
-    """The same tokens and the same logprob bits, cold and after every scheduling change: a prefix
+    """Logprob-close to HF float32, and the same tokens and logprob bits cold and after every
+    scheduling change: a prefix
     hit on an earlier prompt's blocks, a prompt that repeats an earlier answer (its decoded K/V
     cached or prefilled again), chunked prefill, preemption by recompute and by swap. Before the
     prefill kernel took head size 256 (and windows and soft-caps), a prefix hit moved Gemma's
@@ -257,6 +279,7 @@ def test_default_numerics_do_not_depend_on_scheduling_at_every_head_size(ckpt_ro
     backend = worker.attn_backend
     assert backend.prefill_kernel and backend.decode_kernel, f"{backend}: the engine did not take the kernels"
     cold = _greedy_with_logprobs(cold_engine, prompts)
+    _assert_close_to_hf_float32(path, cold_engine, prompts[:3])
 
     # Prefix hits: each prompt's first two thirds computed (and cached) by an earlier request.
     hit_engine = engine()
