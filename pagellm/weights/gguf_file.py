@@ -92,6 +92,17 @@ class _Unsupported(ValueError):
     pass
 
 
+def _strings(buf: memoryview, at: int, n: int) -> tuple[list[str], int]:
+    """``n`` length-prefixed strings from ``at``, and the offset after them: a tokenizer's vocabulary
+    in one tight loop (262,144 strings for Gemma 3: 0.88 s one call each, 0.15 s here)."""
+    out, length = [], _U64.unpack_from
+    for _ in range(n):
+        (k,) = length(buf, at)
+        out.append(str(buf[at + 8:at + 8 + k], "utf-8", "replace"))
+        at += 8 + k
+    return out, at
+
+
 def _parse_header(mm: np.ndarray) -> GGUFIndex:
     import gguf
 
@@ -121,13 +132,8 @@ def _parse_header(mm: np.ndarray) -> GGUFIndex:
                 arr = np.frombuffer(buf, dtype=dt, count=n, offset=offs)
                 offs += n * dt.itemsize
                 return arr
-            if etype == _STRING:  # (a tokenizer's vocabulary: one tight loop, 262,144 strings for Gemma 3)
-                out, at, length = [], offs, _U64.unpack_from
-                for _ in range(n):
-                    (k,) = length(buf, at)
-                    out.append(str(buf[at + 8:at + 8 + k], "utf-8", "replace"))
-                    at += 8 + k
-                offs = at
+            if etype == _STRING:
+                out, offs = _strings(buf, offs, n)
                 return out
             return [value(etype) for _ in range(n)]
         if vtype not in _SCALARS:
