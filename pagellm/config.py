@@ -139,7 +139,8 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int = parse_size(DEFAULT_KV_CACHE_MEMORY)
     # The budget is the default, not the user's: no more blocks than max_num_seqs sequences of
-    # max_model_len tokens can fill (a small model's short context needs far less than 2 GiB).
+    # max_model_len tokens can fill (a small model's short context needs far less than 2 GiB), and
+    # on a CPU its pages fault in as blocks are first written (a named budget is reserved at start-up).
     size_to_model: bool = False
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
@@ -608,8 +609,9 @@ _HELP = {
                     "(activations rounded to int8 per 32 or 256 values; AVX512-VNNI, AVX2 or plain C); "
                     "q8_0: quantize an HF checkpoint's projections on load to GGUF Q8_0 blocks (8 bits per "
                     "weight and a scale per 32) for the same kernel; default: none",
-    "kv_cache_memory": "KV cache byte budget, e.g. 2GiB (ignored with --num-gpu-blocks-override; default: 2GiB, "
-                       "or less where max_num_seqs sequences of max_model_len tokens need less)",
+    "kv_cache_memory": "KV cache byte budget, e.g. 2GiB, reserved at start-up (ignored with "
+                       "--num-gpu-blocks-override; default: a cap of 2GiB, or less where max_num_seqs sequences "
+                       "of max_model_len tokens need less, whose memory is taken as blocks are first used)",
     "num_gpu_blocks_override": "exact number of KV blocks (on any device)",
     "long_prefill_token_threshold": "most prompt tokens one request computes per step (0 = no cap)",
     "num_threads": "torch CPU threads per worker (default: the cores, shared out between local workers)",
