@@ -53,6 +53,12 @@ def test_bfloat16_pooling_without_amx(tmp_path, monkeypatch):
               max_num_batched_tokens=16, long_prefill_token_threshold=8)
     backend = llm.llm_engine.executor.worker.model_runner.attn_backend
     assert llm.llm_engine.model_info.dtype == "bfloat16" and backend.prefill_kernel and not backend.prefill_bf16_tiles
+    _assert_bfloat16_mean_pooling(llm, path)
+
+
+def _assert_bfloat16_mean_pooling(llm: LLM, path: str) -> None:
+    """MEAN-pooled bfloat16 vectors: close to HF's float32 ones but not equal to them (bfloat16
+    numerics), and chunked, batched or alone the same bits."""
     batched = _embed(llm)
     for prompt, vec in zip(PROMPTS, batched, strict=True):
         want = hf_pooled(path, prompt, "MEAN")
@@ -203,13 +209,6 @@ def test_bfloat16_pooling_attention_takes_bf16_tiles(tmp_path):
     llm = LLM(path, dtype="bfloat16", runner="pooling", pooler_config={"pooling_type": "MEAN"},
               max_num_batched_tokens=16, long_prefill_token_threshold=8)
     assert llm.llm_engine.executor.worker.model_runner.attn_backend.prefill_bf16_tiles
-    batched = _embed(llm)
-    for prompt, vec in zip(PROMPTS, batched, strict=True):
-        want = hf_pooled(path, prompt, "MEAN")
-        got = torch.tensor(vec, dtype=torch.float64)
-        assert got @ want > 0.999, (got @ want).item()
-        assert (got - want).abs().max() > 1e-5  # (bfloat16 numerics, not float32's)
-    assert [_embed(llm, [p])[0] for p in PROMPTS] == batched
-    assert _embed(llm, PROMPTS[::-1])[::-1] == batched
+    _assert_bfloat16_mean_pooling(llm, path)
     generating = LLM(path, dtype="bfloat16")
     assert not generating.llm_engine.executor.worker.model_runner.attn_backend.prefill_bf16_tiles

@@ -9,8 +9,8 @@ backend's K/V write and decode kernels (with a layer's sliding window and soft-c
 tensor or pipeline split), no LoRA adapters. Layers are those whose class declares ``DECODE_GRAPH``
 (Llama's block, Gemma 2 and 3's with two more norms; a subclass must declare it itself); a step
 takes it when all its rows are decodes (one ``DECODE_KERNEL`` group); prefill and mixed steps run
-layer by layer. Outputs are the same bits either way (tested), so nothing about
-scheduling can tell the two apart.
+layer by layer. Outputs are the same bits either way (tested), so nothing about scheduling can
+tell the two apart.
 """
 
 from __future__ import annotations

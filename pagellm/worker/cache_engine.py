@@ -62,10 +62,10 @@ def _fault_in(raw: torch.Tensor) -> None:
 class HostKVMemory:
     """A KV budget the user named, on a CPU, mapped and faulted in ahead of time (reserved, as
     vLLM's zeroed cache is): the worker creates it before it loads the model, and a thread touches
-    its pages meanwhile (numpy releases
-    the GIL; the model's loading is mostly one thread, so the other core is free). ``take`` stops
-    the thread and faults in what is left from torch's threads. SmolLM2 on a 2.6 GHz EPYC: the
-    2 GiB that took 2.5 s of start-up after loading mostly fault in during it."""
+    its pages meanwhile (numpy releases the GIL; the model's loading is mostly one thread, so the
+    other core is free). ``take`` stops the thread and faults in what is left from torch's threads.
+    SmolLM2 on a 2.6 GHz EPYC: the 2 GiB that took 2.5 s of start-up after loading mostly fault in
+    during it."""
 
     _CHUNK = 64 * 2**20
 
