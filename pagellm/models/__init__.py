@@ -1,36 +1,56 @@
-"""Model registry: HF architecture name -> class, imported lazily."""
+"""Model registry: the one table of supported architectures, each class imported lazily."""
 
 from __future__ import annotations
 
 import importlib
-
-_MODELS = {
-    "Gemma2ForCausalLM": ("pagellm.models.gemma", "Gemma2ForCausalLM"),
-    "Gemma3ForCausalLM": ("pagellm.models.gemma", "Gemma3ForCausalLM"),
-    "LlamaForCausalLM": ("pagellm.models.llama", "LlamaForCausalLM"),
-    "LlavaForConditionalGeneration": ("pagellm.models.llava", "LlavaForConditionalGeneration"),
-    "MistralForCausalLM": ("pagellm.models.llama", "MistralForCausalLM"),
-    "MixtralForCausalLM": ("pagellm.models.moe", "MixtralForCausalLM"),
-    "Phi3ForCausalLM": ("pagellm.models.llama", "Phi3ForCausalLM"),
-    "Qwen2ForCausalLM": ("pagellm.models.qwen", "Qwen2ForCausalLM"),
-    "Qwen2MoeForCausalLM": ("pagellm.models.moe", "Qwen2MoeForCausalLM"),
-    "Qwen2VLForConditionalGeneration": ("pagellm.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
-    "Qwen2_5_VLForConditionalGeneration": ("pagellm.models.qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
-    "Qwen3ForCausalLM": ("pagellm.models.qwen", "Qwen3ForCausalLM"),
-    "Qwen3MoeForCausalLM": ("pagellm.models.moe", "Qwen3MoeForCausalLM"),
-}
+from dataclasses import dataclass
 
 
-# A base model without its LM head (``AutoModel``'s checkpoints, most embedding models): its causal
-# LM's class, weights named without the ``model.`` prefix (``runner="pooling"`` only).
-BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
-               "Qwen3Model": "Qwen3ForCausalLM", "Gemma2Model": "Gemma2ForCausalLM", "Phi3Model": "Phi3ForCausalLM"}
+@dataclass(frozen=True, slots=True)
+class Architecture:
+    """One supported HF architecture (``config.architectures[0]``, also its class's name) and the other
+    names it goes by: its ``model_type``, its GGUF ``general.architecture`` with the ``transformers``
+    config class a GGUF header becomes, and its ``AutoModel`` checkpoints' name (no LM head)."""
+
+    name: str
+    module: str  # under pagellm.models
+    model_type: str
+    gguf: str | None = None
+    hf_config: str | None = None
+    base_model: str | None = None
+    llava_text: bool = False  # may be a LLaVA checkpoint's text model
 
 
-def get_model_class(architecture: str):
-    architecture = BASE_MODELS.get(architecture, architecture)
-    if architecture not in _MODELS:
-        raise ValueError(f"model architecture {architecture!r} is not supported; supported: {sorted(_MODELS)}")
-    module, name = _MODELS[architecture]
-    return getattr(importlib.import_module(module), name)
+ARCHITECTURES = (
+    Architecture("LlamaForCausalLM", "llama", "llama", "llama", "LlamaConfig", "LlamaModel", llava_text=True),
+    Architecture("MistralForCausalLM", "llama", "mistral", base_model="MistralModel", llava_text=True),
+    Architecture("Phi3ForCausalLM", "llama", "phi3", "phi3", "Phi3Config", "Phi3Model", llava_text=True),
+    Architecture("Qwen2ForCausalLM", "qwen", "qwen2", "qwen2", "Qwen2Config", "Qwen2Model", llava_text=True),
+    Architecture("Qwen3ForCausalLM", "qwen", "qwen3", "qwen3", "Qwen3Config", "Qwen3Model"),
+    Architecture("Gemma2ForCausalLM", "gemma", "gemma2", "gemma2", "Gemma2Config", "Gemma2Model", llava_text=True),
+    Architecture("Gemma3ForCausalLM", "gemma", "gemma3_text", "gemma3", "Gemma3TextConfig"),
+    # llama.cpp writes Mixtral as "llama" with experts (weights/gguf_file.py).
+    Architecture("MixtralForCausalLM", "moe", "mixtral", hf_config="MixtralConfig"),
+    Architecture("Qwen2MoeForCausalLM", "moe", "qwen2_moe", "qwen2moe", "Qwen2MoeConfig"),
+    Architecture("Qwen3MoeForCausalLM", "moe", "qwen3_moe", "qwen3moe", "Qwen3MoeConfig"),
+    Architecture("LlavaForConditionalGeneration", "llava", "llava"),
+    Architecture("Qwen2VLForConditionalGeneration", "qwen2_vl", "qwen2_vl"),
+    Architecture("Qwen2_5_VLForConditionalGeneration", "qwen2_vl", "qwen2_5_vl"),
+)
+_BY_NAME = {a.name: a for a in ARCHITECTURES}
+BASE_MODELS = {a.base_model: a.name for a in ARCHITECTURES if a.base_model}
+GGUF_ARCHITECTURES = {a.gguf: a for a in ARCHITECTURES if a.gguf}
+LLAVA_TEXT_FAMILIES = {a.model_type: a.name for a in ARCHITECTURES if a.llava_text}
 
+
+def architecture(name: str) -> Architecture:
+    """The table's row for an HF architecture name (an ``AutoModel`` name gives its causal LM's)."""
+    arch = _BY_NAME.get(BASE_MODELS.get(name, name))
+    if arch is None:
+        raise ValueError(f"model architecture {name!r} is not supported; supported: {sorted(_BY_NAME)}")
+    return arch
+
+
+def get_model_class(name: str):
+    arch = architecture(name)
+    return getattr(importlib.import_module(f"pagellm.models.{arch.module}"), arch.name)

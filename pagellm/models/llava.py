@@ -20,9 +20,6 @@ from pagellm.layers.linear import Linear
 from pagellm.models.decoder import DecoderForCausalLM
 from pagellm.models.vision import VisionTower, load_vision_language_weights, vision_activation
 
-# Text families a LLaVA checkpoint may carry, by ``text_config.model_type``.
-_TEXT_FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM"}
 _TEXT_FLAGS = ("qkv_bias", "qk_norm", "layer_cls", "embed_scale")
 
 
@@ -51,16 +48,16 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
 
     def __init__(self, config: Any, freq_factors: torch.Tensor | None = None,
                  tp: TensorParallelGroup | None = None, pp: PipelineStage | None = None) -> None:
-        from pagellm.models import get_model_class
+        from pagellm.models import LLAVA_TEXT_FAMILIES, get_model_class
 
         text = config.text_config
         if (tp is not None and tp.world_size > 1) or (pp is not None and pp.num_stages > 1):
             raise ValueError("LlavaForConditionalGeneration runs on one worker (tensor_parallel_size=1, "
                              "pipeline_parallel_size=1)")
-        family = _TEXT_FAMILIES.get(text.model_type)
+        family = LLAVA_TEXT_FAMILIES.get(text.model_type)
         if family is None:
             raise ValueError(f"LLaVA with a {text.model_type!r} text model is not supported "
-                             f"(supported: {sorted(_TEXT_FAMILIES)})")
+                             f"(supported: {sorted(LLAVA_TEXT_FAMILIES)})")
         text_cls = get_model_class(family)
         for flag in _TEXT_FLAGS:  # the text family's flags, read by DecoderForCausalLM.__init__
             setattr(self, flag, getattr(text_cls, flag))

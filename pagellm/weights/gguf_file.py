@@ -18,12 +18,10 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
+from pagellm.models import GGUF_ARCHITECTURES, architecture
 from pagellm.weights.gguf_quant import GGUFBlocks
 
 _FLOAT_TYPES = (T.F32, T.F16, T.BF16)
-_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-          "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
-          "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -197,8 +195,8 @@ def _field(reader: GGUFIndex, key: str, default: Any = None) -> Any:
 
 def gguf_architecture(path: str) -> str:
     arch = _field(_reader(path), "general.architecture")
-    if arch not in _ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_ARCHS)}")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}")
     return arch
 
 
@@ -254,16 +252,14 @@ def gguf_config(path: str):
         kwargs.update(_gemma_config(r, arch, kwargs))
     if arch == "phi3":
         kwargs.update(_phi3_config(r, kwargs))
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-           "qwen3": transformers.Qwen3Config, "gemma2": transformers.Gemma2Config,
-           "gemma3": transformers.Gemma3TextConfig, "qwen2moe": transformers.Qwen2MoeConfig,
-           "qwen3moe": transformers.Qwen3MoeConfig, "phi3": transformers.Phi3Config}[arch]
-    hf_arch = _ARCHS[arch]
+    row = GGUF_ARCHITECTURES[arch]
+    cls, hf_arch = getattr(transformers, str(row.hf_config)), row.name
     experts = int(_field(r, p + "expert_count", 0) or 0)
     if experts:
         kwargs.update(_moe_config(r, arch, experts, names))
         if arch == "llama":  # llama.cpp writes Mixtral as llama with experts
-            cls, hf_arch = transformers.MixtralConfig, "MixtralForCausalLM"
+            row = architecture("MixtralForCausalLM")
+            cls, hf_arch = getattr(transformers, str(row.hf_config)), row.name
     elif arch in ("qwen2moe", "qwen3moe"):
         raise ValueError(f"GGUF {arch} file without {p}expert_count")
     config = cls(**kwargs)
