@@ -39,7 +39,7 @@ def test_speculative_decoding_counters_merge_and_export_per_position():
     one Prometheus series per position; the derived rates follow from the counts."""
     from types import SimpleNamespace
 
-    from pagellm.entrypoints.openai_server import _EngineCollector
+    from pagellm.entrypoints.server_metrics import EngineCollector
 
     a, b = IterationStats(), IterationStats()
     a.record_spec(3, 2)  # 3 drafts, the first 2 accepted
@@ -50,7 +50,7 @@ def test_speculative_decoding_counters_merge_and_export_per_position():
     assert it.spec_accepted_per_pos == [2, 2, 1, 1, 1]
     assert merged["spec_acceptance_rate"] == 7 / 10 and merged["spec_mean_acceptance_length"] == 1 + 7 / 3
     engine = SimpleNamespace(get_stats_now=lambda: merged)
-    families = {m.name: m for m in _EngineCollector(SimpleNamespace(engine=engine, model_name="m")).collect()}
+    families = {m.name: m for m in EngineCollector(engine, "m").collect()}
     per_pos = families["pagellm:spec_decode_num_accepted_tokens_per_pos"]
     assert [(s.labels["position"], s.value) for s in per_pos.samples if s.name.endswith("_total")] == [
         ("0", 2), ("1", 2), ("2", 1), ("3", 1), ("4", 1)]

@@ -504,7 +504,7 @@ def test_stream_polls_for_a_disconnect_at_most_once_per_interval(monkeypatch):
     import asyncio
     import types
 
-    from pagellm.entrypoints import openai_server
+    from pagellm.entrypoints import serving_engine
 
     class FakeRequest:
         def __init__(self, gone_after: int) -> None:
@@ -523,15 +523,15 @@ def test_stream_polls_for_a_disconnect_at_most_once_per_interval(monkeypatch):
         finally:
             closed.append(True)
 
-    server = types.SimpleNamespace(_record=lambda out: None)
+    server = types.SimpleNamespace(metrics=types.SimpleNamespace(record=lambda out: None))
 
     async def run(request: FakeRequest) -> list[int]:
-        return [o.i async for o in openai_server.OpenAIServer._stream(server, outputs(), "r", request)]
+        return [o.i async for o in serving_engine.OpenAIServing._stream(server, outputs(), "r", request)]
 
-    monkeypatch.setattr(openai_server, "DISCONNECT_POLL_S", 3600.0)
+    monkeypatch.setattr(serving_engine, "DISCONNECT_POLL_S", 3600.0)
     quiet = FakeRequest(gone_after=0)
     assert asyncio.run(run(quiet)) == list(range(10)) and quiet.calls == 0 and closed == [True]
-    monkeypatch.setattr(openai_server, "DISCONNECT_POLL_S", 0.0)
+    monkeypatch.setattr(serving_engine, "DISCONNECT_POLL_S", 0.0)
     closed.clear()
     gone = FakeRequest(gone_after=3)
     assert asyncio.run(run(gone)) == [0, 1, 2] and gone.calls == 4 and closed == [True]
