@@ -319,7 +319,7 @@ def test_kquant_gguf_runs_its_blocks_on_the_int8_kernel(kquant_gguf, caplog):
 
     from pagellm import LLM
 
-    with caplog.at_level("INFO", logger="pagellm.worker.worker"):
+    with caplog.at_level("INFO", logger="pagellm.worker.model_loader"):
         LLM(model=kquant_gguf, kv_cache_memory="32MiB")  # dtype auto: the same, unasked
         auto = [r.getMessage() for r in caplog.records if r.getMessage().startswith("numerics: ")]
         caplog.clear()

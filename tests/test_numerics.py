@@ -288,7 +288,7 @@ def test_a_bfloat16_checkpoint_is_loaded_and_packed_without_a_float32_copy(ckpt_
         seen.append({m.weight.dtype for m in self.modules() if isinstance(m, Linear)})
     monkeypatch.setattr(DecoderForCausalLM, "load_weights", spy)
     prompts = random_prompts(4, seed=3, hi=60)
-    with caplog.at_level("INFO", logger="pagellm.worker.worker"):
+    with caplog.at_level("INFO", logger="pagellm.worker.model_loader"):
         got16, _ = engine_greedy_top(paths[torch.bfloat16], prompts, 12, dtype="bfloat16")
     assert seen == [{torch.bfloat16}]
     assert any("projections loaded in bfloat16" in r.getMessage() for r in caplog.records)
@@ -307,7 +307,7 @@ def test_quantization_q8_0_quantizes_on_load_and_stays_logprob_close(ckpt_root, 
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = random_prompts(6, seed=7, hi=100)
     ref = [hf_greedy_top(hf, p, NEW_TOKENS) for p in prompts]
-    with caplog.at_level("INFO", logger="pagellm.worker.worker"):
+    with caplog.at_level("INFO", logger="pagellm.worker.model_loader"):
         got, engine = engine_greedy_top(path, prompts, NEW_TOKENS, quantization="q8_0")
     assert engine.model_info.dtype == "int8"
     lines = [r.getMessage() for r in caplog.records]

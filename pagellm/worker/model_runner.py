@@ -186,14 +186,7 @@ class ModelRunner:
         mrope: list[list[int]] | None = [[], [], []] if any(s.mrope_layout for s in so.scheduled) else None
         for s, i in [decodes[j] for j in meta.decode_order]:
             p = s.num_computed_tokens + i
-            if s.mm_spans:
-                _image_rows(s.mm_spans, p, 1, len(input_ids), mm_segments)
-            if mrope is not None:
-                _extend_mrope(mrope, s, p, 1)
-            if s.sampling_params.prompt_logprobs is not None:
-                _prompt_positions(s, p, 1, len(input_ids), prompt_lp)
-            if self.pooler is not None:
-                pool_spans.append((s.seq_id, len(input_ids), p, 1, len(s.prompt_token_ids)))
+            self._row_features(s, p, 1, len(input_ids), mm_segments, mrope, prompt_lp, pool_spans)
             slots.append(s.block_ids[p // bs] * bs + p % bs)
             input_ids.append(s.token_ids[i])
             positions.append(p)
@@ -203,14 +196,8 @@ class ModelRunner:
                 last_row[s.seq_id] = len(input_ids) - 1
         for s in chunks:
             start = s.num_computed_tokens
-            if s.mm_spans:
-                _image_rows(s.mm_spans, start, s.num_scheduled_tokens, len(input_ids), mm_segments)
-            if mrope is not None:
-                _extend_mrope(mrope, s, start, s.num_scheduled_tokens)
-            if s.sampling_params.prompt_logprobs is not None:
-                _prompt_positions(s, start, s.num_scheduled_tokens, len(input_ids), prompt_lp)
-            if self.pooler is not None:
-                pool_spans.append((s.seq_id, len(input_ids), start, s.num_scheduled_tokens, len(s.prompt_token_ids)))
+            self._row_features(s, start, s.num_scheduled_tokens, len(input_ids), mm_segments, mrope, prompt_lp,
+                               pool_spans)
             for p in range(start, start + s.num_scheduled_tokens):
                 slots.append(s.block_ids[p // bs] * bs + p % bs)
             input_ids.extend(s.token_ids)
@@ -238,6 +225,19 @@ class ModelRunner:
         if self.is_driver:
             self._plan_sampling(batch)
         return batch
+
+    def _row_features(self, s: ScheduledSequence, start: int, n: int, row: int, mm_segments: list,
+                      mrope: list[list[int]] | None, prompt_lp: list, pool_spans: list) -> None:
+        """What ``n`` flat rows from ``row`` (positions ``start``...) carry besides their tokens: image
+        embeddings, M-RoPE positions, prompt logprobs, pooling spans."""
+        if s.mm_spans:
+            _image_rows(s.mm_spans, start, n, row, mm_segments)
+        if mrope is not None:
+            _extend_mrope(mrope, s, start, n)
+        if s.sampling_params.prompt_logprobs is not None:
+            _prompt_positions(s, start, n, row, prompt_lp)
+        if self.pooler is not None:
+            pool_spans.append((s.seq_id, row, start, n, len(s.prompt_token_ids)))
 
     def _plan_sampling(self, batch: InputBatch) -> None:
         """Each logits row's sampling: a request's first sample with n > 1 draws one token per

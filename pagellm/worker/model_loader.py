@@ -1,0 +1,272 @@
+"""Model construction for one worker: the weights built and loaded (sharded where parallel), the
+GEMM numerics chosen per machine and the projections packed for them, the compiled ops selected, and
+the refusals of what a model cannot run with (vLLM's ``model_loader``)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagellm.config import EngineConfig, resolve_model_source
+from pagellm.distributed import PipelineStage, TensorParallelGroup
+from pagellm.kernels import gemm, gemm_int8
+from pagellm.kernels.machine import Numerics, choose_numerics, cpu_info
+from pagellm.layers.custom_op import select_kernels
+from pagellm.layers.linear import Linear
+from pagellm.layers.moe import SparseMoeBlock
+from pagellm.models import BASE_MODELS, get_model_class
+from pagellm.models.decoder import DecoderForCausalLM
+from pagellm.pooling_params import PoolingInfo
+from pagellm.weights import freq_factors, iter_weights, load_model_config
+from pagellm.weights.gguf_quant import KERNEL_TYPES, int8_format, part_format
+from pagellm.weights.loader import projection_dtype
+from pagellm.weights.pooling_setup import resolve_pooling
+from pagellm.worker.cache_engine import HostKVMemory
+from pagellm.worker.host_malloc import trim
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def first_layer_linears(model: DecoderForCausalLM) -> list[Linear]:
+    """The projections of this pipeline stage's first layer, one per weight shape: what the numerics
+    are chosen from. The probe's answer depends only on shapes, and a mixture-of-experts layer's
+    experts all share two (timing each of 64 would repeat one measurement 64 times)."""
+    layer = model.get_submodule(f"model.layers.{model.model.start}")
+    shapes: dict[tuple[int, ...], Linear] = {}
+    for m in layer.modules():
+        if isinstance(m, Linear):
+            shapes.setdefault(tuple(m.weight.shape), m)
+    return list(shapes.values())
+
+
+def gguf_weight_types(model: DecoderForCausalLM) -> dict[tuple[str, int | None], int]:
+    """``(GGUF type, int8 kernel format or None)`` -> how many projections hold such blocks, before
+    packing (what the start-up ``numerics:`` line reports)."""
+    counts: dict[tuple[str, int | None], int] = {}
+    for m in model.modules():
+        if isinstance(m, Linear) and m.gguf_parts:
+            fmt = m.gguf_format()
+            for b in m.gguf_parts.values():
+                key = (b.qtype.name, None if fmt is None else part_format(b.qtype))
+                counts[key] = counts.get(key, 0) + 1
+    tied = model.tied_head_blocks  # (packed for the LM head with the rest, if the kernel takes it)
+    if tied is not None:
+        key = (f"{tied.qtype.name} (tied LM head)", int8_format([tied.qtype]) if gemm_int8.supported() else None)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready to run: its weights packed for ``numerics``, its ops' kernels selected."""
+
+    model: DecoderForCausalLM
+    hf_config: Any
+    path: str  # the checkpoint (directory or .gguf file)
+    numerics: Numerics
+
+
+class ModelLoader:
+    """Builds the target (and a draft) model of one worker on its device and parallel group.
+
+    On a CPU the model's tensors stay float32 (the fused kernels' dtype) unless a 16-bit model is
+    asked for and no bf16 GEMM kernel runs here; the GEMM numerics are then chosen per model."""
+
+    def __init__(self, config: EngineConfig, device: torch.device, tp: TensorParallelGroup,
+                 pp: PipelineStage) -> None:
+        self.config, self.device, self.tp, self.pp = config, device, tp, pp
+        if device.type == "cuda" and config.model.quantization == "gguf":
+            raise ValueError("quantization='gguf' keeps GGUF blocks for the CPU's int8 kernel; on CUDA a GGUF file's "
+                             "weights are dequantized to the model's dtype (leave quantization unset)")
+        dtype_name = config.model.dtype
+        self.cpu_numerics = device.type == "cpu" and (
+            dtype_name in ("auto", "float32") or (dtype_name == "bfloat16" and gemm.bf16_supported()))
+        if self.cpu_numerics or dtype_name == "auto":
+            dtype_name = "float32" if device.type == "cpu" else "bfloat16"
+        self.dtype = DTYPES[dtype_name]
+        self.numerics = Numerics(self.dtype, f"{dtype_name} model")  # (where none is chosen per machine)
+        self.kv_memory: HostKVMemory | None = None  # paused while GEMMs are timed (set by the worker)
+        self._chosen: dict[int, Numerics] = {}  # numerics chosen before a model's weights were loaded
+
+    def load_target(self) -> LoadedModel:
+        """The served model, its numerics logged and checked against ``quantization``."""
+        quantization = self.config.model.quantization
+        model, hf_config, source = self._build_model(self.config.model.model, quantization)
+        # (Paused: the numerics may be chosen by timing GEMMs, which must have both cores.)
+        with self.kv_memory.paused() if self.kv_memory is not None else contextlib.nullcontext():
+            numerics, packed_int8 = self._numerics_for(model, self.tp.world_size == 1, quantization)
+        if self.cpu_numerics:
+            logger.info("numerics: %s GEMMs (float32 between them): %s [%s]", numerics.name, numerics.reason,
+                        cpu_info().summary())
+        if numerics.int8 and packed_int8 == 0:
+            raise ValueError(f"quantization='gguf' found no GGUF weights the int8 kernel takes in {source.path} "
+                             f"(types {sorted(t.name for t in KERNEL_TYPES)})")
+        if quantization is not None and not numerics.int8:
+            raise ValueError(f"quantization={quantization!r} runs on the CPU with dtype auto, "
+                             f"float32 or bfloat16 only (here: {self.device}, dtype {self.config.model.dtype})")
+        # Every CustomOp (norms, rotary, activation) gets its kernel or its reference, once.
+        kernels_on = select_kernels(model, self.device, self.dtype)
+        logger.info("compiled CPU ops: %s", "on" if kernels_on else "off (PyTorch reference ops)")
+        self._refuse_features(model, hf_config.architectures[0])
+        return LoadedModel(model, hf_config, source.path, numerics)
+
+    def load_draft(self, path: str, vocab_size: int) -> LoadedModel:
+        """The draft model of speculative decoding, with its own numerics."""
+        draft, hf_config, source = self._build_model(path, None)
+        if hf_config.vocab_size != vocab_size:
+            raise ValueError(f"speculative_config model {path!r} has a vocabulary of {hf_config.vocab_size} tokens, "
+                             f"the target {vocab_size}: a draft model must share the target's tokenizer")
+        numerics, _ = self._numerics_for(draft, True, None)
+        if self.cpu_numerics:
+            logger.info("draft model numerics: %s GEMMs: %s", numerics.name, numerics.reason)
+        select_kernels(draft, self.device, self.dtype)
+        return LoadedModel(draft, hf_config, source.path, numerics)
+
+    def _refuse_features(self, model: DecoderForCausalLM, arch: str) -> None:
+        """What this model cannot run with, refused at start-up naming the argument."""
+        spec = self.config.speculative
+        if spec is not None and spec.model is not None and hasattr(model, "encode_images"):
+            raise ValueError(f"speculative_config with a draft model: {arch} takes images, which a draft model "
+                             "would not see (use method 'ngram' or 'suffix')")
+        if self.config.lora.enable_lora and any(isinstance(m, SparseMoeBlock) for m in model.modules()):
+            raise ValueError(f"enable_lora: LoRA adapters on a mixture-of-experts model ({arch}) are not supported")
+
+    def _build_model(self, path: str | None, quantization: str | None) -> tuple[DecoderForCausalLM, Any, Any]:
+        """``(model, HF config, source)``: built on meta (no random init), materialised
+        uninitialised, then every weight loaded (sharded, a rank reads only its slice)."""
+        source = resolve_model_source(path)
+        hf_config = load_model_config(source)
+        if self.config.model.max_model_len:
+            hf_config.get_text_config().max_model_len = self.config.model.max_model_len  # (what longrope decides by)
+        arch = hf_config.architectures[0]
+        cls = get_model_class(arch)
+        base = arch in BASE_MODELS  # (no LM head: a pooling runner's; tied, so none is expected)
+        if base and self.config.model.runner != "pooling":
+            raise ValueError(f"{arch} is a base model without an LM head: it can only embed (runner='pooling')")
+        if base:
+            hf_config.tie_word_embeddings = True
+        with torch.device("meta"):
+            num_layers = hf_config.get_text_config().num_hidden_layers
+            if self.pp.num_stages > num_layers:
+                raise ValueError(f"pipeline_parallel_size={self.pp.num_stages} exceeds the model's "
+                                 f"{num_layers} layers")
+            model = cls(hf_config, freq_factors(source), tp=self.tp, pp=self.pp)
+        model = model.to_empty(device=self.device)
+        sharded = self.tp.world_size * self.pp.num_stages > 1
+        chosen = self._numerics_before_loading(model, source, sharded, quantization)
+        if chosen is not None:
+            self._chosen[id(model)] = chosen
+        if chosen is not None and projection_dtype(source) == torch.bfloat16:
+            # The projections are loaded in bfloat16 as the file holds them and packed (or quantized)
+            # from there: a float32 copy of every weight (2x the file) is never made.
+            logger.info("projections loaded in bfloat16 as %s stores them (numerics chosen from the first "
+                        "layer's shapes before loading)", source.path)
+            for m in model.modules():
+                if isinstance(m, Linear):
+                    m.weight = nn.Parameter(torch.empty(m.weight.shape, dtype=torch.bfloat16), requires_grad=False)
+        weights = iter_weights(source, hf_config, lazy=sharded,
+                               keep_gguf_blocks=source.is_gguf and not sharded and self._int8_possible())
+        model.load_weights(((n if n.startswith("model.") else f"model.{n}", t) for n, t in weights) if base
+                           else weights)
+        return (model if chosen is not None else model.to(self.dtype)).eval(), hf_config, source
+
+    def _numerics_before_loading(self, model: DecoderForCausalLM, source: Any, sharded: bool,
+                                 quantization: str | None) -> Numerics | None:
+        """For an HF checkpoint on a CPU, the GEMM numerics chosen before any weight is read (a probe
+        times the first layer's shapes, not its values), where the choice lets the projections skip
+        float32: bfloat16 GEMMs on a checkpoint stored in bfloat16, or ``quantization="q8_0"``."""
+        if quantization == "q8_0":
+            if not self.cpu_numerics or source.is_gguf or sharded or not gemm_int8.supported():
+                raise ValueError("quantization='q8_0' quantizes an HF checkpoint's projections on load, on one CPU "
+                                 "worker with dtype auto, float32 or bfloat16 and a C compiler (a GGUF file keeps "
+                                 f"its own types: quantization='gguf'); here: {source.path} on {self.device}, "
+                                 f"dtype {self.config.model.dtype}, {self.tp.world_size * self.pp.num_stages} "
+                                 "workers")
+        elif not self.cpu_numerics or source.is_gguf or sharded or quantization is not None \
+                or self.config.model.dtype == "float32" or projection_dtype(source) != torch.bfloat16:
+            return None
+        shapes = [torch.randn(m.weight.shape) * 0.02 for m in first_layer_linears(model)]
+        with self.kv_memory.paused() if self.kv_memory is not None else contextlib.nullcontext():
+            numerics = choose_numerics(self.config.model.dtype, shapes, probe=True)
+        if quantization == "q8_0":
+            return Numerics(numerics.compute_dtype, "quantization='q8_0': projections quantized on load to GGUF Q8_0 "
+                            f"blocks for the int8 kernel ({gemm_int8.isa()}); other weights: {numerics.reason}",
+                            int8=True)
+        return numerics if numerics.compute_dtype == torch.bfloat16 and not numerics.int8 else None
+
+    def _int8_possible(self) -> bool:
+        """Whether the numerics may come out int8 (GGUF blocks are then kept at their width)."""
+        return (self.cpu_numerics and gemm_int8.supported()
+                and (self.config.model.quantization == "gguf" or self.config.model.dtype == "auto"))
+
+    def _numerics_for(self, model: DecoderForCausalLM, probe: bool, quantization: str | None) -> tuple[Numerics, int]:
+        """The GEMM numerics for ``model`` (chosen per machine on a CPU, from its first layer's
+        shapes; else the worker's) and its weights packed for them; returns how many weights the
+        int8 kernel took."""
+        numerics = self._chosen.pop(id(model), None) or self.numerics
+        if self.cpu_numerics and numerics is self.numerics:
+            linears = first_layer_linears(model)
+            asked = "quantization='gguf'" if quantization == "gguf" else "dtype auto on a GGUF file" \
+                if self.config.model.dtype == "auto" and probe else None
+            # (Plain C, a CPU without AVX2, runs it at a few % of VNNI's speed: there it is timed.)
+            if asked and all(m.gguf_format() is not None for m in linears) and \
+                    (quantization == "gguf" or gemm_int8.isa() != "plain C"):
+                # Every projection goes to the int8 kernel, the file's blocks kept at their width (a
+                # float copy takes 3-7x the file's memory). Nothing left to time: a probe would
+                # dequantize and pack a layer in every format, a transient GB at 1.7B.
+                numerics = Numerics(torch.float32, f"{asked}: every projection is GGUF blocks the int8 kernel "
+                                    f"({gemm_int8.isa()}) takes, kept at their width (float32 between them)",
+                                    int8=True)
+            else:
+                kept = [m.pack_gguf() for m in linears if m.gguf_format() is not None]
+                numerics = choose_numerics(self.config.model.dtype, [m.dense_weight() for m in linears],
+                                           probe=probe, quantization=quantization,
+                                           int8_weights=kept if kept and len(kept) == len(linears) else None)
+        if numerics.int8 and quantization == "q8_0":
+            start = time.perf_counter()
+            layers = [m for m in model.model.layers.modules() if isinstance(m, Linear)]
+            done = 0
+            for m in layers:
+                done += m.quantize_to_q8_0()
+                trim()  # (each weight's float transient handed back before the next)
+            logger.info("quantized %d of %d projections to Q8_0 on load in %.1f s", done, len(layers),
+                        time.perf_counter() - start)
+        weight_types = gguf_weight_types(model)
+        packed_int8 = 0
+        if self.cpu_numerics and hasattr(model, "pack_for_cpu"):
+            packed_int8 = model.pack_for_cpu(numerics.compute_dtype, numerics.int8, after_each=trim)
+            trim()
+        if weight_types:
+            logger.info("numerics: GGUF projections %s", ", ".join(
+                f"{t} x{n}: {'int8 GEMMs (' + gemm_int8.FORMATS[f] + ')' if numerics.int8 and f else 'dequantized'}"
+                for (t, f), n in sorted(weight_types.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0))))
+        return numerics, packed_int8
+
+    def pooling(self, model: DecoderForCausalLM, hf_config: Any, path: str) -> PoolingInfo | None:
+        """The pooling runner's setup (``None`` for a generating one), refusing what it lacks."""
+        cfg = self.config
+        if cfg.model.runner != "pooling":
+            return None
+        unsupported = {"a vision-language model": hasattr(model, "encode_images"),
+                       "pipeline parallelism": self.pp.num_stages > 1,
+                       "speculative_config": cfg.speculative is not None, "enable_lora": cfg.lora.enable_lora}
+        for name, on in unsupported.items():
+            if on:
+                raise ValueError(f"runner='pooling' does not support {name} yet")
+        user = cfg.model.pooler_config
+        pooling_type, normalize = resolve_pooling(path, user.pooling_type if user else None,
+                                                  user.normalize if user else None)
+        text = hf_config.get_text_config()
+        matryoshka = getattr(text, "matryoshka_dimensions", None) or bool(getattr(text, "is_matryoshka", False))
+        info = PoolingInfo(pooling_type, normalize, text.hidden_size, matryoshka)
+        logger.info("pooling runner: %s pooling, %s, %d dimensions", pooling_type,
+                    "normalized" if normalize else "not normalized", text.hidden_size)
+        return info
