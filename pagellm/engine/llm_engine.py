@@ -98,19 +98,9 @@ class LLMEngine:
                                               info.end_of_generation_ids)
         self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching,
                                                self.num_cpu_blocks, config.scheduler.watermark)
-        lora, kvt = config.lora, config.kv_transfer
+        lora = config.lora
         self.kv_receiver: KVReceiver | None = None
-        kv_transfer = None
-        if kvt is not None:
-            connector = create_kv_connector(kvt, self.block_size, self.model_info.kv_fingerprint,
-                                            self.model_info.block_bytes)
-            kv_transfer = KVTransferAdmission(connector, self.kv_cache_manager, kvt.kv_load_failure_policy)
-            if isinstance(connector, TcpConnectorScheduler):
-                if connector.received is not None:
-                    extra = kvt.kv_connector_extra_config
-                    self.kv_receiver = KVReceiver(connector.received, extra.get("host", "127.0.0.1"), extra["port"])
-                logger.info("KV transfer: TcpConnector (%s)%s", kvt.kv_role,
-                            f", receiving at {self.kv_receiver.address}" if self.kv_receiver else "")
+        kv_transfer = self._kv_transfer(config)
         self.scheduler = Scheduler(
             config.scheduler, self.kv_cache_manager, max_model_len=self.max_model_len,
             num_lookahead_tokens=config.speculative.num_lookahead_tokens if config.speculative else 0,
@@ -149,6 +139,21 @@ class LLMEngine:
         logger.info("pagellm engine: %s on %s (%s), %d KV blocks x %d tokens (+%d CPU swap blocks), "
                     "max_model_len %d", self.model_info.architecture, self.model_info.device, self.model_info.dtype,
                     self.num_blocks, self.block_size, self.num_cpu_blocks, self.max_model_len)
+
+    def _kv_transfer(self, config: EngineConfig) -> KVTransferAdmission | None:
+        """The scheduler's side of KV transfer (and a TcpConnector consumer's receiver), if configured."""
+        kvt = config.kv_transfer
+        if kvt is None:
+            return None
+        connector = create_kv_connector(kvt, self.block_size, self.model_info.kv_fingerprint,
+                                        self.model_info.block_bytes)
+        if isinstance(connector, TcpConnectorScheduler):
+            if connector.received is not None:
+                extra = kvt.kv_connector_extra_config
+                self.kv_receiver = KVReceiver(connector.received, extra.get("host", "127.0.0.1"), extra["port"])
+            logger.info("KV transfer: TcpConnector (%s)%s", kvt.kv_role,
+                        f", receiving at {self.kv_receiver.address}" if self.kv_receiver else "")
+        return KVTransferAdmission(connector, self.kv_cache_manager, kvt.kv_load_failure_policy)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, chat_template: str | None = None) -> LLMEngine:

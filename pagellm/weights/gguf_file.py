@@ -101,6 +101,29 @@ def _strings(buf: memoryview, at: int, n: int) -> tuple[list[str], int]:
     return out, at
 
 
+def _tensor_views(mm: np.ndarray, infos: list[tuple[str, tuple[int, ...], Any, int]], start: int) -> list[GGUFTensor]:
+    """Each tensor as a view of the file: an array of its type, or (block-quantized) bytes per row."""
+    import gguf
+
+    q = gguf.GGMLQuantizationType
+    plain = {q.F32: np.float32, q.F16: np.float16, q.F64: np.float64, q.I8: np.int8, q.I16: np.int16,
+             q.I32: np.int32, q.I64: np.int64}
+    tensors = []
+    for name, dims, ttype, rel in infos:
+        np_dims = tuple(reversed(dims))
+        if ttype not in gguf.GGML_QUANT_SIZES:
+            raise _Unsupported(f"GGUF tensor type {ttype.name}")
+        block, type_size = gguf.GGML_QUANT_SIZES[ttype]
+        nbytes = math.prod(dims) * type_size // block
+        raw = mm[start + rel:start + rel + nbytes]
+        if ttype in plain:
+            data = raw.view(plain[ttype]).reshape(np_dims)
+        else:  # blocks: bytes per row, as gguf.dequantize takes them
+            data = raw.reshape(gguf.quant_shape_to_byte_shape(np_dims, ttype))
+        tensors.append(GGUFTensor(name, ttype, tuple(dims), data))
+    return tensors
+
+
 def _parse_header(mm: np.ndarray) -> GGUFIndex:
     import gguf
 
@@ -157,22 +180,7 @@ def _parse_header(mm: np.ndarray) -> GGUFIndex:
         infos.append((name, dims, gguf.GGMLQuantizationType(ttype), rel))
     align = int(fields.get("general.alignment", 32))
     start = -(-offs // align) * align
-    q = gguf.GGMLQuantizationType
-    plain = {q.F32: np.float32, q.F16: np.float16, q.F64: np.float64, q.I8: np.int8, q.I16: np.int16,
-             q.I32: np.int32, q.I64: np.int64}
-    tensors = []
-    for name, dims, ttype, rel in infos:
-        np_dims = tuple(reversed(dims))
-        if ttype not in gguf.GGML_QUANT_SIZES:
-            raise _Unsupported(f"GGUF tensor type {ttype.name}")
-        block, type_size = gguf.GGML_QUANT_SIZES[ttype]
-        nbytes = math.prod(dims) * type_size // block
-        raw = mm[start + rel:start + rel + nbytes]
-        if ttype in plain:
-            data = raw.view(plain[ttype]).reshape(np_dims)
-        else:  # blocks: bytes per row, as gguf.dequantize takes them
-            data = raw.reshape(gguf.quant_shape_to_byte_shape(np_dims, ttype))
-        tensors.append(GGUFTensor(name, ttype, tuple(dims), data))
+    tensors = _tensor_views(mm, infos, start)
     return GGUFIndex(fields, tensors)
 
 
