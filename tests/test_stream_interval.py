@@ -32,7 +32,7 @@ REQUESTS = {
 }
 
 
-def _args(tiny_llama: str, interval: int) -> EngineArgs:
+def _args(tiny_llama: str, interval: int | None) -> EngineArgs:
     return EngineArgs(model=tiny_llama, kv_cache_memory="16MiB", max_model_len=256, stream_interval=interval)
 
 
@@ -122,3 +122,35 @@ def test_server_streams_chunks_every_interval(tiny_llama):
     finally:
         srv.stop()
         client.shutdown()
+
+
+def test_default_interval_grows_with_load_and_a_lone_stream_gets_every_token(tiny_llama):
+    """No ``stream_interval`` given: a lone request streams every token; 20 requests decoding in
+    the same steps stream every second token (1 per 8 streams, rounded down), each output being
+    what the every-token stream had at that count, the finals the same."""
+    prompts = {f"r{i}": {"prompt_token_ids": [5 + i, 6, 7, 8 + i]} for i in range(20)}
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    def stream(interval: int | None, rids: list[str]) -> dict[str, list[RequestOutput]]:
+        engine = LLMEngine.from_engine_args(_args(tiny_llama, interval))
+        for rid in rids:
+            engine.add_request(rid, prompts[rid], params)
+        streams: dict[str, list[RequestOutput]] = {rid: [] for rid in rids}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                streams[out.request_id].append(out)
+        run_to_completion(engine)
+        return streams
+
+    lone = stream(None, ["r0"])["r0"]
+    assert [_count(o) for o in lone] == list(range(1, MAX_TOKENS + 1))
+    loaded, reference = stream(None, list(prompts)), stream(1, list(prompts))
+    held_back = 0
+    for rid, outs in loaded.items():
+        counts = [_count(o) for o in outs]
+        held_back += MAX_TOKENS - len(counts)
+        assert counts[-1] == MAX_TOKENS and outs[-1].finished, rid
+        by_count = {_count(o): _view(o) for o in reference[rid]}
+        assert all(_view(o) == by_count[_count(o)] for o in outs), rid
+    # The pressure happened: 20 streams in a step send every second token after the first text.
+    assert held_back >= 20 * (MAX_TOKENS // 2 - 1), held_back

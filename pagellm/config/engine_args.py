@@ -93,7 +93,9 @@ _HELP = {
     "pooler_config": "pooling: JSON {\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": true} (default: "
                      "the checkpoint's sentence-transformers setup, else the last token, normalized)",
     "stream_interval": "send a request's output every this many new tokens (every token until its first text, "
-                       "and its end): fewer, larger stream chunks for less front-end and client work; 1 = every token",
+                       "and its end): fewer, larger stream chunks for less front-end and client work; 1 = every token; "
+                       "default: by load, every token while under 16 requests stream in a step, then one more token "
+                       "per 8 such requests, at most 4",
 }
 
 
@@ -125,7 +127,7 @@ class EngineArgs:
     preemption_mode: PreemptionMode = "auto"
     watermark: float = 0.01
     priority_aging_steps: int = 256
-    stream_interval: int = 1
+    stream_interval: int | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1

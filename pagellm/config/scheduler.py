@@ -31,11 +31,12 @@ class SchedulerConfig:
     max_concurrent_batches: int = 1
     # Streaming (vLLM's stream_interval): a request's output goes out every this many new tokens
     # (and with every token until its first text, and when it finishes), so the front ends and
-    # clients of a busy server handle fewer, larger chunks; 1 sends every token.
-    stream_interval: int = 1
+    # clients of a busy server handle fewer, larger chunks; 1 sends every token. None: grows with
+    # load (engine/output_processor.py): every token below 16 requests streaming in a step.
+    stream_interval: int | None = None
 
     def __post_init__(self) -> None:
-        if self.stream_interval < 1:
+        if self.stream_interval is not None and self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.max_concurrent_batches < 1:
             raise ValueError(f"max_concurrent_batches must be >= 1, got {self.max_concurrent_batches}")

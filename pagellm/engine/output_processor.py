@@ -21,12 +21,28 @@ from pagellm.tokenizer import Tokenizer
 FinishSeq = Callable[[SequenceGroup, Sequence, SequenceStatus], None]
 
 
+# The stream interval by load: a server's per-chunk work (an output through the front end, an SSE
+# event written and read) is paid per stream per output, on the cores the forward uses. A step with
+# few requests streaming sends every token (a lone stream's tokens are never held back); from
+# AUTO_STREAMS_PER_TOKEN * 2 on, one more token per that many streams, up to AUTO_MAX_INTERVAL
+# (at 4 the API server's CPU per W64 run is 0.55x of every token's: docs/performance.md).
+AUTO_STREAMS_PER_TOKEN = 8
+AUTO_MAX_INTERVAL = 4
+
+
+def interval_for(num_streams: int) -> int:
+    """The stream interval of a step in which ``num_streams`` requests got tokens."""
+    return max(1, min(AUTO_MAX_INTERVAL, num_streams // AUTO_STREAMS_PER_TOKEN))
+
+
 class OutputProcessor:
     """Per-request output state (detokenizers, what the last output carried) and the outputs."""
 
-    def __init__(self, tokenizer: Tokenizer, stream_interval: int, finish_seq: FinishSeq) -> None:
+    def __init__(self, tokenizer: Tokenizer, stream_interval: int | None, finish_seq: FinishSeq) -> None:
         self.tokenizer = tokenizer
-        self.stream_interval = stream_interval
+        # None: by load (``interval_for``); the interval of the step being processed.
+        self.fixed_interval = stream_interval
+        self.stream_interval = stream_interval or 1
         self._finish_seq = finish_seq
         self._detok: dict[int, IncrementalDetokenizer] = {}  # seq_id -> its detokenizer
         # Output tokens (of the longest sequence) the last RequestOutput of a request carried; 0
@@ -51,6 +67,8 @@ class OutputProcessor:
         token, then an output for each one whose output is due."""
         now = time.monotonic()
         outputs = []
+        if self.fixed_interval is None:
+            self.stream_interval = interval_for(len(updated))
         for group in updated:
             m = group.metrics
             if m.first_token_time is None:
