@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 from pagellm.distributed import TensorParallelGroup
 from pagellm.kernels import gemm
-from pagellm.layers.linear import QUANTIZED_MAX_ROWS, Linear
+from pagellm.layers.linear import Linear
 from pagellm.layers.parallel import RowParallelLinear
+from pagellm.layers.weight_formats import QUANTIZED_MAX_ROWS, Float32Packed
 
 from conftest import require_f32_gemm_kernel
 
@@ -88,11 +89,11 @@ def test_linear_layer_takes_the_kernel_for_every_batch_and_a_row_is_its_own() ->
     x = torch.randn(200, 576)
     with torch.no_grad():
         want = layer(x)
-        assert layer.pack_for_cpu() and layer.packed is not None
+        assert layer.pack_for_cpu() and isinstance(fmt := layer.weight_format, Float32Packed)
         assert layer.pack_for_cpu()  # idempotent
         got = layer(x)
         _close(got, want, 576)
-        assert torch.equal(got, gemm.linear(x, layer.packed, 40, layer.bias))
+        assert torch.equal(got, gemm.linear(x, fmt.packed, 40, layer.bias))
         for rows in (slice(0, 1), slice(7, 8), slice(0, 129), slice(150, 200)):
             assert torch.equal(layer(x[rows]), got[rows]), rows
 
@@ -156,14 +157,16 @@ def test_linear_layer_takes_the_quantized_copy_for_the_smallest_batches(bits: in
     with torch.no_grad():
         w = _gguf_weight(40, 64, 2, bits)
         layer.weight.copy_(w)
-        assert layer.pack_for_cpu() and layer.packed_q is not None and layer.q_bits == bits
+        assert layer.pack_for_cpu() and isinstance(fmt := layer.weight_format, Float32Packed)
+        assert fmt.quantized is not None and fmt.q_bits == bits
         assert layer.weight.is_meta  # every batch reads a packed copy: the float weight is dropped
         small, mid = torch.randn(rows, 64), torch.randn(rows + 1, 64)
         _close(layer(small), F.linear(small, w, layer.bias), 64)
         _close(layer(mid), F.linear(mid, w, layer.bias), 64)
         assert taken == [bits, 32]
         plain = Linear(64, 40, bias=False)
-        assert plain.pack_for_cpu() and plain.packed_q is None  # random float32: no quantized copy
+        assert plain.pack_for_cpu() and isinstance(fmt := plain.weight_format, Float32Packed)
+        assert fmt.quantized is None  # random float32: no quantized copy
 
 
 def test_row_parallel_adds_the_bias_once() -> None:
@@ -180,7 +183,7 @@ def test_disabled_keeps_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGELLM_CPU_GEMM", "0")
     layer = Linear(8, 4, bias=False)
     assert not layer.pack_for_cpu()
-    assert layer.weight is not None and layer.packed is None
+    assert layer.weight is not None and layer.weight_format is None
 
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "bfloat16_amx"])

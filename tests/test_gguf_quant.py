@@ -219,13 +219,13 @@ def test_formats_for_fused_parts():
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0], ids=lambda t: t.name)
 def test_packing_a_slice_of_rows_at_a_time_gives_the_same_bytes(qtype, monkeypatch):
     require_int8_kernel()
-    from pagellm.layers import linear
+    from pagellm.layers import weight_formats
 
     parts = [random_blocks(qtype, 70, 512, seed=6), random_blocks(qtype, 50, 512, seed=7)]
     fmt = gq.int8_format([qtype])
     whole = packed(gq.GGUFBlocks(np.concatenate([b.data for b in parts]), qtype, (120, 512)), fmt)
-    monkeypatch.setattr(linear, "PACK_ROWS", 32)  # slices that cut across the parts' boundary
-    assert torch.equal(linear._pack_blocks(parts, fmt), whole)
+    monkeypatch.setattr(weight_formats, "PACK_ROWS", 32)  # slices that cut across the parts' boundary
+    assert torch.equal(weight_formats._pack_blocks(parts, fmt), whole)
     with pytest.raises(ValueError, match="whole panels"):
         gemm_int8.pack_kquant(*gq.kquant_fields(random_blocks(T.Q4_K, 8, 256, seed=8)), gemm_int8.K4,
                               torch.empty(gemm_int8.packed_size(64, 256, gemm_int8.K4), dtype=torch.uint8), 16)
@@ -331,17 +331,19 @@ def test_kquant_gguf_runs_its_blocks_on_the_int8_kernel(kquant_gguf, caplog):
         assert part in line, line
     model = llm.llm_engine.executor.worker.model
     from pagellm.layers.linear import Linear
+    from pagellm.layers.weight_formats import Int8Packed
 
     linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
-    formats = {n: m.i8_bits for n, m in linears.items() if m.bound_i8 is not None}
-    parts = {n: [(f, rows) for f, rows, _ in gemm_int8.parts_of(m.packed_i8)]
-             for n, m in linears.items() if m.i8_bits == gemm_int8.PARTS}
+    int8 = {n: m.weight_format for n, m in linears.items() if isinstance(m.weight_format, Int8Packed)}
+    formats = {n: f.fmt for n, f in int8.items()}
+    parts = {n: [(k, rows) for k, rows, _ in gemm_int8.parts_of(f.packed)]
+             for n, f in int8.items() if f.fmt == gemm_int8.PARTS}
     # q and k (256 + 128 rows) in Q4_K's own format beside a Q6_K, then a Q8_0, v
     assert parts == {"model.layers.0.self_attn.qkv_proj": [(gemm_int8.K4, 384), (gemm_int8.K6, 128)],
                      "model.layers.1.self_attn.qkv_proj": [(gemm_int8.K4, 384), (gemm_int8.Q8_BLOCKS, 128)]}
     assert formats["model.layers.0.mlp.gate_up_proj"] == gemm_int8.K4
     assert formats["model.layers.1.mlp.down_proj"] == gemm_int8.Q8_BLOCKS  # Q5_0
-    assert model.tied_head.i8_bits == gemm_int8.K6  # the Q6_K embedding's blocks
+    assert model.tied_head.weight_format.fmt == gemm_int8.K6  # the Q6_K embedding's blocks
     assert "model.layers.1.self_attn.o_proj" not in formats  # Q5_1: dequantized
     assert all(m.weight.is_meta for n, m in linears.items() if n in formats)
     tok = llm.get_tokenizer()

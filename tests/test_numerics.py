@@ -17,6 +17,7 @@ from pagellm import LLMEngine, SamplingParams
 from pagellm.config import EngineArgs
 from pagellm.kernels import gemm, gemm_int8
 from pagellm.kernels.machine import choose_numerics
+from pagellm.layers.weight_formats import Int8Packed
 
 from conftest import (
     build_tiny_checkpoint,
@@ -164,18 +165,20 @@ def test_a_linear_layer_calls_its_bound_int8_weight_and_checks_what_it_is_given(
     with torch.no_grad():
         lin.weight.copy_(round_to_gguf_blocks(torch.randn_like(lin.weight) * 0.1, 4))
     assert lin.pack_for_cpu(int8=True) and lin.bound_i8 is not None
+    fmt = lin.weight_format
+    assert isinstance(fmt, Int8Packed)
     x = torch.randn(3, 5, 128)[..., ::2]  # rows whose last dimension is strided
     with torch.inference_mode():
         y = lin(x)
         assert y.shape == (3, 5, 40)
-        assert torch.equal(y, gemm_int8.linear(x.contiguous(), lin.packed_i8, lin.i8_bits, 40, lin.bias))
+        assert torch.equal(y, gemm_int8.linear(x.contiguous(), fmt.packed, fmt.fmt, 40, lin.bias))
         assert torch.equal(lin(x[1, 2:3]), y[1, 2:3])
         wrong_width, wrong_dtype = torch.randn(2, 63), torch.randn(2, 64, dtype=torch.float64)
         for bad, match in ((wrong_width, r"\[\.\.\., 64\]"), (wrong_dtype, "float32")):
             with pytest.raises(ValueError, match=match):
                 lin(bad)
     with pytest.raises(ValueError, match="does not fit"):
-        gemm_int8.BoundWeight(lin.packed_i8, 4, 65, 64)
+        gemm_int8.BoundWeight(fmt.packed, 4, 65, 64)
 
 
 def test_long_prefill_through_the_int8_mlp_in_slices_gives_the_same_bits(monkeypatch):
@@ -194,7 +197,7 @@ def test_long_prefill_through_the_int8_mlp_in_slices_gives_the_same_bits(monkeyp
     with torch.no_grad():
         for lin in (mlp.gate_up_proj, mlp.down_proj):
             lin.weight.copy_(round_to_gguf_blocks(torch.randn_like(lin.weight) * 0.1, 4))
-            assert lin.pack_for_cpu(int8=True) and lin.packed_i8 is not None
+            assert lin.pack_for_cpu(int8=True) and isinstance(lin.weight_format, Int8Packed)
     sliced: list[int] = []
     real = mlp._forward
     monkeypatch.setattr(mlp, "_forward", lambda x: sliced.append(x.shape[0]) or real(x))
@@ -357,7 +360,7 @@ def test_a_16_bit_model_without_the_cpu_kernels_computes_in_its_own_dtype(ckpt_r
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     got, engine = engine_greedy_top(path, prompts, NEW_TOKENS, dtype="float16")
     linears = [m for m in engine.executor.worker.model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.weight.dtype == torch.float16 and m.packed is None for m in linears)
+    assert linears and all(m.weight.dtype == torch.float16 and m.weight_format is None for m in linears)
     gaps = check_logprobs_close(got, [hf_greedy_top(hf, p, NEW_TOKENS) for p in prompts])
     assert all(g <= MAX_GAP["tiny_bfloat16"] for g in gaps), f"divergences at HF logprob gaps {gaps}"
     # A bfloat16 checkpoint with the kernels off, in a process of its own (the kernels are chosen

@@ -30,6 +30,7 @@ from pagellm.layers.activation import gated_activation
 from pagellm.layers.custom_op import CustomOp
 from pagellm.layers.linear import Linear
 from pagellm.layers.parallel import copy_shard
+from pagellm.layers.weight_formats import Bfloat16Packed, Float32Packed
 from pagellm.weights.gguf_quant import GGUFBlocks
 
 # Which fused tensor and part a per-expert checkpoint tensor fills: (w13 part 0 | 1) or w2.
@@ -120,8 +121,9 @@ class FusedMoE(nn.Module):
         w13 = [e for e in self.w13 if isinstance(e, Linear)]
         w2 = [e for e in self.w2 if isinstance(e, Linear)]
         # (None: an expert on the int8 kernel or not packed; experts have no bias.)
-        kinds = {(16, e.amx) if e.packed_bf16 is not None else (32, False) if e.packed is not None else None
-                 for e in (*w13, *w2)}
+        formats = [e.weight_format for e in (*w13, *w2)]
+        kinds = {(16, f.amx) if isinstance(f, Bfloat16Packed) else (32, False) if isinstance(f, Float32Packed) else None
+                 for f in formats}
         if len(kinds) != 1 or None in kinds:
             return None
         kind = kinds.pop()
@@ -129,8 +131,8 @@ class FusedMoE(nn.Module):
         bits, amx = kind
 
         def addresses(linears: list[Linear]) -> torch.Tensor:
-            packed = [e.packed_bf16 if bits == 16 else e.packed for e in linears]
-            return torch.tensor([w.data_ptr() for w in packed if w is not None], dtype=torch.int64)
+            packed = [f.packed for e in linears if isinstance(f := e.weight_format, (Bfloat16Packed, Float32Packed))]
+            return torch.tensor([w.data_ptr() for w in packed], dtype=torch.int64)
         return bits, bool(amx), addresses(w13), addresses(w2)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from pagellm.layers.linear import Linear
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_shard
 from pagellm.layers.rotary import ApplyRotary, MRotaryEmbedding, RotaryEmbedding
+from pagellm.layers.weight_formats import Bfloat16Packed, Int8Packed
 from pagellm.models.decode_graph import decode_group
 from pagellm.weights.gguf_quant import GGUFBlocks, int8_format
 
@@ -179,12 +180,13 @@ class MLP(nn.Module):
         with SiLU's kernel between them, no biases, adapters or all-reduce: then one call gives the
         same bits (``gemm.mlp_silu_amx``)."""
         g, d = self.gate_up_proj, self.down_proj
-        if (g.packed_bf16 is None or d.packed_bf16 is None or not g.amx or not d.amx
+        gf, df = g.weight_format, d.weight_format
+        if (not isinstance(gf, Bfloat16Packed) or not isinstance(df, Bfloat16Packed) or not gf.amx or not df.amx
                 or not isinstance(self.act_fn, SiluAndMul) or not self.act_fn.use_kernel
                 or g.bias is not None or d.bias is not None or g.lora is not None or d.lora is not None
                 or d.tp.world_size != 1 or g.out_features % 64):
             return None
-        return g.packed_bf16, d.packed_bf16
+        return gf.packed, df.packed
 
     def _sliceable(self) -> bool:
         """Only over the int8 kernels: every batch size runs through them, so a row's output is the
@@ -192,7 +194,8 @@ class MLP(nn.Module):
         bfloat16 kernel 0.96-0.99x, the float32 one 0.95x at 2048 rows). Not with adapters, whose
         rows are mapped over the whole step."""
         g, d = self.gate_up_proj, self.down_proj
-        return g.packed_i8 is not None and d.packed_i8 is not None and g.lora is None and d.lora is None
+        return (isinstance(g.weight_format, Int8Packed) and isinstance(d.weight_format, Int8Packed)
+                and g.lora is None and d.lora is None)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -370,13 +373,14 @@ class DecoderForCausalLM(nn.Module):
             if self.tied_head_blocks is not None and int8:
                 head.load_gguf_blocks(self.tied_head_blocks, None)
                 if head.gguf_format() is None:
-                    head.gguf_parts = None  # (the embedding holds its floats already)
+                    head.gguf_kept = None  # (the embedding holds its floats already)
             self.tied_head_blocks = None
             if head.pack_for_cpu(compute_dtype, int8):
                 self.tied_head = head
         if embed.gguf_blocks is not None:
             embed.weight = nn.Parameter(torch.empty(embed.weight.shape, device="meta"), requires_grad=False)
-        return sum(m.packed_i8 is not None for m in self.modules() if isinstance(m, Linear))  # tied_head included
+        return sum(isinstance(m.weight_format, Int8Packed) for m in self.modules()
+                   if isinstance(m, Linear))  # tied_head included
 
     @staticmethod
     def _keep_blocks(module: nn.Module, param: torch.Tensor, target: str, shard_idx: int | None,

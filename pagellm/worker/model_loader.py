@@ -52,9 +52,9 @@ def gguf_weight_types(model: DecoderForCausalLM) -> dict[tuple[str, int | None],
     packing (what the start-up ``numerics:`` line reports)."""
     counts: dict[tuple[str, int | None], int] = {}
     for m in model.modules():
-        if isinstance(m, Linear) and m.gguf_parts:
+        if isinstance(m, Linear) and m.gguf_kept is not None:
             fmt = m.gguf_format()
-            for b in m.gguf_parts.values():
+            for b in m.gguf_kept.parts.values():
                 key = (b.qtype.name, None if fmt is None else part_format(b.qtype))
                 counts[key] = counts.get(key, 0) + 1
     tied = model.tied_head_blocks  # (packed for the LM head with the rest, if the kernel takes it)
@@ -226,7 +226,7 @@ class ModelLoader:
                                     f"({gemm_int8.isa()}) takes, kept at their width (float32 between them)",
                                     int8=True)
             else:
-                kept = [m.pack_gguf() for m in linears if m.gguf_format() is not None]
+                kept = [m.gguf_kept.pack() for m in linears if m.gguf_kept is not None and m.gguf_format() is not None]
                 numerics = choose_numerics(self.config.model.dtype, [m.dense_weight() for m in linears],
                                            probe=probe, quantization=quantization,
                                            int8_weights=kept if kept and len(kept) == len(linears) else None)

@@ -1,0 +1,185 @@
+"""A projection's weight as a kernel reads it: one object per format, owning its packing, its
+matmul, its decode-graph descriptor and its name on the start-up numerics line.
+
+- ``Float32Packed``: packed once for ``kernels/gemm.c`` (exact: a row's sum runs over k whatever
+  the batch), plus a 4- or 8-bit copy read by small batches where the weight is exactly GGUF blocks.
+- ``Bfloat16Packed``: one bfloat16 copy every batch size reads (AMX tiles where the machine has them).
+- ``Int8Packed``: GGUF blocks for ``kernels/gemm_int8.c``, packed from the file's own fields, from a
+  weight that is exactly such blocks, or from ``quantization="q8_0"``; the bias bound once.
+- ``GGUFKept``: a checkpoint's blocks kept at their width until the numerics are chosen (the float
+  weight is never written unless they go to a float kernel: ``dense``).
+
+``Linear`` (``layers/linear.py``) holds one of the first three once packed, else runs ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from pagellm.kernels import decode_graph, gemm, gemm_int8
+from pagellm.weights.gguf_quant import GGUFBlocks, int8_format, kquant_fields, legacy_fields, part_format
+
+# Rows up to which a quantized copy beats the float32 kernel. benchmarks/gemm.py --quantized, all
+# 120 projections of SmolLM2 in 4 bits: 2.8x at 1 row, 1.9x at 8, 1.1-1.2x at 16, 0.98x at 20;
+# its 49,152 x 576 LM head alone in 8 bits: 2.2x at 1 row, 1.2x at 8, 0.88x at 16.
+QUANTIZED_MAX_ROWS = {4: 16, 8: 8}
+
+PACK_ROWS = 2048  # outputs whose fields are unpacked at a time (a multiple of 32): a 100M-weight
+# embedding's fields at once were ~240 MiB of transient memory at load
+
+
+def _kind(name: str) -> int:
+    return decode_graph.GEMM_KINDS.index(name)
+
+
+def _bias_ptr(bias: torch.Tensor | None, out_features: int) -> int:
+    gemm.check_bias(bias, out_features)
+    return 0 if bias is None else bias.data_ptr()
+
+
+class WeightFormat:
+    """One packed weight: ``matmul(x, bias)`` is ``x W^T (+ bias)`` with the format's bits."""
+
+    name: ClassVar[str]  # as the numerics line and the decode graph's GEMM kinds say it
+    out_features: int
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def descriptor(self, bias: torch.Tensor | None) -> list[int]:
+        """The fields ``kernels/decode_graph.c`` runs this projection from (``decode_graph.W_FIELDS``)."""
+        raise NotImplementedError
+
+
+class Float32Packed(WeightFormat):
+    name = "float32"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.packed = gemm.pack(weight)
+        self.quantized: torch.Tensor | None = None
+        self.q_bits = 0
+        for bits in (4, 8):  # a float32 weight fails each check on its first block
+            self.quantized = gemm.pack_quantized(weight, bits)
+            if self.quantized is not None:
+                self.q_bits = bits
+                break
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quantized is not None and x.numel() <= QUANTIZED_MAX_ROWS[self.q_bits] * self.in_features:
+            return gemm.linear(x, self.quantized, self.out_features, bias, bits=self.q_bits)
+        return gemm.linear(x, self.packed, self.out_features, bias)
+
+    def descriptor(self, bias: torch.Tensor | None) -> list[int]:
+        quantized = [0, 0, 0] if self.quantized is None else \
+            [self.quantized.data_ptr(), self.q_bits, QUANTIZED_MAX_ROWS[self.q_bits]]
+        return [_kind(self.name), self.packed.data_ptr(), _bias_ptr(bias, self.out_features), 32, *quantized]
+
+
+class Bfloat16Packed(WeightFormat):
+    name = "bfloat16"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.out_features = weight.shape[0]
+        self.packed = gemm.pack_bf16(weight)
+        self.amx = gemm.amx_supported()
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return gemm.linear(x, self.packed, self.out_features, bias, bits=16, amx=self.amx)
+
+    def descriptor(self, bias: torch.Tensor | None) -> list[int]:
+        kind = _kind("bfloat16_amx" if self.amx else "bfloat16")
+        return [kind, self.packed.data_ptr(), _bias_ptr(bias, self.out_features), 16, 0, 0, 0]
+
+
+class Int8Packed(WeightFormat):
+    name = "int8"
+
+    def __init__(self, packed: torch.Tensor, fmt: int, out_features: int, in_features: int,
+                 bias: torch.Tensor | None) -> None:
+        self.packed, self.fmt, self.out_features = packed, fmt, out_features
+        # The weight and the bias bound to the kernel once: ``Linear.forward`` calls it directly.
+        self.bound = gemm_int8.BoundWeight(packed, fmt, out_features, in_features, bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return gemm_int8.linear(x, self.packed, self.fmt, self.out_features, bias)
+
+    def descriptor(self, bias: torch.Tensor | None) -> list[int]:
+        return [_kind(self.name), *self.bound.pointers(), 0, 0, 0]
+
+
+def _pack_blocks(parts: list[GGUFBlocks], fmt: int) -> torch.Tensor:
+    """Tensors of one kernel format, stacked along the outputs, packed from their fields
+    ``PACK_ROWS`` outputs at a time, the file's pages released as they are read."""
+    n, k = sum(b.shape[0] for b in parts), parts[0].shape[1]
+    out = torch.empty(gemm_int8.packed_size(n, k, fmt), dtype=torch.uint8)
+    for row0 in range(0, n, PACK_ROWS):
+        rows, at = [], 0  # the parts' slices that make outputs row0 .. row0 + PACK_ROWS
+        for b in parts:
+            lo, hi = max(row0 - at, 0), min(row0 + PACK_ROWS - at, b.shape[0])
+            if lo < hi:
+                rows.append(b.take(lo, hi))
+            at += b.shape[0]
+        if fmt in (gemm_int8.K4, gemm_int8.K6):
+            d, dmin, sc, mn, q = (np.concatenate(f) for f in zip(*map(kquant_fields, rows), strict=True))
+            gemm_int8.pack_kquant(d, dmin, sc, mn, q, fmt, out, row0)
+        else:
+            d, m, q = (np.concatenate(f) for f in zip(*map(legacy_fields, rows), strict=True))
+            gemm_int8.pack_blocks(d, m, q, fmt, out, row0)
+        for b in parts:  # the file's pages read so far, out of the RSS (a 100 MB embedding's too)
+            b.release()
+    return out
+
+
+class GGUFKept:
+    """A GGUF checkpoint's blocks for one projection, per fused part, at the file's width."""
+
+    def __init__(self) -> None:
+        self.parts: dict[int, GGUFBlocks] = {}
+
+    def ordered(self) -> list[GGUFBlocks]:
+        return [self.parts[i] for i in sorted(self.parts)]
+
+    def kernel_format(self) -> int | None:
+        """The int8 kernel format of the blocks (``None``: no kernel here, or none for a type)."""
+        if not self.parts or not gemm_int8.supported():
+            return None
+        return int8_format([b.qtype for b in self.parts.values()])
+
+    def pack(self) -> tuple[torch.Tensor, int]:
+        """``(packed, format)`` for the int8 kernel, from the file's own fields."""
+        fmt = self.kernel_format()
+        assert fmt is not None, "no GGUF blocks the int8 kernel takes"
+        parts = self.ordered()
+        if fmt != gemm_int8.PARTS:
+            return _pack_blocks(parts, fmt), fmt
+        runs = []  # consecutive parts of one format packed together (a q and k beside a v)
+        for run_fmt, run in itertools.groupby(parts, key=lambda b: part_format(b.qtype)):
+            blocks = list(run)
+            assert run_fmt is not None
+            runs.append((_pack_blocks(blocks, run_fmt), run_fmt, sum(b.shape[0] for b in blocks)))
+        return gemm_int8.pack_parts(runs), fmt
+
+    def dense(self) -> torch.Tensor:
+        """The blocks dequantized to float32 (``gguf``'s dequantizer; a new tensor)."""
+        return torch.cat([b.dequantize() for b in self.ordered()])
+
+
+def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype,
+                int8: bool) -> WeightFormat | None:
+    """A float weight packed for the kernel the numerics chose, or ``None`` where no kernel takes it
+    here: with ``int8``, a weight that is exactly GGUF blocks goes to the int8 kernel (which runs
+    without AVX-512, so it is asked first), else to ``compute_dtype``'s."""
+    if int8 and gemm_int8.supported():
+        packed = gemm_int8.pack(weight)
+        if packed is not None:
+            return Int8Packed(packed[0], packed[1], weight.shape[0], weight.shape[1], bias)
+    if not gemm.usable(weight):
+        return None
+    if compute_dtype == torch.bfloat16:
+        return Bfloat16Packed(weight) if gemm.bf16_supported() else None
+    return Float32Packed(weight)
