@@ -13,7 +13,7 @@ residual go from stage to stage.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -22,7 +22,7 @@ from torch import nn
 
 from pagellm.attention import AttentionMetadata
 from pagellm.distributed import PipelineStage, TensorParallelGroup
-from pagellm.kernels import gemm, gemm_int8
+from pagellm.kernels import gemm
 from pagellm.kernels.decode_graph import DecodeGraph
 from pagellm.layers.activation import SiluAndMul, gated_activation
 from pagellm.layers.linear import Linear
@@ -30,8 +30,9 @@ from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_shard
 from pagellm.layers.rotary import ApplyRotary, MRotaryEmbedding, RotaryEmbedding
 from pagellm.layers.weight_formats import Bfloat16Packed, Int8Packed
+from pagellm.models.cpu_packing import keep_gguf_blocks
 from pagellm.models.decode_graph import decode_group
-from pagellm.weights.gguf_quant import GGUFBlocks, int8_format
+from pagellm.weights.gguf_quant import GGUFBlocks
 
 
 def rope_parameters(config: Any, layer_type: str | None = None) -> tuple[float, dict[str, Any] | None]:
@@ -322,7 +323,7 @@ class DecoderForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         vocab = self.model.embed_tokens.vocab_range  # the LM head's rows are the embedding's
         self.lm_head = None if self.tie_word_embeddings else ColumnParallelLinear(config.hidden_size, [vocab], False)
-        # A tied LM head, made by ``pack_for_cpu`` to hold the embedding's packed copy.
+        # A tied LM head, made by ``cpu_packing.pack_for_cpu`` to hold the embedding's packed copy.
         self.tied_head: Linear | None = None
         self.tied_head_blocks: GGUFBlocks | None = None
 
@@ -331,6 +332,13 @@ class DecoderForCausalLM(nn.Module):
                 decode_graph: DecodeGraph | None = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | None:
         return self.model(input_ids, positions, kv_caches, meta, decode_graph, inputs_embeds)
+
+    @staticmethod
+    def rope_positions(layout: list[tuple[int, int, int, int, int]] | None, start: int, n: int) -> list[list[int]]:
+        """The positions rotary embedding reads for tokens ``[start, start + n)``, one row per rotary
+        section (a model's own hook, so the runner needs no model's rule): plain positions here,
+        three rows; Qwen2-VL's M-RoPE derives them from the request's image ``layout``."""
+        return [list(range(start, start + n))] * 3
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings (a vision-language model's runner writes image rows over some)."""
@@ -344,66 +352,6 @@ class DecoderForCausalLM(nn.Module):
         if self.final_logit_softcap is not None:
             logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
         return self.tp.all_gather_last_dim(logits, embed.vocab_sizes)
-
-    def pack_for_cpu(self, compute_dtype: torch.dtype = torch.float32, int8: bool = False,
-                     after_each: Callable[[], None] | None = None) -> int:
-        """After ``load_weights``: pack every projection and the LM head for the CPU GEMM kernel
-        (``layers/linear.py``) where it can run, for ``compute_dtype`` GEMMs (float32 or
-        bfloat16; with ``int8``, the int8 kernel for weights stored as GGUF blocks); a tied head's
-        packed copy is held here. Returns how many weights the int8 kernel took. ``after_each``
-        runs after each projection (the worker hands the heap's free memory back there, so the
-        transient fields of packing do not pile up into the load's peak)."""
-        embed = self.model.embed_tokens
-        tied = self.tied_head_blocks
-        # The embedding's blocks are kept only where no float copy is needed: the LM head is its own
-        # weight, or takes the same blocks on the int8 kernel.
-        keep_embed = int8 and gemm_int8.supported() and (
-            self.lm_head is not None or (tied is not None and int8_format([tied.qtype]) is not None))
-        if not keep_embed:
-            embed.materialize()
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack_for_cpu(compute_dtype, int8)
-                if after_each is not None:
-                    after_each()
-        if self.lm_head is None and self.tied_head is None:
-            with torch.device("meta"):
-                head = Linear(embed.embedding_dim, embed.num_embeddings, bias=False)
-            head.weight = embed.weight  # shared: batches past the kernel's read the embedding itself
-            if self.tied_head_blocks is not None and int8:
-                head.load_gguf_blocks(self.tied_head_blocks, None)
-                if head.gguf_format() is None:
-                    head.gguf_kept = None  # (the embedding holds its floats already)
-            self.tied_head_blocks = None
-            if head.pack_for_cpu(compute_dtype, int8):
-                self.tied_head = head
-        if embed.gguf_blocks is not None:
-            embed.weight = nn.Parameter(torch.empty(embed.weight.shape, device="meta"), requires_grad=False)
-        return sum(isinstance(m.weight_format, Int8Packed) for m in self.modules()
-                   if isinstance(m, Linear))  # tied_head included
-
-    @staticmethod
-    def _keep_blocks(module: nn.Module, param: torch.Tensor, target: str, shard_idx: int | None,
-                     blocks: GGUFBlocks) -> list[str]:
-        """Hand a GGUF tensor's blocks to its module at their width; the loaded names, or none where
-        the module needs a float copy. (An embedding kept as blocks reads its rows from the file's
-        read-only mapping as tokens need them: only the pages of rows used count in the RSS.)"""
-        if (isinstance(module, VocabParallelEmbedding) and module.tp.world_size == 1
-                and tuple(param.shape) == blocks.shape):
-            module.gguf_blocks = blocks
-            return [target]
-        if not isinstance(module, Linear) or param.shape[1] != blocks.shape[1]:
-            return []
-        fused_sizes = getattr(module, "full_sizes", None)
-        if shard_idx is None and fused_sizes is not None and len(fused_sizes) > 1 \
-                and tuple(param.shape) == blocks.shape:
-            at = 0  # a fused layer stored fused (Phi-3) and held whole: each part its rows' blocks
-            for i, size in enumerate(fused_sizes):
-                module.load_gguf_blocks(blocks.take(at, at + size), i)
-                at += size
-            return [f"{target}#{i}" for i in range(len(fused_sizes))]
-        module.load_gguf_blocks(blocks, shard_idx)
-        return [target if shard_idx is None else f"{target}#{shard_idx}"]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded_elsewhere: Iterable[str] = ()) -> None:
         """Copy HF-named tensors into the (fused, sharded) parameters; missing or unexpected names raise.
@@ -439,7 +387,7 @@ class DecoderForCausalLM(nn.Module):
             if isinstance(tensor, GGUFBlocks):
                 if name == "model.embed_tokens.weight" and self.lm_head is None:
                     self.tied_head_blocks = tensor  # the tied LM head may take the file's blocks
-                kept = self._keep_blocks(module, param, target, shard_idx, tensor)
+                kept = keep_gguf_blocks(module, param, target, shard_idx, tensor)
                 if kept:
                     loaded.update(kept)
                     continue

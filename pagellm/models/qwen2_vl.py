@@ -200,6 +200,11 @@ class Qwen2VLForConditionalGeneration(DecoderForCausalLM):
         self.visual = Qwen2VisionTransformer(config.vision_config, text.hidden_size, self.v25)
         self.spatial_merge_size = config.vision_config.spatial_merge_size
 
+    @staticmethod
+    def rope_positions(layout: list[tuple[int, int, int, int, int]] | None, start: int, n: int) -> list[list[int]]:
+        """M-RoPE's (t, h, w) rows: from the images' grids where the request has images."""
+        return mrope_positions(layout, start, n) if layout else DecoderForCausalLM.rope_positions(None, start, n)
+
     def encode_images(self, images: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Each image's rows for the text model (``[t * h * w / merge^2, hidden]``), all images in one
         pass (attention stays within each image)."""

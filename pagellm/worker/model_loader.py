@@ -21,6 +21,7 @@ from pagellm.layers.custom_op import select_kernels
 from pagellm.layers.linear import Linear
 from pagellm.layers.moe import SparseMoeBlock
 from pagellm.models import BASE_MODELS, get_model_class
+from pagellm.models.cpu_packing import pack_for_cpu
 from pagellm.models.decoder import DecoderForCausalLM
 from pagellm.pooling_params import PoolingInfo
 from pagellm.weights import freq_factors, iter_weights, load_model_config
@@ -241,8 +242,8 @@ class ModelLoader:
                         time.perf_counter() - start)
         weight_types = gguf_weight_types(model)
         packed_int8 = 0
-        if self.cpu_numerics and hasattr(model, "pack_for_cpu"):
-            packed_int8 = model.pack_for_cpu(numerics.compute_dtype, numerics.int8, after_each=trim)
+        if self.cpu_numerics:
+            packed_int8 = pack_for_cpu(model, numerics.compute_dtype, numerics.int8, after_each=trim)
             trim()
         if weight_types:
             logger.info("numerics: GGUF projections %s", ", ".join(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,12 +24,13 @@ from pagellm.layers.custom_op import select_kernels
 from pagellm.layers.pooler import Pooler
 from pagellm.lora.layers import ModelLoRA
 from pagellm.models.decode_graph import DecodeGraphCapture
-from pagellm.models.decoder import DecoderForCausalLM
-from pagellm.models.qwen2_vl import mrope_positions
 from pagellm.sampling.rejection_sampler import DraftSpan, rejection_sample
 from pagellm.sampling.sampler import Sampler, SamplingRow, apply_token_bitmask
 from pagellm.worker.cuda_graph import CudaGraphRunner
 from pagellm.worker.draft_runner import DraftRunner
+
+if TYPE_CHECKING:  # (the runner runs any model through the decoder's interface; it imports none)
+    from pagellm.models.decoder import DecoderForCausalLM
 
 # Prompt positions scored per logits call: bounds the float32 vocabulary rows a step holds.
 PROMPT_LOGPROBS_ROWS = 256
@@ -233,7 +234,8 @@ class ModelRunner:
         if s.mm_spans:
             _image_rows(s.mm_spans, start, n, row, mm_segments)
         if mrope is not None:
-            _extend_mrope(mrope, s, start, n)
+            for axis, x in zip(mrope, self.model.rope_positions(s.mrope_layout, start, n), strict=True):
+                axis.extend(x)
         if s.sampling_params.prompt_logprobs is not None:
             _prompt_positions(s, start, n, row, prompt_lp)
         if self.pooler is not None:
@@ -389,14 +391,3 @@ def _image_rows(spans: list[tuple[int, int, str]], start: int, n: int, row0: int
         lo, hi = max(start, offset), min(start + n, offset + length)
         if lo < hi:
             out.append((row0 + lo - start, h, lo - offset, hi - lo))
-
-
-def _extend_mrope(rows: list[list[int]], s: ScheduledSequence, start: int, n: int) -> None:
-    """The M-RoPE positions of ``s``'s tokens ``[start, start + n)`` onto ``rows`` (a request without
-    images: its plain positions, three times)."""
-    if s.mrope_layout:
-        for row, x in zip(rows, mrope_positions(s.mrope_layout, start, n), strict=True):
-            row.extend(x)
-    else:
-        for row in rows:
-            row.extend(range(start, start + n))

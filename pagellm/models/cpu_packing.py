@@ -1,0 +1,82 @@
+"""A decoder's weights made ready for the CPU's GEMM kernels after loading: which GGUF tensors stay
+at the file's width (``keep_gguf_blocks``, while loading) and every projection and the LM head
+packed into its weight format (``pack_for_cpu``, once the numerics are chosen). The decoder itself
+holds architecture only; each format's packing is ``layers/weight_formats.py``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from pagellm.kernels import gemm_int8
+from pagellm.layers.linear import Linear
+from pagellm.layers.parallel import VocabParallelEmbedding
+from pagellm.layers.weight_formats import Int8Packed
+from pagellm.weights.gguf_quant import GGUFBlocks, int8_format
+
+if TYPE_CHECKING:
+    from pagellm.models.decoder import DecoderForCausalLM
+
+
+def pack_for_cpu(model: DecoderForCausalLM, compute_dtype: torch.dtype = torch.float32, int8: bool = False,
+                 after_each: Callable[[], None] | None = None) -> int:
+    """After ``load_weights``: pack every projection and the LM head for the CPU GEMM kernel
+    (``layers/linear.py``) where it can run, for ``compute_dtype`` GEMMs (float32 or
+    bfloat16; with ``int8``, the int8 kernel for weights stored as GGUF blocks); a tied head's
+    packed copy is held here. Returns how many weights the int8 kernel took. ``after_each``
+    runs after each projection (the worker hands the heap's free memory back there, so the
+    transient fields of packing do not pile up into the load's peak)."""
+    embed = model.model.embed_tokens
+    tied = model.tied_head_blocks
+    # The embedding's blocks are kept only where no float copy is needed: the LM head is its own
+    # weight, or takes the same blocks on the int8 kernel.
+    keep_embed = int8 and gemm_int8.supported() and (
+        model.lm_head is not None or (tied is not None and int8_format([tied.qtype]) is not None))
+    if not keep_embed:
+        embed.materialize()
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.pack_for_cpu(compute_dtype, int8)
+            if after_each is not None:
+                after_each()
+    if model.lm_head is None and model.tied_head is None:
+        with torch.device("meta"):
+            head = Linear(embed.embedding_dim, embed.num_embeddings, bias=False)
+        head.weight = embed.weight  # shared: batches past the kernel's read the embedding itself
+        if model.tied_head_blocks is not None and int8:
+            head.load_gguf_blocks(model.tied_head_blocks, None)
+            if head.gguf_format() is None:
+                head.gguf_kept = None  # (the embedding holds its floats already)
+        model.tied_head_blocks = None
+        if head.pack_for_cpu(compute_dtype, int8):
+            model.tied_head = head
+    if embed.gguf_blocks is not None:
+        embed.weight = nn.Parameter(torch.empty(embed.weight.shape, device="meta"), requires_grad=False)
+    return sum(isinstance(m.weight_format, Int8Packed) for m in model.modules()
+               if isinstance(m, Linear))  # tied_head included
+
+
+def keep_gguf_blocks(module: nn.Module, param: torch.Tensor, target: str, shard_idx: int | None,
+                     blocks: GGUFBlocks) -> list[str]:
+    """Hand a GGUF tensor's blocks to its module at their width; the loaded names, or none where
+    the module needs a float copy. (An embedding kept as blocks reads its rows from the file's
+    read-only mapping as tokens need them: only the pages of rows used count in the RSS.)"""
+    if (isinstance(module, VocabParallelEmbedding) and module.tp.world_size == 1
+            and tuple(param.shape) == blocks.shape):
+        module.gguf_blocks = blocks
+        return [target]
+    if not isinstance(module, Linear) or param.shape[1] != blocks.shape[1]:
+        return []
+    fused_sizes = getattr(module, "full_sizes", None)
+    if shard_idx is None and fused_sizes is not None and len(fused_sizes) > 1 \
+            and tuple(param.shape) == blocks.shape:
+        at = 0  # a fused layer stored fused (Phi-3) and held whole: each part its rows' blocks
+        for i, size in enumerate(fused_sizes):
+            module.load_gguf_blocks(blocks.take(at, at + size), i)
+            at += size
+        return [f"{target}#{i}" for i in range(len(fused_sizes))]
+    module.load_gguf_blocks(blocks, shard_idx)
+    return [target if shard_idx is None else f"{target}#{shard_idx}"]
