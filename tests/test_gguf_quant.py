@@ -354,3 +354,21 @@ def test_kquant_gguf_runs_its_blocks_on_the_int8_kernel(kquant_gguf, caplog):
     # gives tokens outside float32's top 5, or divergences at wide gaps.)
     gaps = check_logprobs_close(got, ref)
     assert all(g <= MAX_GAP["int8"] for g in gaps), f"divergences at logprob gaps {gaps}"
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0])
+def test_embedding_rows_are_gguf_dequantizer_rows_few_or_many(qtype):
+    """``gather_rows`` (an embedding kept as blocks): a decode step's few ids (read from their fields
+    directly) and a prefill's many (deduplicated, through ``gguf``) give ``gguf.dequantize``'s rows bit
+    for bit, with a row order (llama's q/k permutation style) and without."""
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((300, 128)) * 0.05).astype(np.float32)
+    data = gguf.quantize(w, qtype)
+    ref = gguf.dequantize(data, qtype).reshape(300, 128)
+    order = rng.permutation(300)
+    for blocks, rows in ((gq.GGUFBlocks(data, qtype, (300, 128)), ref),
+                         (gq.GGUFBlocks(data, qtype, (300, 128), order), ref[order])):
+        for ids in (torch.tensor([7]), torch.tensor([[3, 3], [299, 0]]), torch.randint(0, 300, (gq.FEW_ROWS + 1,))):
+            got = blocks.gather_rows(ids)
+            assert got.dtype == torch.float32 and got.shape == (*ids.shape, 128)
+            assert torch.equal(got, torch.from_numpy(rows[ids.numpy()])), (qtype, ids.shape)
