@@ -10,6 +10,7 @@ from pagellm.distributed import TensorParallelGroup
 from pagellm.kernels import gemm
 from pagellm.layers.linear import Linear
 from pagellm.layers.moe import FusedMoE, SparseMoeBlock
+from pagellm.layers.weight_formats import GroupedExperts
 from pagellm.models.decoder import MLP
 
 from conftest import require_f32_gemm_kernel
@@ -78,7 +79,7 @@ def test_a_tokens_output_does_not_depend_on_its_batch():
         alone = torch.cat([block(x[i:i + 1]) for i in range(64)])
         _, ids = block.route(x)
     assert ids.unique().numel() == 8  # every expert shared by several tokens
-    assert isinstance(block.experts._grouped, tuple)  # (all experts in one call per projection)
+    assert isinstance(block.experts._grouped, GroupedExperts)  # (all experts in one call per projection)
     assert torch.equal(whole, alone)
 
 
@@ -102,7 +103,7 @@ def test_all_experts_in_one_call_equal_the_experts_one_by_one(dtype):
     with torch.no_grad():
         grouped = block(x)
         grouped_kind = block.experts._grouped
-        assert isinstance(grouped_kind, tuple) and grouped_kind[0] == (16 if dtype == torch.bfloat16 else 32)
+        assert isinstance(grouped_kind, GroupedExperts) and grouped_kind.bits == (16 if dtype == torch.bfloat16 else 32)
         block.experts._grouped = None  # (checked already: the experts now run one by one)
         one_by_one = block(x)
     assert torch.equal(grouped, one_by_one)

@@ -25,12 +25,12 @@ import torch
 from torch import nn
 
 from pagellm.distributed import TensorParallelGroup
-from pagellm.kernels import cpu_ops, gemm
+from pagellm.kernels import cpu_ops
 from pagellm.layers.activation import gated_activation
 from pagellm.layers.custom_op import CustomOp
 from pagellm.layers.linear import Linear
 from pagellm.layers.parallel import copy_shard
-from pagellm.layers.weight_formats import Bfloat16Packed, Float32Packed
+from pagellm.layers.weight_formats import GroupedExperts
 from pagellm.weights.gguf_quant import GGUFBlocks
 
 # Which fused tensor and part a per-expert checkpoint tensor fills: (w13 part 0 | 1) or w2.
@@ -75,9 +75,9 @@ class FusedMoE(nn.Module):
         self.w2 = nn.ModuleList(Linear(inter, hidden_size, bias=False) for _ in range(num_experts))
         self.act_fn = gated_activation(config)
         self.combine = CombineExperts()
-        # (bits, amx, w13 addresses, w2 addresses) once every expert is packed for a grouped kind
-        # (looked at on the first forward, after packing); None: the experts run one by one.
-        self._grouped: tuple[int, bool, torch.Tensor, torch.Tensor] | None = None
+        # Every expert in one call per projection, once all are packed for one float kernel (looked
+        # at on the first forward, after packing); None: the experts run one by one.
+        self._grouped: GroupedExperts | None = None
         self._grouped_checked = False
 
     def _projection(self, which: str, expert: int) -> Linear:
@@ -110,30 +110,13 @@ class FusedMoE(nn.Module):
                              "(blocks are kept in one process only)")
         linear.load_gguf_blocks(blocks, part)
 
-    def _grouped_kind(self) -> tuple[int, bool, torch.Tensor, torch.Tensor] | None:
-        """How one call can run every expert's projections: ``(bits, amx, w13 addresses, w2
-        addresses)``, or ``None`` where some expert is not packed for the float32 or bfloat16 kernel."""
+    def _grouped_kind(self) -> GroupedExperts | None:
+        """The experts as one grouped format, or ``None`` where some expert is not packed for the
+        float32 or bfloat16 kernel (looked at once, on the first forward after packing)."""
         if not self._grouped_checked:
-            self._grouped, self._grouped_checked = self._grouped_tables(), True
+            formats = [[e.weight_format for e in ps if isinstance(e, Linear)] for ps in (self.w13, self.w2)]
+            self._grouped, self._grouped_checked = GroupedExperts.of(formats[0], formats[1]), True
         return self._grouped
-
-    def _grouped_tables(self) -> tuple[int, bool, torch.Tensor, torch.Tensor] | None:
-        w13 = [e for e in self.w13 if isinstance(e, Linear)]
-        w2 = [e for e in self.w2 if isinstance(e, Linear)]
-        # (None: an expert on the int8 kernel or not packed; experts have no bias.)
-        formats = [e.weight_format for e in (*w13, *w2)]
-        kinds = {(16, f.amx) if isinstance(f, Bfloat16Packed) else (32, False) if isinstance(f, Float32Packed) else None
-                 for f in formats}
-        if len(kinds) != 1 or None in kinds:
-            return None
-        kind = kinds.pop()
-        assert kind is not None
-        bits, amx = kind
-
-        def addresses(linears: list[Linear]) -> torch.Tensor:
-            packed = [f.packed for e in linears if isinstance(f := e.weight_format, (Bfloat16Packed, Float32Packed))]
-            return torch.tensor([w.data_ptr() for w in packed], dtype=torch.int64)
-        return bits, bool(amx), addresses(w13), addresses(w2)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         t, k = ids.shape
@@ -146,11 +129,9 @@ class FusedMoE(nn.Module):
         grouped = self._grouped_kind()
         rows = x.index_select(0, order // k)
         if grouped is not None:
-            bits, amx, w13, w2 = grouped
             offsets = torch.zeros(self.num_experts + 1, dtype=torch.int64)
             torch.cumsum(counts, 0, out=offsets[1:])
-            h = gemm.linear_grouped(rows, w13, offsets, 2 * self.part[1], bits, amx)
-            y = gemm.linear_grouped(self.act_fn(h), w2, offsets, x.shape[1], bits, amx)
+            y = grouped.run(rows, offsets, self.act_fn, 2 * self.part[1], x.shape[1])
         else:
             y = torch.empty_like(rows)
             start = 0

@@ -8,6 +8,7 @@ matmul, its decode-graph descriptor and its name on the start-up numerics line.
   weight that is exactly such blocks, or from ``quantization="q8_0"``; the bias bound once.
 - ``GGUFKept``: a checkpoint's blocks kept at their width until the numerics are chosen (the float
   weight is never written unless they go to a float kernel: ``dense``).
+- ``GroupedExperts``: a mixture-of-experts layer's experts, all of one float format, in one call.
 
 ``Linear`` (``layers/linear.py``) holds one of the first three once packed, else runs ``F.linear``.
 """
@@ -15,7 +16,7 @@ matmul, its decode-graph descriptor and its name on the start-up numerics line.
 from __future__ import annotations
 
 import itertools
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -183,3 +184,30 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: 
     if compute_dtype == torch.bfloat16:
         return Bfloat16Packed(weight) if gemm.bf16_supported() else None
     return Float32Packed(weight)
+
+
+class GroupedExperts:
+    """A mixture-of-experts layer's projections as one table of packed weights per projection, run
+    in one ``gemm.linear_grouped`` call over every expert's rows: possible where every expert is
+    packed for the same float kernel (int8 or unpacked experts run one by one)."""
+
+    def __init__(self, bits: int, amx: bool, w13: list[torch.Tensor], w2: list[torch.Tensor]) -> None:
+        self.bits, self.amx = bits, amx
+        self.w13 = torch.tensor([w.data_ptr() for w in w13], dtype=torch.int64)
+        self.w2 = torch.tensor([w.data_ptr() for w in w2], dtype=torch.int64)
+
+    @classmethod
+    def of(cls, w13: list[WeightFormat | None], w2: list[WeightFormat | None]) -> GroupedExperts | None:
+        kinds = {(16, f.amx) if isinstance(f, Bfloat16Packed) else (32, False) if isinstance(f, Float32Packed)
+                 else None for f in (*w13, *w2)}
+        if len(kinds) != 1 or None in kinds:
+            return None
+        (kind,) = kinds
+        assert kind is not None
+        packed = [[f.packed for f in fs if isinstance(f, (Bfloat16Packed, Float32Packed))] for fs in (w13, w2)]
+        return cls(kind[0], kind[1], packed[0], packed[1])
+
+    def run(self, rows: torch.Tensor, offsets: torch.Tensor, act_fn: Any, n13: int, hidden: int) -> torch.Tensor:
+        """``rows`` grouped by expert (``offsets [E + 1]``) through w13, the activation and w2."""
+        h = gemm.linear_grouped(rows, self.w13, offsets, n13, self.bits, self.amx)
+        return gemm.linear_grouped(act_fn(h), self.w2, offsets, hidden, self.bits, self.amx)
