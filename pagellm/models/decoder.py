@@ -338,7 +338,7 @@ class DecoderForCausalLM(nn.Module):
         """The positions rotary embedding reads for tokens ``[start, start + n)``, one row per rotary
         section (a model's own hook, so the runner needs no model's rule): plain positions here,
         three rows; Qwen2-VL's M-RoPE derives them from the request's image ``layout``."""
-        return [list(range(start, start + n))] * 3
+        return [list(range(start, start + n)) for _ in range(3)]  # (three lists: no row aliases another)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings (a vision-language model's runner writes image rows over some)."""

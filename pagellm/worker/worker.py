@@ -95,12 +95,22 @@ class Worker:
         if self.pp.num_stages > 1:
             logger.info("pipeline stage %d of %d (global rank %d)", self.pp.stage, self.pp.num_stages, rank)
         self.loader = ModelLoader(config, self.device, self.tp, self.pp)
-        self.dtype, self.cpu_numerics, self.numerics = self.loader.dtype, self.loader.cpu_numerics, self.loader.numerics
+        self.numerics = self.loader.numerics  # (the loaded model's, from load_model on)
         self.cache_engine: CacheEngine | None = None
         self.model_runner: ModelRunner | None = None
         self.step_seconds, self.num_steps = 0.0, 0
         self.kv_connector: KVConnectorWorker | None = None  # (built with the cache)
         self._kv_memory: HostKVMemory | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's tensors' dtype (the loader's choice for this device and ``dtype``)."""
+        return self.loader.dtype
+
+    @property
+    def cpu_numerics(self) -> bool:
+        """Whether GEMM numerics are chosen per machine (a CPU with its kernels)."""
+        return self.loader.cpu_numerics
 
     def load_model(self) -> ModelInfo:
         cache = self.config.cache
