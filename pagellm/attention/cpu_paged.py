@@ -61,6 +61,18 @@ class CpuPagedAttention(TorchPagedAttention):
     def uses_kernels(self) -> bool:
         return self.decode_kernel or self.prefill_kernel or self.write_kv_kernel
 
+    @property
+    def takes_decode_table(self) -> bool:  # type: ignore[override]
+        """The decode kernel reads any table width in place (bfloat16 tiles prefill the decodes instead)."""
+        return self.decode_kernel and not self.prefill_bf16_tiles
+
+    def _decode_table_group(self, decode_lens: list[int],
+                            decode_table: torch.Tensor) -> tuple[list[AttentionGroup], list[int]]:
+        n = len(decode_lens)
+        group = AttentionGroup(AttentionKind.DECODE_KERNEL, 0, n, n, 1, decode_table, None,
+                               seq_lens=torch.tensor(decode_lens, dtype=torch.long))
+        return [group], list(range(n))
+
     # ------------------------------------------------------------------ metadata
     def _decode_groups(self, decode_lens: list[int], decode_block_tables: list[list[int]], block_size: int,
                        device: torch.device) -> tuple[list[AttentionGroup], list[int]]:

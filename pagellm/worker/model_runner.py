@@ -28,6 +28,7 @@ from pagellm.sampling.rejection_sampler import DraftSpan, rejection_sample
 from pagellm.sampling.sampler import Sampler, SamplingRow, apply_token_bitmask
 from pagellm.worker.cuda_graph import CudaGraphRunner
 from pagellm.worker.draft_runner import DraftRunner
+from pagellm.worker.input_batch import InputBatch
 
 if TYPE_CHECKING:  # (the runner runs any model through the decoder's interface; it imports none)
     from pagellm.models.decoder import DecoderForCausalLM
@@ -58,7 +59,7 @@ class DraftRun:
 
 
 @dataclass(slots=True)
-class InputBatch:
+class FlatBatch:
     """One step's flat batch (``prepare_inputs``) and what is sampled from it."""
 
     input_ids: torch.Tensor
@@ -107,6 +108,8 @@ class ModelRunner:
         # A vision-language model's encoder outputs by image hash (what the scheduler's
         # EncoderCacheManager says this worker holds).
         self.encoder_cache: dict[str, torch.Tensor] = {}
+        # The running sequences' block tables and sampling rows, kept across steps.
+        self.input_batch = InputBatch()
 
     def _generator(self, seq_id: int, seed: int | None, index: int = 0) -> torch.Generator | None:
         """The RNG of sequence ``seq_id``, created on its first sample. Sample ``index`` of a request
@@ -128,6 +131,8 @@ class ModelRunner:
             self.generators.pop(seq_id, None)
             if self.pooler is not None:
                 self.pooler.forget(seq_id)
+        if so.finished_seq_ids:
+            self.input_batch.remove(so.finished_seq_ids)
         for h in so.freed_encoder_hashes:
             self.encoder_cache.pop(h, None)
         if not so.scheduled:
@@ -159,7 +164,7 @@ class ModelRunner:
         result.encoder_seconds = t_encoded - t0
         return result
 
-    def prepare_inputs(self, so: SchedulerOutput) -> InputBatch:
+    def prepare_inputs(self, so: SchedulerOutput) -> FlatBatch:
         """The flat batch (module docstring): decodes first, then each prefill chunk.
 
         A sequence verifying drafts is one decode row per position (each attending to the cache
@@ -174,7 +179,12 @@ class ModelRunner:
         decode_lens = [s.num_computed_tokens + i + 1 for s, i in decodes]
         decode_tables = [s.block_ids for s, _ in decodes]
         chunk_specs = [(s.num_computed_tokens, s.num_scheduled_tokens, s.block_ids) for s in chunks]
-        meta = self.attn_backend.build_metadata(decode_lens, decode_tables, chunk_specs, bs, self.device)
+        # Plain decodes read their block tables in place from the persistent batch, where the backend can.
+        table = self.input_batch.decode_table([s for s, _ in decodes]) \
+            if decodes and self.attn_backend.takes_decode_table and len(decodes) == len(so.scheduled) - len(chunks) \
+            else None
+        meta = self.attn_backend.build_metadata(decode_lens, decode_tables, chunk_specs, bs, self.device,
+                                                decode_table=table)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -219,7 +229,7 @@ class ModelRunner:
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
         if mrope is not None:  # (three equal rows, as in a decode-only step: plain RoPE, decode graphs apply)
             positions = mrope if mrope[0] != mrope[1] or mrope[0] != mrope[2] else mrope[0]  # type: ignore[assignment]
-        batch = InputBatch(torch.tensor(input_ids, dtype=torch.long, device=self.device),
+        batch = FlatBatch(torch.tensor(input_ids, dtype=torch.long, device=self.device),
                            torch.tensor(positions, dtype=torch.long, device=self.device), meta,
                            decode_lens, decode_tables, chunk_specs, logits_rows, sample_seqs,
                            mm_segments=mm_segments, prompt_lp=prompt_lp, pool_spans=pool_spans)
@@ -241,7 +251,7 @@ class ModelRunner:
         if self.pooler is not None:
             pool_spans.append((s.seq_id, row, start, n, len(s.prompt_token_ids)))
 
-    def _plan_sampling(self, batch: InputBatch) -> None:
+    def _plan_sampling(self, batch: FlatBatch) -> None:
         """Each logits row's sampling: a request's first sample with n > 1 draws one token per
         future fork from the same row; a sequence with drafts has one row per position."""
         r = 0
@@ -255,11 +265,10 @@ class ModelRunner:
                 continue
             for j, seq_id in enumerate(s.sample_seq_ids or [s.seq_id]):
                 gen = self._generator(seq_id, s.sampling_params.seed, j)
-                batch.plain.append(PlainSample(r, seq_id, s.seq_id, SamplingRow(
-                    s.sampling_params, s.prompt_token_ids, s.output_token_ids, gen)))
+                batch.plain.append(PlainSample(r, seq_id, s.seq_id, self.input_batch.sampling_row(s, seq_id, gen)))
             r += 1
 
-    def forward(self, batch: InputBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+    def forward(self, batch: FlatBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """The model over the batch (a decode-only step through its decode graph where one
         applies); the draft model's K/V follow the target's, token for token."""
         if batch.mm_segments:  # (image rows: the first layer's input is given)
@@ -319,14 +328,14 @@ class ModelRunner:
         for (h, _), rows in zip(inputs, encode_images(images), strict=True):
             self.encoder_cache[h] = rows
 
-    def embed_with_images(self, batch: InputBatch) -> torch.Tensor:
+    def embed_with_images(self, batch: FlatBatch) -> torch.Tensor:
         """The token embeddings with each image's rows written over its placeholders."""
         x = self.model.embed_input_ids(batch.input_ids)
         for row, h, first, n in batch.mm_segments:
             x[row:row + n] = self.encoder_cache[h][first:first + n].to(x.dtype)
         return x
 
-    def sample(self, batch: InputBatch, logits: torch.Tensor, so: SchedulerOutput, result: ModelRunnerOutput) -> None:
+    def sample(self, batch: FlatBatch, logits: torch.Tensor, so: SchedulerOutput, result: ModelRunnerOutput) -> None:
         """The plain rows: grammar masks, then the sampler; ``result.sampled`` per sequence."""
         if not batch.plain:
             return
@@ -340,7 +349,7 @@ class ModelRunner:
         result.sampled = {p.seq_id: SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
                           for i, p in enumerate(batch.plain)}
 
-    def verify_drafts(self, batch: InputBatch, logits: torch.Tensor, result: ModelRunnerOutput) -> None:
+    def verify_drafts(self, batch: FlatBatch, logits: torch.Tensor, result: ModelRunnerOutput) -> None:
         """The rejection sampler over every draft run: the accepted drafts in ``spec_accepted``,
         the token after them (a correction or the bonus token) in ``sampled``."""
         if not batch.drafts:
@@ -358,7 +367,7 @@ class ModelRunner:
             result.sampled[d.seq.seq_id] = tokens.pop()
             result.spec_accepted[d.seq.seq_id] = tokens
 
-    def propose_drafts(self, so: SchedulerOutput, batch: InputBatch,
+    def propose_drafts(self, so: SchedulerOutput, batch: FlatBatch,
                        result: ModelRunnerOutput) -> dict[int, tuple[int, list[int]]]:
         """The draft model's proposals from each listed sequence's last emitted token."""
         assert self.draft is not None

@@ -1,0 +1,118 @@
+"""The persistent input batch: one row per running sequence, kept across steps (vLLM V1's ``InputBatch``).
+
+A step changes little of a running batch: each decode appends one token and, every
+``block_size`` tokens, one block. Rebuilding the block tables from the scheduler's lists costs a
+nested ``torch.tensor`` per step; here each sequence keeps a row of a persistent int64 table,
+updated from the step's delta (the block ids appended since the last step, or the whole row where
+the list was replaced: preemption, swap-in, a copy-on-write of the last block). The decodes of a
+step occupy rows ``0 .. B-1`` in the step's order, so their block table is a contiguous view
+(``table[:B]``) handed to the attention kernels and the decode graph as is::
+
+    rows:    0: seq 7  [12 13 14  0 ...]     decodes this step: 7, 3  ->  table[:2]
+             1: seq 3  [ 4  9  0  0 ...]
+             2: seq 5  [ 2  0  0  0 ...]     (running, not decoding this step)
+
+A row's entries past its sequence's blocks are stale or zero; the kernels read only the blocks
+that ``seq_lens`` covers, so they never see them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagellm.core.scheduler_output import ScheduledSequence
+from pagellm.sampling.sampler import SamplingRow
+
+
+class InputBatch:
+    """Rows of block ids (and cached sampling rows) by sequence, persistent across steps."""
+
+    def __init__(self, rows: int = 8, width: int = 16) -> None:
+        self.block_table = torch.zeros(rows, width, dtype=torch.int64)
+        self._np = self.block_table.numpy()
+        self.seq_ids: list[int] = []  # row -> sequence
+        self.row_of: dict[int, int] = {}
+        self._blocks: list[list[int]] = []  # row -> its block ids as last applied (the delta's base)
+        self._sampling: dict[int, SamplingRow] = {}
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.seq_ids)
+
+    def remove(self, seq_ids: list[int]) -> None:
+        """Drop finished sequences; the rows after each move up (order is kept)."""
+        gone = {s for s in seq_ids if s in self.row_of}
+        for s in seq_ids:
+            self._sampling.pop(s, None)
+        if not gone:
+            return
+        keep = [r for r, s in enumerate(self.seq_ids) if s not in gone]
+        self._reorder(keep)
+
+    def decode_table(self, seqs: list[ScheduledSequence]) -> torch.Tensor:
+        """The block table of ``seqs`` (this step's decodes, in flat order): ``[B, width]``, a
+        contiguous view of rows ``0 .. B-1`` after bringing those sequences there."""
+        ids = [s.seq_id for s in seqs]
+        for s in seqs:
+            if s.seq_id not in self.row_of:
+                self._add(s.seq_id)
+        if self.seq_ids[:len(ids)] != ids:
+            first = [self.row_of[i] for i in ids]
+            taken = set(first)
+            self._reorder(first + [r for r in range(self.num_rows) if r not in taken])
+        for row, s in enumerate(seqs):
+            self._apply(row, s.block_ids)
+        return self.block_table[:len(ids)]
+
+    def sampling_row(self, s: ScheduledSequence, seq_id: int, generator: torch.Generator | None) -> SamplingRow:
+        """The sampler's row for ``seq_id`` (made once; the lists it holds are the scheduler's own)."""
+        row = self._sampling.get(seq_id)
+        if row is None or row.params is not s.sampling_params or row.output_token_ids is not s.output_token_ids \
+                or row.prompt_token_ids is not s.prompt_token_ids or row.generator is not generator:
+            row = self._sampling[seq_id] = SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids,
+                                                       generator)
+        return row
+
+    def _add(self, seq_id: int) -> None:
+        r = self.num_rows
+        if r == self.block_table.shape[0]:
+            self._resize(2 * r, self.block_table.shape[1])
+        self.seq_ids.append(seq_id)
+        self._blocks.append([])
+        self.row_of[seq_id] = r
+
+    def _apply(self, row: int, block_ids: list[int]) -> None:
+        """Row ``row`` holds ``block_ids`` after this: the appended ids only, where the row's are a prefix."""
+        have = self._blocks[row]
+        n = len(have)
+        if len(block_ids) == n and block_ids[-1:] == have[-1:] and block_ids == have:
+            return
+        if len(block_ids) > self.block_table.shape[1]:
+            self._resize(self.block_table.shape[0], max(len(block_ids), 2 * self.block_table.shape[1]))
+        if len(block_ids) >= n and block_ids[:n] == have:
+            self._np[row, n:len(block_ids)] = block_ids[n:]
+            have.extend(block_ids[n:])
+        else:
+            self._np[row, :len(block_ids)] = block_ids
+            self._blocks[row] = list(block_ids)
+
+    def _reorder(self, rows: list[int]) -> None:
+        """The rows ``rows`` become rows ``0 ..`` in that order; the others are dropped."""
+        n = len(rows)
+        self.block_table[:n] = self.block_table[torch.tensor(rows, dtype=torch.long)]
+        self.seq_ids = [self.seq_ids[r] for r in rows]
+        self._blocks = [self._blocks[r] for r in rows]
+        self.row_of = {s: i for i, s in enumerate(self.seq_ids)}
+
+    def _resize(self, rows: int, width: int) -> None:
+        old = self.block_table
+        self.block_table = torch.zeros(rows, width, dtype=torch.int64)
+        self.block_table[:old.shape[0], :old.shape[1]] = old
+        self._np = self.block_table.numpy()
+
+    def check_invariants(self) -> None:
+        """Every row holds its sequence's block ids as last applied, and the index matches the rows."""
+        assert self.row_of == {s: i for i, s in enumerate(self.seq_ids)}
+        assert len(self._blocks) == len(self.seq_ids) <= self.block_table.shape[0]
+        for r, ids in enumerate(self._blocks):
+            assert self._np[r, :len(ids)].tolist() == ids, (r, ids)
