@@ -66,11 +66,11 @@ class CpuPagedAttention(TorchPagedAttention):
         """The decode kernel reads any table width in place (bfloat16 tiles prefill the decodes instead)."""
         return self.decode_kernel and not self.prefill_bf16_tiles
 
-    def _decode_table_group(self, decode_lens: list[int],
-                            decode_table: torch.Tensor) -> tuple[list[AttentionGroup], list[int]]:
+    def _decode_table_group(self, decode_lens: list[int], decode_table: torch.Tensor,
+                            seq_lens: torch.Tensor | None) -> tuple[list[AttentionGroup], list[int]]:
         n = len(decode_lens)
         group = AttentionGroup(AttentionKind.DECODE_KERNEL, 0, n, n, 1, decode_table, None,
-                               seq_lens=torch.tensor(decode_lens, dtype=torch.long))
+                               seq_lens=torch.tensor(decode_lens, dtype=torch.long) if seq_lens is None else seq_lens)
         return [group], list(range(n))
 
     # ------------------------------------------------------------------ metadata

@@ -221,25 +221,27 @@ class TorchPagedAttention:
 
     def build_metadata(self, decode_lens: list[int], decode_block_tables: list[list[int]],
                        chunks: list[tuple[int, int, list[int]]], block_size: int,
-                       device: torch.device, decode_table: torch.Tensor | None = None) -> AttentionMetadata:
+                       device: torch.device, decode_table: torch.Tensor | None = None,
+                       seq_lens: torch.Tensor | None = None) -> AttentionMetadata:
         """Build the per-step metadata; the caller lays decodes out in ``meta.decode_order`` and
         then sets ``meta.slot_mapping`` for the whole flat batch.
 
         ``decode_lens[b]``: context length (including the new token) of decode ``b``.
         ``chunks``: ``(num_computed_tokens, query_len, block_ids)`` per prefill chunk, in flat order.
         ``decode_table``: the decodes' ``decode_block_tables`` as a contiguous int64 ``[B, width]``
-        (the persistent batch's rows), for a backend that ``takes_decode_table``.
+        (the persistent batch's rows), for a backend that ``takes_decode_table``; ``seq_lens``: then
+        ``decode_lens`` as an int64 tensor, where the caller has one.
         """
         if decode_table is not None and self.takes_decode_table:
-            groups, order = self._decode_table_group(decode_lens, decode_table)
+            groups, order = self._decode_table_group(decode_lens, decode_table, seq_lens)
         else:
             groups, order = self._decode_groups(decode_lens, decode_block_tables, block_size, device)
         end = self._chunk_groups(groups, len(order), chunks, block_size, device)
         return AttentionMetadata(backend=self, slot_mapping=torch.empty(0, dtype=torch.long, device=device),
                                  groups=groups, num_tokens=end, block_size=block_size, decode_order=order)
 
-    def _decode_table_group(self, decode_lens: list[int],
-                            decode_table: torch.Tensor) -> tuple[list[AttentionGroup], list[int]]:
+    def _decode_table_group(self, decode_lens: list[int], decode_table: torch.Tensor,
+                            seq_lens: torch.Tensor | None) -> tuple[list[AttentionGroup], list[int]]:
         raise NotImplementedError(f"{type(self).__name__} does not take a decode table")
 
     def _decode_groups(self, decode_lens: list[int], decode_block_tables: list[list[int]], block_size: int,

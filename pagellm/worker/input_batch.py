@@ -34,6 +34,9 @@ class InputBatch:
         self.row_of: dict[int, int] = {}
         self._blocks: list[list[int]] = []  # row -> its block ids as last applied (the delta's base)
         self._sampling: dict[int, SamplingRow] = {}
+        # A decode step's input ids, positions, slots and context lengths (one row each): filled in
+        # place, handed out as views that live until the next step fills them.
+        self.step_buffers = torch.zeros(4, rows, dtype=torch.int64)
 
     @property
     def num_rows(self) -> int:
@@ -63,6 +66,20 @@ class InputBatch:
         for row, s in enumerate(seqs):
             self._apply(row, s.block_ids)
         return self.block_table[:len(ids)]
+
+    def step_rows(self, *columns: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
+        """``columns`` (equal lengths, at most 4) as int64 tensors on ``device``: views of the step
+        buffers on a CPU (no allocation), copies of them elsewhere."""
+        n = len(columns[0])
+        if n > self.step_buffers.shape[1]:
+            self.step_buffers = torch.zeros(4, max(n, 2 * self.step_buffers.shape[1]), dtype=torch.int64)
+        buf = self.step_buffers.numpy()
+        for k, col in enumerate(columns):
+            buf[k, :n] = col
+        views = self.step_buffers[:len(columns), :n]
+        if device.type != "cpu":
+            views = views.to(device)
+        return tuple(views.unbind(0))
 
     def sampling_row(self, s: ScheduledSequence, seq_id: int, generator: torch.Generator | None) -> SamplingRow:
         """The sampler's row for ``seq_id`` (made once; the lists it holds are the scheduler's own)."""

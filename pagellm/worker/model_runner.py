@@ -79,6 +79,8 @@ class FlatBatch:
     prompt_lp: list[tuple[int, int, int, list[int], int]] = field(default_factory=list)
     # runner="pooling": (seq_id, first flat row, its position, rows, prompt length) per prompt chunk.
     pool_spans: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    # ``logits_rows`` is every flat row in order (a decode step): the logits need no gather.
+    every_row_samples: bool = False
 
 
 class ModelRunner:
@@ -152,7 +154,8 @@ class ModelRunner:
             return ModelRunnerOutput(sampled={}, timings=(t1 - t0, t2 - t1, 0.0), encoder_seconds=t_encoded - t0,
                                      prompt_logprobs=prompt_lps, pooled=self.pool(batch.pool_spans, hidden)) \
                 if self.is_driver else None
-        logits = self.model.compute_logits(hidden[batch.logits_rows]).float()  # a collective under TP
+        rows = hidden if batch.every_row_samples else hidden[batch.logits_rows]
+        logits = self.model.compute_logits(rows).float()  # a collective under TP
         if not self.is_driver:
             return None
         result = ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_lps, pooled=self.pool(batch.pool_spans, hidden))
@@ -170,6 +173,8 @@ class ModelRunner:
         A sequence verifying drafts is one decode row per position (each attending to the cache
         up to itself; all K/V are written before attention), so a verified token is computed
         exactly as a plain decode step would compute it: speculation cannot change greedy outputs."""
+        if self._plain_decodes(so.scheduled):
+            return self._prepare_decodes(so.scheduled)
         bs = self.block_size
         decodes = [(s, i) for s in so.scheduled if s.is_decode or s.spec_token_ids
                    for i in range(s.num_scheduled_tokens)]
@@ -233,6 +238,39 @@ class ModelRunner:
                            torch.tensor(positions, dtype=torch.long, device=self.device), meta,
                            decode_lens, decode_tables, chunk_specs, logits_rows, sample_seqs,
                            mm_segments=mm_segments, prompt_lp=prompt_lp, pool_spans=pool_spans)
+        if self.is_driver:
+            self._plan_sampling(batch)
+        return batch
+
+    def _plain_decodes(self, seqs: list[ScheduledSequence]) -> bool:
+        """Whether every row of the step is a plain decode (one token, none of ``_row_features``) whose
+        block table the backend reads from the persistent batch: the steady state of generation."""
+        if self.lora is not None or self.pooler is not None or not self.attn_backend.takes_decode_table:
+            return False
+        return all(s.is_decode and not (s.spec_token_ids or s.mm_spans or s.mrope_layout)
+                   and s.sampling_params.prompt_logprobs is None for s in seqs)
+
+    def _prepare_decodes(self, seqs: list[ScheduledSequence]) -> FlatBatch:
+        """``prepare_inputs`` for :meth:`_plain_decodes`: row ``b`` is ``seqs[b]``; its token, position,
+        slot and context length go into the persistent batch's buffers, its blocks are the table's row."""
+        bs = self.block_size
+        ids, positions, slots, lens = [], [], [], []
+        for s in seqs:
+            p = s.num_computed_tokens
+            ids.append(s.token_ids[0])
+            positions.append(p)
+            slots.append(s.block_ids[p // bs] * bs + p % bs)
+            lens.append(p + 1)
+        table = self.input_batch.decode_table(seqs)
+        input_ids, pos, slot_mapping, seq_lens = self.input_batch.step_rows(ids, positions, slots, lens,
+                                                                            device=self.device)
+        meta = self.attn_backend.build_metadata(lens, [], [], bs, self.device, decode_table=table, seq_lens=seq_lens)
+        meta.slot_mapping = slot_mapping
+        sample_seqs = [s for s in seqs if s.do_sample]
+        rows = list(range(len(seqs))) if len(sample_seqs) == len(seqs) else \
+            [b for b, s in enumerate(seqs) if s.do_sample]
+        batch = FlatBatch(input_ids, pos, meta, lens, [s.block_ids for s in seqs], [], rows, sample_seqs,
+                          every_row_samples=len(rows) == len(seqs))
         if self.is_driver:
             self._plan_sampling(batch)
         return batch

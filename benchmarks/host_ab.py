@@ -1,0 +1,81 @@
+"""Host time per step before and after a change, interleaved in one invocation.
+
+Runs ``time_breakdown.py`` from a baseline commit (a ``git worktree`` outside the checkout) and
+from this tree, taking turns, so a noisy stretch of the machine hits both alike; prints each
+side's median host time per decode-heavy step (schedule + prepare + output) at each load and
+its total throughput::
+
+    python benchmarks/host_ab.py --baseline 9996544                 # batch 1 and W64, 3 rounds
+    python benchmarks/host_ab.py --baseline HEAD~3 --num-requests 1 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from workload import W64  # noqa: E402 - (this tree's workload, for both sides)
+
+
+def worktree(ref: str) -> str:
+    """A checkout of ``ref`` beside the temp dir's others (made once per commit)."""
+    commit = subprocess.check_output(["git", "-C", ROOT, "rev-parse", ref], text=True).strip()
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"pagellm-{commit[:12]}")
+    if not os.path.isdir(path):
+        subprocess.check_call(["git", "-C", ROOT, "worktree", "add", "--detach", path, commit],
+                              stdout=subprocess.DEVNULL)
+    return path
+
+
+def run(tree: str, num_requests: int | None) -> tuple[float, list[float], float]:
+    """One ``time_breakdown.py`` run of ``tree``: (host ms per decode-heavy step, its three parts, tok/s)."""
+    cmd = [sys.executable, os.path.join(tree, "benchmarks", "time_breakdown.py"), "--workload", W64]
+    if num_requests:
+        cmd += ["--num-requests", str(num_requests)]
+    env = dict(os.environ, PYTHONPATH=tree)  # (ahead of the venv's editable install)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    m = re.search(r"decode-heavy\s+([\d.]+)\s+\(([\d.]+) \+ ([\d.]+) \+ ([\d.]+)\)", out)
+    tps = re.search(r"([\d.]+) total tok/s", out)
+    if m is None or tps is None:
+        raise RuntimeError(f"no host row in:\n{out}")
+    return float(m.group(1)), [float(x) for x in m.groups()[1:]], float(tps.group(1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", required=True, help="the commit (or ref) to compare against")
+    ap.add_argument("--num-requests", type=int, nargs="*", default=[1, 0],
+                    help="loads to run: N requests of W64 (0: all 64)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--verbose", action="store_true", help="print every run")
+    args = ap.parse_args()
+    sides = {"baseline": worktree(args.baseline), "this tree": ROOT}
+    for n in args.num_requests:
+        results: dict[str, list[tuple[float, list[float], float]]] = {k: [] for k in sides}
+        for _ in range(args.rounds):
+            for name, tree in sides.items():
+                results[name].append(run(tree, n or None))
+                if args.verbose:
+                    print(name, results[name][-1], flush=True)
+        print(f"\n{n or 64} request(s), median of {args.rounds} interleaved rounds:")
+        med = {}
+        for name, rows in results.items():
+            host = statistics.median(r[0] for r in rows)
+            parts = [statistics.median(r[1][i] for r in rows) for i in range(3)]
+            tps = statistics.median(r[2] for r in rows)
+            med[name] = (host, tps)
+            print(f"  {name:10s} host/step {host:6.3f} ms ({' + '.join(f'{p:.3f}' for p in parts)})"
+                  f"   {tps:8.1f} tok/s")
+        (hb, tb), (ht, tt) = med["baseline"], med["this tree"]
+        print(f"  host time per step: {hb / ht:.2f}x less; throughput {tt / tb:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
