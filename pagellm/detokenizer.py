@@ -28,6 +28,8 @@ class IncrementalDetokenizer:
         self.num_output_tokens = 0  # generated tokens fed so far
 
     def step(self, new_token_ids: list[int]) -> str:
+        if len(new_token_ids) > 1:  # (token by token: an incomplete last character holds back only itself)
+            return "".join([self.step([t]) for t in new_token_ids])
         self.ids.extend(new_token_ids)
         self.num_output_tokens += len(new_token_ids)
         decode = self.tokenizer.decode

@@ -69,6 +69,10 @@ class Sequence:
     # Speculative decoding: the proposer's guesses at the next tokens, verified in the next step
     # (only a sequence in the decode state, ``num_computed_tokens == num_tokens - 1``, uses them).
     spec_token_ids: list[int] = field(default_factory=list)
+    # This step's run of accepted drafts (a request with stop strings): the cumulative logprob before
+    # each of its tokens, which begin at output ``run_start``; what ``truncate_output`` goes back to.
+    run_start: int = 0
+    run_cumulative: list[float] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +104,18 @@ class Sequence:
         self.cumulative_logprob += logprob
         if top is not None:
             self.output_logprobs.append(top)
+
+    def truncate_output(self, keep: int) -> None:
+        """Keep the first ``keep`` output tokens, cutting into this step's run (a stop string that
+        ends inside it): the cumulative logprob is the one recorded before token ``keep``, bit for
+        bit what it was when the run had only reached it."""
+        i = keep - self.run_start
+        if not 0 < i < len(self.run_cumulative):
+            raise ValueError(f"keep={keep} is not inside this step's run of {len(self.run_cumulative)} tokens "
+                             f"from output {self.run_start}")
+        self.cumulative_logprob = self.run_cumulative[i]
+        del self.output_token_ids[keep:]
+        del self.output_logprobs[keep:]
 
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: the K/V are dropped, the tokens are kept and recomputed later."""

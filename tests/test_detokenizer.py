@@ -30,6 +30,26 @@ def test_incremental_equals_full_decode(tokenizer, text):
     assert all("\ufffd" not in p for p in pieces)
 
 
+@pytest.mark.parametrize("text", TEXTS)
+def test_chunks_of_tokens_give_the_text_one_at_a_time_gives(tokenizer, text):
+    """Several tokens in one step (a run of accepted drafts) emit what one at a time would: a
+    multi-byte character cut at the chunk's end holds back only its own bytes."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    one = IncrementalDetokenizer(tokenizer, [1, 2, 3])
+    ref = [one.step([t]) for t in ids]
+    rng = random.Random(1)
+    for _ in range(10):
+        d, i, pieces, cuts = IncrementalDetokenizer(tokenizer, [1, 2, 3]), 0, [], []
+        while i < len(ids):
+            n = rng.randint(2, 4)
+            pieces.append(d.step(ids[i:i + n]))
+            i += n
+            cuts.append(i)
+        assert "".join(pieces) == d.text == one.text
+        # After each chunk, the text is what the single steps had emitted up to its last token.
+        assert [len(p) for p in pieces] == [len("".join(ref[a:b])) for a, b in zip([0, *cuts], cuts, strict=False)]
+
+
 def test_random_tokens_never_emit_broken_text(tokenizer):
     rng = random.Random(0)
     for _ in range(20):

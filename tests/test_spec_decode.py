@@ -331,10 +331,14 @@ def test_speculation_under_pressure_changes_nothing(tiny, config):
     assert kv.num_free_blocks == kv.num_blocks and kv.cpu_pool.num_free_blocks == kv.cpu_pool.num_blocks
 
 
-def test_prefix_hits_stop_strings_and_max_tokens_inside_accepted_runs(tiny):
+def test_prefix_hits_stop_strings_and_max_tokens_inside_accepted_runs(tiny, monkeypatch):
     """Requests sharing a prefix (hits), stop strings and max_tokens that fall inside a run of
     accepted drafts: token ids, text, finish and stop reasons as without speculation."""
     path, prompts, _ = tiny
+    cuts = []  # (tokens kept, tokens the run had appended): the stop string did fall inside a run
+    truncate = Sequence.truncate_output
+    monkeypatch.setattr(Sequence, "truncate_output",
+                        lambda seq, keep: (cuts.append((keep, seq.num_output_tokens)), truncate(seq, keep))[1])
     shared = prompts[4]
     group = [shared + [5, 6, 7], shared + [8, 9], shared]
     base = LLMEngine.from_engine_args(EngineArgs(model=path, dtype="float32", kv_cache_memory="64MiB"))
@@ -367,6 +371,7 @@ def test_prefix_hits_stop_strings_and_max_tokens_inside_accepted_runs(tiny):
         assert g[4] == pytest.approx(w[4], abs=1e-4) and g[5] == w[5]
     assert spec.get_stats()["spec_num_accepted_tokens"] > 0
     assert spec.scheduler.prefix_cache_stats.hits > 0
+    assert cuts and all(keep < n for keep, n in cuts) and len(got[0][0]) == cuts[0][0]
 
 
 def test_sampling_parallel_samples_and_beams_with_speculation(tiny):

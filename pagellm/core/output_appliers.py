@@ -8,7 +8,6 @@ the queues and the pool reads in one place and each kind of outcome is a short f
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 from typing import Protocol
 
@@ -18,10 +17,6 @@ from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSequence
 from pagellm.core.stop_check import check_stop
 from pagellm.sequence import Sequence, SequenceGroup, SequenceStatus
-
-# Speculative decoding's per-token stop check from the engine (stop strings need the text):
-# ``(group, seq) -> True`` when ``seq``'s last appended token completes a stop string.
-StopCheck = Callable[[SequenceGroup, Sequence], bool]
 
 
 class StepBookkeeping(Protocol):
@@ -73,23 +68,26 @@ def apply_beams(book: StepBookkeeping, group: SequenceGroup, seq: Sequence, out:
 
 
 def apply_samples(book: StepBookkeeping, group: SequenceGroup, seq: Sequence, sched: ScheduledSequence,
-                  accepted: list[SampledToken], out: ModelRunnerOutput, stop_check: StopCheck | None) -> None:
+                  accepted: list[SampledToken], out: ModelRunnerOutput) -> None:
     """Append each sampled token (the accepted drafts first; a request's first sample forks its
     ``n`` sequences), checking stops token by token, so a stop inside an accepted run ends the
     sequence where it would have ended without speculation; a finished sequence frees its blocks,
-    a live one gives back the blocks only rejected drafts or lookahead slots held."""
+    a live one gives back the blocks only rejected drafts or lookahead slots held. Stop strings
+    need the text: a run of a request that has them records its cumulative logprobs, so the
+    output processor can cut it where one ends (``Sequence.truncate_output``)."""
     targets = [seq]
     if sched.sample_seq_ids is not None and not group.forked:
         targets += [book.fork(group, seq, child_id) for child_id in sched.sample_seq_ids[1:]]
         group.forked = True
     for target in targets:
         tokens = [*accepted, out.sampled[target.seq_id]] if target is seq else [out.sampled[target.seq_id]]
+        record = len(tokens) > 1 and bool(group.sampling_params.stop)
+        target.run_start, target.run_cumulative = target.num_output_tokens, []
         for sampled in tokens:
+            if record:
+                target.run_cumulative.append(target.cumulative_logprob)
             target.append_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
             check_stop(target, group.sampling_params, book.max_model_len)
-            if (len(tokens) > 1 and stop_check is not None
-                    and target.status != SequenceStatus.FINISHED_STOPPED and stop_check(group, target)):
-                target.status = SequenceStatus.FINISHED_STOPPED
             if target.status.is_finished:
                 break
         if target.status.is_finished:

@@ -37,7 +37,7 @@ from pagellm.core.kv_cache_manager import AllocStatus, KVCacheManager, SlotReque
 from pagellm.core.kv_connector import KVConnectorScheduler
 from pagellm.core.kv_transfer_admission import KVTransferAdmission
 from pagellm.core.lora_admission import LoRAAdmission
-from pagellm.core.output_appliers import StopCheck, apply_beams, apply_computed, apply_pooled, apply_samples
+from pagellm.core.output_appliers import apply_beams, apply_computed, apply_pooled, apply_samples
 from pagellm.core.request_queue import FCFSRequestQueue, PriorityRequestQueue, RequestOrder
 from pagellm.core.scheduler_output import (
     CacheOps,
@@ -478,13 +478,12 @@ class Scheduler:
         return next(self._seq_ids)
 
     # ------------------------------------------------------------------ results
-    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
-                           stop_check: StopCheck | None = None) -> tuple[list[SequenceGroup], list[SequenceGroup]]:
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> tuple[list[SequenceGroup], list[SequenceGroup]]:
         """Apply a step's results to each sequence it scheduled (``core/output_appliers.py``):
-        computed tokens, then a pooled result, beams or samples with their stops; a finished
-        sequence frees its blocks at once. ``stop_check``: the engine's stop strings, checked per
-        accepted draft (speculative decoding), so a stop inside an accepted run ends the sequence
-        exactly where it would have ended without speculation.
+        computed tokens, then a pooled result, beams or samples with their token-level stops; a
+        finished sequence frees its blocks at once. Stop strings are the output processor's, which
+        ends a sequence through ``finish_seq`` (cutting an accepted run where one ends).
 
         Returns ``(groups that got a new token, groups that finished)``.
         """
@@ -507,7 +506,7 @@ class Scheduler:
             elif group.beam_state is not None:
                 apply_beams(self, group, seq, runner_output)
             else:
-                apply_samples(self, group, seq, sched, accepted, runner_output, stop_check)
+                apply_samples(self, group, seq, sched, accepted, runner_output)
             updated[group.request_id] = group
             if group.request_id not in self.requests:  # (the applier released it: finished)
                 finished.append(group)

@@ -398,8 +398,7 @@ class LLMEngine:
             if all(s.is_decode or s.spec_token_ids for s in sched_out.scheduled):  # (a prefill costs otherwise)
                 spec.observe_step(sum(s.num_scheduled_tokens for s in sched_out.scheduled),
                                   t_model - started.submitted_at)
-        updated, finished = self.scheduler.update_from_output(
-            sched_out, runner_out, self.output_processor.stop_string_hit if spec is not None else None)
+        updated, finished = self.scheduler.update_from_output(sched_out, runner_out)
         if self._structured is not None and self._structured.num_constrained:
             self._advance_grammars(updated)
         outputs += self.output_processor.process(updated)

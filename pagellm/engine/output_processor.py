@@ -83,37 +83,45 @@ class OutputProcessor:
                 outputs.append(self.make_output(group))
         return outputs
 
-    def stop_string_hit(self, group: SequenceGroup, seq: Sequence) -> bool:
-        """Whether ``seq``'s last token completes a stop string (the scheduler's per-token check
-        inside an accepted draft run; the caller ends the sequence)."""
-        self.detokenize(group, seq, finish=False)
-        return isinstance(seq.stop_reason, str)
-
-    def detokenize(self, group: SequenceGroup, seq: Sequence, finish: bool = True) -> None:
+    def detokenize(self, group: SequenceGroup, seq: Sequence) -> None:
         """Feed ``seq``'s new tokens to its detokenizer (a fork gets its own on first sight) and
-        apply stop strings (``finish=False``: only note the hit in ``stop_reason``)."""
+        apply stop strings; a run of accepted drafts goes token by token and is cut after the
+        token that completes one, as if the drafts after it had never been accepted."""
         detok = self._detok.get(seq.seq_id)
         if detok is None:
             detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
                                            group.sampling_params.skip_special_tokens)
             self._detok[seq.seq_id] = detok
         new = seq.output_token_ids[detok.num_output_tokens:]
-        if not new:
-            return
-        delta = detok.step(new)
+        if len(new) > 1 and seq.run_cumulative:
+            for i, token in enumerate(new):
+                if self._apply_stop_strings(group, seq, detok, detok.step([token]), i == len(new) - 1):
+                    break
+        elif new:
+            self._apply_stop_strings(group, seq, detok, detok.step(new), True)
+        seq.run_cumulative = []
+
+    def _apply_stop_strings(self, group: SequenceGroup, seq: Sequence, detok: IncrementalDetokenizer, delta: str,
+                            last: bool) -> bool:
+        """Whether ``delta`` (the text of the tokens just fed) completes a stop string: if so the text
+        and, before the ``last`` token fed this step, the tokens end there, and so does ``seq``. A
+        token that already stopped ``seq`` (EOS, a stop token id) keeps its reason."""
         params = group.sampling_params
-        if delta and params.stop and seq.status != SequenceStatus.FINISHED_STOPPED:
-            stops = cast(list[str], params.stop)  # SamplingParams.__post_init__ made it a list
-            hit = find_stop_string(detok.text, len(delta), stops, params.include_stop_str_in_output)
-            if hit is not None:
-                detok.text = detok.text[:hit[1]]
-                seq.stop_reason = hit[0]
-                if not finish:
-                    return
-                if seq.is_finished():  # the same token also hit max_tokens: the stop string wins
-                    seq.status = SequenceStatus.FINISHED_STOPPED
-                else:
-                    self._finish_seq(group, seq, SequenceStatus.FINISHED_STOPPED)
+        if not (delta and params.stop) or (last and seq.status == SequenceStatus.FINISHED_STOPPED):
+            return False
+        stops = cast(list[str], params.stop)  # SamplingParams.__post_init__ made it a list
+        hit = find_stop_string(detok.text, len(delta), stops, params.include_stop_str_in_output)
+        if hit is None:
+            return False
+        detok.text = detok.text[:hit[1]]
+        seq.stop_reason = hit[0]
+        if not last:
+            seq.truncate_output(detok.num_output_tokens)
+        if seq.is_finished():  # the same token (or a later one of the run) also hit max_tokens or EOS
+            seq.status = SequenceStatus.FINISHED_STOPPED
+        else:
+            self._finish_seq(group, seq, SequenceStatus.FINISHED_STOPPED)
+        return True
 
     def _output_due(self, group: SequenceGroup) -> bool:
         """Whether this step's output goes out under the stream interval: every token until the
