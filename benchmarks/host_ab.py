@@ -6,7 +6,7 @@ side's median host time per decode-heavy step (schedule + prepare + output) at e
 its total throughput::
 
     python benchmarks/host_ab.py --baseline 9996544                 # batch 1 and W64, 3 rounds
-    python benchmarks/host_ab.py --baseline HEAD~3 --num-requests 1 --rounds 5
+    python benchmarks/host_ab.py --baseline HEAD~3 --candidate HEAD --num-requests 1 --rounds 5
 """
 
 from __future__ import annotations
@@ -51,12 +51,14 @@ def run(tree: str, num_requests: int | None) -> tuple[float, list[float], float]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", required=True, help="the commit (or ref) to compare against")
+    ap.add_argument("--candidate", default=None,
+                    help="a commit to run instead of this tree (a checkout of its own: edits here cannot leak in)")
     ap.add_argument("--num-requests", type=int, nargs="*", default=[1, 0],
                     help="loads to run: N requests of W64 (0: all 64)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--verbose", action="store_true", help="print every run")
     args = ap.parse_args()
-    sides = {"baseline": worktree(args.baseline), "this tree": ROOT}
+    sides = {"baseline": worktree(args.baseline), "this tree": worktree(args.candidate) if args.candidate else ROOT}
     for n in args.num_requests:
         results: dict[str, list[tuple[float, list[float], float]]] = {k: [] for k in sides}
         for _ in range(args.rounds):

@@ -186,11 +186,45 @@ def test_worker_state_of_finished_sequences_is_dropped(engine):
     engine.add_request("s1", [5, 6, 7], params)
     engine.add_request("s2", [5, 6, 8], params.clone(max_tokens=2))
     engine.step()
-    assert len(runner.generators) == 2
+    engine.step()
+    assert len(runner.generators) == 2 and runner.input_batch.num_rows == 2  # (rows: the decodes')
     engine.abort_request("s1")
     run_to_completion(engine)
     engine.step()  # idle: nothing to run, but the finished ids still reach the worker
-    assert runner.generators == {}
+    assert runner.generators == {} and runner.input_batch.num_rows == 0 and not runner.input_batch._sampling
+
+
+def test_decode_steps_from_the_persistent_batch_equal_the_general_layout(tiny_llama, monkeypatch):
+    """The steady-decode path (``_prepare_decodes``) lays a step out as ``prepare_inputs``' general
+    path does: the same tokens and logprobs, bit for bit, under preemption, finishes and arrivals."""
+    from pagellm.worker.model_runner import ModelRunner
+
+    prompts = [[5 + i, 6, 7 + 2 * i] * (1 + i % 3) for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=24 + 5 * i, ignore_eos=True, logprobs=1) for i in range(6)]
+
+    real = ModelRunner._plain_decodes
+
+    def run(plain_decodes: bool) -> tuple[list, int]:
+        taken = []
+        monkeypatch.setattr(ModelRunner, "_plain_decodes",
+                            lambda self, seqs: (taken.append(x := plain_decodes and real(self, seqs)), x)[1])
+        eng = LLMEngine.from_engine_args(EngineArgs(model=tiny_llama, dtype="float32", kv_cache_memory="64KiB",
+                                                    max_num_seqs=4, block_size=16))
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+                eng.add_request(str(i), p, sp)
+            done = run_to_completion(eng)
+            assert eng.scheduler.num_preemptions > 0  # (the cache was tight: rows were rewritten)
+        finally:
+            eng.shutdown()
+        outs = [(c.token_ids, c.cumulative_logprob, [list(d.items()) for d in c.logprobs or []])
+                for c in (done[str(i)].outputs[0] for i in range(6))]
+        return outs, sum(taken)
+
+    general, n_general = run(False)
+    persistent, n_persistent = run(True)
+    assert n_general == 0 and n_persistent > 20
+    assert persistent == general
 
 
 def test_priority_policy_serves_lower_values_first(tiny_llama):
