@@ -43,6 +43,19 @@ def _load_gguf_tokenizer(source: ModelSource):
     return tok
 
 
+def _backend_decode(hf: Any) -> Any:
+    """The ``tokenizers`` library's own ``decode`` where ``hf.decode`` is exactly it: a fast tokenizer
+    whose class keeps the library's ``_decode`` and that cleans up no spaces. Detokenizing calls it
+    twice per token per stream; ``transformers``' wrapper around it costs more than the decode."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # (another transformers layout: its decode, as before)
+        return None
+    if type(hf)._decode is not TokenizersBackend._decode or hf.clean_up_tokenization_spaces:
+        return None
+    return getattr(getattr(hf, "_tokenizer", None), "decode", None)
+
+
 class Tokenizer:
     """Thin wrapper over ``transformers.AutoTokenizer``: encode, decode, chat template, EOS."""
 
@@ -64,11 +77,14 @@ class Tokenizer:
         # ``<|vision_start|><|image_pad|><|vision_end|>``; set by the engine), else None.
         self.image_placeholder: str | None = None
         self.vocab_size = len(self.hf)
+        self._decode = _backend_decode(self.hf)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._decode is not None:
+            return self._decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     @property

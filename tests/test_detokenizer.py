@@ -61,6 +61,28 @@ def test_random_tokens_never_emit_broken_text(tokenizer):
         assert full.startswith(d.text.rstrip("\ufffd")) or d.text == full
 
 
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_equals_transformers_decode(tokenizer, skip_special_tokens):
+    """The backend's decode, called directly, gives what ``transformers``' ``decode`` gives (the
+    oracle): random ids, special tokens among them, one at a time and in runs."""
+    assert tokenizer._decode is not None  # (the bundled tokenizer takes the direct call)
+    rng = random.Random(2)
+    special = sorted(tokenizer.hf.all_special_ids)
+    for n in [1, 1, 2, 3, 7, 30, 200]:
+        for _ in range(20):
+            ids = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(tokenizer.vocab_size)
+                   for _ in range(n)]
+            assert tokenizer.decode(ids, skip_special_tokens) == tokenizer.hf.decode(
+                ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_transformers_decode(tokenizer, monkeypatch):
+    from pagellm.tokenizer import _backend_decode
+
+    monkeypatch.setattr(tokenizer.hf, "clean_up_tokenization_spaces", True)
+    assert _backend_decode(tokenizer.hf) is None
+
+
 def test_find_stop_string():
     assert find_stop_string("abc STOP def", 8, ["STOP"], False) == ("STOP", 4)
     assert find_stop_string("abc STOP def", 8, ["STOP"], True) == ("STOP", 8)
