@@ -128,8 +128,12 @@ class InputBatch:
         self._np = self.block_table.numpy()
 
     def check_invariants(self) -> None:
-        """Every row holds its sequence's block ids as last applied, and the index matches the rows."""
-        assert self.row_of == {s: i for i, s in enumerate(self.seq_ids)}
-        assert len(self._blocks) == len(self.seq_ids) <= self.block_table.shape[0]
+        """Every row holds its sequence's block ids as last applied, and the index matches the rows
+        (raised, not asserted: the checks run under ``python -O`` too)."""
+        index = {s: i for i, s in enumerate(self.seq_ids)}
+        if self.row_of != index or not len(self._blocks) == len(self.seq_ids) <= self.block_table.shape[0]:
+            raise AssertionError(f"rows {self.seq_ids} and index {self.row_of} disagree")
         for r, ids in enumerate(self._blocks):
-            assert self._np[r, :len(ids)].tolist() == ids, (r, ids)
+            row = self._np[r, :len(ids)].tolist()
+            if row != ids:
+                raise AssertionError(f"row {r} holds {row}, not {ids}")

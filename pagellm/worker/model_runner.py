@@ -220,17 +220,10 @@ class ModelRunner:
             positions.extend(range(start, start + s.num_scheduled_tokens))
             last_row[s.seq_id] = len(input_ids) - 1
         sample_seqs = [s for s in so.scheduled if s.do_sample]
-        logits_rows: list[int] = []
-        for s in sample_seqs:
-            if s.spec_token_ids:
-                logits_rows.extend(draft_row[(s.seq_id, i)] for i in range(s.num_scheduled_tokens))
-            else:
-                logits_rows.append(last_row[s.seq_id])
+        logits_rows = _logits_rows(sample_seqs, last_row, draft_row)
         if self.lora is not None:  # each flat row's adapter slot
-            row_slots = [decodes[j][0].lora_slot for j in meta.decode_order]
-            for s in chunks:
-                row_slots.extend([s.lora_slot] * s.num_scheduled_tokens)
-            self.lora.set_step(row_slots)
+            self.lora.set_step([decodes[j][0].lora_slot for j in meta.decode_order]
+                               + [s.lora_slot for s in chunks for _ in range(s.num_scheduled_tokens)])
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
         if mrope is not None:  # (three equal rows, as in a decode-only step: plain RoPE, decode graphs apply)
             positions = mrope if mrope[0] != mrope[1] or mrope[0] != mrope[2] else mrope[0]  # type: ignore[assignment]
@@ -417,6 +410,19 @@ class ModelRunner:
                 pos = s.num_computed_tokens + s.num_scheduled_tokens - len(s.spec_token_ids or ()) + accepted
                 starts.append((s.seq_id, result.sampled[s.seq_id].token_id, pos, s.block_ids, k))
         return self.draft.propose(starts)
+
+
+def _logits_rows(sample_seqs: list[ScheduledSequence], last_row: dict[int, int],
+                 draft_row: dict[tuple[int, int], int]) -> list[int]:
+    """The flat rows whose logits are sampled, sequence by sequence: a sequence's last row, or
+    every row of one verifying drafts."""
+    rows: list[int] = []
+    for s in sample_seqs:
+        if s.spec_token_ids:
+            rows.extend(draft_row[(s.seq_id, i)] for i in range(s.num_scheduled_tokens))
+        else:
+            rows.append(last_row[s.seq_id])
+    return rows
 
 
 def _prompt_positions(s: ScheduledSequence, start: int, n: int, row0: int,
