@@ -81,11 +81,12 @@ def apply_samples(book: StepBookkeeping, group: SequenceGroup, seq: Sequence, sc
         group.forked = True
     for target in targets:
         tokens = [*accepted, out.sampled[target.seq_id]] if target is seq else [out.sampled[target.seq_id]]
-        record = len(tokens) > 1 and bool(group.sampling_params.stop)
-        target.run_start, target.run_cumulative = target.num_output_tokens, []
+        run: list[float] | None = [] if len(tokens) > 1 and group.sampling_params.stop else None
+        if run is not None:  # (the output processor reads and clears it after this step)
+            target.run_start, target.run_cumulative = target.num_output_tokens, run
         for sampled in tokens:
-            if record:
-                target.run_cumulative.append(target.cumulative_logprob)
+            if run is not None:
+                run.append(target.cumulative_logprob)
             target.append_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
             check_stop(target, group.sampling_params, book.max_model_len)
             if target.status.is_finished:

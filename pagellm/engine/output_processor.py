@@ -99,7 +99,8 @@ class OutputProcessor:
                     break
         elif new:
             self._apply_stop_strings(group, seq, detok, detok.step(new), True)
-        seq.run_cumulative = []
+        if seq.run_cumulative:
+            seq.run_cumulative = []
 
     def _apply_stop_strings(self, group: SequenceGroup, seq: Sequence, detok: IncrementalDetokenizer, delta: str,
                             last: bool) -> bool:

@@ -102,7 +102,7 @@ class InputBatch:
         """Row ``row`` holds ``block_ids`` after this: the appended ids only, where the row's are a prefix."""
         have = self._blocks[row]
         n = len(have)
-        if len(block_ids) == n and block_ids[-1:] == have[-1:] and block_ids == have:
+        if block_ids == have:
             return
         if len(block_ids) > self.block_table.shape[1]:
             self._resize(self.block_table.shape[0], max(len(block_ids), 2 * self.block_table.shape[1]))

@@ -259,9 +259,8 @@ class ModelRunner:
                                                                             device=self.device)
         meta = self.attn_backend.build_metadata(lens, [], [], bs, self.device, decode_table=table, seq_lens=seq_lens)
         meta.slot_mapping = slot_mapping
-        sample_seqs = [s for s in seqs if s.do_sample]
-        rows = list(range(len(seqs))) if len(sample_seqs) == len(seqs) else \
-            [b for b, s in enumerate(seqs) if s.do_sample]
+        rows = [b for b, s in enumerate(seqs) if s.do_sample]
+        sample_seqs = [seqs[b] for b in rows]
         batch = FlatBatch(input_ids, pos, meta, lens, [s.block_ids for s in seqs], [], rows, sample_seqs,
                           every_row_samples=len(rows) == len(seqs))
         if self.is_driver:
