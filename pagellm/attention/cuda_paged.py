@@ -2,7 +2,9 @@
 (``triton_attention.py``) that reads the block tables in place; K/V written with ``index_copy_``.
 
 Decodes form one ``DECODE_KERNEL`` group, chunks one ``PREFILL_KERNEL`` group; each carries its
-kernel inputs (``AttentionGroup.kernel_args``), built once per step on the device. Layers with a
+kernel inputs (``AttentionGroup.kernel_args``), built once per step on the device. The decodes'
+keys are split into partitions across programs (flash-decoding: a lone decode is otherwise one
+program per KV head); a chunk already has a program per tile of its rows. Layers with a
 sliding window or a logit soft-cap take the same kernel. Chosen by ``select_attention_backend``
 for a cache on a CUDA device; on a CPU it runs only under ``TRITON_INTERPRET=1`` (the tests).
 """
@@ -40,15 +42,16 @@ class CudaPagedAttention(TorchPagedAttention):
     # ------------------------------------------------------------------ metadata
     @staticmethod
     def _group(kind: AttentionKind, start: int, lens: list[int], q_lens: list[int], tables: list[list[int]],
-               block_size: int, device: torch.device) -> AttentionGroup:
+               block_size: int, device: torch.device, split: bool = False) -> AttentionGroup:
         if device.type == "cuda" and block_size < MIN_BLOCK_SIZE:
             raise ValueError(f"block_size={block_size}: the CUDA backend needs at least {MIN_BLOCK_SIZE} "
                              "(its kernel multiplies one block's keys as a tile)")
         table = _padded_block_table(lens, tables, block_size).to(device=device, dtype=torch.int32)
         q_start = torch.tensor(list(accumulate(q_lens, initial=start)), dtype=torch.int32, device=device)
         seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        parts = -(-max(lens) // triton_attention.partition_size(block_size)) if split else 1
         return AttentionGroup(kind, start, start + sum(q_lens), len(lens), max(q_lens), table, None,
-                              kernel_args=(table, q_start, seq_lens, max(q_lens)))
+                              kernel_args=(table, q_start, seq_lens, max(q_lens), parts))
 
     def _decode_groups(self, decode_lens: list[int], decode_block_tables: list[list[int]], block_size: int,
                        device: torch.device) -> tuple[list[AttentionGroup], list[int]]:
@@ -56,7 +59,7 @@ class CudaPagedAttention(TorchPagedAttention):
             return [], []
         n = len(decode_lens)
         group = self._group(AttentionKind.DECODE_KERNEL, 0, decode_lens, [1] * n, decode_block_tables, block_size,
-                            device)
+                            device, split=True)
         return [group], list(range(n))
 
     def _chunk_groups(self, groups: list[AttentionGroup], start: int, chunks: list[tuple[int, int, list[int]]],
@@ -80,9 +83,9 @@ class CudaPagedAttention(TorchPagedAttention):
                          softcap: float | None) -> None:
         if grp.kernel_args is None:
             raise ValueError(f"a {grp.kind.name} group of the cuda backend needs its kernel_args")
-        table, q_start, seq_lens, max_query_len = grp.kernel_args
+        table, q_start, seq_lens, max_query_len, num_partitions = grp.kernel_args
         hq, d = query.shape[1], query.shape[2]
         if query.stride(2) != 1:
             query = query.contiguous()
         triton_attention.paged_attention(out.view(-1, hq, d), query, key_cache, value_cache, table, q_start, seq_lens,
-                                         max_query_len, block_size, scale, window, softcap)
+                                         max_query_len, block_size, scale, window, softcap, num_partitions)

@@ -12,6 +12,9 @@ pool never hands out) and write their K/V there, so they touch no request's cach
     seq_lens                              [max_bs]            int32, rows >= n: 1
     query_start                           arange(max_bs + 1)  (one query per decode)
 
+The attention kernel's key partitions are as many as the longest context the table holds (a
+graph's grid is fixed); a row's partitions past its own context return at once.
+
 Only the model's forward (embeddings to the final norm) is captured; logits and sampling run
 eagerly on the ``n`` real rows. The graph's numbers are those of an eager pass over the padded batch
 (the same kernels); against an eager pass over ``n`` rows they can differ in bfloat16, since cuBLAS
@@ -103,9 +106,12 @@ class CudaGraphRunner:
 
     def metadata(self, bs: int) -> AttentionMetadata:
         """The attention metadata of a padded step of ``bs`` decodes, over the static buffers."""
+        from pagellm.attention.triton_attention import partition_size  # (Triton: only where graphs are)
+
         table = self.block_table[:bs]
+        parts = -(-table.shape[1] * self.block_size // partition_size(self.block_size))
         group = AttentionGroup(AttentionKind.DECODE_KERNEL, 0, bs, bs, 1, table, None,
-                               kernel_args=(table, self.query_start[:bs + 1], self.seq_lens[:bs], 1))
+                               kernel_args=(table, self.query_start[:bs + 1], self.seq_lens[:bs], 1, parts))
         return AttentionMetadata(self.backend, self.slot_mapping[:bs], [group], bs, self.block_size, list(range(bs)))
 
     @torch.inference_mode()
@@ -142,7 +148,7 @@ class CudaGraphRunner:
         group = meta.groups[0]
         if group.kind != AttentionKind.DECODE_KERNEL or group.kernel_args is None or group.batch_size != n:
             return None
-        table, _, seq_lens, _ = group.kernel_args
+        table, _, seq_lens, _, _ = group.kernel_args
         if table.shape[1] > self.block_table.shape[1]:
             return None
         self.input_ids[:n].copy_(input_ids)

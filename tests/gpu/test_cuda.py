@@ -22,9 +22,19 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [[1, 5, 9, 200, 31, 7], list(range(40, 140)), [3] * 33, list(range(500, 517))]
 
 
+@pytest.fixture(params=[BLOCK, 128], ids=lambda p: f"partition{p}")
+def partition(request, monkeypatch):
+    """Decodes' keys split into one-block partitions (several programs and the reduce, compiled),
+    and the default (one partition at these contexts)."""
+    from pagellm.attention import triton_attention
+
+    monkeypatch.setattr(triton_attention, "PARTITION_SIZE", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window,softcap", [(None, None), (24, 2.0)])
-def test_the_compiled_kernel_equals_the_reference(dtype, window, softcap):
+def test_the_compiled_kernel_equals_the_reference(dtype, window, softcap, partition):
     from pagellm.attention.cuda_paged import CudaPagedAttention
     from pagellm.attention.torch_paged import TorchPagedAttention
 
@@ -38,7 +48,10 @@ def test_the_compiled_kernel_equals_the_reference(dtype, window, softcap):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
-def test_a_row_gets_the_same_bits_decoded_or_prefilled_alone_or_in_a_batch():
+@pytest.mark.parametrize("window", [None, 20])
+def test_a_row_gets_the_same_bits_decoded_or_prefilled_alone_or_in_a_batch(partition, window):
+    """(Split decodes against chunks that combine partitions in one program: the same two functions
+    in the same order, compiled into two kernels.)"""
     from pagellm.attention.cuda_paged import CudaPagedAttention
 
     hq, hkv, d = 8, 2, 64
@@ -47,9 +60,9 @@ def test_a_row_gets_the_same_bits_decoded_or_prefilled_alone_or_in_a_batch():
         seqs[3] = (53, 20, seqs[0][2], torch.cat([seqs[3][3][:19], seqs[0][3]]), seqs[0][4], seqs[0][5])
         caches = [torch.zeros(NUM_BLOCKS * BLOCK, hkv, d, dtype=dtype) for _ in range(2)]
         backend = CudaPagedAttention()
-        alone = run_backend(backend, seqs[:1], caches, hq, hkv, d, dtype, device="cuda")[0]
-        batched = run_backend(backend, seqs[:3], caches, hq, hkv, d, dtype, device="cuda")[0]
-        prefilled = run_backend(backend, seqs[3:], caches, hq, hkv, d, dtype, device="cuda")[0][-1:]
+        alone = run_backend(backend, seqs[:1], caches, hq, hkv, d, dtype, window, device="cuda")[0]
+        batched = run_backend(backend, seqs[:3], caches, hq, hkv, d, dtype, window, device="cuda")[0]
+        prefilled = run_backend(backend, seqs[3:], caches, hq, hkv, d, dtype, window, device="cuda")[0][-1:]
         assert torch.equal(alone, batched) and torch.equal(alone, prefilled), dtype
 
 
