@@ -1,5 +1,6 @@
 """Decode steps through ``CudaGraphRunner``'s static buffers, on a CPU: the CUDA backend's Triton
-kernel under the interpreter, and each "graph" an ``EagerReplay`` (it runs the captured forward
+kernel and the Triton ops (norms, activation, rotary fused with the K/V write) under the
+interpreter, as a GPU runs them, and each "graph" an ``EagerReplay`` (it runs the captured forward
 again over the same buffers, as a replay reads the same addresses). What this checks is the
 plumbing a real graph depends on: padding rows that write only the scratch block, block-table
 columns left from earlier steps, sizes chosen per step. tests/gpu replays real CUDA graphs."""
@@ -43,6 +44,8 @@ def test_parallelism_on_cuda_is_refused_by_name():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="a GPU replays real graphs (tests/gpu)")
 def test_decode_steps_through_the_static_buffers_keep_greedy_outputs(ckpt_root, monkeypatch):
     from pagellm.attention.cuda_paged import CudaPagedAttention
+    from pagellm.kernels import triton_ops
+    from pagellm.layers import custom_op
     from pagellm.worker import worker as worker_mod
 
     path = build_tiny_checkpoint(ckpt_root, "llama")
@@ -64,13 +67,27 @@ def test_decode_steps_through_the_static_buffers_keep_greedy_outputs(ckpt_root, 
         return out
 
     monkeypatch.setattr(cuda_graph.CudaGraphRunner, "run", counting_run)
+    # The ops a GPU runs: Triton's, not the CPU kernels; the rotary writes K/V in the same kernel.
+    monkeypatch.setattr(custom_op, "cpu_kernels_apply", lambda device, dtype: False)
+    monkeypatch.setattr(custom_op, "triton_kernels_apply", lambda device: True)
+    fused: list[int] = []
+    rotary_and_write = triton_ops.rotary_and_write_kv
+
+    def counting_rotary(q, k, v, cos, sin, key_cache=None, value_cache=None, slot_mapping=None):
+        fused.append(key_cache is not None)
+        rotary_and_write(q, k, v, cos, sin, key_cache, value_cache, slot_mapping)
+
+    monkeypatch.setattr(triton_ops, "rotary_and_write_kv", counting_rotary)
     llm = LLM(path, cudagraph_capture_sizes=[1, 4], **kw)  # (2 decodes padded with a row used before)
     worker = llm.llm_engine.executor.worker
+    ops = [m for m in worker.model_runner.model.modules() if isinstance(m, custom_op.CustomOp)]
+    assert ops and all(m.use_triton and not m.use_kernel for m in ops)
     cache = worker.cache_engine
     scratch = cache.scratch_block
     assert scratch == 12 and cache.kv.shape[2] == 13 * 16  # one block past the pool's
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == ref
+    assert fused and all(fused)  # (every layer's rotary wrote the K/V: none left to the backend)
     # Every decode step went through a "graph": 3 decodes padded to 4, then 2 padded to 4, then 1.
     assert sorted(set(replayed)) == [1, 2, 3] and worker.model_runner.cuda_graphs.num_replays == len(replayed)
     # The padding rows wrote the scratch block (3 -> 4), and no block the pool hands out holds

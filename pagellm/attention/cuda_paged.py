@@ -11,13 +11,15 @@ for a cache on a CUDA device; on a CPU it runs only under ``TRITON_INTERPRET=1``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import accumulate
 
 import torch
 
 from pagellm.attention import triton_attention
-from pagellm.attention.metadata import AttentionGroup, AttentionKind
+from pagellm.attention.metadata import AttentionGroup, AttentionKind, AttentionMetadata
 from pagellm.attention.torch_paged import TorchPagedAttention, _padded_block_table
+from pagellm.layers.rotary import ApplyRotary
 
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_BLOCK_SIZE = 16  # (tl.dot's smallest tile on a GPU)
@@ -72,6 +74,20 @@ class CudaPagedAttention(TorchPagedAttention):
         return group.token_end
 
     # ------------------------------------------------------------------ forward
+    def rotary_and_write_kv(self, rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]], query: torch.Tensor,
+                            key: torch.Tensor, value: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                            kv_cache: tuple[torch.Tensor, torch.Tensor],
+                            meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """One Triton kernel rotates the query and key heads and writes the key and value heads into
+        the cache, where the layer's rotary op runs in Triton and takes these tensors."""
+        if not (isinstance(rotary, ApplyRotary) and rotary.use_triton and rotary.triton_takes(query, key, rope)
+                and value.stride(2) == 1):
+            return super().rotary_and_write_kv(rotary, query, key, value, rope, kv_cache, meta)
+        from pagellm.kernels import triton_ops
+
+        triton_ops.rotary_and_write_kv(query, key, value, *rope, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        return query, key, True
+
     @staticmethod
     def _kernel(out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, block_size: int, scale: float) -> None:

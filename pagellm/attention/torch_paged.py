@@ -293,13 +293,23 @@ class TorchPagedAttention:
         key_cache.index_copy_(0, slot_mapping, to_cache(key, key_cache.dtype))
         value_cache.index_copy_(0, slot_mapping, to_cache(value, value_cache.dtype))
 
+    def rotary_and_write_kv(self, rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]], query: torch.Tensor,
+                            key: torch.Tensor, value: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                            kv_cache: tuple[torch.Tensor, torch.Tensor],
+                            meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """``rotary`` (the layer's rotary op) over the query and key; a backend that writes the
+        rotated K/V into the cache in the same kernel says so (``True``: ``forward`` skips its write)."""
+        query, key = rotary(query, key, rope)
+        return query, key, False
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, kv_written: bool = False) -> torch.Tensor:
         """``query [T, Hq, D]``, ``key/value [T, Hkv, D]``, caches ``[num_slots, Hkv, D]`` -> ``[T, Hq*D]``.
         ``window``: this layer's sliding window; ``softcap``: its attention logit soft-cap."""
         t, hq, d = query.shape
-        self.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+        if not kv_written:
+            self.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty(t, hq * d, dtype=query.dtype, device=query.device)
         for grp in meta.groups:
             if window is None and softcap is None:

@@ -20,6 +20,11 @@ class SiluAndMul(CustomOp):
     def forward_cpu(self, gate_up: torch.Tensor) -> torch.Tensor:
         return cpu_ops.silu_and_mul(gate_up)
 
+    def forward_cuda(self, gate_up: torch.Tensor) -> torch.Tensor:
+        from pagellm.kernels import triton_ops
+
+        return triton_ops.act_and_mul(gate_up)
+
 
 class GeluTanhAndMul(CustomOp):
     """``gate_up [T, 2I]`` -> ``gelu(gate, approximate="tanh") * up`` ``[T, I]`` (HF's
@@ -31,6 +36,11 @@ class GeluTanhAndMul(CustomOp):
 
     def forward_cpu(self, gate_up: torch.Tensor) -> torch.Tensor:
         return cpu_ops.gelu_tanh_and_mul(gate_up)
+
+    def forward_cuda(self, gate_up: torch.Tensor) -> torch.Tensor:
+        from pagellm.kernels import triton_ops
+
+        return triton_ops.act_and_mul(gate_up, gelu=True)
 
 
 def gated_activation(config: object) -> CustomOp:

@@ -42,3 +42,13 @@ class RMSNorm(CustomOp):
         if residual is None:
             return cpu_ops.rms_norm(x, self.weight, self.eps)
         return cpu_ops.rms_norm(x, self.weight, self.eps, residual), residual
+
+    def forward_cuda(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """One kernel (the add, the norm, the weight), ``residual`` updated in place as on the CPU."""
+        from pagellm.kernels import triton_ops
+
+        if x.dim() not in (2, 3) or (residual is not None and (x.dim() != 2 or residual.stride(1) != 1)):
+            return self.forward_native(x, residual)
+        if residual is None:
+            return triton_ops.rms_norm(x, self.weight, self.eps)
+        return triton_ops.rms_norm(x, self.weight, self.eps, residual), residual

@@ -164,3 +164,19 @@ class ApplyRotary(CustomOp):
             cpu_ops.rotary_(q, *rope)
             cpu_ops.rotary_(k, *rope)
         return q, k
+
+    @staticmethod
+    def triton_takes(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        """Whether the Triton kernel rotates these: unit-stride heads, an even rotary width."""
+        return q.stride(2) == 1 and k.stride(2) == 1 and rope[0].shape[-1] % 2 == 0 and rope[0].is_contiguous() \
+            and rope[1].is_contiguous()
+
+    def forward_cuda(self, q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """``q`` and ``k`` rotated in place in one kernel (the attention backend may fuse the K/V
+        cache write into it: ``TorchPagedAttention.rotary_and_write_kv``)."""
+        if not self.triton_takes(q, k, rope):
+            return self.forward_native(q, k, rope)
+        from pagellm.kernels import triton_ops
+
+        triton_ops.rotary_and_write_kv(q, k, None, *rope)
+        return q, k

@@ -140,9 +140,9 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, k, rope)
+        q, k, written = meta.backend.rotary_and_write_kv(self.rotary, q, k, v, rope, kv_cache, meta)
         o = meta.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
-                                 self.logit_softcap)
+                                 self.logit_softcap, kv_written=written)
         return self.o_proj(o)
 
 

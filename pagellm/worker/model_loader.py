@@ -115,7 +115,8 @@ class ModelLoader:
                              f"float32 or bfloat16 only (here: {self.device}, dtype {self.config.model.dtype})")
         # Every CustomOp (norms, rotary, activation) gets its kernel or its reference, once.
         kernels_on = select_kernels(model, self.device, self.dtype)
-        logger.info("compiled CPU ops: %s", "on" if kernels_on else "off (PyTorch reference ops)")
+        logger.info("%s ops: %s", "Triton" if self.device.type == "cuda" else "compiled CPU",
+                    "on" if kernels_on else "off (PyTorch reference ops)")
         self._refuse_features(model, hf_config.architectures[0])
         return LoadedModel(model, hf_config, source.path, numerics)
 
