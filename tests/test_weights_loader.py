@@ -42,3 +42,36 @@ def test_building_a_model_imports_no_compiler(tiny_llama):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_the_dummy_load_format_reads_only_the_config(ckpt_root, tmp_path):
+    """vLLM's ``load_format="dummy"``: a directory with a config and a tokenizer but no weights runs,
+    every weight in ``[-1e-3, 1e-3)``, the same tokens for the same seed; what cannot hold is refused."""
+    import shutil
+
+    from pagellm import LLM, SamplingParams
+    from pagellm.config import EngineArgs
+    from pagellm.layers.norm import RMSNorm
+
+    from conftest import build_tiny_checkpoint
+
+    src = build_tiny_checkpoint(ckpt_root, "llama")
+    shape = tmp_path / "shape"
+    shutil.copytree(src, shape, ignore=shutil.ignore_patterns("*.safetensors*"))
+    assert not any(f.endswith(".safetensors") for f in os.listdir(shape))
+    kw = dict(dtype="float32", num_gpu_blocks_override=16, load_format="dummy")
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    outs = []
+    for seed in (3, 3):
+        llm = LLM(str(shape), seed=seed, **kw)
+        model = llm.llm_engine.executor.worker.model_runner.model
+        norms = torch.cat([m.weight.detach().flatten() for m in model.modules() if isinstance(m, RMSNorm)])
+        embed = model.model.embed_tokens.weight.detach()
+        for w in (norms, embed):
+            assert w.min() >= -1e-3 and w.max() < 1e-3 and w.std() > 1e-4  # (uniform: std 1e-3 / sqrt(3))
+        outs.append(llm.generate([{"prompt_token_ids": [1, 5, 9, 200]}], params, use_tqdm=False)[0].outputs[0])
+    assert len(outs[0].token_ids) == 5 and outs[0].token_ids == outs[1].token_ids
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        EngineArgs(model=str(shape), load_format="zeros").create_engine_config()
+    with pytest.raises(ValueError, match="load_format='dummy' has no GGUF blocks"):
+        EngineArgs(model=str(shape), load_format="dummy", quantization="gguf").create_engine_config()

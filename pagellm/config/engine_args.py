@@ -14,7 +14,7 @@ from pagellm.config.device import CUDA_ONE_GPU, Device, DeviceConfig
 from pagellm.config.engine import EngineConfig
 from pagellm.config.kv_transfer import KVTransferConfig
 from pagellm.config.lora import LoRAConfig
-from pagellm.config.model import DType, ModelConfig, PoolerConfig, Quantization, Runner
+from pagellm.config.model import DType, LoadFormat, ModelConfig, PoolerConfig, Quantization, Runner
 from pagellm.config.multimodal import MultiModalConfig
 from pagellm.config.observability import ObservabilityConfig
 from pagellm.config.parallel import ExecutorBackend, ParallelConfig
@@ -33,6 +33,8 @@ _HELP = {
                     "(activations rounded to int8 per 32 or 256 values; AVX512-VNNI, AVX2 or plain C); "
                     "q8_0: quantize an HF checkpoint's projections on load to GGUF Q8_0 blocks (8 bits per "
                     "weight and a scale per 32) for the same kernel; default: none",
+    "load_format": "auto: the checkpoint's weights; dummy: only its config.json (and tokenizer), every weight "
+                   "random (a benchmark at a model's shape without its weights)",
     "kv_cache_memory": "KV cache byte budget, e.g. 2GiB, reserved at start-up (ignored with "
                        "--num-gpu-blocks-override; default: a cap of 2GiB, or less where max_num_seqs sequences "
                        "of max_model_len tokens need less, whose memory is taken as blocks are first used)",
@@ -110,6 +112,7 @@ class EngineArgs:
     max_model_len: int | None = None
     served_model_name: str | None = None
     quantization: Quantization | None = None
+    load_format: LoadFormat = "auto"
     runner: Runner = "generate"
     pooler_config: dict | str | None = None
     block_size: int = 16
@@ -178,7 +181,7 @@ class EngineArgs:
         return EngineConfig(
             model=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, seed=self.seed,
                               max_model_len=self.max_model_len, served_model_name=self.served_model_name,
-                              quantization=self.quantization, runner=self.runner,
+                              quantization=self.quantization, load_format=self.load_format, runner=self.runner,
                               pooler_config=PoolerConfig.from_any(self.pooler_config)),
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory=budget,
                               size_to_model=self.kv_cache_memory is None,

