@@ -70,3 +70,29 @@ def test_faulting_in_pauses_while_gemms_are_timed():
         assert memory._done == done and not memory._busy
     memory._thread.join()
     assert memory._done == memory.nbytes
+
+
+def test_a_cuda_kv_cache_takes_what_gpu_memory_utilization_leaves(ckpt_root, monkeypatch):
+    """vLLM's ``gpu_memory_utilization``: the share of the device, less what is in use once the
+    weights are loaded, a step's activations and the 1 GiB margin (the formula written out here);
+    nothing left is refused by name. The worker's wiring is checked with the device's memory faked."""
+    from pagellm import LLM
+    from pagellm.config import EngineArgs
+    from pagellm.worker.cache_engine import device_kv_budget
+
+    from conftest import build_tiny_checkpoint
+
+    gib = 2**30
+    assert device_kv_budget(80 * gib, 17 * gib, 0.9, gib // 2) == int((72 - 17 - 0.5 - 1) * gib)
+    with pytest.raises(ValueError, match="gpu_memory_utilization=0.2 leaves no memory for the KV cache"):
+        device_kv_budget(80 * gib, 17 * gib, 0.2, gib)
+    for bad in (0, 1.5):
+        with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+            EngineArgs(gpu_memory_utilization=bad).create_engine_config()
+    llm = LLM(build_tiny_checkpoint(ckpt_root, "llama"), dtype="float32", num_gpu_blocks_override=8,
+              max_num_batched_tokens=512, max_num_seqs=8, gpu_memory_utilization=0.5)
+    worker = llm.llm_engine.executor.worker
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * gib, 40 * gib))
+    # 512 tokens x (4 x 64 + 3 x 128) float32 values, 8 rows x 49152 float32 logits x 4 copies
+    activations = 512 * (4 * 64 + 3 * 128) * 4 + 8 * 49152 * 4 * 4
+    assert worker._device_kv_budget() == 20 * gib - 10 * gib - activations - gib

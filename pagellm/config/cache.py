@@ -31,8 +31,13 @@ class CacheConfig:
     # (the worker decides). A 16-bit cache under a float32 model halves the bytes decode
     # attention reads (and doubles the blocks), int8 with its per-row scale takes 0.53x of 16 bits.
     kv_cache_dtype: KVCacheDType = "auto"
+    # On a CUDA device without kv_cache_memory (vLLM's): the share of the device's memory the
+    # weights, a step's activations and the KV cache may take; the KV cache gets the rest.
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_dtype not in get_args(KVCacheDType):
             raise ValueError(f"kv_cache_dtype must be one of {get_args(KVCacheDType)}, got {self.kv_cache_dtype!r}")
         if not isinstance(self.block_size, int) or self.block_size < 1:

@@ -39,6 +39,9 @@ _HELP = {
                        "--num-gpu-blocks-override; default: a cap of 2GiB, or less where max_num_seqs sequences "
                        "of max_model_len tokens need less, whose memory is taken as blocks are first used)",
     "num_gpu_blocks_override": "exact number of KV blocks (on any device)",
+    "gpu_memory_utilization": "on a CUDA device without --kv-cache-memory: the share of its memory the weights, a "
+                              "step's activations and the KV cache may take, the KV cache getting the rest "
+                              "(default 0.9)",
     "long_prefill_token_threshold": "most prompt tokens one request computes per step (0 = no cap)",
     "num_threads": "torch CPU threads per worker (default: the cores, shared out between local workers)",
     "structured_outputs_config": "JSON, e.g. '{\"backend\": \"xgrammar\"}': grammar library for constrained "
@@ -118,6 +121,7 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory: str | int | None = None
     num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -186,6 +190,7 @@ class EngineArgs:
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory=budget,
                               size_to_model=self.kv_cache_memory is None,
                               num_gpu_blocks_override=self.num_gpu_blocks_override,
+                              gpu_memory_utilization=self.gpu_memory_utilization,
                               enable_prefix_caching=self.enable_prefix_caching,
                               swap_space=None if self.swap_space is None else float(self.swap_space),
                               num_cpu_blocks_override=self.num_cpu_blocks_override,

@@ -46,6 +46,31 @@ class KVCacheSpec:
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.cache_head_dim * self.dtype.itemsize
 
 
+# What a CUDA step may need besides its activations' estimate: cuBLAS workspaces, the caching
+# allocator's fragmentation, the CUDA graphs' memory pool.
+DEVICE_MARGIN = 1 << 30
+
+
+def device_kv_budget(total: int, used: int, utilization: float, activations: int) -> int:
+    """A CUDA device's KV cache bytes (vLLM's ``gpu_memory_utilization``): ``utilization`` of the
+    device's ``total`` memory, less what is ``used`` on it once the weights are loaded (by any
+    process), a step's ``activations`` and a margin. Refused, naming the argument, where nothing is left."""
+    budget = int(total * utilization) - used - activations - DEVICE_MARGIN
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization={utilization} leaves no memory for the KV cache: "
+                         f"{used / 2**30:.1f} GiB of {total / 2**30:.1f} GiB is in use with the weights loaded, "
+                         f"a step needs ~{(activations + DEVICE_MARGIN) / 2**30:.1f} GiB more "
+                         "(raise it, or give kv_cache_memory)")
+    return budget
+
+
+def step_activation_bytes(tokens: int, rows: int, hidden: int, intermediate: int, vocab: int, itemsize: int) -> int:
+    """A generous estimate of a step's activations: ``tokens`` rows through a layer (the residual,
+    the norm's output, qkv and attention output at most 4 hidden widths, the gate/up output and its
+    product 3 intermediate ones) and float32 logits of ``rows`` sampled rows with the sampler's copies."""
+    return tokens * (4 * hidden + 3 * intermediate) * itemsize + rows * vocab * 4 * 4
+
+
 def _anonymous_map(nbytes: int) -> mmap.mmap:
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux only

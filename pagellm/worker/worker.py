@@ -26,7 +26,13 @@ from pagellm.models.decoder import DecoderForCausalLM, model_sliding_window
 from pagellm.pooling_params import PoolingInfo
 from pagellm.utils import cdiv
 from pagellm.weights.loader import end_of_generation_ids
-from pagellm.worker.cache_engine import CacheEngine, HostKVMemory, KVCacheSpec
+from pagellm.worker.cache_engine import (
+    CacheEngine,
+    HostKVMemory,
+    KVCacheSpec,
+    device_kv_budget,
+    step_activation_bytes,
+)
 from pagellm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
 from pagellm.worker.draft_runner import DraftRunner
 from pagellm.worker.host_malloc import tune_malloc
@@ -142,6 +148,7 @@ class Worker:
             draft = self.loader.load_draft(spec_cfg.model, text_config.vocab_size)
             self.draft_model, self.draft_spec = draft.model, self._kv_spec(draft.model, draft.numerics)
         self.max_positions = text_config.max_position_embeddings
+        self.text_config = text_config
         self.pooling = self.loader.pooling(model, hf_config, loaded.path)
         lora = self.config.lora
         self.model_lora = ModelLoRA(model, lora.max_loras, lora.max_lora_rank, self.device, self.dtype) \
@@ -176,6 +183,8 @@ class Worker:
                  "kv_dtype": str(spec.dtype), "block": [spec.num_layers, spec.num_kv_heads, spec.head_dim,
                                                         spec.block_size],
                  "tp": [self.tp.rank, self.tp.world_size], "device": self.device.type}
+        if self.config.model.load_format == "dummy":  # (no weight files: the random weights' seed is their identity)
+            ident["dummy_seed"] = self.config.model.seed
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).digest()
 
     def _fill_lora_slot(self, slot: int, spec: AdapterSpec) -> None:
@@ -222,7 +231,9 @@ class Worker:
         if cache.num_gpu_blocks_override is not None:
             n = cache.num_gpu_blocks_override
         else:
-            n = cache.kv_cache_memory // self.block_bytes
+            budget = self._device_kv_budget() if self.device.type == "cuda" and cache.size_to_model \
+                else cache.kv_cache_memory
+            n = budget // self.block_bytes
             if n < 1:
                 raise ValueError(
                     f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block "
@@ -238,6 +249,17 @@ class Worker:
         else:
             n_cpu = int(cache.swap_space * 2**30) // self.block_bytes
         return n, n_cpu
+
+    def _device_kv_budget(self) -> int:
+        """The KV cache a CUDA device holds after the weights, without a budget given (vLLM's
+        ``gpu_memory_utilization``)."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        text = self.text_config
+        sched = self.config.scheduler
+        activations = step_activation_bytes(sched.max_num_batched_tokens, sched.max_num_seqs, text.hidden_size,
+                                            getattr(text, "intermediate_size", 4 * text.hidden_size),
+                                            text.vocab_size, self.loader.dtype.itemsize)
+        return device_kv_budget(total, total - free, self.config.cache.gpu_memory_utilization, activations)
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         memory, self._kv_memory = self._kv_memory, None
