@@ -1,9 +1,11 @@
 """Host time per step before and after a change, interleaved in one invocation.
 
-Runs ``time_breakdown.py`` from a baseline commit (a ``git worktree`` outside the checkout) and
-from this tree, taking turns, so a noisy stretch of the machine hits both alike; prints each
-side's median host time per decode-heavy step (schedule + prepare + output) at each load and
-its total throughput::
+Runs this tree's ``time_breakdown.py`` over a baseline commit's package (a ``git worktree``
+outside the checkout) and over this tree's, taking turns, so a noisy stretch of the machine hits
+both alike; prints each side's median host time per decode-heavy step at each load and its total
+throughput. ``--host-only`` (the script's mode of three timers: the host is the step's wall time
+less the model's) is the one to trust; without it the split (schedule + prepare + output) is
+shown, whose many timers add their own cost to the host::
 
     python benchmarks/host_ab.py --baseline 9996544                 # batch 1 and W64, 3 rounds
     python benchmarks/host_ab.py --baseline HEAD~3 --candidate HEAD --num-requests 1 --rounds 5
@@ -34,13 +36,22 @@ def worktree(ref: str) -> str:
     return path
 
 
-def run(tree: str, num_requests: int | None) -> tuple[float, list[float], float]:
-    """One ``time_breakdown.py`` run of ``tree``: (host ms per decode-heavy step, its three parts, tok/s)."""
-    cmd = [sys.executable, os.path.join(tree, "benchmarks", "time_breakdown.py"), "--workload", W64]
+def run(tree: str, num_requests: int | None, host_only: bool) -> tuple[float, list[float], float]:
+    """One ``time_breakdown.py`` run over ``tree``'s package: (host ms per decode-heavy step, its three
+    parts or zeros, tok/s)."""
+    cmd = [sys.executable, os.path.join(HERE, "time_breakdown.py"), "--workload", W64]
     if num_requests:
         cmd += ["--num-requests", str(num_requests)]
+    if host_only:
+        cmd += ["--host-only"]
     env = dict(os.environ, PYTHONPATH=tree)  # (ahead of the venv's editable install)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    if host_only:
+        m = re.search(r"decode-heavy\s+([\d.]+)\s+\(of", out)
+        tps = re.search(r"([\d.]+) total tok/s", out)
+        if m is None or tps is None:
+            raise RuntimeError(f"no host row in:\n{out}")
+        return float(m.group(1)), [0.0, 0.0, 0.0], float(tps.group(1))
     m = re.search(r"decode-heavy\s+([\d.]+)\s+\(([\d.]+) \+ ([\d.]+) \+ ([\d.]+)\)", out)
     tps = re.search(r"([\d.]+) total tok/s", out)
     if m is None or tps is None:
@@ -57,13 +68,14 @@ def main() -> None:
                     help="loads to run: N requests of W64 (0: all 64)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--verbose", action="store_true", help="print every run")
+    ap.add_argument("--host-only", action="store_true", help="three timers: host = step wall less the model's")
     args = ap.parse_args()
     sides = {"baseline": worktree(args.baseline), "this tree": worktree(args.candidate) if args.candidate else ROOT}
     for n in args.num_requests:
         results: dict[str, list[tuple[float, list[float], float]]] = {k: [] for k in sides}
         for _ in range(args.rounds):
             for name, tree in sides.items():
-                results[name].append(run(tree, n or None))
+                results[name].append(run(tree, n or None, args.host_only))
                 if args.verbose:
                     print(name, results[name][-1], flush=True)
         print(f"\n{n or 64} request(s), median of {args.rounds} interleaved rounds:")

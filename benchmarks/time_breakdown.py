@@ -18,6 +18,11 @@ Wraps the engine's functions with exclusive timers (a nested call's time is not 
 Each step is classed prefill-heavy (more prefill tokens than decodes) or decode-heavy. With
 ``--torch-profiler N`` it also prints torch.profiler's op table over N steps of each kind.
 
+The timers cost time of their own, and on a batch-1 step, whose code comes back from memory after
+the model's pass, about 10-20 us a timed call: the split above over-states the host's share.
+``--host-only`` times three calls only (the model's forward, the LM head, the sampler) and prints
+the host's time as each step's wall time less theirs: the figure to compare across commits.
+
     python benchmarks/time_breakdown.py                      # W64
     python benchmarks/time_breakdown.py --num-requests 16 --torch-profiler 3
 """
@@ -103,6 +108,8 @@ def main() -> None:
     ap.add_argument("--torch-profiler", type=int, default=0, metavar="N",
                     help="also print torch.profiler's op table over N steps of each kind")
     ap.add_argument("--no-prefix-caching", action="store_true", help="run with enable_prefix_caching=False")
+    ap.add_argument("--host-only", action="store_true",
+                    help="time only the model, LM head and sampler; host = step wall time less theirs")
     ap.add_argument("--no-decode-graph", action="store_true",
                     help="decode steps layer by layer (PAGELLM_DECODE_GRAPH=0), so their ops are split too")
     args = ap.parse_args()
@@ -122,8 +129,13 @@ def main() -> None:
         engine.add_request(str(i), {"prompt_token_ids": r["prompt_token_ids"]},
                            SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True))
     timers = ExclusiveTimers()
-    instrument(engine, timers)
-    engine.step = timers.wrap(engine.step, "output processing")
+    if args.host_only:
+        runner = engine.executor.worker.model_runner
+        for obj, name in ((runner.model, "forward"), (runner.model, "compute_logits"), (runner.sampler, "forward")):
+            setattr(obj, name, timers.wrap(getattr(obj, name), "model"))
+    else:
+        instrument(engine, timers)
+        engine.step = timers.wrap(engine.step, "output processing")
     kinds = {"prefill-heavy": defaultdict(float), "decode-heavy": defaultdict(float)}
     counts: dict[str, int] = defaultdict(int)
     tokens: dict[str, int] = defaultdict(int)
@@ -163,6 +175,14 @@ def main() -> None:
             kinds[kind][cat] += dt
     wall = time.perf_counter() - t0
     n_tok = sum(r["prompt_len"] + r["max_tokens"] for r in reqs)
+    if args.host_only:
+        print(f"\n{len(reqs)} requests, {n_tok} tokens, wall {wall:.1f} s, {n_tok / wall:.1f} total tok/s")
+        print("host per step, ms (step wall time less the model, LM head and sampler):")
+        for k in kinds:
+            n = max(counts[k], 1)
+            print(f"  {k:14s} {1e3 * (wall_by_kind[k] - kinds[k]['model']) / n:6.3f}  "
+                  f"(of {1e3 * wall_by_kind[k] / n:.3f}, {counts[k]} steps)")
+        return
     print(f"\n{len(reqs)} requests, {n_tok} tokens, wall {wall:.1f} s, {n_tok / wall:.1f} total tok/s"
           + (" (torch.profiler on: slower)" if args.torch_profiler else ""))
     print(f"{'':20s}" + "".join(f"{k:>24s}" for k in kinds) + f"{'all':>16s}")
