@@ -68,7 +68,53 @@ class ExclusiveTimers:
         return out
 
 
-def instrument(engine, timers: ExclusiveTimers) -> None:
+class GemmStats:
+    """Each projection call's time, rows and FLOPs (2 x rows x in x out) by step kind and weight
+    format (``gemm_label``); the LM head as its own row. Decode steps through the decode graph run
+    their GEMMs inside one C call, so only ``--no-decode-graph`` splits theirs."""
+
+    def __init__(self, kind_of_step) -> None:
+        self.kind_of_step = kind_of_step  # () -> this step's kind
+        self.rows: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0, 0, 0])  # s, flops, calls, rows
+
+    def wrap(self, fn, label: str, in_features: int, out_features: int):
+        @functools.wraps(fn)
+        def timed(x, *args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(x, *args, **kwargs)
+            finally:
+                row = self.rows[(self.kind_of_step(), label)]
+                n = x.numel() // x.shape[-1]
+                row[0] += time.perf_counter() - t
+                row[1] += 2.0 * n * in_features * out_features
+                row[2] += 1
+                row[3] += n
+        return timed
+
+    def print(self) -> None:
+        print("GEMMs by step kind and weight format (rows: mean rows per call):")
+        print(f"  {'kind':14s} {'format':34s} {'calls':>7s} {'rows':>6s} {'seconds':>8s} {'GFLOP':>8s} {'GFLOP/s':>8s}")
+        for (kind, label), (sec, flops, calls, rows) in sorted(self.rows.items()):
+            print(f"  {kind:14s} {label:34s} {calls:7d} {rows / max(calls, 1):6.0f} {sec:8.2f} {flops / 1e9:8.1f} "
+                  f"{flops / 1e9 / max(sec, 1e-9):8.1f}")
+
+
+def gemm_label(linear) -> str:
+    """The projection's weight format and the kernel path it takes here."""
+    from pagellm.kernels import gemm_int8
+    from pagellm.layers.weight_formats import Int8Packed
+
+    fmt = linear.weight_format
+    if fmt is None:
+        return f"torch F.linear ({str(linear.weight.dtype).removeprefix('torch.')})"
+    if isinstance(fmt, Int8Packed):
+        amx = " / AMX from 32 rows" if gemm_int8.amx() else ""
+        return f"int8 {gemm_int8.FORMATS.get(fmt.fmt, fmt.fmt)} ({gemm_int8.isa()}{amx})"
+    return f"{fmt.name} packed"
+
+
+def instrument(engine, timers: ExclusiveTimers, gemms: GemmStats | None = None) -> None:
     import torch
 
     sched = engine.scheduler
@@ -94,7 +140,12 @@ def instrument(engine, timers: ExclusiveTimers) -> None:
                 m.forward = timers.wrap(m.forward, "mixture of experts")
     for m in model.model.layers.modules():  # not the LM head's, which counts as "lm head"
         if isinstance(m, torch.nn.Linear) and id(m) not in in_moe:
-            m.forward = timers.wrap(m.forward, "linear (GEMM)")
+            fwd = m.forward if gemms is None else gemms.wrap(m.forward, gemm_label(m), m.in_features, m.out_features)
+            m.forward = timers.wrap(fwd, "linear (GEMM)")
+    if gemms is not None:
+        text = engine.executor.worker.text_config
+        model.compute_logits = timers.wrap(gemms.wrap(model.compute_logits.__wrapped__, "LM head",
+                                                      text.hidden_size, text.vocab_size), "lm head")
     from pagellm.kernels import gemm
     gemm.mlp_silu_amx = timers.wrap(gemm.mlp_silu_amx, "linear (GEMM)")  # (an MLP's two GEMMs and SiLU in one call)
 
@@ -108,6 +159,8 @@ def main() -> None:
     ap.add_argument("--torch-profiler", type=int, default=0, metavar="N",
                     help="also print torch.profiler's op table over N steps of each kind")
     ap.add_argument("--no-prefix-caching", action="store_true", help="run with enable_prefix_caching=False")
+    ap.add_argument("--gemms", action="store_true",
+                    help="also each projection's time and GFLOP/s by step kind and weight format")
     ap.add_argument("--host-only", action="store_true",
                     help="time only the model, LM head and sampler; host = step wall time less theirs")
     ap.add_argument("--no-decode-graph", action="store_true",
@@ -129,18 +182,19 @@ def main() -> None:
         engine.add_request(str(i), {"prompt_token_ids": r["prompt_token_ids"]},
                            SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True))
     timers = ExclusiveTimers()
+    kind_of_last = {"kind": "prefill-heavy"}
+    gemms = GemmStats(lambda: kind_of_last["kind"]) if args.gemms else None
     if args.host_only:
         runner = engine.executor.worker.model_runner
         for obj, name in ((runner.model, "forward"), (runner.model, "compute_logits"), (runner.sampler, "forward")):
             setattr(obj, name, timers.wrap(getattr(obj, name), "model"))
     else:
-        instrument(engine, timers)
+        instrument(engine, timers, gemms)
         engine.step = timers.wrap(engine.step, "output processing")
     kinds = {"prefill-heavy": defaultdict(float), "decode-heavy": defaultdict(float)}
     counts: dict[str, int] = defaultdict(int)
     tokens: dict[str, int] = defaultdict(int)
     profiled: dict[str, int] = defaultdict(int)
-    kind_of_last = {"kind": "prefill-heavy"}
     schedule = engine.scheduler.schedule
 
     def classify(*a, **kw):
@@ -200,6 +254,8 @@ def main() -> None:
     for k in kinds:
         parts = [1e3 * kinds[k][c] / max(counts[k], 1) for c in HOST]
         print(f"  {k:14s} {sum(parts):6.3f}  ({' + '.join(f'{x:.3f}' for x in parts)})")
+    if gemms is not None:
+        gemms.print()
 
 
 if __name__ == "__main__":
