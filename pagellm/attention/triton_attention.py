@@ -51,9 +51,7 @@ def _attend(q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, ctx, start, 
     """The softmax state of keys ``start .. end`` (whole blocks from ``start``) for the tile's rows."""
     dims = tl.arange(0, HEAD_DIM_PADDED)
     dim_ok = dims < HEAD_DIM
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
+    m_i, l_i, acc = _empty_state(BLOCK_M, HEAD_DIM_PADDED)
     offs = tl.arange(0, BLOCK_SIZE)
     for s0 in range(start, end, BLOCK_SIZE):
         block = tl.load(table_ptr + s0 // BLOCK_SIZE)
@@ -94,10 +92,11 @@ def _combine(m_i, l_i, acc, m_p, l_p, acc_p):
 
 
 @triton.jit
-def _tile(q_start_ptr, seq_lens_ptr, seq, tile, window, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+def _tile(q_start_ptr, seq_lens_ptr, seq, kv_head, tile, window, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
           BLOCK_SIZE: tl.constexpr, PART: tl.constexpr, USE_WINDOW: tl.constexpr):
-    """A tile's rows and the keys any of them may see: its first flat token, context, rows, their
-    positions, the first block start ``lo``, the end ``hi``, and the partitions ``lo_part .. hi_part``."""
+    """A tile's rows and the keys any of them may see: its query length and context, each row's query
+    head, validity, flat token and position, the first block start ``lo``, the end ``hi``, and the
+    partitions ``lo_part .. hi_part``."""
     q_start = tl.load(q_start_ptr + seq)
     q_len = tl.load(q_start_ptr + seq + 1) - q_start
     ctx = tl.load(seq_lens_ptr + seq)
@@ -110,7 +109,15 @@ def _tile(q_start_ptr, seq_lens_ptr, seq, tile, window, GROUP: tl.constexpr, BLO
     if USE_WINDOW:
         lo = tl.maximum(ctx - q_len + (tile * BLOCK_M) // GROUP - window + 1, 0)
     lo = (lo // BLOCK_SIZE) * BLOCK_SIZE
-    return q_start, q_len, ctx, rows, token, q_pos, lo, hi, lo // PART, (hi + PART - 1) // PART
+    return (q_len, ctx, kv_head * GROUP + rows % GROUP, token < q_len, (q_start + token).to(tl.int64), q_pos, lo, hi,
+            lo // PART, (hi + PART - 1) // PART)
+
+
+@triton.jit
+def _empty_state(BLOCK_M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr):
+    """A softmax state over no keys: ``(max, sum, weighted values)`` = ``(-inf, 0, 0)``."""
+    return (tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32),
+            tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32))
 
 
 @triton.jit
@@ -130,15 +137,12 @@ def paged_attention_kernel(
     if SPLIT:
         part = tile % num_parts
         tile = tile // num_parts
-    q_start, q_len, ctx, rows, token, q_pos, lo, hi, lo_part, hi_part = _tile(
-        q_start_ptr, seq_lens_ptr, seq, tile, window, GROUP, BLOCK_M, BLOCK_SIZE, PART, USE_WINDOW)
+    q_len, ctx, head, row_ok, flat, q_pos, lo, hi, lo_part, hi_part = _tile(
+        q_start_ptr, seq_lens_ptr, seq, kv_head, tile, window, GROUP, BLOCK_M, BLOCK_SIZE, PART, USE_WINDOW)
     if tile * BLOCK_M >= q_len * GROUP:
         return
-    head = kv_head * GROUP + rows % GROUP
-    row_ok = token < q_len
     dims = tl.arange(0, HEAD_DIM_PADDED)
     dim_ok = dims < HEAD_DIM
-    flat = (q_start + token).to(tl.int64)
     q = tl.load(q_ptr + flat[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     table = block_tables_ptr + seq * stride_bt
@@ -154,9 +158,7 @@ def paged_attention_kernel(
         tl.store(l_ptr + idx, l_i, mask=row_ok)
         tl.store(acc_ptr + idx[:, None] * HEAD_DIM_PADDED + dims[None, :], acc, mask=row_ok[:, None])
     else:
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
+        m_i, l_i, acc = _empty_state(BLOCK_M, HEAD_DIM_PADDED)
         for p in range(lo_part, hi_part):
             m_p, l_p, acc_p = _attend(q, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head, ctx,
                                       tl.maximum(p * PART, lo), tl.minimum(p * PART + PART, hi), scale, softcap,
@@ -177,17 +179,12 @@ def reduce_partitions_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     tile = tl.program_id(2)
-    q_start, q_len, ctx, rows, token, q_pos, lo, hi, lo_part, hi_part = _tile(
-        q_start_ptr, seq_lens_ptr, seq, tile, window, GROUP, BLOCK_M, BLOCK_SIZE, PART, USE_WINDOW)
+    q_len, ctx, head, row_ok, flat, q_pos, lo, hi, lo_part, hi_part = _tile(
+        q_start_ptr, seq_lens_ptr, seq, kv_head, tile, window, GROUP, BLOCK_M, BLOCK_SIZE, PART, USE_WINDOW)
     if tile * BLOCK_M >= q_len * GROUP:
         return
-    head = kv_head * GROUP + rows % GROUP
-    row_ok = token < q_len
     dims = tl.arange(0, HEAD_DIM_PADDED)
-    flat = (q_start + token).to(tl.int64)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
+    m_i, l_i, acc = _empty_state(BLOCK_M, HEAD_DIM_PADDED)
     for p in range(lo_part, hi_part):
         idx = (flat * (tl.num_programs(1) * GROUP) + head) * num_parts + p
         m_p = tl.load(m_ptr + idx, mask=row_ok, other=float("-inf"))
