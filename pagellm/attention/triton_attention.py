@@ -30,16 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
+from pagellm.kernels.triton_ops import tanh
+
 # Query rows per program, whatever the step holds: a row's result then depends on its own query and
 # keys only, not on its neighbours, the batch, or whether it is decoded or prefilled.
 BLOCK_M = 16
 # Key positions per partition (rounded to whole cache blocks): at 16-token blocks, 8 blocks a program.
 PARTITION_SIZE = 128
-
-
-@triton.jit
-def _tanh(x):
-    return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
 
 
 @triton.jit
@@ -62,7 +59,7 @@ def _attend(q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, ctx, start, 
                     mask=k_ok[:, None] & dim_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k).to(q.dtype), out_dtype=tl.float32, input_precision=PRECISION) * scale
         if USE_SOFTCAP:
-            s = softcap * _tanh(s / softcap)
+            s = softcap * tanh(s / softcap)
         allowed = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
         if USE_WINDOW:
             allowed = allowed & (q_pos[:, None] - k_pos[None, :] < window)

@@ -52,7 +52,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _tanh(x):
+def tanh(x):
+    """``tanh`` through ``exp`` (the attention kernel's soft-cap takes it too)."""
     return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
 
 
@@ -66,7 +67,7 @@ def _act_and_mul_kernel(out_ptr, x_ptr, n_cols, stride_x, stride_o, BLOCK: tl.co
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=ok, other=0.0)
     g = gate.to(tl.float32)
     if GELU:  # (gelu_pytorch_tanh)
-        a = 0.5 * g * (1.0 + _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+        a = 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
     else:
         a = g / (1.0 + tl.exp(-g))
     y = a.to(gate.dtype).to(tl.float32) * up.to(tl.float32)  # (the activation in the model's dtype, as torch)
