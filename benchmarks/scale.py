@@ -7,7 +7,9 @@ and optionally an HF bfloat16 safetensors directory. Each engine runs in a fresh
 
 - ``tg128``: single-stream decode, 128 tokens after a 16-token prompt (llama-bench's tg128);
 - ``pp2048``: one 2,048-token prompt's prefill (llama-bench's pp2048, here through the scheduler);
-- ``w64``: the shared W64 workload's requests (its token ids are SmolLM2's vocabulary, as here);
+- ``w64``: the shared W64 workload's requests (its token ids are SmolLM2's vocabulary, as here), its
+  sustained GFLOP/s (the run's FLOPs written out over its wall time) and that rate's share of the
+  machine's best GEMM rate, measured by ``machine_probe.py`` in the same invocation;
 - start-up seconds and peak RSS (``VmHWM``) beside the file's size.
 
 llama.cpp runs through ``llama-cpp-python`` from another venv (``--llama-python``, 2 threads;
@@ -52,7 +54,11 @@ SHAPES = {
                               context=4096, rope_theta=10000.0, sliding_window=2047, tied=False),
     "mistral-7b": DecoderShape(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, context=32768,
                                rope_theta=1e6, tied=False),
+    # Llama-3-8B at its real vocabulary (128,256: SmolLM2's tokens padded with unused ones).
+    "llama3-8b": DecoderShape(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256,
+                              context=8192, rope_theta=500000.0, tied=False),
 }
+PROBE = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "bench", "machine_probe.py"))
 
 
 def cache_dir(shape: str) -> str:
@@ -138,6 +144,34 @@ def weight_bytes_per_token(path: str) -> int:
     tensors = _reader(path).tensors
     tied = not any(t.name == "output.weight" for t in tensors)
     return sum(t.data.nbytes for t in tensors if t.name != "token_embd.weight" or tied)
+
+
+def w64_flops(shape: DecoderShape, reqs: list[dict]) -> float:
+    """The FLOPs a W64 run does, written out: 2 per weight per token through every layer's projections,
+    the LM head once per output token, attention's QK and PV (4 x query width per key) at each position."""
+    s, hd = shape, shape.head_size
+    per_layer = s.hidden * (s.heads + 2 * s.kv_heads) * hd + s.heads * hd * s.hidden + 3 * s.hidden * s.intermediate
+    total = 0.0
+    for r in reqs:
+        n = r["prompt_len"] + r["max_tokens"]
+        total += 2 * n * s.layers * per_layer + 2 * r["max_tokens"] * s.vocab * s.hidden
+        total += 4 * s.layers * s.heads * hd * (n * (n + 1) / 2)  # position p attends to p + 1 keys
+    return total
+
+
+def gemm_peak() -> tuple[float, str]:
+    """The machine's best GEMM rate (GFLOP/s, int8 GOP/s) from ``machine_probe.py`` in this invocation,
+    and which primitive and row count gave it."""
+    out = subprocess.run([sys.executable, PROBE, "--rows", "64", "256", "2048"], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    cols = ["fp32", "bf16", "int8 _int_mm", "dyn int8"]
+    best = (0.0, "")
+    for line in out[3:]:
+        rows, *rates = line.split()
+        for col, r in zip(cols, rates, strict=False):
+            if r.replace(".", "").isdigit():
+                best = max(best, (float(r), f"{col} at {rows} rows"))
+    return best
 
 
 def memory_bandwidth() -> float:
@@ -268,6 +302,12 @@ def main() -> None:
     print(f"# machine: {cpu_info().summary()}")
     bw = memory_bandwidth()
     print(f"# copy bandwidth: {bw / 1e9:.1f} GB/s")
+    peak, peak_of = gemm_peak() if args.w64 else (0.0, "")
+    if args.w64:
+        print(f"# GEMM peak (machine_probe.py, this invocation): {peak:.0f} GFLOP/s, {peak_of}")
+        with open(W64) as f:
+            reqs = json.load(f)["requests"][:args.w64]
+        w64_tokens = sum(r["prompt_len"] + r["max_tokens"] for r in reqs)
     rows = []
     for shape in args.shapes.split(","):
         for fmt in args.formats.split(","):
@@ -284,18 +324,21 @@ def main() -> None:
             if args.vllm_python and args.w64:
                 results["vLLM CPU (bf16 directory)"] = run_vllm(args.vllm_python, build_hf_bf16(shape), args.w64)
             for engine, r in results.items():
+                if "w64_total" in r:  # sustained rate: the run's FLOPs over its wall time
+                    r["w64_gflops"] = w64_flops(SHAPES[shape], reqs) * r["w64_total"] / w64_tokens / 1e9
+                    r["w64_peak_pct"] = 100 * r["w64_gflops"] / peak
                 rows.append((shape, fmt, size, roof, engine, r))
                 print(json.dumps({"shape": shape, "format": fmt, "engine": engine, **r}), flush=True)
     print("\n(llama.cpp: n_ctx=4096; pagellm: max_model_len=4096, its KV budget "
           f"{args.kv_cache_memory or 'by default'})")
     print("\n| shape | file | engine | start-up s | peak RSS GiB | tg128 tok/s (% of roofline) | "
-          "pp2048 tok/s | W64 total tok/s |")
+          "pp2048 tok/s | W64 total tok/s (GFLOP/s, % of peak) |")
     print("|---|---|---|---|---|---|---|---|")
     for shape, fmt, size, roof, engine, r in rows:
         if "error" in r:
             print(f"| {shape} | {fmt} | {engine} | error: {r['error']} | | | | |")
             continue
-        w64 = f"{r['w64_total']:.0f}" if "w64_total" in r else "-"
+        w64 = f"{r['w64_total']:.0f} ({r['w64_gflops']:.0f}, {r['w64_peak_pct']:.0f} %)" if "w64_total" in r else "-"
         if "tg128" not in r:  # vLLM: W64 only
             print(f"| {shape} | bf16 directory | {engine} | {r['startup_s']:.1f} | - | - | - | {w64} |")
             continue

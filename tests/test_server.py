@@ -579,3 +579,49 @@ def test_aborts_and_adds_wait_a_step_not_a_request(tiny_llama):
         assert engine.get_stats_now()["generation_tokens"] < 20, "a request ran on after its client left"
     finally:
         engine.shutdown()
+
+
+def test_batched_completions_equal_each_prompt_alone(served, client):
+    """An evaluation harness's batched request (vLLM's and OpenAI's list of prompts): prompt i's
+    choices are i * n ... i * n + n - 1, each as the prompt alone gives it; usage sums them; a bad
+    prompt is a 400 naming its index with nothing left running."""
+    srv, engine = served
+    prompts = ["The quick brown fox", "a b c", "Once upon a time"]
+    kw = dict(model=NAME, max_tokens=4, temperature=0, logprobs=2, echo=True, n=2, extra_body={"ignore_eos": True})
+    batched = client.completions.create(prompt=prompts, **kw)
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    assert [c.index for c in batched.choices] == list(range(6))
+    for i, one in enumerate(alone):
+        for j in range(2):
+            got, ref = batched.choices[2 * i + j], one.choices[j]
+            assert got.text == ref.text and got.logprobs.tokens == ref.logprobs.tokens
+            assert got.logprobs.token_logprobs == pytest.approx(ref.logprobs.token_logprobs, abs=1e-5)
+    assert batched.usage.prompt_tokens == sum(o.usage.prompt_tokens for o in alone)
+    assert batched.usage.completion_tokens == sum(o.usage.completion_tokens for o in alone) == 24
+
+    chunks = list(client.completions.create(prompt=prompts, stream=True, stream_options={"include_usage": True},
+                                            **{**kw, "logprobs": None}))
+    texts: dict[int, str] = {}
+    for c in chunks[:-1]:
+        texts[c.choices[0].index] = texts.get(c.choices[0].index, "") + c.choices[0].text
+    assert texts == {c.index: c.text for c in batched.choices}
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == batched.usage.total_tokens
+
+    ids = [[5, 17, 33, 2, 9], [7, 8]]
+    out = client.completions.create(model=NAME, prompt=ids, max_tokens=3, temperature=0)
+    assert [c.text for c in out.choices] == [client.completions.create(model=NAME, prompt=p, max_tokens=3,
+                                                                       temperature=0).choices[0].text for p in ids]
+    for stream in (False, True):
+        r = httpx.post(srv.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                       json={"model": NAME, "prompt": [[5], [5, 10**8]], "max_tokens": 3, "stream": stream})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt 1: "), r.text
+    _idle(engine)
+
+
+def test_unknown_routes_and_methods_get_openai_error_bodies(served):
+    srv, _ = served
+    r = httpx.post(srv.url + "/v1/no-such-route", json={})
+    assert r.status_code == 404 and r.json()["error"]["message"] == "Invalid URL (POST /v1/no-such-route)"
+    r = httpx.get(srv.url + "/v1/completions")
+    assert r.status_code == 405 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert "POST" in r.headers["allow"]

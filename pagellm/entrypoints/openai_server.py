@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagellm
 from pagellm.engine.async_llm import EngineDeadError
@@ -116,6 +117,16 @@ class OpenAIServer:
         @app.exception_handler(EngineDeadError)
         async def _dead(_: Request, e: EngineDeadError) -> JSONResponse:
             return _error(str(e), 503, "ServiceUnavailableError")
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+            """Routing's own errors (an unknown URL, a method the route lacks) in OpenAI's body."""
+            where = f"{request.method} {request.url.path}"
+            message = {404: f"Invalid URL ({where})", 405: f"Method not allowed ({where})"}.get(
+                e.status_code, str(e.detail))
+            response = _error(message, e.status_code, "invalid_request_error")
+            response.headers.update(e.headers or {})  # (405's Allow)
+            return response
 
     def _guards(self) -> tuple[list[Any], list[Any]]:
         """``(v1, keyed)``: the dependencies of the API routes (the key, and a running engine) and

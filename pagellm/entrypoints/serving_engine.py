@@ -61,6 +61,10 @@ def _error_param(message: str) -> str | None:
     return "structured_outputs" if message.startswith("structured_outputs") else None
 
 
+def _error_of(out: RequestOutput | None) -> str | None:
+    return None if out is None else out.error
+
+
 class OpenAIServing:
     """What every endpoint shares (vLLM's ``OpenAIServing``): the engine, the served names, request
     checks, sampling parameters from a request body, the chat template, and the engine's outputs as
@@ -224,28 +228,53 @@ class OpenAIServing:
     async def _final(self, prompt: Any, params: SamplingParams, rid: str, priority: int,
                      request: Request, lora: LoRARequest | None = None) -> RequestOutput | None:
         """Non-streaming: the final output, or ``None`` (request aborted) if the client went away."""
-        async def collect() -> RequestOutput | None:
+        outs = await self._final_many([(prompt, params, rid)], priority, request, lora)
+        return None if outs is None else outs[0]
+
+    async def _final_many(self, jobs: list[tuple[Any, SamplingParams, str]], priority: int, request: Request,
+                          lora: LoRARequest | None = None) -> list[RequestOutput] | None:
+        """Non-streaming, several engine requests admitted together (a batched completion): their
+        final outputs in order, or ``None`` if the client went away. An error in one aborts the
+        others and is a 400 naming its index where there are several."""
+        async def collect(prompt: Any, params: SamplingParams, rid: str) -> RequestOutput | None:
             last = None
             async for out in self.engine.generate(prompt, params, rid, priority, lora):
                 last = out
-            if last is not None:
+                if out.error is not None:
+                    break  # (the request is over; the others are aborted below)
+            if last is not None and last.error is None:
                 self.metrics.record(last)
             return last
 
-        task = asyncio.ensure_future(collect())
-        while not task.done():
-            if await request.is_disconnected():
-                task.cancel()  # ends the engine stream, which aborts the request
-                logger.info("client of %s disconnected: aborting", rid)
-                return None
-            await asyncio.wait({task}, timeout=0.2)
+        tasks = [asyncio.ensure_future(collect(*job)) for job in jobs]
         try:
-            out = task.result()
-        except ValueError as e:
-            raise APIError(as_cli_message(str(e))) from e
-        if out is not None and out.error is not None:
-            raise APIError(out.error, param=_error_param(out.error))
-        return out
+            while not all(t.done() for t in tasks):
+                if await request.is_disconnected():
+                    logger.info("client of %s disconnected: aborting", jobs[0][2])
+                    return None  # (the finally cancels the streams, which aborts the requests)
+                failed = [t for t in tasks if t.done() and (t.exception() is not None or _error_of(t.result()))]
+                if failed:
+                    break
+                await asyncio.wait([t for t in tasks if not t.done()], timeout=0.2,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            outs: list[RequestOutput] = []
+            for i, t in enumerate(tasks):
+                if not t.done():
+                    continue
+                where = f"prompt {i}: " if len(jobs) > 1 else ""
+                try:
+                    out = t.result()
+                except ValueError as e:
+                    raise APIError(where + as_cli_message(str(e))) from e
+                if out is not None and out.error is not None:
+                    raise APIError(where + out.error, param=_error_param(out.error))
+                if out is None:
+                    return None
+                outs.append(out)
+            return outs
+        finally:
+            for t in tasks:
+                t.cancel()  # ends an unfinished engine stream, which aborts its request
 
     async def _deltas(self, outputs: AsyncGenerator[RequestOutput, None], rid: str, request: Request, logprobs: bool,
                       always_first: bool = False) -> AsyncIterator[Delta]:
