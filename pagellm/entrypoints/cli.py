@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from pagellm.config import EngineArgs, as_cli_message
+from pagellm.entrypoints import tool_calls
 from pagellm.entrypoints.chat_utils import MediaConnector
 from pagellm.lora_request import LoRARequest
 from pagellm.sampling_params import SamplingParams
@@ -134,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                      help="LoRA adapters (PEFT directories) to serve from the start, each picked by a request's "
                           "model field (needs --enable-lora; more with POST /v1/load_lora_adapter)")
+    srv.add_argument("--tool-call-parser", choices=sorted(tool_calls.PARSERS), default=None,
+                     help="how the model writes tool calls, for tool_choice auto (vLLM's names; default: hermes, "
+                          "Qwen's <tool_call> tags; llama3_json: Llama 3.x; mistral: [TOOL_CALLS])")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help="accepted for vLLM's command lines: tool_choice auto is always on here")
     srv.add_argument("--api-server-count", type=int, default=1,
                      help="HTTP server processes sharing the port, each a client of the one engine core")
     EngineArgs.add_cli_args(srv, skip=("served_model_name",))
@@ -200,7 +206,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve(engine, name, args.host, args.port, api_key,
           chat_template_content_format=args.chat_template_content_format,
           exit_on_engine_death=args.exit_on_engine_death, media=_media(engine_args),
-          reasoning_parser=engine_args.reasoning_parser)
+          reasoning_parser=engine_args.reasoning_parser, tool_call_parser=args.tool_call_parser)
     return 0
 
 
@@ -243,7 +249,7 @@ def _serve_many(args: argparse.Namespace, engine_args: EngineArgs, chat_template
     servers = [ctx.Process(target=run_api_server, name=f"pagellm-api-server-{i}",
                            args=(i, input_addr, addr, core.pid, name, args.host, args.port, api_key,
                                  args.chat_template_content_format, args.exit_on_engine_death,
-                                 _media(engine_args), engine_args.reasoning_parser))
+                                 _media(engine_args), engine_args.reasoning_parser, args.tool_call_parser))
                for i, addr in enumerate(output_addrs)]
     for p in servers:
         p.start()

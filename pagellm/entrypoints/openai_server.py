@@ -77,7 +77,7 @@ class OpenAIServer:
 
     def __init__(self, engine: EngineClient, model_name: str, api_key: str | None = None,
                  chat_template_content_format: str = "auto", media: MediaConnector | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> None:
         if chat_template_content_format not in CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format must be one of {CONTENT_FORMATS}, "
                              f"got {chat_template_content_format!r}")
@@ -87,7 +87,7 @@ class OpenAIServer:
         self.metrics = ServerMetrics(engine, model_name)
         common = (engine, self.models, self.metrics, chat_template_content_format, media)
         self.completion = OpenAIServingCompletion(*common)
-        self.chat = OpenAIServingChat(*common, reasoning_parser=reasoning_parser)
+        self.chat = OpenAIServingChat(*common, reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
         self.embedding = OpenAIServingEmbedding(*common)
         self.tokenization = OpenAIServingTokenization(*common)
         self.app = self._build()
@@ -222,14 +222,15 @@ class OpenAIServer:
 
 def build_app(engine: EngineClient, model_name: str, api_key: str | None = None,
               chat_template_content_format: str = "auto", media: MediaConnector | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
-    return OpenAIServer(engine, model_name, api_key, chat_template_content_format, media, reasoning_parser).app
+              reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> FastAPI:
+    return OpenAIServer(engine, model_name, api_key, chat_template_content_format, media, reasoning_parser,
+                        tool_call_parser).app
 
 
 def serve(engine: EngineClient, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, reuse_port: bool = False, chat_template_content_format: str = "auto",
           exit_on_engine_death: bool = False, media: MediaConnector | None = None,
-          reasoning_parser: str | None = None) -> None:
+          reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> None:
     """Run the server until interrupted, then shut the engine (client) down. ``reuse_port``: bind
     with SO_REUSEPORT, so several server processes share one port (the kernel spreads connections).
     ``exit_on_engine_death``: stop serving and exit with status 1 once the engine has died, so a
@@ -239,7 +240,8 @@ def serve(engine: EngineClient, model_name: str, host: str = "127.0.0.1", port: 
 
     import uvicorn
 
-    app = build_app(engine, model_name, api_key, chat_template_content_format, media, reasoning_parser)
+    app = build_app(engine, model_name, api_key, chat_template_content_format, media, reasoning_parser,
+                    tool_call_parser)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
     died = threading.Event()
 
@@ -274,7 +276,7 @@ def serve(engine: EngineClient, model_name: str, host: str = "127.0.0.1", port: 
 def run_api_server(client_index: int, input_addr: str, output_addr: str, core_pid: int, model_name: str,
                    host: str, port: int, api_key: str | None, chat_template_content_format: str = "auto",
                    exit_on_engine_death: bool = False, media: MediaConnector | None = None,
-                   reasoning_parser: str | None = None) -> None:
+                   reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> None:
     """One of ``--api-server-count`` front-end processes: an engine-core client with its own index,
     serving HTTP on the shared port."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -282,4 +284,4 @@ def run_api_server(client_index: int, input_addr: str, output_addr: str, core_pi
     client.wait_ready()
     serve(client, model_name, host, port, api_key, reuse_port=True,
           chat_template_content_format=chat_template_content_format, exit_on_engine_death=exit_on_engine_death,
-          media=media, reasoning_parser=reasoning_parser)
+          media=media, reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)

@@ -26,15 +26,16 @@ class OpenAIServingChat(OpenAIServing):
 
     def __init__(self, engine: EngineClient, models: OpenAIServingModels, metrics: ServerMetrics,
                  chat_template_content_format: str = "auto", media: MediaConnector | None = None,
-                 reasoning_parser: str | None = None) -> None:
-        super().__init__(engine, models, metrics, chat_template_content_format, media)
+                 reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> None:
+        super().__init__(engine, models, metrics, chat_template_content_format, media,
+                         tool_calls.get_parser(tool_call_parser))
         # --reasoning-parser: chat replies' think block as reasoning_content, apart from the answer.
         self.reasoning = None if reasoning_parser is None else get_reasoning_parser(reasoning_parser)
 
     async def create_chat_completion(self, body: ChatCompletionRequest, request: Request):
         self.models.check_model(body.model)
         self._check_generates()
-        mode = tool_calls.resolve(body.tools, body.tool_choice, body.parallel_tool_calls)
+        mode = tool_calls.resolve(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_parser)
         args = (body.messages, body.add_generation_prompt, mode.tools if mode else None, body.chat_template_kwargs)
         has_images = any(isinstance(m.content, list) and any(p.type == "image_url" for p in m.content)
                          for m in body.messages)
@@ -55,6 +56,8 @@ class OpenAIServingChat(OpenAIServing):
                 raise APIError("tool_choice 'required' or a named function already constrains the reply; "
                                "drop response_format / structured_outputs", param="tool_choice")
             # (auto with a response_format: the format wins; calls are still parsed from the text)
+            if mode.kind == "auto" and mode.parser.keeps_special:
+                params = params.clone(skip_special_tokens=False)  # (the call's tag is a special token)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
@@ -125,7 +128,7 @@ class OpenAIServingChat(OpenAIServing):
                 continue
             # Tools: content goes out only where it cannot be (part of) a call; calls at the end.
             done = sent.get(c.index, 0)
-            upto = done if mode.constrained else max(done, tool_calls.holdback(text))
+            upto = done if mode.constrained else max(done, tool_calls.holdback(text, mode.parser.trigger))
             calls = None
             if c.finish_reason is not None:
                 calls = tool_calls.finished(mode, text, c.finish_reason)[1]

@@ -61,6 +61,21 @@ def _error_param(message: str) -> str | None:
     return "structured_outputs" if message.startswith("structured_outputs") else None
 
 
+def _tools_in_messages(msgs: list[dict[str, Any]], text: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The conversation with the tools described in a system message (added, or the one it has
+    extended), and the same with them led into its first user message instead."""
+    if msgs[0]["role"] == "system" and isinstance(msgs[0].get("content"), str):
+        system = [{**msgs[0], "content": msgs[0]["content"] + "\n\n" + text}] + msgs[1:]
+    else:
+        system = [{"role": "system", "content": text}] + msgs
+    told = list(msgs)
+    for i, m in enumerate(told):
+        if m["role"] == "user" and isinstance(m.get("content"), str):
+            told[i] = {**m, "content": text + "\n\n" + m["content"]}
+            break
+    return system, told
+
+
 def _error_of(out: RequestOutput | None) -> str | None:
     return None if out is None else out.error
 
@@ -71,8 +86,10 @@ class OpenAIServing:
     a final response or as per-completion deltas for SSE."""
 
     def __init__(self, engine: EngineClient, models: OpenAIServingModels, metrics: ServerMetrics,
-                 chat_template_content_format: str = "auto", media: MediaConnector | None = None) -> None:
+                 chat_template_content_format: str = "auto", media: MediaConnector | None = None,
+                 tool_parser: tool_calls.ToolCallParser = tool_calls.PARSERS["hermes"]) -> None:
         self.engine = engine
+        self.tool_parser = tool_parser  # --tool-call-parser: how the model writes calls
         self.models = models
         self.model_name = models.model_name
         self.metrics = metrics
@@ -103,17 +120,20 @@ class OpenAIServing:
             msgs, images = extract_images(msgs, self.tokenizer.image_placeholder, renders, self.media)
         except MediaError as e:
             raise APIError(str(e), param=e.param) from None
+        told = None  # the conversation with the tools told in its first user message instead
         if not self.tokenizer.template_takes_tools:
-            msgs = [tool_calls.history_as_text(m, i) for i, m in enumerate(msgs)]
+            msgs = [tool_calls.history_as_text(m, i, self.tool_parser) for i, m in enumerate(msgs)]
             if tools:
-                text = tool_calls.tools_system_prompt(tools)
-                if msgs[0]["role"] == "system" and isinstance(msgs[0].get("content"), str):
-                    msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + text}
-                else:
-                    msgs.insert(0, {"role": "system", "content": text})
+                msgs, told = _tools_in_messages(msgs, tool_calls.tools_system_prompt(tools, self.tool_parser))
                 tools = None
         try:
-            prompt = self.tokenizer.chat_prompt(msgs, add_generation_prompt, tools, template_kwargs)
+            try:
+                prompt = self.tokenizer.chat_prompt(msgs, add_generation_prompt, tools, template_kwargs)
+            except Exception:
+                if told is None:
+                    raise
+                # a template that refuses the system role (Mistral's first ones): the user turn says it
+                prompt = self.tokenizer.chat_prompt(told, add_generation_prompt, None, template_kwargs)
         except ValueError as e:
             if "chat_template_kwargs" in str(e):
                 raise APIError(str(e), param="chat_template_kwargs") from None

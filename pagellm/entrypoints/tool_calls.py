@@ -5,21 +5,25 @@
   list of ``{"name", "arguments"}`` objects (one if ``parallel_tool_calls`` is false), each
   ``arguments`` under its tool's ``parameters`` schema; named: that tool's arguments object alone.
 - ``"auto"`` (the default when tools are given) lets the model choose: the tools are shown to it
-  and its reply is parsed for calls written as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-  (the Hermes / Qwen format). A chat template that takes ``tools`` gets them; one that does not
-  (SmolLM2's) gets them in a system message, :func:`tools_system_prompt`. The reply is free text,
-  but once it writes ``<tool_call>`` a structural tag constrains the call (a given tool's name,
-  then arguments under its schema, then ``}</tool_call>``), so a started call always parses.
+  and its reply is parsed for calls in its family's format, the server's ``--tool-call-parser``
+  (vLLM's names, :data:`PARSERS`): ``hermes`` (Qwen 2.5/3, Hermes; the default)
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, ``llama3_json`` (Llama 3.x)
+  ``{"name": ..., "parameters": {...}}`` with ``; `` between calls, ``mistral``
+  ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``. A chat template that takes ``tools``
+  gets them; one that does not (SmolLM2's) gets them in a system message,
+  :func:`tools_system_prompt` (or, where the template refuses a system role, in the first user
+  message). The reply is free text, but once it starts a call a structural tag constrains it (a
+  given tool's name, then arguments under its schema, then the format's closing text), so a
+  started call always parses.
 - ``"none"``: tools are not shown and no call is parsed.
 
 Earlier turns carry calls as assistant ``tool_calls`` and results as ``tool`` messages; for a
-template without tool support they are rendered into text in the same ``<tool_call>`` format.
+template without tool support they are rendered into text in the parser's format.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +32,89 @@ from pagellm.entrypoints.openai_protocol import APIError
 from pagellm.sampling_params import StructuredOutputsParams
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_CALL_RE = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.S)
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallParser:
+    """How one model family writes calls in free text: ``open`` + a call object (or, ``in_list``, a
+    JSON list of them) + ``close``; the object's arguments under ``key``; calls written one after
+    another are joined by ``separator``. ``keeps_special``: ``open`` is a special token the
+    detokenizer must keep (Mistral's ``[TOOL_CALLS]``), as vLLM's parser asks."""
+
+    name: str
+    open: str
+    close: str
+    key: str = "arguments"
+    in_list: bool = False
+    separator: str = ""
+    keeps_special: bool = False
+
+    @property
+    def trigger(self) -> str:
+        """The text that starts a call (a tag, or Llama's bare JSON object)."""
+        return self.open or '{"name"'
+
+    def structures(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The structural tag's entries: each tool's call up to its arguments, which its schema binds."""
+        lb, rb = ("[", "]") if self.in_list else ("", "")
+        return [{"begin": f'{self.open}{lb}{{"name": {json.dumps(t["function"]["name"])}, "{self.key}": ',
+                 "schema": _parameters(t), "end": "}" + rb + self.close} for t in tools]
+
+    def render(self, calls: list[tuple[str, Any]]) -> str:
+        """``(name, arguments)`` calls as this family's model writes them."""
+        objs = [json.dumps({"name": name, self.key: args}) for name, args in calls]
+        if self.in_list:
+            return self.open + "[" + ", ".join(objs) + "]" + self.close
+        return self.separator.join(self.open + o + self.close for o in objs)
+
+    def parse(self, text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]] | None]:
+        """``(content, calls)`` of a finished reply: the calls from where the first starts, the text
+        before it as content; the whole text and ``None`` when no call to a given tool parses."""
+        start = text.find(self.trigger)
+        if start < 0:
+            return text, None
+        calls, pos, decoder = [], start, json.JSONDecoder()
+        while True:
+            pos = _skip_space(text, pos, ";,")
+            if not text.startswith(self.open, pos):
+                break
+            try:
+                obj, pos = decoder.raw_decode(text, _skip_space(text, pos + len(self.open)))
+            except json.JSONDecodeError:
+                break
+            pos = _skip_space(text, pos)
+            if text.startswith(self.close, pos):
+                pos += len(self.close)
+            for item in obj if isinstance(obj, list) else [obj]:
+                if isinstance(item, dict) and item.get("name") in names:  # (Llama writes either key)
+                    args = item.get(self.key, item.get("arguments", item.get("parameters", {})))
+                    calls.append(_call(item["name"], args))
+        if not calls:
+            return text, None
+        return text[:start].strip() or None, calls
+
+
+def _skip_space(text: str, pos: int, also: str = "") -> int:
+    while pos < len(text) and (text[pos].isspace() or text[pos] in also):
+        pos += 1
+    return pos
+
+
+PARSERS = {p.name: p for p in (
+    ToolCallParser("hermes", CALL_OPEN, CALL_CLOSE),
+    ToolCallParser("llama3_json", "", "", key="parameters", separator="; "),
+    ToolCallParser("mistral", "[TOOL_CALLS]", "", in_list=True, keeps_special=True),
+)}
+
+
+def get_parser(name: str | None) -> ToolCallParser:
+    """``--tool-call-parser``'s parser (``None``: hermes), or a ``ValueError`` naming the choices."""
+    if name is None:
+        return PARSERS["hermes"]
+    if name not in PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)}, got {name!r}")
+    return PARSERS[name]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,13 +125,15 @@ class ToolMode:
     tools: list[dict[str, Any]]
     name: str | None = None
     parallel: bool = True
+    parser: ToolCallParser = PARSERS["hermes"]
 
     @property
     def constrained(self) -> bool:
         return self.kind in ("required", "named")
 
 
-def resolve(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool | None) -> ToolMode | None:
+def resolve(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool | None,
+            parser: ToolCallParser = PARSERS["hermes"]) -> ToolMode | None:
     """Validate ``tools`` / ``tool_choice`` (400s naming the field) and return the mode, or ``None``
     when no tool may be called."""
     if tool_choice is not None and not tools and tool_choice != "none":
@@ -69,16 +156,16 @@ def resolve(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool
         raise APIError("tools: function names must be unique", param="tools")
     par = True if parallel is None else bool(parallel)
     if tool_choice in (None, "auto"):
-        return ToolMode("auto", tools, parallel=par)
+        return ToolMode("auto", tools, parallel=par, parser=parser)
     if tool_choice == "required":
-        return ToolMode("required", tools, parallel=par)
+        return ToolMode("required", tools, parallel=par, parser=parser)
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
         if name not in names:
             raise APIError(f"tool_choice names function {name!r}, which is not among tools ({names})",
                            param="tool_choice")
-        return ToolMode("named", tools, name=name, parallel=par)
+        return ToolMode("named", tools, name=name, parallel=par, parser=parser)
     raise APIError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
                    f"{{'name': ...}}}}, got {tool_choice!r}", param="tool_choice")
 
@@ -90,10 +177,8 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
 def constraint(mode: ToolMode) -> StructuredOutputsParams:
     """The grammar a mode decodes under (``auto``: free text with structurally tagged calls)."""
     if mode.kind == "auto":
-        return StructuredOutputsParams(structural_tag={
-            "structures": [{"begin": f'{CALL_OPEN}{{"name": {json.dumps(t["function"]["name"])}, "arguments": ',
-                            "schema": _parameters(t), "end": "}" + CALL_CLOSE} for t in mode.tools],
-            "triggers": [CALL_OPEN]})
+        return StructuredOutputsParams(structural_tag={"structures": mode.parser.structures(mode.tools),
+                                                       "triggers": [mode.parser.trigger]})
     if mode.kind == "named":
         tool = next(t for t in mode.tools if t["function"]["name"] == mode.name)
         return StructuredOutputsParams(json=_parameters(tool))
@@ -107,22 +192,21 @@ def constraint(mode: ToolMode) -> StructuredOutputsParams:
     return StructuredOutputsParams(json=schema)
 
 
-def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
+def tools_system_prompt(tools: list[dict[str, Any]], parser: ToolCallParser = PARSERS["hermes"]) -> str:
     """How the tools are described to a model whose chat template has no place for them."""
     listing = "\n".join(json.dumps(t["function"], separators=(",", ":")) for t in tools)
+    example = parser.render([("<function name>", "<arguments object>")]).replace('"<', "<").replace('>"', ">")
     return ("You can call these functions (JSON signatures):\n" + listing + "\n\nTo call one, reply with "
-            f'{CALL_OPEN}{{"name": <function name>, "arguments": <arguments object>}}{CALL_CLOSE} '
-            "and nothing else.")
+            f"{example} and nothing else.")
 
 
-def history_as_text(msg: dict[str, Any], index: int = 0) -> dict[str, Any]:
+def history_as_text(msg: dict[str, Any], index: int = 0, parser: ToolCallParser = PARSERS["hermes"]) -> dict[str, Any]:
     """An earlier assistant call or tool result as plain text, for a template without tool support."""
     calls = msg.get("tool_calls")
     if msg.get("role") == "assistant" and calls:
         try:
-            text = "".join(CALL_OPEN + json.dumps({"name": c["function"]["name"],
-                                                  "arguments": _loads_or_text(c["function"].get("arguments", "{}"))})
-                           + CALL_CLOSE for c in calls)
+            text = parser.render([(c["function"]["name"], _loads_or_text(c["function"].get("arguments", "{}")))
+                                  for c in calls])
         except (TypeError, KeyError, AttributeError) as e:
             raise APIError(f"messages[{index}].tool_calls must be a list of {{'function': {{'name': ..., "
                            "'arguments': ...}}}}", param=f"messages[{index}].tool_calls") from e
@@ -164,15 +248,7 @@ def parse(mode: ToolMode, text: str) -> tuple[str | None, list[dict[str, Any]] |
             return text, None
         calls = [_call(c["name"], c["arguments"]) for c in items if isinstance(c, dict) and c.get("name") in names]
         return (None, calls) if calls else (text, None)
-    calls = []
-    for m in _CALL_RE.finditer(text):
-        obj = _loads_or_text(m.group(1))
-        if isinstance(obj, dict) and obj.get("name") in names:
-            calls.append(_call(obj["name"], obj.get("arguments", {})))
-    if not calls:
-        return text, None
-    before = text[:text.find(CALL_OPEN)].strip()
-    return before or None, calls
+    return mode.parser.parse(text, names)
 
 
 def finished(mode: ToolMode | None, text: str,
@@ -184,13 +260,13 @@ def finished(mode: ToolMode | None, text: str,
     return parse(mode, text)
 
 
-def holdback(text: str) -> int:
+def holdback(text: str, trigger: str = CALL_OPEN) -> int:
     """How much of streamed ``text`` may be sent as content in auto mode: everything before a call
-    starts, keeping back a tail that could be the beginning of ``<tool_call>``."""
-    i = text.find(CALL_OPEN)
+    starts, keeping back a tail that could be the beginning of ``trigger`` (the parser's)."""
+    i = text.find(trigger)
     if i >= 0:
         return i
-    for k in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
-        if CALL_OPEN.startswith(text[-k:]):
+    for k in range(min(len(trigger) - 1, len(text)), 0, -1):
+        if trigger.startswith(text[-k:]):
             return len(text) - k
     return len(text)

@@ -1,0 +1,123 @@
+"""Tool calls in each family's own format (``--tool-call-parser``, vLLM's names): replies written
+here as each family's documentation shows them parse into OpenAI calls; the auto mode's grammar
+holds a started call to the format; through the server, a forced reply in the format comes back as
+calls, streamed and not, and tools reach a template that refuses the system role."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagellm.entrypoints import tool_calls
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "maximum": 99}, "b": {"type": "integer"}},
+    "required": ["a", "b"], "additionalProperties": False}}}
+NOTE = {"type": "function", "function": {"name": "note", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+
+# Two calls in each family's published format (Qwen 2.5's and Hermes' tags, each on its own
+# lines; Llama 3.1's JSON with "parameters", "; " between calls; Mistral v0.3's list).
+REPLIES = {
+    "hermes": 'Let me see.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "note", "arguments": {"text": "hi; {x}"}}\n</tool_call>',
+    "llama3_json": '{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "note", "parameters": {"text": "hi; {x}"}}',
+    "mistral": '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}, '
+               '{"name": "note", "arguments": {"text": "hi; {x}"}}]',
+}
+
+
+@pytest.mark.parametrize("name", sorted(REPLIES))
+def test_each_family_format_parses_into_calls(name):
+    mode = tool_calls.resolve([ADD, NOTE], "auto", None, tool_calls.get_parser(name))
+    content, calls = tool_calls.parse(mode, REPLIES[name])
+    assert content == ("Let me see." if name == "hermes" else None)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("add", {"a": 1, "b": 2}), ("note", {"text": "hi; {x}"})]
+    assert all(c["type"] == "function" and c["id"] for c in calls)
+    assert tool_calls.parse(mode, "Just text.") == ("Just text.", None)
+    unknown = REPLIES[name].replace('"add"', '"rm"').replace('"note"', '"rm"')
+    assert tool_calls.parse(mode, unknown) == (unknown, None)  # calls to tools not given are text
+    cut = REPLIES[name][:REPLIES[name].index('"b"')]
+    assert tool_calls.parse(mode, cut) == (cut, None)  # a call cut short is text
+    # What is written back as history is what the parser reads.
+    parser = tool_calls.get_parser(name)
+    rendered = parser.render([("add", {"a": 3, "b": 4})])
+    assert [json.loads(c["function"]["arguments"]) for c in parser.parse(rendered, {"add"})[1]] == [{"a": 3, "b": 4}]
+    trigger = parser.trigger
+    assert tool_calls.holdback("Hi " + trigger[:3], trigger) == 3 and tool_calls.holdback("Hi " + trigger, trigger) == 3
+
+
+def test_unknown_parser_is_refused_by_name():
+    with pytest.raises(ValueError, match="tool_call_parser must be one of"):
+        tool_calls.get_parser("pythonic")
+
+
+@pytest.mark.parametrize("name", sorted(REPLIES))
+def test_auto_grammar_binds_a_started_call_in_each_format(tiny_llama, name):
+    from pagellm.config import resolve_model_source
+    from pagellm.structured_output.backend import create_backend
+    from pagellm.tokenizer import Tokenizer
+
+    tok = Tokenizer(resolve_model_source(tiny_llama))
+    parser = tool_calls.get_parser(name)
+    params = tool_calls.constraint(tool_calls.resolve([ADD, NOTE], "auto", None, parser))
+    grammar = create_backend("guidance", tok.hf, len(tok.hf), tok.eos_token_id).compile(params)
+
+    def accepts(text: str) -> bool:
+        m = grammar.new_matcher()
+        return all(m.accept_token(t) for t in tok.encode(text, add_special_tokens=False) + [tok.eos_token_id])
+
+    assert accepts("Plain words.")
+    assert accepts(parser.render([("add", {"a": 1, "b": 2})]))
+    assert not accepts(parser.render([("add", {"a": 100, "b": 2})]))  # a > 99
+    assert not accepts(parser.render([("sub", {"a": 1, "b": 2})]))  # no such tool
+
+
+# A template in the manner of Mistral's first instruct models: no tools, and a system role refused.
+NO_SYSTEM_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}")
+
+
+@pytest.fixture(scope="module")
+def mistral_style_engine(tiny_llama):
+    from pagellm.config import EngineArgs
+    from pagellm.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, kv_cache_memory="16MiB", max_model_len=512),
+                                       NO_SYSTEM_TEMPLATE)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("name", ["mistral", "llama3_json"])
+def test_a_forced_reply_in_the_format_comes_back_as_calls(mistral_style_engine, name):
+    import openai
+    from test_server import KEY, NAME, _Server
+
+    from test_structured_output import _streamed_calls
+
+    srv = _Server(mistral_style_engine, KEY, tool_call_parser=name)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        reply = tool_calls.get_parser(name).render([("add", {"a": 1, "b": 2})])
+        regex = "".join("\\" + ch if ch in "[]{}().*+?|\\^$" else ch for ch in reply)
+        kw = dict(model=NAME, messages=[{"role": "user", "content": "What is 1 + 2?"}], tools=[ADD, NOTE],
+                  max_tokens=60, temperature=0, extra_body={"structured_outputs": {"regex": regex}})
+        r = client.chat.completions.create(**kw)  # (the tools went into the user turn: no system role here)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None, ch
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls] == \
+            [("add", {"a": 1, "b": 2})]
+        streamed, finish = _streamed_calls(client.chat.completions.create(stream=True, **kw))
+        assert finish == "tool_calls" and streamed == [{"name": "add", "arguments": ch.message.tool_calls[0]
+                                                        .function.arguments}]
+        history = kw["messages"] + [ch.message.model_dump(exclude_none=True),
+                                    {"role": "tool", "tool_call_id": ch.message.tool_calls[0].id, "content": "3"}]
+        r2 = client.chat.completions.create(model=NAME, messages=history, tools=[ADD], max_tokens=4)
+        assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    finally:
+        srv.stop()
