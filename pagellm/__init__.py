@@ -12,6 +12,8 @@ from pagellm.outputs import (
     EmbeddingRequestOutput,
     Logprob,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
@@ -19,4 +21,4 @@ from pagellm.sampling_params import BeamSearchParams, SamplingParams
 __version__ = "0.1.0"
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "EmbeddingOutput",
            "EmbeddingRequestOutput", "EngineArgs", "LLMEngine", "LoRARequest", "Logprob", "PoolingParams",
-           "RequestOutput", "SamplingParams"]
+           "RequestOutput", "SamplingParams", "ScoringOutput", "ScoringRequestOutput"]

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -74,13 +77,30 @@ class EmbeddingOutput:
 
 
 @dataclass(slots=True)
-class EmbeddingRequestOutput:
-    """vLLM's: ``LLM.embed``'s result for one prompt."""
+class ScoringOutput:
+    score: float
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput(Generic[T]):
+    """vLLM's: a pooling runner's result for one prompt (or pair), ``outputs`` its vector or score."""
 
     request_id: str
-    outputs: EmbeddingOutput
+    outputs: T
     prompt_token_ids: list[int]
     finished: bool = True
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    """``LLM.embed``'s result for one prompt."""
+
+    __slots__ = ()
+
+
+class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
+    """``LLM.score``'s result for one pair."""
+
+    __slots__ = ()
 
 
 @dataclass(slots=True)

@@ -17,6 +17,8 @@ class PoolingInfo:
     # Matryoshka embeddings (a request's ``dimensions`` may cut them): the sizes the checkpoint
     # lists, True for any size, False for none.
     matryoshka: list[int] | bool = False
+    # A classification head's outputs (a cross-encoder's: one score), else None: an embedding.
+    num_labels: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

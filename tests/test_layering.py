@@ -10,7 +10,7 @@ PKG = Path(__file__).resolve().parents[1] / "pagellm"
 # layer of each top-level module / subpackage
 LAYER = {
     "utils": 0, "config": 0, "sampling_params": 0, "outputs": 0, "metrics": 0, "lora_request": 0, "mm_inputs": 0,
-    "reasoning": 0, "pooling_params": 0,
+    "reasoning": 0, "pooling_params": 0, "scoring": 0,
     "sequence": 1, "beam_state": 1,
     "core": 2, "spec_decode": 2,
     "attention": 2.5, "distributed": 2.5, "kernels": 2.5, "layers": 2.5, "models": 2.5, "weights": 2.5, "sampling": 2.5,

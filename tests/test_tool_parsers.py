@@ -22,7 +22,8 @@ NOTE = {"type": "function", "function": {"name": "note", "parameters": {
 REPLIES = {
     "hermes": 'Let me see.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
               '<tool_call>\n{"name": "note", "arguments": {"text": "hi; {x}"}}\n</tool_call>',
-    "llama3_json": '{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "note", "parameters": {"text": "hi; {x}"}}',
+    "llama3_json": '{"name": "add", "parameters": {"a": 1, "b": 2}}; '
+                   '{"name": "note", "parameters": {"text": "hi; {x}"}}',
     "mistral": '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}, '
                '{"name": "note", "arguments": {"text": "hi; {x}"}}]',
 }
@@ -97,7 +98,6 @@ def mistral_style_engine(tiny_llama):
 def test_a_forced_reply_in_the_format_comes_back_as_calls(mistral_style_engine, name):
     import openai
     from test_server import KEY, NAME, _Server
-
     from test_structured_output import _streamed_calls
 
     srv = _Server(mistral_style_engine, KEY, tool_call_parser=name)

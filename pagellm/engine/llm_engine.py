@@ -63,6 +63,16 @@ class StartedStep:
     submitted_at: float = 0.0  # perf_counter when the workers got the step
 
 
+def _encoder_config(config: EngineConfig, arch: str) -> EngineConfig:
+    """An encoder's prompts attend both ways: each runs whole in one step (no chunked prefill), and
+    none reuses another's K/V (no prefix caching), as vLLM runs encoder-only models."""
+    sched, cache = config.scheduler, config.cache
+    if sched.enable_chunked_prefill or cache.enable_prefix_caching:
+        logger.info("%s is an encoder: chunked prefill and prefix caching are off", arch)
+    return replace(config, scheduler=replace(sched, enable_chunked_prefill=False),
+                               cache=replace(cache, enable_prefix_caching=False))
+
+
 class LLMEngine:
     """The synchronous engine. ``add_request`` / ``step`` / ``abort_request`` / ``has_unfinished_requests``."""
 
@@ -89,6 +99,8 @@ class LLMEngine:
         self.tokenizer = tokenizer or Tokenizer(self.source, config.model.tokenizer, chat_template)
         self.block_size = config.cache.block_size
         info = self.model_info
+        if info.is_encoder:
+            self.config = config = _encoder_config(config, info.architecture)
         self.max_model_len = resolve_max_model_len(config, info.max_position_embeddings,
                                                    self.num_blocks * self.block_size)
         mm_processor, encoder = self._multimodal(config) if info.is_multimodal else (None, None)

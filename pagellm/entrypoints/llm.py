@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from pagellm import scoring
 from pagellm.config import EngineArgs
 from pagellm.engine.data_parallel import create_engine
 from pagellm.engine.llm_engine import PromptType
@@ -18,6 +19,8 @@ from pagellm.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
@@ -125,6 +128,25 @@ class LLM:
             raise
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(params.apply(o.pooled or [], info)),
                                        o.prompt_token_ids) for o in self._run_engine(ids, use_tqdm)]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """One score per pair (vLLM's ``LLM.score``: one ``data_1`` against each ``data_2``, or two
+        lists zipped): a cross-encoder's sigmoid of its logit for the pair read as one prompt, or
+        an embedding model's cosine similarity of the two texts' vectors (``pagellm/scoring.py``)."""
+        kind = scoring.score_kind(self.llm_engine.model_info.pooling)
+        pairs = scoring.score_pairs(data_1, data_2)
+        if kind == "cross-encoder":
+            hf = self.get_tokenizer()
+            outs = self.embed([{"prompt_token_ids": scoring.pair_token_ids(hf, a, b)} for a, b in pairs], use_tqdm)
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(scoring.sigmoid(o.outputs.embedding[0])),
+                                         o.prompt_token_ids) for o in outs]
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # (each text embedded once)
+        vectors = dict(zip(texts, self.embed(texts, use_tqdm), strict=True))
+        return [ScoringRequestOutput(f"{vectors[a].request_id}-{vectors[b].request_id}",
+                                     ScoringOutput(scoring.cosine(vectors[a].outputs.embedding,
+                                                                  vectors[b].outputs.embedding)),
+                                     vectors[a].prompt_token_ids + vectors[b].prompt_token_ids) for a, b in pairs]
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = True) -> list[BeamSearchOutput]:

@@ -174,6 +174,26 @@ class EmbeddingRequest(BaseModel):
     dimensions: int | None = None
 
 
+class ScoreRequest(BaseModel):
+    """``POST /v1/score`` (vLLM's): one ``text_1`` against each ``text_2``, or two lists zipped."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+
+class RerankRequest(BaseModel):
+    """``POST /rerank`` (vLLM's, Jina's and Cohere's): the documents ordered by relevance to the query."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int | None = None  # (None or 0: all)
+    return_documents: bool = True
+
+
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None

@@ -33,6 +33,8 @@ from pagellm.entrypoints.openai_protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
     error_responses,
@@ -43,6 +45,7 @@ from pagellm.entrypoints.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.serving_embedding import OpenAIServingEmbedding
 from pagellm.entrypoints.serving_engine import EngineClient
 from pagellm.entrypoints.serving_models import OpenAIServingModels
+from pagellm.entrypoints.serving_score import OpenAIServingScores
 from pagellm.entrypoints.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
@@ -89,6 +92,7 @@ class OpenAIServer:
         self.completion = OpenAIServingCompletion(*common)
         self.chat = OpenAIServingChat(*common, reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
         self.embedding = OpenAIServingEmbedding(*common)
+        self.scores = OpenAIServingScores(*common)
         self.tokenization = OpenAIServingTokenization(*common)
         self.app = self._build()
 
@@ -210,6 +214,16 @@ class OpenAIServer:
         @app.post("/v1/embeddings", dependencies=v1, responses=error_responses(400, 401, 404, 503))
         async def embeddings(body: EmbeddingRequest, request: Request):
             return await server.embedding.create_embedding(body, request)
+
+        for path in ("/v1/score", "/score"):
+            @app.post(path, dependencies=v1, responses=error_responses(400, 401, 404, 503))
+            async def score(body: ScoreRequest, request: Request):
+                return await server.scores.create_score(body, request)
+
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            @app.post(path, dependencies=v1, responses=error_responses(400, 401, 404, 503))
+            async def rerank(body: RerankRequest, request: Request):
+                return await server.scores.create_rerank(body, request)
 
         @app.post("/v1/completions", dependencies=v1, responses=error_responses(400, 401, 404, 503))
         async def completions(body: CompletionRequest, request: Request):

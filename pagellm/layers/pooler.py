@@ -8,14 +8,20 @@ last chunk's last row. The chunk that reaches the prompt's end returns the vecto
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 
 class Pooler:
-    def __init__(self, pooling_type: str, normalize: bool) -> None:
+    """``head``: what the pooled vector goes through last (a classifier's projection), if anything."""
+
+    def __init__(self, pooling_type: str, normalize: bool,
+                 head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.pooling_type = pooling_type
         self.normalize = normalize
+        self.head = head
         self._partial: dict[int, torch.Tensor] = {}  # seq_id -> MEAN's running sum or CLS's row
 
     def chunk(self, seq_id: int, rows: torch.Tensor, start: int, prompt_len: int) -> torch.Tensor | None:
@@ -37,6 +43,8 @@ class Pooler:
         else:
             kept = self._partial.pop(seq_id)
             vec = (kept / prompt_len).float() if self.pooling_type == "MEAN" else kept
+        if self.head is not None:
+            vec = self.head(vec[None])[0].float()
         return F.normalize(vec.double(), dim=0).float() if self.normalize else vec
 
     def forget(self, seq_id: int) -> None:

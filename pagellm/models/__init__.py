@@ -19,6 +19,7 @@ class Architecture:
     hf_config: str | None = None
     base_model: str | None = None
     llava_text: bool = False  # may be a LLaVA checkpoint's text model
+    encoder: bool = False  # bidirectional, pooling runner only (``models/bert.py``)
 
 
 ARCHITECTURES = (
@@ -36,6 +37,10 @@ ARCHITECTURES = (
     Architecture("LlavaForConditionalGeneration", "llava", "llava"),
     Architecture("Qwen2VLForConditionalGeneration", "qwen2_vl", "qwen2_vl"),
     Architecture("Qwen2_5_VLForConditionalGeneration", "qwen2_vl", "qwen2_5_vl"),
+    Architecture("BertModel", "bert", "bert", encoder=True),
+    Architecture("BertForSequenceClassification", "bert", "bert", encoder=True),
+    Architecture("XLMRobertaModel", "bert", "xlm-roberta", encoder=True),
+    Architecture("XLMRobertaForSequenceClassification", "bert", "xlm-roberta", encoder=True),
 )
 _BY_NAME = {a.name: a for a in ARCHITECTURES}
 BASE_MODELS = {a.base_model: a.name for a in ARCHITECTURES if a.base_model}

@@ -36,8 +36,10 @@ def checkpoint_pooling(path: str) -> tuple[str | None, bool | None]:
     return pooling_type, normalize if pooling_type is not None else None
 
 
-def resolve_pooling(path: str, pooling_type: str | None, normalize: bool | None) -> tuple[str, bool]:
-    """The given fields, else the checkpoint's, else the last token, normalized."""
+def resolve_pooling(path: str, pooling_type: str | None, normalize: bool | None,
+                    default_type: str = "LAST") -> tuple[str, bool]:
+    """The given fields, else the checkpoint's, else ``default_type`` (vLLM's: a decoder's last
+    token, an encoder's CLS), normalized."""
     declared_type, declared_norm = checkpoint_pooling(path) if os.path.isdir(path) else (None, None)
-    return (pooling_type or declared_type or "LAST",
+    return (pooling_type or declared_type or default_type,
             normalize if normalize is not None else declared_norm if declared_norm is not None else True)

@@ -20,7 +20,7 @@ from pagellm.kernels.machine import Numerics, choose_numerics, cpu_info
 from pagellm.layers.custom_op import select_kernels
 from pagellm.layers.linear import Linear
 from pagellm.layers.moe import SparseMoeBlock
-from pagellm.models import BASE_MODELS, get_model_class
+from pagellm.models import BASE_MODELS, architecture, get_model_class
 from pagellm.models.cpu_packing import pack_for_cpu
 from pagellm.models.decoder import DecoderForCausalLM
 from pagellm.pooling_params import PoolingInfo
@@ -151,6 +151,8 @@ class ModelLoader:
             hf_config.get_text_config().max_model_len = self.config.model.max_model_len  # (what longrope decides by)
         arch = hf_config.architectures[0]
         cls = get_model_class(arch)
+        if architecture(arch).encoder:
+            return self._build_encoder(cls, hf_config, source), hf_config, source
         base = arch in BASE_MODELS  # (no LM head: a pooling runner's; tied, so none is expected)
         if base and self.config.model.runner != "pooling":
             raise ValueError(f"{arch} is a base model without an LM head: it can only embed (runner='pooling')")
@@ -186,6 +188,26 @@ class ModelLoader:
                                else weights)
         return (model if chosen is not None else model.to(self.dtype)).eval(), hf_config, source
 
+    def _build_encoder(self, cls: Any, hf_config: Any, source: Any) -> Any:
+        """An encoder (``models/bert.py``): the pooling runner's only, float32 GEMMs on a CPU, one worker."""
+        arch, cfg = hf_config.architectures[0], self.config.model
+        if cfg.runner != "pooling":
+            raise ValueError(f"{arch} is an encoder: it can only embed or score (runner='pooling')")
+        if cfg.quantization is not None:
+            raise ValueError(f"quantization={cfg.quantization!r} is not supported for encoder models ({arch})")
+        with torch.device("meta"):
+            model = cls(hf_config, tp=self.tp, pp=self.pp)
+        model = model.to_empty(device=self.device)
+        if cfg.load_format == "dummy":
+            initialize_dummy_weights(model, cfg.seed)
+        else:
+            model.load_weights(iter_weights(source, hf_config))
+        if model.num_labels is not None and hf_config.type_vocab_size > 1:  # (a cross-encoder reads pairs)
+            from transformers import AutoTokenizer
+
+            model.sep_token_id = AutoTokenizer.from_pretrained(cfg.tokenizer or source.path).sep_token_id
+        return model.to(self.dtype).eval()
+
     def _numerics_before_loading(self, model: DecoderForCausalLM, source: Any, sharded: bool,
                                  quantization: str | None) -> Numerics | None:
         """For an HF checkpoint on a CPU, the GEMM numerics chosen before any weight is read (a probe
@@ -220,6 +242,12 @@ class ModelLoader:
         shapes; else the worker's) and its weights packed for them; returns how many weights the
         int8 kernel took."""
         numerics = self._chosen.pop(id(model), None) or self.numerics
+        if getattr(model, "is_encoder", False):  # float32 GEMMs, each projection packed (batch-invariant rows)
+            if self.cpu_numerics:
+                for m in model.modules():
+                    if isinstance(m, Linear):
+                        m.pack_for_cpu(torch.float32, False)
+            return Numerics(numerics.compute_dtype, f"{numerics.reason} (an encoder: no per-machine choice)"), 0
         if self.cpu_numerics and numerics is self.numerics:
             linears = first_layer_linears(model)
             asked = "quantization='gguf'" if quantization == "gguf" else "dtype auto on a GGUF file" \
@@ -270,8 +298,15 @@ class ModelLoader:
             if on:
                 raise ValueError(f"runner='pooling' does not support {name} yet")
         user = cfg.model.pooler_config
+        labels = getattr(model, "num_labels", None)
+        if labels is not None:  # a classification head scores its CLS row, nothing to normalize
+            if user is not None and (user.pooling_type not in (None, "CLS") or user.normalize):
+                raise ValueError(f"pooler_config: {hf_config.architectures[0]} classifies its CLS row "
+                                 "(pooling_type CLS, normalize false)")
+            return PoolingInfo("CLS", False, labels, False, num_labels=labels)
         pooling_type, normalize = resolve_pooling(path, user.pooling_type if user else None,
-                                                  user.normalize if user else None)
+                                                  user.normalize if user else None,
+                                                  "CLS" if getattr(model, "is_encoder", False) else "LAST")
         text = hf_config.get_text_config()
         matryoshka = getattr(text, "matryoshka_dimensions", None) or bool(getattr(text, "is_matryoshka", False))
         info = PoolingInfo(pooling_type, normalize, text.hidden_size, matryoshka)

