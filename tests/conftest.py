@@ -293,6 +293,19 @@ def smollm2_path() -> str:
     return bundled_model_path()
 
 
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    """``(tokenizer, model)``: Hugging Face's float32 SmolLM2 over the bundled GGUF (transformers'
+    own dequantizer), loaded once for the oracles that only generate from it (each sets the
+    generation config it needs)."""
+    import transformers
+
+    directory, name = os.path.split(smollm2_path)
+    tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    return tok, hf
+
+
 def assert_cache_pressure(engine, preemption_mode: str | None) -> None:
     """A tight-cache variant must have preempted (and swapped, in swap mode): else it tests less
     than it says. ``preemption_mode`` None: no pressure expected, nothing checked."""

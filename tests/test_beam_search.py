@@ -3,8 +3,6 @@ token, with every finished beam in the same rank order; memory pressure does not
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import transformers
@@ -59,10 +57,8 @@ def test_tiny_models_match_hf_beam_search(ckpt_root, arch, k, length_penalty, ea
     assert all(len(beams) == k for beams in ref)
 
 
-def test_smollm2_matches_hf_beam_search_with_eos(smollm2_path):
-    directory, name = os.path.split(smollm2_path)
-    tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+def test_smollm2_matches_hf_beam_search_with_eos(smollm2_hf):
+    tok, hf = smollm2_hf
     chat = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
             for q in ("What is 2+2? Answer with one number.", "Say hi.")]
     prompts = [tok.encode(p) for p in SMOL_PROMPTS[:3]] + [tok.encode(c, add_special_tokens=False) for c in chat]

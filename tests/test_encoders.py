@@ -53,7 +53,7 @@ def _tiny_encoder(root: str, arch: str, minilm: str) -> str:
 
 @pytest.fixture(scope="module")
 def minilm_llm(minilm):
-    llm = LLM(minilm, runner="pooling", kv_cache_memory="16MiB")
+    llm = LLM(minilm, runner="pooling", kv_cache_memory="16MiB", dtype="float32")  # (the HF-exact numerics)
     yield llm
     llm.shutdown()
 
@@ -83,6 +83,11 @@ def test_minilm_embeddings_equal_hf_and_do_not_depend_on_the_batch(minilm, minil
         assert math.isclose(math.fsum(a * a for a in g), 1.0, abs_tol=1e-5)
     alone = [minilm_llm.embed(t, use_tqdm=False)[0].outputs.embedding for t in TEXTS]
     assert alone == got  # bit for bit: each prompt attends over its own rows only
+    # The default numerics (bfloat16 GEMMs where they measure faster here): close, and batch-invariant too.
+    with LLM(minilm, runner="pooling", kv_cache_memory="16MiB") as fast:
+        batched = [o.outputs.embedding for o in fast.embed(TEXTS, use_tqdm=False)]
+        assert [fast.embed(t, use_tqdm=False)[0].outputs.embedding for t in TEXTS] == batched
+    assert min(sum(a * b for a, b in zip(g, r, strict=True)) for g, r in zip(batched, ref, strict=True)) >= 0.9999
     # The model's meaning survives: the two eating sentences are the closest pair.
     scores = [o.outputs.score for o in minilm_llm.score(TEXTS[0], TEXTS[1:], use_tqdm=False)]
     ref_cos = [sum(a * b for a, b in zip(ref[0], r, strict=True)) for r in ref[1:]]
@@ -106,7 +111,7 @@ def test_cross_encoder_scores_equal_hf(tmp_path_factory, minilm, arch):
             enc.pop("token_type_ids")
         with torch.no_grad():
             ref.append(1 / (1 + math.exp(-float(hf(**enc).logits[0, 0].double()))))
-    with LLM(path, runner="pooling", kv_cache_memory="16MiB") as llm:
+    with LLM(path, runner="pooling", kv_cache_memory="16MiB", dtype="float32") as llm:
         got = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
         alone = [llm.score(query, d, use_tqdm=False)[0].outputs.score for d in docs]
         with pytest.raises(ValueError, match="text_1 has 2 texts and text_2 3"):
@@ -133,7 +138,8 @@ def test_score_rerank_and_embeddings_through_the_server(minilm, minilm_llm):
     from pagellm.config import EngineArgs
     from pagellm.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=minilm, runner="pooling", kv_cache_memory="16MiB"))
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=minilm, runner="pooling", kv_cache_memory="16MiB",
+                                                  dtype="float32"))
     srv = _Server(engine, KEY)
     try:
         auth = {"Authorization": f"Bearer {KEY}"}

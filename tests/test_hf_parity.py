@@ -161,10 +161,8 @@ SMOL_PROMPTS = [
 ]
 
 
-def test_smollm2_gguf_matches_hf(smollm2_path):
-    directory, name = os.path.split(smollm2_path)
-    tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+def test_smollm2_gguf_matches_hf(smollm2_hf):
+    tok, hf = smollm2_hf
     prompts = [tok.encode(p) for p in SMOL_PROMPTS]
     assert len({len(p) for p in prompts}) >= 8
     ref = hf_greedy(hf, prompts)

@@ -422,15 +422,19 @@ def require_mode(mode: str) -> None:
         (require_bf16_kernel if mode == "bfloat16" else require_int8_kernel)()
 
 
+@pytest.fixture(scope="module")
+def smollm2_hf_top(smollm2_hf):
+    """The prompts and HF float32's greedy tokens with each step's top-5, computed once for every mode."""
+    tok, hf = smollm2_hf
+    prompts = [tok.encode(p) for p in SMOL_PROMPTS]
+    return prompts, [hf_greedy_top(hf, p, 32) for p in prompts]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
-def test_smollm2_is_logprob_close_to_hf_float32(smollm2_path, mode):
+def test_smollm2_is_logprob_close_to_hf_float32(smollm2_hf_top, mode):
     require_mode(mode)
-    directory, name = os.path.split(smollm2_path)
-    tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
-    prompts = [tok.encode(p) for p in SMOL_PROMPTS]
-    ref = [hf_greedy_top(hf, p, 32) for p in prompts]
+    prompts, ref = smollm2_hf_top
     kwargs, numerics = MODES[mode]
     got, engine = engine_greedy_top(None, prompts, 32, **kwargs)
     assert engine.model_info.dtype == numerics
@@ -439,21 +443,30 @@ def test_smollm2_is_logprob_close_to_hf_float32(smollm2_path, mode):
     assert all(g <= MAX_GAP[mode] for g in gaps), f"divergences at HF logprob gaps {gaps}"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", list(MODES))
-def test_smollm2_perplexity_within_1_percent_of_float32(mode):
-    """The shipped text (benchmarks/data/quality_text.txt), teacher-forced through each mode's engine."""
-    require_mode(mode)
+def _perplexity(**kwargs) -> float:
+    """The shipped text (benchmarks/data/quality_text.txt), teacher-forced through an engine."""
     sys.path.insert(0, BENCHMARKS)
     from quality import TEXT, perplexity
 
-    ppl = {}
-    for name, kwargs in (("float32", {"dtype": "float32"}), (mode, MODES[mode][0])):
-        engine = LLMEngine.from_engine_args(EngineArgs(model=None, kv_cache_memory="256MiB", **kwargs))
-        with open(TEXT) as f:
-            ids = engine.get_tokenizer().encode(f.read())
-        assert len(ids) > 400
-        ppl[name] = perplexity(engine, ids)
+    engine = LLMEngine.from_engine_args(EngineArgs(model=None, kv_cache_memory="256MiB", **kwargs))
+    with open(TEXT) as f:
+        ids = engine.get_tokenizer().encode(f.read())
+    assert len(ids) > 400
+    try:
+        return perplexity(engine, ids)
+    finally:
         engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def float32_perplexity() -> float:
+    return _perplexity(dtype="float32")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(MODES))
+def test_smollm2_perplexity_within_1_percent_of_float32(float32_perplexity, mode):
+    require_mode(mode)
+    ppl = {"float32": float32_perplexity, mode: _perplexity(**MODES[mode][0])}
     assert 1.0 < ppl["float32"] < 100.0, ppl  # the model reads the text as text
     assert abs(ppl[mode] / ppl["float32"] - 1.0) < 0.01, ppl

@@ -76,10 +76,13 @@ def test_auto_grammar_binds_a_started_call_in_each_format(tiny_llama, name):
     assert not accepts(parser.render([("sub", {"a": 1, "b": 2})]))  # no such tool
 
 
-# A template in the manner of Mistral's first instruct models: no tools, and a system role refused.
+# Mistral-7B-Instruct-v0.1's chat template (its tokenizer_config.json): no tools, roles that must
+# alternate, and a system role refused.
 NO_SYSTEM_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
-    "{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}"
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token + ' ' }}"
     "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}")
 
 

@@ -242,12 +242,14 @@ class ModelLoader:
         shapes; else the worker's) and its weights packed for them; returns how many weights the
         int8 kernel took."""
         numerics = self._chosen.pop(id(model), None) or self.numerics
-        if getattr(model, "is_encoder", False):  # float32 GEMMs, each projection packed (batch-invariant rows)
+        if getattr(model, "is_encoder", False):  # (no GGUF blocks: float32 or bfloat16 GEMMs, packed)
             if self.cpu_numerics:
+                weights = [m.dense_weight() for m in first_layer_linears(model)]
+                numerics = choose_numerics(self.config.model.dtype, weights, probe=probe)
                 for m in model.modules():
                     if isinstance(m, Linear):
-                        m.pack_for_cpu(torch.float32, False)
-            return Numerics(numerics.compute_dtype, f"{numerics.reason} (an encoder: no per-machine choice)"), 0
+                        m.pack_for_cpu(numerics.compute_dtype, False)
+            return numerics, 0
         if self.cpu_numerics and numerics is self.numerics:
             linears = first_layer_linears(model)
             asked = "quantization='gguf'" if quantization == "gguf" else "dtype auto on a GGUF file" \
