@@ -106,6 +106,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                       body.priority, request, lora)
         if outs is None:
             return Response(status_code=499)  # the client went away; nobody reads this
+        outs = [_prompt_only(o) if j.prompt_only else o for j, o in zip(jobs, outs, strict=True)]
         return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                 "choices": [c for j, out in zip(jobs, outs, strict=True) for c in self._choices(j, out, body)],
                 "usage": _sum_usage([self._usage(out) for out in outs])}
@@ -138,7 +139,6 @@ class OpenAIServingCompletion(OpenAIServing):
         return _Prompt(prompt, params, echo, prompt_only, i * body.n)
 
     def _choices(self, job: _Prompt, out: RequestOutput, body: CompletionRequest) -> list[dict[str, Any]]:
-        out = _prompt_only(out) if job.prompt_only else out
         choices: list[dict[str, Any]] = [{"index": job.first_index + c.index, "text": job.echo + c.text,
                                           "logprobs": self._logprobs_echoed(out, c, body.echo, len(job.echo)),
                                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
