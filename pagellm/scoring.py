@@ -48,6 +48,20 @@ def pair_token_ids(tokenizer: Any, a: str, b: str) -> list[int]:
     return list(tokenizer(a, b)["input_ids"])
 
 
+def unique_texts(pairs: list[tuple[str, str]]) -> list[str]:
+    """A bi-encoder's prompts: each text of the pairs once, in first-seen order."""
+    return list(dict.fromkeys(t for pair in pairs for t in pair))
+
+
+def scores_of(kind: str, pairs: list[tuple[str, str]], vectors: Sequence[Sequence[float]]) -> list[float]:
+    """Each pair's score from the pooled vectors of its prompts: a cross-encoder's, one per pair (its
+    logit's sigmoid); a bi-encoder's, one per ``unique_texts`` entry (the two texts' cosine)."""
+    if kind == "cross-encoder":
+        return [sigmoid(v[0]) for v in vectors]
+    by_text = dict(zip(unique_texts(pairs), vectors, strict=True))
+    return [cosine(by_text[a], by_text[b]) for a, b in pairs]
+
+
 def sigmoid(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
 

@@ -70,7 +70,7 @@ def _encoder_config(config: EngineConfig, arch: str) -> EngineConfig:
     if sched.enable_chunked_prefill or cache.enable_prefix_caching:
         logger.info("%s is an encoder: chunked prefill and prefix caching are off", arch)
     return replace(config, scheduler=replace(sched, enable_chunked_prefill=False),
-                               cache=replace(cache, enable_prefix_caching=False))
+                   cache=replace(cache, enable_prefix_caching=False))
 
 
 class LLMEngine:

@@ -139,14 +139,16 @@ class LLM:
         if kind == "cross-encoder":
             hf = self.get_tokenizer()
             outs = self.embed([{"prompt_token_ids": scoring.pair_token_ids(hf, a, b)} for a, b in pairs], use_tqdm)
-            return [ScoringRequestOutput(o.request_id, ScoringOutput(scoring.sigmoid(o.outputs.embedding[0])),
-                                         o.prompt_token_ids) for o in outs]
-        texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # (each text embedded once)
-        vectors = dict(zip(texts, self.embed(texts, use_tqdm), strict=True))
-        return [ScoringRequestOutput(f"{vectors[a].request_id}-{vectors[b].request_id}",
-                                     ScoringOutput(scoring.cosine(vectors[a].outputs.embedding,
-                                                                  vectors[b].outputs.embedding)),
-                                     vectors[a].prompt_token_ids + vectors[b].prompt_token_ids) for a, b in pairs]
+            scores = scoring.scores_of(kind, pairs, [o.outputs.embedding for o in outs])
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(s), o.prompt_token_ids)
+                    for o, s in zip(outs, scores, strict=True)]
+        texts = scoring.unique_texts(pairs)  # (each text embedded once)
+        embedded = self.embed(texts, use_tqdm)
+        scores = scoring.scores_of(kind, pairs, [o.outputs.embedding for o in embedded])
+        by_text = dict(zip(texts, embedded, strict=True))
+        return [ScoringRequestOutput(f"{by_text[a].request_id}-{by_text[b].request_id}", ScoringOutput(s),
+                                     by_text[a].prompt_token_ids + by_text[b].prompt_token_ids)
+                for (a, b), s in zip(pairs, scores, strict=True)]
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = True) -> list[BeamSearchOutput]:

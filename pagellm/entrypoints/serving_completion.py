@@ -80,6 +80,11 @@ async def _merged(streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
             t.cancel()
 
 
+def _of_prompt(e: APIError, i: int) -> APIError:
+    """``e`` as the error of prompt ``i`` of a batched request (a 400 naming its index)."""
+    return APIError(f"prompt {i}: {e.message}", e.status, e.type, e.param, e.code)
+
+
 def _sum_usage(usages: list[dict[str, int]]) -> dict[str, int]:
     return {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
 
@@ -132,7 +137,7 @@ class OpenAIServingCompletion(OpenAIServing):
         except APIError as e:
             if count == 1:
                 raise
-            raise APIError(f"prompt {i}: {e.message}", e.status, e.type, e.param, e.code) from None
+            raise _of_prompt(e, i) from None
         echo = ""  # only when asked are the ids decoded
         if body.echo:
             echo = prompt["prompt"] if prompt["prompt"] is not None else self.tokenizer.decode(ids, False)
@@ -162,7 +167,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 await stream.aclose()
         i, e = failed[0]
         if len(jobs) > 1 and isinstance(e, APIError):
-            raise APIError(f"prompt {i}: {e.message}", e.status, e.type, e.param, e.code) from None
+            raise _of_prompt(e, i) from None
         raise e
 
     async def _batch_chunks(self, jobs: list[_Prompt], streams: list[AsyncGenerator[RequestOutput, None]],

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import struct
 import uuid
@@ -40,13 +39,13 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise APIError(str(e), param="dimensions") from None
         inputs = self._embedding_inputs(body.input)
         rid = f"embd-{uuid.uuid4().hex}"
-        outs = await asyncio.gather(*(self._final({"prompt_token_ids": ids}, EMBED_PARAMS, f"{rid}-{i}", 0, request,
-                                                  lora) for i, ids in enumerate(inputs)))
-        if any(o is None for o in outs):
+        outs = await self._final_many([({"prompt_token_ids": ids}, EMBED_PARAMS, f"{rid}-{i}")
+                                       for i, ids in enumerate(inputs)], 0, request, lora, label=None)
+        if outs is None:
             return Response(status_code=499)  # the client went away; nobody reads this
         data = []
         for i, out in enumerate(outs):
-            assert out is not None and out.pooled is not None
+            assert out.pooled is not None
             vec = params.apply(out.pooled, info)
             emb: Any = vec if body.encoding_format == "float" else \
                 base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()

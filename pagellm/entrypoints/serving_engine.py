@@ -252,10 +252,11 @@ class OpenAIServing:
         return None if outs is None else outs[0]
 
     async def _final_many(self, jobs: list[tuple[Any, SamplingParams, str]], priority: int, request: Request,
-                          lora: LoRARequest | None = None) -> list[RequestOutput] | None:
-        """Non-streaming, several engine requests admitted together (a batched completion): their
-        final outputs in order, or ``None`` if the client went away. An error in one aborts the
-        others and is a 400 naming its index where there are several."""
+                          lora: LoRARequest | None = None, label: str | None = "prompt") -> list[RequestOutput] | None:
+        """Non-streaming, several engine requests admitted together (a batched completion, an
+        embedding's inputs): their final outputs in order, or ``None`` if the client went away. An
+        error in one aborts the others and is a 400, naming its index (``label i: ``) where there are
+        several and ``label`` is given."""
         async def collect(prompt: Any, params: SamplingParams, rid: str) -> RequestOutput | None:
             last = None
             async for out in self.engine.generate(prompt, params, rid, priority, lora):
@@ -281,7 +282,7 @@ class OpenAIServing:
             for i, t in enumerate(tasks):
                 if not t.done():
                     continue
-                where = f"prompt {i}: " if len(jobs) > 1 else ""
+                where = f"{label} {i}: " if label and len(jobs) > 1 else ""
                 try:
                     out = t.result()
                 except ValueError as e:

@@ -65,7 +65,7 @@ class OpenAIServingScores(OpenAIServing):
             raise APIError(f"at most {MAX_SCORE_PAIRS} pairs, got {len(pairs)}", param=param)
         hf = self.tokenizer.hf
         texts = [scoring.pair_token_ids(hf, a, b) for a, b in pairs] if kind == "cross-encoder" else \
-            [self.tokenizer.encode(t) for t in dict.fromkeys(t for pair in pairs for t in pair)]
+            [self.tokenizer.encode(t) for t in scoring.unique_texts(pairs)]
         for i, ids in enumerate(texts):
             if len(ids) >= self.max_model_len:
                 raise APIError(f"text {i} has {len(ids)} tokens; this model reads at most {self.max_model_len - 1}",
@@ -75,9 +75,4 @@ class OpenAIServingScores(OpenAIServing):
                                        for i, ids in enumerate(texts)], 0, request, lora)
         if outs is None:
             return None
-        tokens = sum(len(ids) for ids in texts)
-        vectors = [o.pooled or [] for o in outs]
-        if kind == "cross-encoder":
-            return [scoring.sigmoid(v[0]) for v in vectors], tokens
-        by_text = dict(zip(dict.fromkeys(t for pair in pairs for t in pair), vectors, strict=True))
-        return [scoring.cosine(by_text[a], by_text[b]) for a, b in pairs], tokens
+        return scoring.scores_of(kind, pairs, [o.pooled or [] for o in outs]), sum(len(ids) for ids in texts)

@@ -132,8 +132,8 @@ class Encoder(nn.Module):
     def first_layer(self) -> EncoderLayer:
         return self.layers[0]  # type: ignore[return-value]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor) -> torch.Tensor:
-        spans = prompt_spans(positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor,
+                spans: list[tuple[int, int]]) -> torch.Tensor:
         x = self.embeddings(input_ids, positions, token_types)
         for layer in self.layers:
             x = layer(x, spans)
@@ -160,11 +160,11 @@ class BertModel(nn.Module):
         # tokenizer gives a pair); set by the loader where the head scores pairs.
         self.sep_token_id: int | None = None
 
-    def token_types(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def token_types(self, input_ids: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
         types = torch.zeros_like(input_ids)
         if self.sep_token_id is None or self.config.type_vocab_size < 2:
             return types
-        for s, e in prompt_spans(positions):
+        for s, e in spans:
             seps = (input_ids[s:e] == self.sep_token_id).nonzero().flatten()
             if seps.numel() > 1:  # a pair: the second text and its separator are type 1
                 types[s + int(seps[0]) + 1:e] = 1
@@ -172,7 +172,8 @@ class BertModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any = None, meta: Any = None,
                 decode_graph: Any = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(input_ids, positions, self.token_types(input_ids, positions))
+        spans = prompt_spans(positions)
+        return self.model(input_ids, positions, self.token_types(input_ids, spans), spans)
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         """Pooled rows through the classification head (a subclass's)."""

@@ -189,7 +189,8 @@ class ModelLoader:
         return (model if chosen is not None else model.to(self.dtype)).eval(), hf_config, source
 
     def _build_encoder(self, cls: Any, hf_config: Any, source: Any) -> Any:
-        """An encoder (``models/bert.py``): the pooling runner's only, float32 GEMMs on a CPU, one worker."""
+        """An encoder (``models/bert.py``): the pooling runner's only, one worker; its GEMM numerics
+        are chosen in ``_numerics_for``."""
         arch, cfg = hf_config.architectures[0], self.config.model
         if cfg.runner != "pooling":
             raise ValueError(f"{arch} is an encoder: it can only embed or score (runner='pooling')")
