@@ -9,6 +9,7 @@ shown, whose many timers add their own cost to the host::
 
     python benchmarks/host_ab.py --baseline 9996544                 # batch 1 and W64, 3 rounds
     python benchmarks/host_ab.py --baseline HEAD~3 --candidate HEAD --num-requests 1 --rounds 5
+    python benchmarks/host_ab.py --baseline 9996544 --host-only --candidate-args="--num-scheduler-steps 8"
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ def worktree(ref: str) -> str:
     return path
 
 
-def run(tree: str, num_requests: int | None, host_only: bool) -> tuple[float, list[float], float]:
+def run(tree: str, num_requests: int | None, host_only: bool, extra: list[str]) -> tuple[float, list[float], float]:
     """One ``time_breakdown.py`` run over ``tree``'s package: (host ms per decode-heavy step, its three
     parts or zeros, tok/s)."""
-    cmd = [sys.executable, os.path.join(HERE, "time_breakdown.py"), "--workload", W64]
+    cmd = [sys.executable, os.path.join(HERE, "time_breakdown.py"), "--workload", W64, *extra]
     if num_requests:
         cmd += ["--num-requests", str(num_requests)]
     if host_only:
@@ -67,6 +68,8 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, nargs="*", default=[1, 0],
                     help="loads to run: N requests of W64 (0: all 64)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--candidate-args", default="",
+                    help="time_breakdown.py flags for this tree's runs only (e.g. --num-scheduler-steps 8)")
     ap.add_argument("--verbose", action="store_true", help="print every run")
     ap.add_argument("--host-only", action="store_true", help="three timers: host = step wall less the model's")
     args = ap.parse_args()
@@ -75,7 +78,8 @@ def main() -> None:
         results: dict[str, list[tuple[float, list[float], float]]] = {k: [] for k in sides}
         for _ in range(args.rounds):
             for name, tree in sides.items():
-                results[name].append(run(tree, n or None, args.host_only))
+                extra = args.candidate_args.split() if name == "this tree" else []
+                results[name].append(run(tree, n or None, args.host_only, extra))
                 if args.verbose:
                     print(name, results[name][-1], flush=True)
         print(f"\n{n or 64} request(s), median of {args.rounds} interleaved rounds:")

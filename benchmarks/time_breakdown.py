@@ -163,6 +163,8 @@ def main() -> None:
                     help="also each projection's time and GFLOP/s by step kind and weight format")
     ap.add_argument("--host-only", action="store_true",
                     help="time only the model, LM head and sampler; host = step wall time less theirs")
+    ap.add_argument("--num-scheduler-steps", type=int, default=1,
+                    help="multi-step decoding: passes per decode-only schedule (host per step is then per pass)")
     ap.add_argument("--no-decode-graph", action="store_true",
                     help="decode steps layer by layer (PAGELLM_DECODE_GRAPH=0), so their ops are split too")
     args = ap.parse_args()
@@ -174,9 +176,10 @@ def main() -> None:
     from pagellm import LLMEngine, SamplingParams
     from pagellm.config import EngineArgs
 
+    multi_step = {"num_scheduler_steps": args.num_scheduler_steps} if args.num_scheduler_steps != 1 else {}
     engine = LLMEngine.from_engine_args(EngineArgs(model=args.model, dtype=args.dtype, quantization=args.quantization,
                                                    kv_cache_dtype=args.kv_cache_dtype,
-                                                   enable_prefix_caching=not args.no_prefix_caching))
+                                                   enable_prefix_caching=not args.no_prefix_caching, **multi_step))
     reqs = load_workload(args.workload, args.num_requests)
     for i, r in enumerate(reqs):
         engine.add_request(str(i), {"prompt_token_ids": r["prompt_token_ids"]},
@@ -184,10 +187,18 @@ def main() -> None:
     timers = ExclusiveTimers()
     kind_of_last = {"kind": "prefill-heavy"}
     gemms = GemmStats(lambda: kind_of_last["kind"]) if args.gemms else None
+    passes: dict[str, int] = defaultdict(int)  # forward passes by step kind (a multi-step step runs several)
     if args.host_only:
         runner = engine.executor.worker.model_runner
         for obj, name in ((runner.model, "forward"), (runner.model, "compute_logits"), (runner.sampler, "forward")):
             setattr(obj, name, timers.wrap(getattr(obj, name), "model"))
+        forward = runner.model.forward
+
+        def counted(*a, **kw):
+            passes[kind_of_last["kind"]] += 1
+            return forward(*a, **kw)
+
+        runner.model.forward = counted
     else:
         instrument(engine, timers, gemms)
         engine.step = timers.wrap(engine.step, "output processing")
@@ -231,11 +242,11 @@ def main() -> None:
     n_tok = sum(r["prompt_len"] + r["max_tokens"] for r in reqs)
     if args.host_only:
         print(f"\n{len(reqs)} requests, {n_tok} tokens, wall {wall:.1f} s, {n_tok / wall:.1f} total tok/s")
-        print("host per step, ms (step wall time less the model, LM head and sampler):")
+        print("host per step, ms (step wall time less the model, LM head and sampler; a step is a forward pass):")
         for k in kinds:
-            n = max(counts[k], 1)
+            n = max(passes[k], 1)
             print(f"  {k:14s} {1e3 * (wall_by_kind[k] - kinds[k]['model']) / n:6.3f}  "
-                  f"(of {1e3 * wall_by_kind[k] / n:.3f}, {counts[k]} steps)")
+                  f"(of {1e3 * wall_by_kind[k] / n:.3f}, {passes[k]} passes in {counts[k]} schedules)")
         return
     print(f"\n{len(reqs)} requests, {n_tok} tokens, wall {wall:.1f} s, {n_tok / wall:.1f} total tok/s"
           + (" (torch.profiler on: slower)" if args.torch_profiler else ""))

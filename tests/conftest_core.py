@@ -28,7 +28,7 @@ def make_group(rid: str, prompt_len: int, max_tokens: int = 4, tokens: list[int]
     """A request; ``beam_width > 0`` makes it a beam search (as ``LLMEngine.add_request`` would)."""
     if beam_width:
         params = dict(params, n=beam_width, logprobs=2 * beam_width, ignore_eos=True)
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, eos_token_id=EOS, **params)
+    sp = SamplingParams(**{"temperature": 0, "max_tokens": max_tokens, "eos_token_id": EOS, **params})
     prompt = list(tokens) if tokens is not None else [7] * prompt_len
     group = SequenceGroup(rid, [Sequence(next(_seq_ids), prompt)], sp, arrival_time=0.0, cache_salt=cache_salt,
                           priority=priority)
@@ -45,10 +45,18 @@ def _candidates(seq_id: int, n_out: int, k: int) -> dict[int, tuple[float, int]]
             for j in range(k)}
 
 
-def fake_step(sched: Scheduler, token: int = 5):
+def fake_step(sched: Scheduler, token: int = 5, eos_every: int = 0):
+    """One step with a fake model: every sample is ``token`` (EOS at output positions ``i`` with
+    ``(seq_id + i) % eos_every == 0``, where set); a multi-step step samples at each of its passes."""
     out = sched.schedule()
     sampled = {}
+    earlier = {}
     pooled = {}
+
+    def sample(sid: int, n_out: int, k: int | None) -> SampledToken:
+        tok = EOS if eos_every and (sid + n_out) % eos_every == 0 else token
+        return SampledToken(tok, -0.5, _candidates(sid, n_out, k) if k else None)
+
     for s in out.scheduled:
         group = sched.requests.get(s.request_id)
         if group is not None and group.pooling is not None:  # a pooling request: a vector at its prompt's end
@@ -58,25 +66,26 @@ def fake_step(sched: Scheduler, token: int = 5):
         if not s.do_sample:
             continue
         for sid in s.sample_seq_ids or [s.seq_id]:
-            k = s.sampling_params.logprobs
-            top = _candidates(sid, len(s.output_token_ids), k) if k else None
-            sampled[sid] = SampledToken(token, -0.5, top)
-    _, finished = sched.update_from_output(out, ModelRunnerOutput(sampled, pooled=pooled))
+            n_out, k = len(s.output_token_ids), s.sampling_params.logprobs
+            if out.num_steps > 1:
+                earlier[sid] = [sample(sid, n_out + j, k) for j in range(out.num_steps - 1)]
+            sampled[sid] = sample(sid, n_out + out.num_steps - 1, k)
+    _, finished = sched.update_from_output(out, ModelRunnerOutput(sampled, pooled=pooled, earlier_sampled=earlier))
     sched.check_invariants()
     return out, finished
 
 
-def run_all(sched: Scheduler, max_steps: int = 10_000) -> list[SequenceGroup]:
+def run_all(sched: Scheduler, max_steps: int = 10_000, eos_every: int = 0) -> list[SequenceGroup]:
     finished = []
     for _ in range(max_steps):
         if not sched.has_unfinished_requests():
             break
-        finished += fake_step(sched)[1]
+        finished += fake_step(sched, eos_every=eos_every)[1]
     assert not sched.has_unfinished_requests(), "requests left unfinished"
     return finished
 
 
-def drive(sched: Scheduler, ops, build_group) -> None:
+def drive(sched: Scheduler, ops, build_group, eos_every: int = 0) -> None:
     """Apply random ``("add", *args) / ("step", n, ...) / ("abort", i, ...)`` ops, checking invariants,
     then run everything left to completion (no request may hang) and check the pool is all free.
 
@@ -91,9 +100,9 @@ def drive(sched: Scheduler, ops, build_group) -> None:
                 added.append(group.request_id)
         elif op == "step":
             for _ in range(args[0]):
-                fake_step(sched)
+                fake_step(sched, eos_every=eos_every)
         elif added:
             sched.finish_requests(added[args[0] % len(added)], SequenceStatus.FINISHED_ABORTED)
             sched.check_invariants()
-    run_all(sched)
+    run_all(sched, eos_every=eos_every)
     assert sched.kv_cache_manager.num_free_blocks == sched.kv_cache_manager.num_blocks

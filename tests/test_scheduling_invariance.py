@@ -48,6 +48,8 @@ CONFIGS = {
     "tight_swap_chunks_no_prefix_cache": ("tight+chunks", dict(preemption_mode="swap", enable_prefix_caching=False)),
     "tight_auto_no_prefix_cache": ("tight", dict(preemption_mode="auto", enable_prefix_caching=False)),
     "tight_swap_priority": ("tight", dict(preemption_mode="swap", scheduling_policy="priority")),
+    # Multi-step decoding: up to 4 passes per schedule once every prompt is in.
+    "multi_step": dict(num_scheduler_steps=4),
 }
 
 
@@ -87,12 +89,18 @@ def test_tiny_model_outputs_do_not_depend_on_scheduling(baseline, arch, config):
         assert engine.scheduler.num_preemptions > 0, "the tight cache must force preemption"
     if "swap" in config:
         assert engine.scheduler.num_swap_outs > 0 and engine.scheduler.num_swap_ins > 0, "no swapping happened"
+    _assert_multi_step_ran(config, engine)
     kv = engine.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks and kv.cpu_pool.num_free_blocks == kv.cpu_pool.num_blocks
 
 
+def _assert_multi_step_ran(config: str, engine) -> None:
+    if config == "multi_step":  # fewer schedules than tokens: some steps ran several passes
+        assert engine.executor.worker.num_steps < MAX_TOKENS, "no step ran several passes"
+
+
 BF16_CONFIGS = ["chunk_every_prompt", "max_num_seqs_1", "block_size_1", "tight_cache_and_chunks", "tight_swap",
-                "tight_swap_chunks_no_prefix_cache"]
+                "tight_swap_chunks_no_prefix_cache", "multi_step"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -121,6 +129,7 @@ def _assert_invariant(path: str, prompts: list[list[int]], mode: str, kwargs: di
         assert got == ref, name
         if name.startswith("tight"):
             assert engine.scheduler.num_preemptions > 0
+        _assert_multi_step_ran(name, engine)
 
 
 def test_kquant_gguf_outputs_do_not_depend_on_scheduling(ckpt_root, smollm2_path):
@@ -145,6 +154,7 @@ def test_smollm2_outputs_do_not_depend_on_scheduling():
         assert got == ref, name
         if name.startswith("tight"):
             assert engine.scheduler.num_preemptions > 0
+        _assert_multi_step_ran(name, engine)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -176,6 +186,7 @@ def test_smollm2_narrow_kv_cache_outputs_do_not_depend_on_scheduling(kv):
         assert got == ref, name
         if name.startswith("tight"):
             assert engine.scheduler.num_preemptions > 0
+        _assert_multi_step_ran(name, engine)
 
 
 @pytest.mark.slow

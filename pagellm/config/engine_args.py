@@ -67,6 +67,10 @@ _HELP = {
                               "hidden states passed stage to stage (mp or ray executor)",
     "async_scheduling": "schedule the next step while the current one computes (a batch queue of 2; a request is "
                         "never in two steps at once)",
+    "num_scheduler_steps": "multi-step decoding: a decode-only step with nothing waiting runs up to this many forward "
+                           "passes per schedule, each sampling in the worker (less host work per token; an arrival "
+                           "waits up to N-1 passes); steps with penalties, min_tokens, structured output or beams "
+                           "run one pass (default: 1)",
     "data_parallel_size": "independent engine replicas behind one front end, requests sent to the least loaded",
     "distributed_executor_backend": "uni (in-process), mp (a process per rank on this machine) or ray (a Ray actor "
                                     "per rank, any node); default: uni for one worker, else mp",
@@ -140,6 +144,7 @@ class EngineArgs:
     data_parallel_size: int = 1
     distributed_executor_backend: ExecutorBackend | None = None
     async_scheduling: bool = False
+    num_scheduler_steps: int = 1
     device: Device = "auto"
     num_threads: int | None = None
     enforce_eager: bool = False
@@ -181,6 +186,7 @@ class EngineArgs:
             priority_aging_steps=self.priority_aging_steps,
             max_concurrent_batches=self._max_concurrent_batches(),
             stream_interval=self.stream_interval,
+            num_scheduler_steps=self._num_scheduler_steps(),
         )
         return EngineConfig(
             model=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, seed=self.seed,
@@ -227,6 +233,21 @@ class EngineArgs:
             raise ValueError("async_scheduling and pipeline_parallel_size > 1 do not combine with data_parallel_size "
                              "> 1 yet")
         return depth
+
+    def _num_scheduler_steps(self) -> int:
+        """Multi-step samples in the one worker between schedules: what needs the engine (or other
+        ranks) at every token is refused by name."""
+        n = self.num_scheduler_steps
+        if n > 1:
+            unsupported = {"tensor_parallel_size > 1": self.tensor_parallel_size > 1,
+                           "pipeline_parallel_size > 1": self.pipeline_parallel_size > 1,
+                           "async_scheduling": self.async_scheduling,
+                           "speculative_config": self.speculative_config is not None,
+                           "kv_transfer_config": self.kv_transfer_config is not None}
+            for name, on in unsupported.items():
+                if on:
+                    raise ValueError(f"num_scheduler_steps={n} does not combine with {name}")
+        return n
 
     def _parallel(self) -> ParallelConfig:
         tp, pp, dp = self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size

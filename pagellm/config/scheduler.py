@@ -34,8 +34,13 @@ class SchedulerConfig:
     # clients of a busy server handle fewer, larger chunks; 1 sends every token. None: grows with
     # load (engine/output_processor.py): every token below 16 requests streaming in a step.
     stream_interval: int | None = None
+    # Multi-step decoding (core/multi_step.py): a decode-only step with nothing waiting runs up
+    # to this many forward passes per schedule; 1 schedules every pass.
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         if self.stream_interval is not None and self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.max_concurrent_batches < 1:

@@ -36,13 +36,17 @@ class StepBookkeeping(Protocol):
 
 def apply_computed(book: StepBookkeeping, group: SequenceGroup, seq: Sequence, sched: ScheduledSequence,
                    out: ModelRunnerOutput) -> list[SampledToken]:
-    """Advance ``num_computed_tokens`` by the scheduled tokens less the rejected drafts, cache the
-    blocks that are now full, record prompt logprobs; returns the accepted drafts."""
+    """Advance ``num_computed_tokens`` by the scheduled tokens less the rejected drafts (plus a
+    multi-step's earlier passes), cache the blocks that are now full, record prompt logprobs;
+    returns the accepted drafts (or the earlier passes' tokens)."""
     seq.num_computed_tokens += sched.num_scheduled_tokens
     accepted = out.spec_accepted.get(seq.seq_id, []) if sched.spec_token_ids else []
     if sched.spec_token_ids:
         seq.num_computed_tokens -= len(sched.spec_token_ids) - len(accepted)  # the rejected drafts
         seq.spec_token_ids = []
+    elif out.earlier_sampled:  # multi-step: each earlier pass computed one more token
+        accepted = out.earlier_sampled.get(seq.seq_id, [])
+        seq.num_computed_tokens += len(accepted)
     book.kv_cache_manager.cache_full_blocks(seq, group.hash_key)
     if book.encoder is not None:
         book.encoder.release_computed(group)
@@ -93,7 +97,7 @@ def apply_samples(book: StepBookkeeping, group: SequenceGroup, seq: Sequence, sc
                 break
         if target.status.is_finished:
             book.free_seq(target)
-        elif sched.spec_token_ids or book.num_lookahead_tokens:
+        elif sched.spec_token_ids or book.num_lookahead_tokens or out.earlier_sampled:
             book.kv_cache_manager.cache_full_blocks(target, group.hash_key)
             book.kv_cache_manager.trim(target, target.num_tokens)  # rejected drafts' and lookahead blocks
     if group.is_finished():

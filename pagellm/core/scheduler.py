@@ -37,6 +37,7 @@ from pagellm.core.kv_cache_manager import AllocStatus, KVCacheManager, SlotReque
 from pagellm.core.kv_connector import KVConnectorScheduler
 from pagellm.core.kv_transfer_admission import KVTransferAdmission
 from pagellm.core.lora_admission import LoRAAdmission
+from pagellm.core.multi_step import plan_num_steps
 from pagellm.core.output_appliers import apply_beams, apply_computed, apply_pooled, apply_samples
 from pagellm.core.request_queue import FCFSRequestQueue, PriorityRequestQueue, RequestOrder
 from pagellm.core.scheduler_output import (
@@ -456,6 +457,8 @@ class Scheduler:
     def _make_output(self, step: StepInProgress) -> SchedulerOutput:
         if self.num_lookahead_tokens:
             self.planner.allocate_lookahead(step.scheduled, self.num_lookahead_tokens)
+        num_steps = plan_num_steps(step.scheduled, self.config.num_scheduler_steps, bool(self.waiting),
+                                   self.kv_cache_manager, self.max_model_len)
         step.ops.copy.extend(self.kv_cache_manager.take_copies())
         out = SchedulerOutput(
             scheduled=[self.planner.make_scheduled(g, r.seq, r.num_new_tokens, self.new_seq_id)
@@ -465,6 +468,7 @@ class Scheduler:
             encoder_inputs=self.encoder.to_encode if self.encoder is not None else [],
             freed_encoder_hashes=self.encoder.take_freed() if self.encoder is not None else [],
             preempted_request_ids=[g.request_id for g in step.forced + step.preempted],
+            num_steps=num_steps,
         )
         if self.kv_transfer is not None:
             out.kv_connector_metadata = self.kv_transfer.offer_saves(step.scheduled)

@@ -128,6 +128,9 @@ class SchedulerOutput:
     # runs, ``(mm_hash, encoder input)``, and entries the worker drops first.
     encoder_inputs: list[tuple[str, Any]] = field(default_factory=list)
     freed_encoder_hashes: list[str] = field(default_factory=list)
+    # Multi-step decoding (``core/multi_step.py``): forward passes of this decode-only step, each
+    # row fed the token it sampled in the pass before (slots for all of them are allocated).
+    num_steps: int = 1
 
     def is_empty(self) -> bool:
         return not self.scheduled
@@ -157,6 +160,8 @@ class ModelRunnerOutput:
 
     sampled: dict[int, SampledToken]
     spec_accepted: dict[int, list[SampledToken]] = field(default_factory=dict)
+    # A multi-step step's tokens before the last pass's (``sampled``), in order, per sequence.
+    earlier_sampled: dict[int, list[SampledToken]] = field(default_factory=dict)
     # A draft model's proposals: ``seq_id -> (position of the last emitted token, drafts after it)``.
     draft_token_ids: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
     # Seconds the runner spent preparing inputs, in the forward pass (the draft model's included)

@@ -422,7 +422,8 @@ class LLMEngine:
             spec.propose(self.scheduler.running)
         t_end = time.perf_counter()
         self.iteration_stats.encoder_seconds += runner_out.encoder_seconds
-        self.iteration_stats.record_step(prompt_tokens, len(runner_out.sampled) + num_accepted,
+        num_earlier = sum(map(len, runner_out.earlier_sampled.values()))  # (multi-step's earlier passes)
+        self.iteration_stats.record_step(prompt_tokens, len(runner_out.sampled) + num_accepted + num_earlier,
                                          started.schedule_seconds, t_model - started.submitted_at, t_end - t_model)
         if self.scheduler.record_decisions:
             self._trace_step(started, runner_out.timings, t_model, t_end)

@@ -18,6 +18,8 @@ that ``seq_lens`` covers, so they never see them.
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from pagellm.core.scheduler_output import ScheduledSequence
@@ -37,6 +39,7 @@ class InputBatch:
         # A decode step's input ids, positions, slots and context lengths (one row each): filled in
         # place, handed out as views that live until the next step fills them.
         self.step_buffers = torch.zeros(4, rows, dtype=torch.int64)
+        self._step_view = _flat_int64_view(self.step_buffers)
 
     @property
     def num_rows(self) -> int:
@@ -73,13 +76,24 @@ class InputBatch:
         n = len(columns[0])
         if n > self.step_buffers.shape[1]:
             self.step_buffers = torch.zeros(4, max(n, 2 * self.step_buffers.shape[1]), dtype=torch.int64)
-        buf = self.step_buffers.numpy()
-        for k, col in enumerate(columns):
-            buf[k, :n] = col
+            self._step_view = _flat_int64_view(self.step_buffers)
+        self._write_columns(columns)
         views = self.step_buffers[:len(columns), :n]
         if device.type != "cpu":
             views = views.to(device)
         return tuple(views.unbind(0))
+
+    def advance(self, *columns: list[int]) -> None:
+        """The next pass of the plain decodes ``step_rows`` last filled (multi-step): new columns into
+        the same buffers, so the views it handed out (and the metadata holding them) read them."""
+        self._write_columns(columns)
+
+    def _write_columns(self, columns: tuple[list[int], ...]) -> None:
+        # Through a flat memoryview: with the caches cold after a forward pass, numpy's per-call
+        # dispatch costs more than the copy at a batch's sizes.
+        stride, view = self.step_buffers.shape[1], self._step_view
+        for k, col in enumerate(columns):
+            view[k * stride:k * stride + len(col)] = array("q", col)
 
     def sampling_row(self, s: ScheduledSequence, seq_id: int, generator: torch.Generator | None) -> SamplingRow:
         """The sampler's row for ``seq_id`` (made once; the lists it holds are the scheduler's own)."""
@@ -137,3 +151,8 @@ class InputBatch:
             row = self._np[r, :len(ids)].tolist()
             if row != ids:
                 raise AssertionError(f"row {r} holds {row}, not {ids}")
+
+
+def _flat_int64_view(t: torch.Tensor) -> memoryview:
+    """A contiguous int64 tensor's elements as one flat memoryview (writes land in the tensor)."""
+    return t.numpy().data.cast("B").cast("q")

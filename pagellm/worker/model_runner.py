@@ -12,7 +12,7 @@ chunk, so attention runs the decodes as one batched call and each chunk unpadded
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -163,6 +163,8 @@ class ModelRunner:
         self.verify_drafts(batch, logits, result)
         if self.draft is not None and so.draft_k:
             result.draft_token_ids = self.propose_drafts(so, batch, result)
+        if so.num_steps > 1:
+            t2 += self.run_more_steps(so, batch, kv_caches, result)
         result.timings = (t1 - t0, t2 - t1, time.perf_counter() - t2)
         result.encoder_seconds = t_encoded - t0
         return result
@@ -378,6 +380,40 @@ class ModelRunner:
         out = self.sampler(plain, [p.row for p in batch.plain])
         result.sampled = {p.seq_id: SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
                           for i, p in enumerate(batch.plain)}
+
+    def run_more_steps(self, so: SchedulerOutput, batch: FlatBatch,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], result: ModelRunnerOutput) -> float:
+        """A multi-step step's passes after the first (``core/multi_step.py``): each decodes the token
+        every row sampled in the pass before, exactly as the next plain step would; the earlier
+        samples move to ``earlier_sampled``. Returns the seconds spent in the forward passes.
+
+        Plain decodes on a CPU advance the first pass's batch in place (its inputs are views of the
+        persistent batch's buffers; the sampling rows are history-free); any other step is
+        prepared afresh each pass."""
+        seqs, forward_s = so.scheduled, 0.0
+        in_place = batch.every_row_samples and self.device.type == "cpu" and self._plain_decodes(seqs)
+        bs = self.block_size
+        for j in range(1, so.num_steps):
+            for s in seqs:
+                result.earlier_sampled.setdefault(s.seq_id, []).append(result.sampled[s.seq_id])
+            tokens = [result.sampled[s.seq_id].token_id for s in seqs]
+            if in_place:
+                p = [s.num_computed_tokens + j for s in seqs]
+                self.input_batch.advance(tokens, p, [s.block_ids[q // bs] * bs + q % bs
+                                                     for s, q in zip(seqs, p, strict=True)], [q + 1 for q in p])
+                sub = so
+            else:
+                seqs = [replace(s, token_ids=[t], num_computed_tokens=s.num_computed_tokens + 1)
+                        for s, t in zip(seqs, tokens, strict=True)]
+                sub = SchedulerOutput(scheduled=seqs)
+                batch = self.prepare_inputs(sub)
+            t = time.perf_counter()
+            hidden = self.forward(batch, kv_caches)
+            forward_s += time.perf_counter() - t
+            assert hidden is not None, "multi-step runs on one stage only"
+            logits = self.model.compute_logits(hidden if batch.every_row_samples else hidden[batch.logits_rows])
+            self.sample(batch, logits.float(), sub, result)
+        return forward_s
 
     def verify_drafts(self, batch: FlatBatch, logits: torch.Tensor, result: ModelRunnerOutput) -> None:
         """The rejection sampler over every draft run: the accepted drafts in ``spec_accepted``,
