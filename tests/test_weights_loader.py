@@ -75,3 +75,40 @@ def test_the_dummy_load_format_reads_only_the_config(ckpt_root, tmp_path):
         EngineArgs(model=str(shape), load_format="zeros").create_engine_config()
     with pytest.raises(ValueError, match="load_format='dummy' has no GGUF blocks"):
         EngineArgs(model=str(shape), load_format="dummy", quantization="gguf").create_engine_config()
+
+
+QUANTIZED = {  # each method's quantization_config as its tool writes it, and the refusal's naming of it
+    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+            "quant_method='awq' (bits=4, group_size=128, zero_point=True, version='gemm')"),
+    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": False,
+              "checkpoint_format": "gptq"},
+             "quant_method='gptq' (bits=4, group_size=32, sym=False, desc_act=True, checkpoint_format='gptq')"),
+    "compressed-tensors": ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
+            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}}}},
+        "quant_method='compressed-tensors' (format='pack-quantized', group_0: weights int4 symmetric per group "
+        "128, activations none)"),
+    "fp8": ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+            "quant_method='fp8' (activation_scheme='dynamic', weight_block_size=[128, 128])"),
+}
+
+
+@pytest.mark.parametrize("method", list(QUANTIZED))
+def test_quantized_hf_checkpoints_are_refused_at_start_up_by_name(ckpt_root, tmp_path, method):
+    """A quantized HF directory is refused before any weight is read (this one has none), naming the
+    method and the options that decide its layout."""
+    import json
+    import re
+    import shutil
+
+    from pagellm import LLM
+
+    from conftest import build_tiny_checkpoint
+
+    path = tmp_path / method
+    shutil.copytree(build_tiny_checkpoint(ckpt_root, "llama"), path, ignore=shutil.ignore_patterns("*.safetensors*"))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"], named = QUANTIZED[method]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=re.escape(named) + " is not supported yet"):
+        LLM(str(path), dtype="float32", num_gpu_blocks_override=16)

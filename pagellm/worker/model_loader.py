@@ -28,6 +28,7 @@ from pagellm.weights import freq_factors, iter_weights, load_model_config
 from pagellm.weights.dummy import initialize_dummy_weights
 from pagellm.weights.gguf_quant import KERNEL_TYPES, int8_format, part_format
 from pagellm.weights.loader import projection_dtype
+from pagellm.weights.quant_config import check_quantization
 from pagellm.weights.pooling_setup import resolve_pooling
 from pagellm.worker.cache_engine import HostKVMemory
 from pagellm.worker.host_malloc import trim
@@ -147,6 +148,8 @@ class ModelLoader:
         uninitialised, then every weight loaded (sharded, a rank reads only its slice)."""
         source = resolve_model_source(path)
         hf_config = load_model_config(source)
+        if not source.is_gguf:
+            check_quantization(hf_config, source.path)
         if self.config.model.max_model_len:
             hf_config.get_text_config().max_model_len = self.config.model.max_model_len  # (what longrope decides by)
         arch = hf_config.architectures[0]
