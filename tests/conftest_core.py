@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+from hypothesis import strategies as st
+
 from pagellm.config import SchedulerConfig
 from pagellm.core.beam_search import BeamSearchState
 from pagellm.core.kv_cache_manager import KVCacheManager
@@ -106,3 +108,14 @@ def drive(sched: Scheduler, ops, build_group, eos_every: int = 0) -> None:
             sched.check_invariants()
     run_all(sched, eos_every=eos_every)
     assert sched.kv_cache_manager.num_free_blocks == sched.kv_cache_manager.num_blocks
+
+
+# Random request traffic for ``drive``: adds (prompt length, max_tokens), runs of steps, aborts.
+TRAFFIC = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 12)),
+        st.tuples(st.just("step"), st.integers(1, 3), st.just(0)),
+        st.tuples(st.just("abort"), st.integers(0, 50), st.just(0)),
+    ),
+    max_size=60,
+)

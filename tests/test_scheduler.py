@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from pagellm.sequence import SequenceStatus
 
-from conftest_core import EOS, drive, fake_step, make_group, make_scheduler
+from conftest_core import EOS, TRAFFIC, drive, fake_step, make_group, make_scheduler
 
 
 def test_core_does_not_import_torch():
@@ -130,25 +130,23 @@ def test_abort_frees_blocks_immediately():
 
 @settings(max_examples=150, deadline=None)
 @given(
-    st.lists(
-        st.one_of(
-            st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 12)),
-            st.tuples(st.just("step"), st.integers(1, 3), st.just(0)),
-            st.tuples(st.just("abort"), st.integers(0, 50), st.just(0)),
-        ),
-        max_size=60,
-    ),
+    TRAFFIC,
     st.integers(2, 24),
     st.sampled_from([1, 2, 4, 16]),
     st.integers(1, 40),
     st.integers(1, 6),
+    st.sampled_from([1, 1, 2, 3, 8]),
+    st.sampled_from([0, 0, 5, 11]),
 )
-def test_random_add_step_abort_keeps_invariants(ops, num_blocks, block_size, budget, max_seqs):
+def test_random_add_step_abort_keeps_invariants(ops, num_blocks, block_size, budget, max_seqs, steps, eos_every):
+    """With multi-step decoding too (``steps`` passes at most), EOS now and then inside a run."""
     capacity = num_blocks * block_size
     sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_model_len=capacity,
-                           max_num_batched_tokens=budget, max_num_seqs=max_seqs, long_prefill_token_threshold=0)
+                           max_num_batched_tokens=budget, max_num_seqs=max_seqs, long_prefill_token_threshold=0,
+                           num_scheduler_steps=steps)
     # The engine rejects prompts that can never fit before they reach the scheduler.
-    drive(sched, ops, lambda rid, n, max_tokens: make_group(rid, n, max_tokens=max_tokens) if n < capacity else None)
+    drive(sched, ops, lambda rid, n, max_tokens: make_group(rid, n, max_tokens=max_tokens) if n < capacity else None,
+          eos_every=eos_every)
 
 
 @settings(max_examples=100, deadline=None)
