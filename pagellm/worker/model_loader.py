@@ -28,8 +28,8 @@ from pagellm.weights import freq_factors, iter_weights, load_model_config
 from pagellm.weights.dummy import initialize_dummy_weights
 from pagellm.weights.gguf_quant import KERNEL_TYPES, int8_format, part_format
 from pagellm.weights.loader import projection_dtype
-from pagellm.weights.quant_config import check_quantization
 from pagellm.weights.pooling_setup import resolve_pooling
+from pagellm.weights.quant_config import check_quantization
 from pagellm.worker.cache_engine import HostKVMemory
 from pagellm.worker.host_malloc import trim
 
