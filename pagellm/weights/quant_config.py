@@ -30,10 +30,11 @@ def describe(qc: dict[str, Any]) -> str:
     """``quant_method='awq' (bits=4, group_size=128, zero_point=True, version='gemm')``, and for
     compressed-tensors each scheme's weights and activations."""
     method = qc.get("quant_method", "unknown")
-    opts = [f"{k}={qc[k]!r}" for k in _LAYOUT_KEYS if qc.get(k) is not None]
     if method == "compressed-tensors":
         opts = [f"format={qc.get('format')!r}"] + [_scheme(name, g) for name, g in
                                                    (qc.get("config_groups") or {}).items()]
+    else:
+        opts = [f"{k}={qc[k]!r}" for k in _LAYOUT_KEYS if qc.get(k) is not None]
     return f"quant_method={method!r}" + (f" ({', '.join(opts)})" if opts else "")
 
 

@@ -154,8 +154,7 @@ class ModelRunner:
             return ModelRunnerOutput(sampled={}, timings=(t1 - t0, t2 - t1, 0.0), encoder_seconds=t_encoded - t0,
                                      prompt_logprobs=prompt_lps, pooled=self.pool(batch.pool_spans, hidden)) \
                 if self.is_driver else None
-        rows = hidden if batch.every_row_samples else hidden[batch.logits_rows]
-        logits = self.model.compute_logits(rows).float()  # a collective under TP
+        logits = self._logits(batch, hidden)
         if not self.is_driver:
             return None
         result = ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_lps, pooled=self.pool(batch.pool_spans, hidden))
@@ -248,18 +247,12 @@ class ModelRunner:
     def _prepare_decodes(self, seqs: list[ScheduledSequence]) -> FlatBatch:
         """``prepare_inputs`` for :meth:`_plain_decodes`: row ``b`` is ``seqs[b]``; its token, position,
         slot and context length go into the persistent batch's buffers, its blocks are the table's row."""
-        bs = self.block_size
-        ids, positions, slots, lens = [], [], [], []
-        for s in seqs:
-            p = s.num_computed_tokens
-            ids.append(s.token_ids[0])
-            positions.append(p)
-            slots.append(s.block_ids[p // bs] * bs + p % bs)
-            lens.append(p + 1)
+        ids, positions, slots, lens = self._decode_columns(seqs, [s.token_ids[0] for s in seqs])
         table = self.input_batch.decode_table(seqs)
         input_ids, pos, slot_mapping, seq_lens = self.input_batch.step_rows(ids, positions, slots, lens,
                                                                             device=self.device)
-        meta = self.attn_backend.build_metadata(lens, [], [], bs, self.device, decode_table=table, seq_lens=seq_lens)
+        meta = self.attn_backend.build_metadata(lens, [], [], self.block_size, self.device, decode_table=table,
+                                                seq_lens=seq_lens)
         meta.slot_mapping = slot_mapping
         rows = [b for b, s in enumerate(seqs) if s.do_sample]
         sample_seqs = [seqs[b] for b in rows]
@@ -268,6 +261,15 @@ class ModelRunner:
         if self.is_driver:
             self._plan_sampling(batch)
         return batch
+
+    def _decode_columns(self, seqs: list[ScheduledSequence], tokens: list[int],
+                        offset: int = 0) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Plain decodes' input ids (``tokens``), positions, slots and context lengths, ``offset``
+        tokens past their scheduled one (a multi-step step's later passes)."""
+        bs = self.block_size
+        positions = [s.num_computed_tokens + offset for s in seqs]
+        slots = [s.block_ids[p // bs] * bs + p % bs for s, p in zip(seqs, positions, strict=True)]
+        return tokens, positions, slots, [p + 1 for p in positions]
 
     def _row_features(self, s: ScheduledSequence, start: int, n: int, row: int, mm_segments: list,
                       mrope: list[list[int]] | None, prompt_lp: list, pool_spans: list) -> None:
@@ -392,15 +394,12 @@ class ModelRunner:
         prepared afresh each pass."""
         seqs, forward_s = so.scheduled, 0.0
         in_place = batch.every_row_samples and self.device.type == "cpu" and self._plain_decodes(seqs)
-        bs = self.block_size
         for j in range(1, so.num_steps):
             for s in seqs:
                 result.earlier_sampled.setdefault(s.seq_id, []).append(result.sampled[s.seq_id])
             tokens = [result.sampled[s.seq_id].token_id for s in seqs]
             if in_place:
-                p = [s.num_computed_tokens + j for s in seqs]
-                self.input_batch.advance(tokens, p, [s.block_ids[q // bs] * bs + q % bs
-                                                     for s, q in zip(seqs, p, strict=True)], [q + 1 for q in p])
+                self.input_batch.advance(*self._decode_columns(seqs, tokens, j))
                 sub = so
             else:
                 seqs = [replace(s, token_ids=[t], num_computed_tokens=s.num_computed_tokens + 1)
@@ -411,9 +410,12 @@ class ModelRunner:
             hidden = self.forward(batch, kv_caches)
             forward_s += time.perf_counter() - t
             assert hidden is not None, "multi-step runs on one stage only"
-            logits = self.model.compute_logits(hidden if batch.every_row_samples else hidden[batch.logits_rows])
-            self.sample(batch, logits.float(), sub, result)
+            self.sample(batch, self._logits(batch, hidden), sub, result)
         return forward_s
+
+    def _logits(self, batch: FlatBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits at the batch's sampled rows (a collective under TP)."""
+        return self.model.compute_logits(hidden if batch.every_row_samples else hidden[batch.logits_rows]).float()
 
     def verify_drafts(self, batch: FlatBatch, logits: torch.Tensor, result: ModelRunnerOutput) -> None:
         """The rejection sampler over every draft run: the accepted drafts in ``spec_accepted``,
