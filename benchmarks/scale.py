@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -92,33 +93,76 @@ def build_gguf(shape: str, fmt: str) -> str:
     return path
 
 
-def build_hf_bf16(shape: str) -> str:
-    """The cached HF directory of ``shape``: config, the bundled tokenizer, random bfloat16 safetensors."""
-    import torch
+# AWQ (AutoAWQ's defaults) and GPTQ (AutoGPTQ's: symmetric, desc_act off) 4-bit, groups of 128.
+QUANT_CONFIGS = {
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False,
+             "checkpoint_format": "gptq"},
+}
+
+
+def _hf_directory(shape: str, name: str, quantization_config: dict | None = None) -> tuple[str, Any]:
+    """``(path, config)``: the cached HF directory ``name`` of ``shape``, the bundled tokenizer written
+    and its config to save once the weights are (``None``: built already)."""
     import transformers
-    from safetensors.torch import save_file
 
     from pagellm.config import resolve_model_source
 
-    path = os.path.join(cache_dir(shape), "hf-bf16")
+    path = os.path.join(cache_dir(shape), name)
     if os.path.exists(os.path.join(path, "config.json")):
-        return path
+        return path, None
     s = SHAPES[shape]
     os.makedirs(path, exist_ok=True)
     config = transformers.LlamaConfig(
         vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=s.layers,
         num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, max_position_embeddings=s.context,
-        rope_theta=s.rope_theta, tie_word_embeddings=s.tied, rms_norm_eps=1e-5, torch_dtype="bfloat16",
-        architectures=["LlamaForCausalLM"])
+        rope_theta=s.rope_theta, tie_word_embeddings=s.tied, rms_norm_eps=1e-5,
+        torch_dtype="float16" if quantization_config else "bfloat16", architectures=["LlamaForCausalLM"])
+    if quantization_config:
+        config.quantization_config = quantization_config
     bundled = resolve_model_source(None).path
     transformers.AutoTokenizer.from_pretrained(os.path.dirname(bundled), gguf_file=os.path.basename(bundled)) \
         .save_pretrained(path)
+    return path, config
+
+
+def build_hf_quantized(shape: str, method: str) -> str:
+    """The cached AWQ or GPTQ directory of ``shape``: random packed integers, scales and zero points in
+    the format's layout (``weights/group_quant.py``), 16-bit embedding and norms."""
+    import torch
+    from safetensors.torch import save_file
+
+    path, config = _hf_directory(shape, method, QUANT_CONFIGS[method])
+    if config is None:
+        return path
     g = torch.Generator().manual_seed(0)
+    shard: dict = {}
+    for name, (n, k) in _hf_shapes(SHAPES[shape]).items():
+        if not name.endswith("proj.weight"):
+            shard[name] = torch.ones(n, dtype=torch.float16) if k is None else \
+                (torch.randn(n, k, generator=g) * 0.02).to(torch.float16)
+            continue
+        prefix = name.removesuffix(".weight")
+        words = (k, n // 8) if method == "awq" else (k // 8, n)
+        shard[prefix + ".qweight"] = torch.randint(-2**31, 2**31, words, generator=g, dtype=torch.int32)
+        shard[prefix + ".qzeros"] = torch.randint(-2**31, 2**31, (k // 128, n // 8), generator=g, dtype=torch.int32)
+        shard[prefix + ".scales"] = (torch.rand(k // 128, n, generator=g) * 0.004 + 0.001).to(torch.float16)
+        if method == "gptq":
+            shard[prefix + ".g_idx"] = torch.arange(k, dtype=torch.int32) // 128
+    save_file(shard, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(path)
+    return path
+
+
+def _hf_shapes(s: DecoderShape) -> dict[str, tuple[int, int | None]]:
+    """Every tensor of an HF Llama checkpoint of shape ``s``: ``(rows, columns or None for a vector)``."""
     head_dim = s.hidden // s.heads
-    tensors = {"model.embed_tokens.weight": (s.vocab, s.hidden), "model.norm.weight": (s.hidden,)}
+    tensors: dict[str, tuple[int, int | None]] = {"model.embed_tokens.weight": (s.vocab, s.hidden),
+                                                  "model.norm.weight": (s.hidden, None)}
     for i in range(s.layers):
         p = f"model.layers.{i}."
-        tensors |= {p + "input_layernorm.weight": (s.hidden,), p + "post_attention_layernorm.weight": (s.hidden,),
+        tensors |= {p + "input_layernorm.weight": (s.hidden, None),
+                    p + "post_attention_layernorm.weight": (s.hidden, None),
                     p + "self_attn.q_proj.weight": (s.heads * head_dim, s.hidden),
                     p + "self_attn.k_proj.weight": (s.kv_heads * head_dim, s.hidden),
                     p + "self_attn.v_proj.weight": (s.kv_heads * head_dim, s.hidden),
@@ -126,10 +170,24 @@ def build_hf_bf16(shape: str) -> str:
                     p + "mlp.gate_proj.weight": (s.intermediate, s.hidden),
                     p + "mlp.up_proj.weight": (s.intermediate, s.hidden),
                     p + "mlp.down_proj.weight": (s.hidden, s.intermediate)}
+    if not s.tied:
+        tensors["lm_head.weight"] = (s.vocab, s.hidden)
+    return tensors
+
+
+def build_hf_bf16(shape: str) -> str:
+    """The cached HF directory of ``shape``: config, the bundled tokenizer, random bfloat16 safetensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    path, config = _hf_directory(shape, "hf-bf16")
+    if config is None:
+        return path
+    g = torch.Generator().manual_seed(0)
     shard: dict = {}
-    for name, dims in tensors.items():
-        shard[name] = torch.ones(dims, dtype=torch.bfloat16) if len(dims) == 1 else \
-            (torch.randn(dims, generator=g) * 0.02).to(torch.bfloat16)
+    for name, (n, k) in _hf_shapes(SHAPES[shape]).items():
+        shard[name] = torch.ones(n, dtype=torch.bfloat16) if k is None else \
+            (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
     save_file(shard, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(path)
     return path
@@ -280,7 +338,8 @@ def run_child(cmd: list[str]) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="1.7b", help=f"comma-separated, of {sorted(SHAPES)}")
-    p.add_argument("--formats", default="q4_k_m", help="comma-separated: q4_k_m, q8_0 (GGUF), bf16 (HF directory)")
+    p.add_argument("--formats", default="q4_k_m",
+                   help="comma-separated: q4_k_m, q8_0 (GGUF), bf16, awq, gptq (HF directories)")
     p.add_argument("--w64", type=int, default=64, help="W64 requests to run (0: none)")
     p.add_argument("--kv-cache-memory", default=None, help="pagellm's KV budget (default: the engine's own)")
     p.add_argument("--pagellm-args", default='{}',
@@ -311,15 +370,17 @@ def main() -> None:
     rows = []
     for shape in args.shapes.split(","):
         for fmt in args.formats.split(","):
-            path = build_hf_bf16(shape) if fmt == "bf16" else build_gguf(shape, fmt)
-            size = os.path.getsize(os.path.join(path, "model.safetensors")) if fmt == "bf16" else os.path.getsize(path)
+            hf = fmt in ("bf16", "awq", "gptq")
+            path = build_hf_bf16(shape) if fmt == "bf16" else build_hf_quantized(shape, fmt) if hf else \
+                build_gguf(shape, fmt)
+            size = os.path.getsize(os.path.join(path, "model.safetensors")) if hf else os.path.getsize(path)
             roof = bw / weight_bytes_per_token(path)
             me = [sys.executable, os.path.abspath(__file__), "--child", "pagellm", "--model", path,
                   "--engine-args", args.pagellm_bf16_args if fmt == "bf16" else args.pagellm_args,
                   "--w64", str(args.w64)]
             me += ["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory else []
             results = {"pagellm": run_child(me)}
-            if args.llama_python and fmt != "bf16":
+            if args.llama_python and not hf:
                 results["llama.cpp"] = run_child([args.llama_python, "-c", LLAMA_CHILD, path, str(args.threads)])
             if args.vllm_python and args.w64:
                 results["vLLM CPU (bf16 directory)"] = run_vllm(args.vllm_python, build_hf_bf16(shape), args.w64)

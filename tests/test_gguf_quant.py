@@ -324,8 +324,9 @@ def test_kquant_gguf_runs_its_blocks_on_the_int8_kernel(kquant_gguf, caplog):
         auto = [r.getMessage() for r in caplog.records if r.getMessage().startswith("numerics: ")]
         caplog.clear()
         llm = LLM(model=kquant_gguf, quantization="gguf", kv_cache_memory="32MiB")
-    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("numerics: GGUF"))
-    assert auto[0] == line and "dtype auto on a GGUF file: every projection is GGUF blocks" in auto[1], auto
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("numerics: quantized"))
+    assert auto[0] == line, auto
+    assert "dtype auto on a quantized checkpoint: every projection is stored blocks" in auto[1], auto
     for part in ("Q4_K x9: int8 GEMMs (K4 super-blocks)", "Q6_K x2: int8 GEMMs (K6", "Q8_0 x1: int8 GEMMs (8-bit",
                  "Q6_K (tied LM head) x1: int8 GEMMs (K6", "Q5_0 x1: int8 GEMMs (8-bit", "Q5_1 x1: dequantized"):
         assert part in line, line

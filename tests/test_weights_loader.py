@@ -73,16 +73,18 @@ def test_the_dummy_load_format_reads_only_the_config(ckpt_root, tmp_path):
     assert len(outs[0].token_ids) == 5 and outs[0].token_ids == outs[1].token_ids
     with pytest.raises(ValueError, match="load_format must be one of"):
         EngineArgs(model=str(shape), load_format="zeros").create_engine_config()
-    with pytest.raises(ValueError, match="load_format='dummy' has no GGUF blocks"):
+    with pytest.raises(ValueError, match="load_format='dummy' has no stored blocks for quantization='gguf'"):
         EngineArgs(model=str(shape), load_format="dummy", quantization="gguf").create_engine_config()
 
 
 QUANTIZED = {  # each method's quantization_config as its tool writes it, and the refusal's naming of it
-    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
-            "quant_method='awq' (bits=4, group_size=128, zero_point=True, version='gemm')"),
-    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": False,
-              "checkpoint_format": "gptq"},
-             "quant_method='gptq' (bits=4, group_size=32, sym=False, desc_act=True, checkpoint_format='gptq')"),
+    "awq-gemv": ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemv"},
+                 "quant_method='awq' (bits=4, group_size=128, zero_point=True, version='gemv')"),
+    "gptq-3bit": ({"quant_method": "gptq", "bits": 3, "group_size": 32, "desc_act": True, "sym": False,
+                   "checkpoint_format": "gptq"},
+                  "quant_method='gptq' (bits=3, group_size=32, sym=False, desc_act=True, checkpoint_format='gptq')"),
+    "gptq-marlin": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
+                    "quant_method='gptq' (bits=4, group_size=128, checkpoint_format='marlin')"),
     "compressed-tensors": ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
         "group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
             "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}}}},

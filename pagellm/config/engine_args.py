@@ -31,6 +31,7 @@ _HELP = {
              "bfloat16 on CUDA",
     "quantization": "gguf: keep a GGUF checkpoint's quantized weights at their width and run int8 GEMMs "
                     "(activations rounded to int8 per 32 or 256 values; AVX512-VNNI, AVX2 or plain C); "
+                    "awq, gptq: the same for an AWQ or GPTQ checkpoint (found from its config.json without it); "
                     "q8_0: quantize an HF checkpoint's projections on load to GGUF Q8_0 blocks (8 bits per "
                     "weight and a scale per 32) for the same kernel; default: none",
     "load_format": "auto: the checkpoint's weights; dummy: only its config.json (and tokenizer), every weight "

@@ -11,7 +11,9 @@ from pagellm.config.parse import config_dict
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 # vLLM's word for running a GGUF checkpoint at its stored width: int8 GEMMs over its Q4_1 / Q8_0 blocks.
-Quantization = Literal["gguf", "q8_0"]
+Quantization = Literal["gguf", "awq", "gptq", "q8_0"]
+# The checkpoint formats whose stored integers the int8 kernel takes at their width.
+AT_WIDTH = ("gguf", "awq", "gptq")
 QUANTIZATIONS = (None, *get_args(Quantization))
 Runner = Literal["generate", "pooling"]
 # vLLM's ``load_format``: "auto" reads the checkpoint's weights; "dummy" reads only its config and
@@ -119,8 +121,8 @@ class ModelConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.load_format not in get_args(LoadFormat):
             raise ValueError(f"load_format must be one of {get_args(LoadFormat)}, got {self.load_format!r}")
-        if self.load_format == "dummy" and self.quantization == "gguf":
-            raise ValueError("load_format='dummy' has no GGUF blocks for quantization='gguf' to keep (use q8_0, "
-                             "which quantizes the random weights on load, or no quantization)")
+        if self.load_format == "dummy" and self.quantization in AT_WIDTH:
+            raise ValueError(f"load_format='dummy' has no stored blocks for quantization={self.quantization!r} to "
+                             "keep (use q8_0, which quantizes the random weights on load, or no quantization)")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")

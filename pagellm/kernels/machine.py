@@ -201,14 +201,15 @@ def choose_numerics(requested: str, layer_weights: list[torch.Tensor], probe: bo
     weights are GGUF blocks (a Q4_1 / Q8_0 checkpoint), int8 GEMMs where that kernel measures
     ``MIN_SPEEDUP`` faster still (``probe=False``: never). With ``quantization="gguf"`` int8 is
     asked for: a ``ValueError`` if this machine has no int8 kernel; weights that are not GGUF
-    blocks take the dtype chosen as above. ``int8_weights``: ``layer_weights`` packed from a GGUF
-    file's own blocks (the K types, which no float weight is recognised as)."""
-    if quantization == "gguf":
+    blocks take the dtype chosen as above (``awq`` and ``gptq`` likewise). ``int8_weights``:
+    ``layer_weights`` packed from a GGUF file's own blocks (the K types, which no float weight is recognised as)."""
+    if quantization in ("gguf", "awq", "gptq"):
         if not gemm_int8.supported():
-            raise ValueError("quantization='gguf' needs the int8 GEMM kernel (a C compiler to build it); "
+            raise ValueError(f"quantization={quantization!r} needs the int8 GEMM kernel (a C compiler to build it); "
                              f"this machine: {cpu_info().summary()}")
         rest = choose_numerics(requested, layer_weights, probe)
-        return Numerics(rest.compute_dtype, f"quantization='gguf' asked for (other weights: {rest.reason})", int8=True)
+        return Numerics(rest.compute_dtype, f"quantization={quantization!r} asked for (other weights: {rest.reason})",
+                        int8=True)
     chosen = _choose_dtype(requested, layer_weights, probe)
     if requested != "auto" or not probe or not gemm_int8.supported():
         return chosen

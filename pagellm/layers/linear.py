@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from torch import nn
 
-from pagellm.layers.weight_formats import GGUFKept, Int8Packed, WeightFormat, pack_weight
+from pagellm.layers.weight_formats import Int8Packed, KeptBlocks, WeightFormat, pack_weight
 from pagellm.weights.gguf_quant import GGUFBlocks
+from pagellm.weights.quant_blocks import QuantizedBlocks
 
 
 class Linear(nn.Linear):
@@ -49,7 +50,7 @@ class Linear(nn.Linear):
     lora: Any = None
     # A GGUF checkpoint's blocks kept at their width until packed (the float weight is then never
     # written: ``materialize`` dequantizes if the int8 kernel does not take them).
-    gguf_kept: GGUFKept | None = None
+    kept_blocks: KeptBlocks | None = None
 
     def reset_parameters(self) -> None:
         # A model is built on the meta device and loaded from its checkpoint: a random init there
@@ -58,15 +59,15 @@ class Linear(nn.Linear):
         if not self.weight.is_meta:
             super().reset_parameters()
 
-    def load_gguf_blocks(self, blocks: GGUFBlocks, part: int | None) -> None:
-        """Keep a GGUF tensor (this projection, or part ``part`` of a fused one) at its width."""
-        if self.gguf_kept is None:
-            self.gguf_kept = GGUFKept()
-        self.gguf_kept.parts[part or 0] = blocks
+    def load_blocks(self, blocks: QuantizedBlocks, part: int | None) -> None:
+        """Keep a quantized tensor (this projection, or part ``part`` of a fused one) at its width."""
+        if self.kept_blocks is None:
+            self.kept_blocks = KeptBlocks()
+        self.kept_blocks.parts[part or 0] = blocks
 
-    def gguf_format(self) -> int | None:
+    def blocks_format(self) -> int | None:
         """The int8 kernel format of the kept GGUF blocks (``None``: none kept, or no common format)."""
-        return None if self.gguf_kept is None else self.gguf_kept.kernel_format()
+        return None if self.kept_blocks is None else self.kept_blocks.kernel_format()
 
     def quantize_to_q8_0(self) -> bool:
         """Replace the loaded weight with its GGUF Q8_0 blocks (``gguf``'s quantizer: 8 bits per
@@ -75,22 +76,22 @@ class Linear(nn.Linear):
         if self.in_features % 32:
             return False
         w = self.weight.detach().float().numpy()
-        self.gguf_kept = None
-        self.load_gguf_blocks(GGUFBlocks(gguf.quantize(w, T.Q8_0), T.Q8_0, (self.out_features, self.in_features)),
+        self.kept_blocks = None
+        self.load_blocks(GGUFBlocks(gguf.quantize(w, T.Q8_0), T.Q8_0, (self.out_features, self.in_features)),
                               None)
         self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"), requires_grad=False)
         return True
 
     def dense_weight(self) -> torch.Tensor:
         """The float32 weight: the loaded one, or the kept GGUF blocks dequantized (a new tensor)."""
-        return self.weight if self.gguf_kept is None else self.gguf_kept.dense()
+        return self.weight if self.kept_blocks is None else self.kept_blocks.dense()
 
     def materialize(self) -> None:
         """Write the kept GGUF blocks into the float weight (they have no int8 kernel here)."""
-        if self.gguf_kept is not None:
+        if self.kept_blocks is not None:
             with torch.no_grad():
                 self.weight.copy_(self.dense_weight())
-            self.gguf_kept = None
+            self.kept_blocks = None
 
     def pack_for_cpu(self, compute_dtype: torch.dtype = torch.float32, int8: bool = False) -> bool:
         """Pack the loaded weight for the GEMM kernel if it can run here; ``True`` if packed. With
@@ -100,10 +101,10 @@ class Linear(nn.Linear):
         model is not held in float32 as well, nor a float32 one twice."""
         if self.weight_format is not None:
             return True
-        if int8 and self.gguf_format() is not None:
-            assert self.gguf_kept is not None
-            packed, fmt = self.gguf_kept.pack()  # (the file's pages released as they were packed)
-            self.gguf_kept = None
+        if int8 and self.blocks_format() is not None:
+            assert self.kept_blocks is not None
+            packed, fmt = self.kept_blocks.pack()  # (the file's pages released as they were packed)
+            self.kept_blocks = None
             self.weight_format = Int8Packed(packed, fmt, self.out_features, self.in_features, self.bias)
         else:
             self.materialize()

@@ -31,7 +31,7 @@ from pagellm.layers.custom_op import CustomOp
 from pagellm.layers.linear import Linear
 from pagellm.layers.parallel import copy_shard
 from pagellm.layers.weight_formats import GroupedExperts
-from pagellm.weights.gguf_quant import GGUFBlocks
+from pagellm.weights.quant_blocks import QuantizedBlocks
 
 # Which fused tensor and part a per-expert checkpoint tensor fills: (w13 part 0 | 1) or w2.
 EXPERT_PARTS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None),
@@ -100,7 +100,7 @@ class FusedMoE(nn.Module):
             else:
                 copy_shard(linear.weight, loaded, 1, start, size)
 
-    def load_gguf_blocks(self, which: str, expert: int, part: int | None, blocks: GGUFBlocks) -> None:
+    def load_blocks(self, which: str, expert: int, part: int | None, blocks: QuantizedBlocks) -> None:
         """Keep one expert's GGUF tensor at its width (``which``/``part`` as :meth:`weight_loader`):
         packed for the int8 kernel with the other projections, or dequantized there if not."""
         linear = self._projection(which, expert)
@@ -108,7 +108,7 @@ class FusedMoE(nn.Module):
         if self.tp.world_size != 1 or blocks.shape != shape:
             raise ValueError(f"GGUF blocks {blocks.shape} for a {which} slice of {shape} "
                              "(blocks are kept in one process only)")
-        linear.load_gguf_blocks(blocks, part)
+        linear.load_blocks(blocks, part)
 
     def _grouped_kind(self) -> GroupedExperts | None:
         """The experts as one grouped format, or ``None`` where some expert is not packed for the

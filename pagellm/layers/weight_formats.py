@@ -6,8 +6,8 @@ matmul, its decode-graph descriptor and its name on the start-up numerics line.
 - ``Bfloat16Packed``: one bfloat16 copy every batch size reads (AMX tiles where the machine has them).
 - ``Int8Packed``: GGUF blocks for ``kernels/gemm_int8.c``, packed from the file's own fields, from a
   weight that is exactly such blocks, or from ``quantization="q8_0"``; the bias bound once.
-- ``GGUFKept``: a checkpoint's blocks kept at their width until the numerics are chosen (the float
-  weight is never written unless they go to a float kernel: ``dense``).
+- ``KeptBlocks``: a quantized checkpoint's blocks (GGUF, AWQ, GPTQ, ...) kept at their width until
+  the numerics are chosen (the float weight is never written unless they go to a float kernel: ``dense``).
 - ``GroupedExperts``: a mixture-of-experts layer's experts, all of one float format, in one call.
 
 ``Linear`` (``layers/linear.py``) holds one of the first three once packed, else runs ``F.linear``.
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from pagellm.kernels import decode_graph, gemm, gemm_int8
-from pagellm.weights.gguf_quant import GGUFBlocks, int8_format, kquant_fields, legacy_fields, part_format
+from pagellm.weights.quant_blocks import QuantizedBlocks, combined_format
 
 # Rows up to which a quantized copy beats the float32 kernel. benchmarks/gemm.py --quantized, all
 # 120 projections of SmolLM2 in 4 bits: 2.8x at 1 row, 1.9x at 8, 1.1-1.2x at 16, 0.98x at 20;
@@ -113,7 +113,7 @@ class Int8Packed(WeightFormat):
         return [_kind(self.name), *self.bound.pointers(), 0, 0, 0]
 
 
-def _pack_blocks(parts: list[GGUFBlocks], fmt: int) -> torch.Tensor:
+def _pack_blocks(parts: list[QuantizedBlocks], fmt: int) -> torch.Tensor:
     """Tensors of one kernel format, stacked along the outputs, packed from their fields
     ``PACK_ROWS`` outputs at a time, the file's pages released as they are read."""
     n, k = sum(b.shape[0] for b in parts), parts[0].shape[1]
@@ -125,48 +125,49 @@ def _pack_blocks(parts: list[GGUFBlocks], fmt: int) -> torch.Tensor:
             if lo < hi:
                 rows.append(b.take(lo, hi))
             at += b.shape[0]
+        fields = [np.concatenate(f) for f in zip(*(b.int8_fields() for b in rows), strict=True)]
         if fmt in (gemm_int8.K4, gemm_int8.K6):
-            d, dmin, sc, mn, q = (np.concatenate(f) for f in zip(*map(kquant_fields, rows), strict=True))
+            d, dmin, sc, mn, q = fields
             gemm_int8.pack_kquant(d, dmin, sc, mn, q, fmt, out, row0)
         else:
-            d, m, q = (np.concatenate(f) for f in zip(*map(legacy_fields, rows), strict=True))
+            d, m, q = fields
             gemm_int8.pack_blocks(d, m, q, fmt, out, row0)
         for b in parts:  # the file's pages read so far, out of the RSS (a 100 MB embedding's too)
             b.release()
     return out
 
 
-class GGUFKept:
-    """A GGUF checkpoint's blocks for one projection, per fused part, at the file's width."""
+class KeptBlocks:
+    """A quantized checkpoint's blocks for one projection, per fused part, at the stored width."""
 
     def __init__(self) -> None:
-        self.parts: dict[int, GGUFBlocks] = {}
+        self.parts: dict[int, QuantizedBlocks] = {}
 
-    def ordered(self) -> list[GGUFBlocks]:
+    def ordered(self) -> list[QuantizedBlocks]:
         return [self.parts[i] for i in sorted(self.parts)]
 
     def kernel_format(self) -> int | None:
         """The int8 kernel format of the blocks (``None``: no kernel here, or none for a type)."""
         if not self.parts or not gemm_int8.supported():
             return None
-        return int8_format([b.qtype for b in self.parts.values()])
+        return combined_format(b.kernel_format() for b in self.parts.values())
 
     def pack(self) -> tuple[torch.Tensor, int]:
-        """``(packed, format)`` for the int8 kernel, from the file's own fields."""
+        """``(packed, format)`` for the int8 kernel, from the checkpoint's own fields."""
         fmt = self.kernel_format()
-        assert fmt is not None, "no GGUF blocks the int8 kernel takes"
+        assert fmt is not None, "no blocks the int8 kernel takes"
         parts = self.ordered()
         if fmt != gemm_int8.PARTS:
             return _pack_blocks(parts, fmt), fmt
         runs = []  # consecutive parts of one format packed together (a q and k beside a v)
-        for run_fmt, run in itertools.groupby(parts, key=lambda b: part_format(b.qtype)):
+        for run_fmt, run in itertools.groupby(parts, key=lambda b: b.kernel_format()):
             blocks = list(run)
             assert run_fmt is not None
             runs.append((_pack_blocks(blocks, run_fmt), run_fmt, sum(b.shape[0] for b in blocks)))
         return gemm_int8.pack_parts(runs), fmt
 
     def dense(self) -> torch.Tensor:
-        """The blocks dequantized to float32 (``gguf``'s dequantizer; a new tensor)."""
+        """The blocks dequantized to float32 (exactly; a new tensor)."""
         return torch.cat([b.dequantize() for b in self.ordered()])
 
 

@@ -1,5 +1,5 @@
-"""A decoder's weights made ready for the CPU's GEMM kernels after loading: which GGUF tensors stay
-at the file's width (``keep_gguf_blocks``, while loading) and every projection and the LM head
+"""A decoder's weights made ready for the CPU's GEMM kernels after loading: which quantized tensors stay
+at their stored width (``keep_blocks``, while loading) and every projection and the LM head
 packed into its weight format (``pack_for_cpu``, once the numerics are chosen). The decoder itself
 holds architecture only; each format's packing is ``layers/weight_formats.py``."""
 
@@ -15,7 +15,8 @@ from pagellm.kernels import gemm_int8
 from pagellm.layers.linear import Linear
 from pagellm.layers.parallel import VocabParallelEmbedding
 from pagellm.layers.weight_formats import Int8Packed
-from pagellm.weights.gguf_quant import GGUFBlocks, int8_format
+from pagellm.weights.gguf_quant import GGUFBlocks
+from pagellm.weights.quant_blocks import QuantizedBlocks
 
 if TYPE_CHECKING:
     from pagellm.models.decoder import DecoderForCausalLM
@@ -34,7 +35,7 @@ def pack_for_cpu(model: DecoderForCausalLM, compute_dtype: torch.dtype = torch.f
     # The embedding's blocks are kept only where no float copy is needed: the LM head is its own
     # weight, or takes the same blocks on the int8 kernel.
     keep_embed = int8 and gemm_int8.supported() and (
-        model.lm_head is not None or (tied is not None and int8_format([tied.qtype]) is not None))
+        model.lm_head is not None or (tied is not None and tied.kernel_format() is not None))
     if not keep_embed:
         embed.materialize()
     for module in model.modules():
@@ -47,9 +48,9 @@ def pack_for_cpu(model: DecoderForCausalLM, compute_dtype: torch.dtype = torch.f
             head = Linear(embed.embedding_dim, embed.num_embeddings, bias=False)
         head.weight = embed.weight  # shared: batches past the kernel's read the embedding itself
         if model.tied_head_blocks is not None and int8:
-            head.load_gguf_blocks(model.tied_head_blocks, None)
-            if head.gguf_format() is None:
-                head.gguf_kept = None  # (the embedding holds its floats already)
+            head.load_blocks(model.tied_head_blocks, None)
+            if head.blocks_format() is None:
+                head.kept_blocks = None  # (the embedding holds its floats already)
         model.tied_head_blocks = None
         if head.pack_for_cpu(compute_dtype, int8):
             model.tied_head = head
@@ -59,12 +60,12 @@ def pack_for_cpu(model: DecoderForCausalLM, compute_dtype: torch.dtype = torch.f
                if isinstance(m, Linear))  # tied_head included
 
 
-def keep_gguf_blocks(module: nn.Module, param: torch.Tensor, target: str, shard_idx: int | None,
-                     blocks: GGUFBlocks) -> list[str]:
-    """Hand a GGUF tensor's blocks to its module at their width; the loaded names, or none where
-    the module needs a float copy. (An embedding kept as blocks reads its rows from the file's
+def keep_blocks(module: nn.Module, param: torch.Tensor, target: str, shard_idx: int | None,
+                blocks: QuantizedBlocks) -> list[str]:
+    """Hand a quantized tensor's blocks to its module at their width; the loaded names, or none where
+    the module needs a float copy. (An embedding kept as GGUF blocks reads its rows from the file's
     read-only mapping as tokens need them: only the pages of rows used count in the RSS.)"""
-    if (isinstance(module, VocabParallelEmbedding) and module.tp.world_size == 1
+    if (isinstance(module, VocabParallelEmbedding) and isinstance(blocks, GGUFBlocks) and module.tp.world_size == 1
             and tuple(param.shape) == blocks.shape):
         module.gguf_blocks = blocks
         return [target]
@@ -75,8 +76,8 @@ def keep_gguf_blocks(module: nn.Module, param: torch.Tensor, target: str, shard_
             and tuple(param.shape) == blocks.shape:
         at = 0  # a fused layer stored fused (Phi-3) and held whole: each part its rows' blocks
         for i, size in enumerate(fused_sizes):
-            module.load_gguf_blocks(blocks.take(at, at + size), i)
+            module.load_blocks(blocks.take(at, at + size), i)
             at += size
         return [f"{target}#{i}" for i in range(len(fused_sizes))]
-    module.load_gguf_blocks(blocks, shard_idx)
+    module.load_blocks(blocks, shard_idx)
     return [target if shard_idx is None else f"{target}#{shard_idx}"]

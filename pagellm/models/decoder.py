@@ -30,9 +30,9 @@ from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_shard
 from pagellm.layers.rotary import ApplyRotary, MRotaryEmbedding, RotaryEmbedding
 from pagellm.layers.weight_formats import Bfloat16Packed, Int8Packed
-from pagellm.models.cpu_packing import keep_gguf_blocks
+from pagellm.models.cpu_packing import keep_blocks
 from pagellm.models.decode_graph import decode_group
-from pagellm.weights.gguf_quant import GGUFBlocks
+from pagellm.weights.quant_blocks import QuantizedBlocks
 
 
 def rope_parameters(config: Any, layer_type: str | None = None) -> tuple[float, dict[str, Any] | None]:
@@ -325,7 +325,7 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else ColumnParallelLinear(config.hidden_size, [vocab], False)
         # A tied LM head, made by ``cpu_packing.pack_for_cpu`` to hold the embedding's packed copy.
         self.tied_head: Linear | None = None
-        self.tied_head_blocks: GGUFBlocks | None = None
+        self.tied_head_blocks: QuantizedBlocks | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -384,10 +384,10 @@ class DecoderForCausalLM(nn.Module):
             module = self.get_submodule(target.rsplit(".", 1)[0])
             shard_idx = None if shard is None else shard[1]
             loader = getattr(module, "weight_loader", None)
-            if isinstance(tensor, GGUFBlocks):
+            if isinstance(tensor, QuantizedBlocks):
                 if name == "model.embed_tokens.weight" and self.lm_head is None:
                     self.tied_head_blocks = tensor  # the tied LM head may take the file's blocks
-                kept = keep_gguf_blocks(module, param, target, shard_idx, tensor)
+                kept = keep_blocks(module, param, target, shard_idx, tensor)
                 if kept:
                     loaded.update(kept)
                     continue

@@ -19,7 +19,7 @@ import torch
 from pagellm.distributed import TensorParallelGroup
 from pagellm.layers.moe import EXPERT_PARTS, SparseMoeBlock, num_experts
 from pagellm.models.decoder import MLP, DecoderForCausalLM, DecoderLayer
-from pagellm.weights.gguf_quant import GGUFBlocks
+from pagellm.weights.quant_blocks import QuantizedBlocks
 
 _PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
 
@@ -64,8 +64,8 @@ class MoeForCausalLM(DecoderForCausalLM):
                     raise ValueError(f"unexpected expert weight {name}")
                 which, part = EXPERT_PARTS[per.group(3)]
                 try:
-                    if isinstance(tensor, GGUFBlocks):  # kept at their width (one process: every feature)
-                        moe.load_gguf_blocks(which, expert, part, tensor)
+                    if isinstance(tensor, QuantizedBlocks):  # kept at their width (one process: every feature)
+                        moe.load_blocks(which, expert, part, tensor)
                     else:
                         moe.weight_loader(which, expert, part, tensor)
                 except ValueError as e:

@@ -21,7 +21,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import dequantize
 
-from pagellm.kernels.gemm_int8 import K4, K6, PARTS, Q4_BLOCKS, Q8_BLOCKS
+from pagellm.kernels.gemm_int8 import K4, K6, Q4_BLOCKS, Q8_BLOCKS
+from pagellm.weights.quant_blocks import QuantizedBlocks, combined_format
 
 _LEGACY_FORMAT = {T.Q4_0: Q4_BLOCKS, T.Q4_1: Q4_BLOCKS, T.Q5_0: Q8_BLOCKS, T.Q8_0: Q8_BLOCKS}
 # (Q2_K and Q3_K widen to K6's 6 bits: 2.8x and 2.1x their bytes, against 12x and 9x as float32.)
@@ -36,7 +37,7 @@ _LEGACY = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0)
 
 
 @dataclass(frozen=True)
-class GGUFBlocks:
+class GGUFBlocks(QuantizedBlocks):
     """A 2-D GGUF tensor kept as its file's bytes: ``data [rows, bytes per row]`` (uint8), ``shape``
     the weight's ``(rows, K)`` in PyTorch order, and ``order``, the rows of ``data`` in the weight's
     order if they differ (llama's q / k permutation, applied as rows are read: no copy at load)."""
@@ -45,6 +46,16 @@ class GGUFBlocks:
     qtype: T
     shape: tuple[int, int]
     order: np.ndarray | None = None
+
+    @property
+    def type_name(self) -> str:
+        return self.qtype.name
+
+    def kernel_format(self) -> int | None:
+        return part_format(self.qtype)
+
+    def int8_fields(self) -> tuple[np.ndarray, ...]:
+        return kquant_fields(self) if self.kernel_format() in (K4, K6) else legacy_fields(self)
 
     def array(self) -> np.ndarray:
         """The blocks in the weight's row order (a copy if ``order`` is set)."""
@@ -98,10 +109,7 @@ def int8_format(qtypes: list[T]) -> int | None:
     """The kernel format of a projection whose parts (a fused one's tensors, in order) have
     ``qtypes``: their common format, ``PARTS`` where they differ (each run of parts in its own
     format: a Q4_K q and k stay 4-bit beside a Q6_K v), or ``None`` if a type has no kernel."""
-    formats = {part_format(t) for t in qtypes}
-    if not formats or None in formats:
-        return None
-    return formats.pop() if len(formats) == 1 else PARTS
+    return combined_format(part_format(t) for t in qtypes)
 
 
 def _blocks(b: GGUFBlocks, size: int) -> np.ndarray:

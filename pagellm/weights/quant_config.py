@@ -1,15 +1,17 @@
 """A Hugging Face checkpoint's ``quantization_config`` (config.json), read and named.
 
-pagellm runs GGUF files at their width (``quantization="gguf"``) and 16/32-bit checkpoints. A
-directory quantized by AutoAWQ, GPTQ (AutoGPTQ / GPTQModel / optimum), llm-compressor
-(compressed-tensors), FP8 or bitsandbytes holds packed tensors (``qweight``, ``qzeros``,
-``scales``, ...) that no projection here reads yet: it is refused at start-up, before any weight is
-read, with the method and every option that decides its layout named (what a port would need).
+AWQ (version ``gemm``, 4-bit, zero points) and GPTQ (4-bit, or 8-bit symmetric; AutoGPTQ's or
+GPTQModel's zero points; ``desc_act``) are read by ``group_quant.py``. Any other method or option
+(compressed-tensors, FP8, bitsandbytes, AWQ's other packings, GPTQ's 2/3 bits or quantized LM head)
+holds tensors no projection here reads: it is refused at start-up, before any weight is read, with
+the method and every option that decides its layout named (what a port would need).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from pagellm.weights.group_quant import GroupQuantScheme
 
 # The options that decide a method's tensor layout, in the order they are named.
 _LAYOUT_KEYS = ("bits", "group_size", "zero_point", "sym", "desc_act", "version", "checkpoint_format", "format",
@@ -51,12 +53,39 @@ def _scheme(name: str, group: dict[str, Any]) -> str:
     return f"{name}: weights {part(group.get('weights'))}, activations {part(group.get('input_activations'))}"
 
 
-def check_quantization(hf_config: Any, path: str) -> None:
-    """Refuse a quantized HF checkpoint by name (``ValueError``); a plain one passes."""
+def _unsupported(qc: dict[str, Any]) -> str | None:
+    """What of an AWQ / GPTQ config is not built (``None``: all of it is), as the refusal names it."""
+    method, bits, group = qc.get("quant_method"), qc.get("bits"), qc.get("group_size", -1)
+    if method not in ("awq", "gptq"):
+        return "the method"
+    if not isinstance(group, int) or (group != -1 and (group <= 0 or group % 32)):
+        return "group_size (32, 64, 128, ... or -1 are)"
+    if method == "awq":
+        if str(qc.get("version", "gemm")).lower() != "gemm":
+            return "AWQ's version (gemm is)"
+        if bits != 4 or not qc.get("zero_point", True):
+            return "AWQ other than 4-bit with zero points"
+        return None
+    if qc.get("lm_head") or qc.get("is_marlin_format"):
+        return "a quantized LM head" if qc.get("lm_head") else "the Marlin packing"
+    if str(qc.get("checkpoint_format", "gptq")).lower() not in ("gptq", "gptq_v2"):
+        return "checkpoint_format (gptq and gptq_v2 are)"
+    if bits not in (4, 8) or (bits == 8 and not qc.get("sym", True)):
+        return "GPTQ other than 4-bit or 8-bit symmetric"
+    return None
+
+
+def group_quant_scheme(hf_config: Any, path: str) -> GroupQuantScheme | None:
+    """The AWQ / GPTQ packing of a quantized HF checkpoint (``None``: not quantized); any other is
+    refused by name (``ValueError``)."""
     qc = quantization_config(hf_config)
     if qc is None:
-        return
-    raise ValueError(
-        f"{path}: config.json's quantization_config {describe(qc)} is not supported yet. pagellm runs GGUF "
-        "files at their width (quantization='gguf': Q4_0/Q4_1/Q5/Q8_0 and the K-quants) and 16/32-bit "
-        "checkpoints: use the model's GGUF release (or a 16-bit copy) instead")
+        return None
+    wrong = _unsupported(qc)
+    if wrong is not None:
+        raise ValueError(
+            f"{path}: config.json's quantization_config {describe(qc)} is not supported yet ({wrong}). pagellm "
+            "runs AWQ (gemm, 4-bit), GPTQ (4-bit, 8-bit symmetric), GGUF files (quantization='gguf') and 16/32-bit "
+            "checkpoints: use the model's release in one of those instead")
+    v1 = qc["quant_method"] == "gptq" and str(qc.get("checkpoint_format", "gptq")).lower() == "gptq"
+    return GroupQuantScheme(qc["quant_method"], int(qc["bits"]), int(qc.get("group_size", -1)), int(v1))

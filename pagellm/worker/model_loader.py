@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pagellm.config import EngineConfig, resolve_model_source
+from pagellm.config.model import AT_WIDTH
 from pagellm.distributed import PipelineStage, TensorParallelGroup
 from pagellm.kernels import gemm, gemm_int8
 from pagellm.kernels.machine import Numerics, choose_numerics, cpu_info
@@ -26,10 +27,11 @@ from pagellm.models.decoder import DecoderForCausalLM
 from pagellm.pooling_params import PoolingInfo
 from pagellm.weights import freq_factors, iter_weights, load_model_config
 from pagellm.weights.dummy import initialize_dummy_weights
-from pagellm.weights.gguf_quant import KERNEL_TYPES, int8_format, part_format
+from pagellm.weights.gguf_quant import KERNEL_TYPES
+from pagellm.weights.group_quant import GroupQuantScheme, iter_group_quant
 from pagellm.weights.loader import projection_dtype
 from pagellm.weights.pooling_setup import resolve_pooling
-from pagellm.weights.quant_config import check_quantization
+from pagellm.weights.quant_config import group_quant_scheme
 from pagellm.worker.cache_engine import HostKVMemory
 from pagellm.worker.host_malloc import trim
 
@@ -50,19 +52,19 @@ def first_layer_linears(model: DecoderForCausalLM) -> list[Linear]:
     return list(shapes.values())
 
 
-def gguf_weight_types(model: DecoderForCausalLM) -> dict[tuple[str, int | None], int]:
-    """``(GGUF type, int8 kernel format or None)`` -> how many projections hold such blocks, before
+def quantized_weight_types(model: DecoderForCausalLM) -> dict[tuple[str, int | None], int]:
+    """``(stored type, int8 kernel format or None)`` -> how many projections hold such blocks, before
     packing (what the start-up ``numerics:`` line reports)."""
     counts: dict[tuple[str, int | None], int] = {}
     for m in model.modules():
-        if isinstance(m, Linear) and m.gguf_kept is not None:
-            fmt = m.gguf_format()
-            for b in m.gguf_kept.parts.values():
-                key = (b.qtype.name, None if fmt is None else part_format(b.qtype))
+        if isinstance(m, Linear) and m.kept_blocks is not None:
+            fmt = m.blocks_format()
+            for b in m.kept_blocks.parts.values():
+                key = (b.type_name, None if fmt is None else b.kernel_format())
                 counts[key] = counts.get(key, 0) + 1
     tied = model.tied_head_blocks  # (packed for the LM head with the rest, if the kernel takes it)
     if tied is not None:
-        key = (f"{tied.qtype.name} (tied LM head)", int8_format([tied.qtype]) if gemm_int8.supported() else None)
+        key = (f"{tied.type_name} (tied LM head)", tied.kernel_format() if gemm_int8.supported() else None)
         counts[key] = counts.get(key, 0) + 1
     return counts
 
@@ -110,8 +112,8 @@ class ModelLoader:
             logger.info("numerics: %s GEMMs (float32 between them): %s [%s]", numerics.name, numerics.reason,
                         cpu_info().summary())
         if numerics.int8 and packed_int8 == 0:
-            raise ValueError(f"quantization='gguf' found no GGUF weights the int8 kernel takes in {source.path} "
-                             f"(types {sorted(t.name for t in KERNEL_TYPES)})")
+            raise ValueError(f"quantization={quantization!r} found no weights the int8 kernel takes in {source.path} "
+                             f"(GGUF types {sorted(t.name for t in KERNEL_TYPES)}, AWQ, GPTQ without act-order)")
         if quantization is not None and not numerics.int8:
             raise ValueError(f"quantization={quantization!r} runs on the CPU with dtype auto, "
                              f"float32 or bfloat16 only (here: {self.device}, dtype {self.config.model.dtype})")
@@ -148,8 +150,8 @@ class ModelLoader:
         uninitialised, then every weight loaded (sharded, a rank reads only its slice)."""
         source = resolve_model_source(path)
         hf_config = load_model_config(source)
-        if not source.is_gguf:
-            check_quantization(hf_config, source.path)
+        scheme = None if source.is_gguf else group_quant_scheme(hf_config, source.path)
+        self._check_quantization(source, scheme, quantization)
         if self.config.model.max_model_len:
             hf_config.get_text_config().max_model_len = self.config.model.max_model_len  # (what longrope decides by)
         arch = hf_config.architectures[0]
@@ -187,9 +189,26 @@ class ModelLoader:
         else:
             weights = iter_weights(source, hf_config, lazy=sharded,
                                    keep_gguf_blocks=source.is_gguf and not sharded and self._int8_possible())
+            if scheme is not None:  # (each module's packed tensors gathered into its weight)
+                weights = iter_group_quant(weights, scheme, keep=self._int8_possible())
             model.load_weights(((n if n.startswith("model.") else f"model.{n}", t) for n, t in weights) if base
                                else weights)
         return (model if chosen is not None else model.to(self.dtype)).eval(), hf_config, source
+
+    def _check_quantization(self, source: Any, scheme: GroupQuantScheme | None, quantization: str | None) -> None:
+        """Refuse a ``quantization`` the checkpoint is not, and what an AWQ / GPTQ one cannot run with."""
+        stored = "gguf" if source.is_gguf else None if scheme is None else scheme.method
+        if quantization in AT_WIDTH and quantization != stored:
+            raise ValueError(f"quantization={quantization!r}, but {source.path} is "
+                             f"{'a ' + stored.upper() + ' checkpoint' if stored else 'not quantized'}")
+        if scheme is None:
+            return
+        if quantization == "q8_0":
+            raise ValueError(f"quantization='q8_0' quantizes a 16/32-bit checkpoint; {source.path} is {scheme.name} "
+                             "already (leave quantization unset)")
+        if self.tp.world_size * self.pp.num_stages > 1:
+            raise ValueError(f"tensor_parallel_size / pipeline_parallel_size > 1 with a {scheme.name} checkpoint is "
+                             "not supported yet (its groups are not split across workers)")
 
     def _build_encoder(self, cls: Any, hf_config: Any, source: Any) -> Any:
         """An encoder (``models/bert.py``): the pooling runner's only, one worker; its GEMM numerics
@@ -239,7 +258,7 @@ class ModelLoader:
     def _int8_possible(self) -> bool:
         """Whether the numerics may come out int8 (GGUF blocks are then kept at their width)."""
         return (self.cpu_numerics and gemm_int8.supported()
-                and (self.config.model.quantization == "gguf" or self.config.model.dtype == "auto"))
+                and (self.config.model.quantization in AT_WIDTH or self.config.model.dtype == "auto"))
 
     def _numerics_for(self, model: DecoderForCausalLM, probe: bool, quantization: str | None) -> tuple[Numerics, int]:
         """The GEMM numerics for ``model`` (chosen per machine on a CPU, from its first layer's
@@ -256,19 +275,20 @@ class ModelLoader:
             return numerics, 0
         if self.cpu_numerics and numerics is self.numerics:
             linears = first_layer_linears(model)
-            asked = "quantization='gguf'" if quantization == "gguf" else "dtype auto on a GGUF file" \
-                if self.config.model.dtype == "auto" and probe else None
+            asked = f"quantization={quantization!r}" if quantization in AT_WIDTH else \
+                "dtype auto on a quantized checkpoint" if self.config.model.dtype == "auto" and probe else None
             # (Plain C, a CPU without AVX2, runs it at a few % of VNNI's speed: there it is timed.)
-            if asked and all(m.gguf_format() is not None for m in linears) and \
-                    (quantization == "gguf" or gemm_int8.isa() != "plain C"):
-                # Every projection goes to the int8 kernel, the file's blocks kept at their width (a
+            if asked and all(m.blocks_format() is not None for m in linears) and \
+                    (quantization in AT_WIDTH or gemm_int8.isa() != "plain C"):
+                # Every projection goes to the int8 kernel, the stored blocks kept at their width (a
                 # float copy takes 3-7x the file's memory). Nothing left to time: a probe would
                 # dequantize and pack a layer in every format, a transient GB at 1.7B.
-                numerics = Numerics(torch.float32, f"{asked}: every projection is GGUF blocks the int8 kernel "
+                numerics = Numerics(torch.float32, f"{asked}: every projection is stored blocks the int8 kernel "
                                     f"({gemm_int8.isa()}) takes, kept at their width (float32 between them)",
                                     int8=True)
             else:
-                kept = [m.gguf_kept.pack() for m in linears if m.gguf_kept is not None and m.gguf_format() is not None]
+                kept = [m.kept_blocks.pack() for m in linears
+                        if m.kept_blocks is not None and m.blocks_format() is not None]
                 numerics = choose_numerics(self.config.model.dtype, [m.dense_weight() for m in linears],
                                            probe=probe, quantization=quantization,
                                            int8_weights=kept if kept and len(kept) == len(linears) else None)
@@ -281,13 +301,13 @@ class ModelLoader:
                 trim()  # (each weight's float transient handed back before the next)
             logger.info("quantized %d of %d projections to Q8_0 on load in %.1f s", done, len(layers),
                         time.perf_counter() - start)
-        weight_types = gguf_weight_types(model)
+        weight_types = quantized_weight_types(model)
         packed_int8 = 0
         if self.cpu_numerics:
             packed_int8 = pack_for_cpu(model, numerics.compute_dtype, numerics.int8, after_each=trim)
             trim()
         if weight_types:
-            logger.info("numerics: GGUF projections %s", ", ".join(
+            logger.info("numerics: quantized projections %s", ", ".join(
                 f"{t} x{n}: {'int8 GEMMs (' + gemm_int8.FORMATS[f] + ')' if numerics.int8 and f else 'dequantized'}"
                 for (t, f), n in sorted(weight_types.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0))))
         return numerics, packed_int8

@@ -1,0 +1,180 @@
+"""AWQ and GPTQ checkpoints' packed integers read as the int8 kernel's fields, at their width.
+
+Both formats store, per group of ``group_size`` inputs and per output, a scale ``s`` and an integer
+zero point ``z``: ``w = s (q - z)``. That is the kernel's 4-bit block ``w = d q + m`` with ``d = s``
+and ``m = -z s`` for each block of 32 inputs (a group of 32, 64 or 128 is 1, 2 or 4 blocks), both
+exact in float32 (s is 16-bit, z < 16): nothing is rounded on the way. An 8-bit symmetric weight
+(z = 128) is the kernel's 8-bit block ``d (q - 128)``. Every other kernel gets ``dequantize``, the
+same values in float32.
+
+Layouts, as AutoAWQ, AutoGPTQ / GPTQModel and vLLM read them (K inputs, N outputs, g the group):
+
+- AWQ, version ``gemm``: ``qweight`` int32 ``[K, N / 8]``, eight 4-bit outputs per word from the
+  low bits up in the order 0 2 4 6 1 3 5 7; ``qzeros`` int32 ``[K / g, N / 8]`` packed the same;
+  ``scales`` 16-bit ``[K / g, N]``.
+- GPTQ: ``qweight`` int32 ``[K bits / 32, N]``, 32 / bits consecutive inputs per word from the low
+  bits up; ``qzeros`` int32 ``[K / g, N bits / 32]`` packed along the outputs the same way, holding
+  z - 1 (``checkpoint_format`` ``gptq``, AutoGPTQ's) or z (``gptq_v2``); ``scales`` ``[K / g, N]``;
+  ``g_idx`` int32 ``[K]``, each input's group (out of order with ``desc_act``: act-order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagellm.kernels.gemm_int8 import Q4_BLOCKS, Q8_BLOCKS
+from pagellm.weights.quant_blocks import QuantizedBlocks
+
+AWQ_UNPACK_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])  # output j of a word is its nibble AWQ_UNPACK_ORDER[j]
+_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+
+
+@dataclass(frozen=True)
+class GroupQuantScheme:
+    """What ``quantization_config`` says of a checkpoint's packing (``quant_config.group_quant_scheme``)."""
+
+    method: str  # "awq" or "gptq"
+    bits: int
+    group_size: int  # -1: one group for all K inputs (per output channel)
+    zero_offset: int = 0  # added to a stored zero point: 1 for AutoGPTQ's z - 1
+
+    @property
+    def name(self) -> str:
+        group = "per channel" if self.group_size == -1 else f"g{self.group_size}"
+        return f"{self.method.upper()} int{self.bits} {group}"
+
+
+def _unpack(words: torch.Tensor, bits: int) -> np.ndarray:
+    """int32 ``[R, C]`` -> int32 ``[R, C 32 / bits]``: each word's fields from the low bits up."""
+    w = np.ascontiguousarray(words.numpy()).view(np.uint32)
+    shifts = np.arange(0, 32, bits, dtype=np.uint32)
+    return ((w[..., None] >> shifts) & np.uint32((1 << bits) - 1)).astype(np.int32).reshape(w.shape[0], -1)
+
+
+def _columns(words: torch.Tensor, bits: int, lo: int, hi: int, awq: bool) -> np.ndarray:
+    """Outputs ``lo .. hi`` of a tensor packed along its columns, ``[rows, hi - lo]`` (only the
+    words holding them unpacked)."""
+    per = 32 // bits
+    c0, c1 = lo // per, -(-hi // per)
+    x = _unpack(words[:, c0:c1], bits)
+    if awq:
+        x = x.reshape(x.shape[0], -1, per)[:, :, AWQ_UNPACK_ORDER].reshape(x.shape[0], -1)
+    return x[:, lo - c0 * per:hi - c0 * per]
+
+
+@dataclass(frozen=True)
+class GroupQuantBlocks(QuantizedBlocks):
+    """One AWQ or GPTQ projection as stored: outputs ``lo .. lo + shape[0]`` of its tensors."""
+
+    scheme: GroupQuantScheme
+    qweight: torch.Tensor
+    qzeros: torch.Tensor
+    scales: torch.Tensor
+    g_idx: torch.Tensor | None
+    shape: tuple[int, int]
+    lo: int = 0
+
+    @classmethod
+    def of(cls, scheme: GroupQuantScheme, name: str, parts: dict[str, torch.Tensor]) -> GroupQuantBlocks:
+        """A module's tensors checked against each other (``ValueError`` naming the tensor)."""
+        qweight, scales = parts["qweight"], parts["scales"]
+        if scheme.method == "awq":
+            k, n = qweight.shape[0], qweight.shape[1] * 8
+        else:
+            k, n = qweight.shape[0] * 32 // scheme.bits, qweight.shape[1]
+        groups = 1 if scheme.group_size == -1 else -(-k // scheme.group_size)
+        expect: dict[str, tuple[int, ...]] = {"scales": (groups, n), "qzeros": (groups, n * scheme.bits // 32)}
+        g_idx = parts.get("g_idx")
+        if g_idx is not None:
+            expect["g_idx"] = (k,)
+        for part, shape in expect.items():
+            if tuple(parts[part].shape) != shape:
+                raise ValueError(f"{name}.{part} has shape {tuple(parts[part].shape)}; {scheme.name} with "
+                                 f"{name}.qweight {tuple(qweight.shape)} needs {shape}")
+        if g_idx is not None and (g_idx.min() < 0 or g_idx.max() >= groups):
+            raise ValueError(f"{name}.g_idx names groups outside 0..{groups - 1}")
+        return cls(scheme, qweight, parts["qzeros"], scales.float(), g_idx, (n, k))
+
+    @property
+    def type_name(self) -> str:
+        return self.scheme.name + (" act-order" if not self._in_order() else "")
+
+    def _groups(self) -> np.ndarray:
+        """Each input's group ``[K]``."""
+        k = self.shape[1]
+        if self.g_idx is not None:
+            return self.g_idx.numpy().astype(np.int64)
+        return np.zeros(k, dtype=np.int64) if self.scheme.group_size == -1 else np.arange(k) // self.scheme.group_size
+
+    def _in_order(self) -> bool:
+        """Whether every run of 32 inputs shares one group (always, but for act-order's g_idx)."""
+        groups = self._groups()
+        return self.shape[1] % 32 == 0 and bool((groups.reshape(-1, 32) == groups[::32, None]).all())
+
+    def kernel_format(self) -> int | None:
+        if not self._in_order():  # (act-order would need the inputs permuted before the kernel)
+            return None
+        return Q4_BLOCKS if self.scheme.bits == 4 else Q8_BLOCKS
+
+    def unpacked(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(q [n, K], s [n, groups], z [n, groups])``: integers, float32 scales, integer zero points."""
+        s, n = self.scheme, self.shape[0]
+        lo, hi = self.lo, self.lo + n
+        if s.method == "awq":
+            q = _columns(self.qweight, s.bits, lo, hi, awq=True).T
+        else:
+            q = _unpack(self.qweight[:, lo:hi].T.contiguous(), s.bits)
+        z = _columns(self.qzeros, s.bits, lo, hi, awq=s.method == "awq").T + s.zero_offset
+        return np.ascontiguousarray(q), self.scales[:, lo:hi].T.contiguous().numpy(), np.ascontiguousarray(z)
+
+    def int8_fields(self) -> tuple[np.ndarray, ...]:
+        q, s, z = self.unpacked()
+        groups = self._groups()[::32]  # each block of 32's group
+        d = s[:, groups]
+        if self.scheme.bits == 4:
+            return d, (-z.astype(np.float32) * s)[:, groups], q
+        if (z != 128).any():
+            raise ValueError(f"{self.type_name}: a zero point other than 128 has no 8-bit kernel block")
+        return d, np.zeros_like(d), q - 128
+
+    def dequantize(self) -> torch.Tensor:
+        q, s, z = self.unpacked()
+        groups = self._groups()
+        w = q.astype(np.float32) * s[:, groups] + (-z.astype(np.float32) * s)[:, groups]  # exact: see the module
+        return torch.from_numpy(w)
+
+    def take(self, lo: int, hi: int) -> GroupQuantBlocks:
+        return replace(self, shape=(hi - lo, self.shape[1]), lo=self.lo + lo)
+
+
+def iter_group_quant(weights: Iterator[tuple[str, Any]], scheme: GroupQuantScheme,
+                     keep: bool) -> Iterator[tuple[str, Any]]:
+    """A checkpoint's tensors with each quantized module's parts (``qweight``, ``qzeros``, ``scales``,
+    ``g_idx``) gathered into its ``.weight``: ``GroupQuantBlocks`` with ``keep`` (for the int8
+    kernel), else dequantized to float32. Every other tensor passes through."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    needs_g_idx = scheme.method == "gptq"
+
+    def ready(prefix: str) -> tuple[str, Any]:
+        blocks = GroupQuantBlocks.of(scheme, prefix, pending.pop(prefix))
+        return f"{prefix}.weight", blocks if keep else blocks.dequantize()
+
+    for name, tensor in weights:
+        prefix, _, part = name.rpartition(".")
+        if part not in _PARTS:
+            yield name, tensor
+            continue
+        got = pending.setdefault(prefix, {})
+        got[part] = tensor
+        if {"qweight", "qzeros", "scales"} <= got.keys() and ("g_idx" in got or not needs_g_idx):
+            yield ready(prefix)
+    for prefix in list(pending):  # (a GPTQ module without g_idx: groups in order)
+        missing = [p for p in ("qweight", "qzeros", "scales") if p not in pending[prefix]]
+        if missing:
+            raise ValueError(f"{scheme.name} checkpoint: {prefix} lacks {', '.join(missing)}")
+        yield ready(prefix)

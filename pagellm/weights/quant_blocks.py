@@ -1,0 +1,56 @@
+"""A quantized checkpoint's projection kept at its stored width until the numerics are chosen.
+
+Each checkpoint format has its own reader (``gguf_quant.GGUFBlocks`` for a GGUF file's bytes,
+``group_quant.GroupQuantBlocks`` for AWQ / GPTQ / compressed-tensors' packed integers); the model
+and its layers see only this interface: the kernel format the int8 GEMM packs it in, the integer
+fields it packs from, and an exact float32 dequantization for every other kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from pagellm.kernels.gemm_int8 import PARTS
+
+
+class QuantizedBlocks:
+    """One 2-D weight ``[N, K]`` (PyTorch's order) as its checkpoint stores it."""
+
+    shape: tuple[int, int]
+
+    @property
+    def type_name(self) -> str:
+        """The stored type as the start-up ``numerics:`` line names it (``Q4_K``, ``AWQ int4 g128``)."""
+        raise NotImplementedError
+
+    def kernel_format(self) -> int | None:
+        """The int8 kernel format these blocks pack into at their width (``None``: none)."""
+        raise NotImplementedError
+
+    def int8_fields(self) -> tuple[np.ndarray, ...]:
+        """The fields ``gemm_int8.pack_blocks`` (legacy formats) or ``pack_kquant`` (K4 / K6) takes."""
+        raise NotImplementedError
+
+    def take(self, lo: int, hi: int) -> QuantizedBlocks:
+        """Outputs ``lo .. hi`` (only these read)."""
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight in float32 (a new tensor): every stored value exactly."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Drop what this process holds of the checkpoint's pages once packed (nothing by default)."""
+
+
+def combined_format(formats: Iterable[int | None]) -> int | None:
+    """The kernel format of a projection whose parts (a fused one's tensors, in order) pack into
+    ``formats``: the common one, ``PARTS`` where they differ (each run of parts in its own format),
+    or ``None`` if a part has none."""
+    found = set(formats)
+    if not found or None in found:
+        return None
+    return found.pop() if len(found) == 1 else PARTS

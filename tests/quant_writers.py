@@ -1,0 +1,106 @@
+"""AWQ and GPTQ checkpoints written from float weights, following each format's published layout
+(AutoAWQ's ``WQLinear_GEMM.from_linear``, AutoGPTQ's ``QuantLinear.pack``), written here and not
+by pagellm: the tests' oracle is the float64 ``s (q - z)`` of the integers chosen here.
+
+Quantization as those tools round (not their error-minimising search: the layout is what is
+tested): per group of inputs a 16-bit scale and an integer zero point, asymmetric from the
+group's min and max, or symmetric around ``2^(bits-1)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # word nibble i holds output AWQ_PACK_ORDER[i] of its 8
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def pack_columns(x: np.ndarray, bits: int, order: list[int] | None = None) -> np.ndarray:
+    """int ``[R, C]`` -> int32 ``[R, C bits / 32]``: field i of each word (from the low bits) holds
+    column ``order[i]`` of its run of ``32 / bits`` columns (in order without ``order``)."""
+    per = 32 // bits
+    runs = np.asarray(x, dtype=np.uint64).reshape(x.shape[0], -1, per)
+    if order is not None:
+        runs = runs[:, :, order]
+    words = sum(runs[:, :, i] << np.uint64(bits * i) for i in range(per))
+    return np.asarray(words, dtype=np.uint64).astype(np.uint32).view(np.int32)
+
+
+def quantize(w: np.ndarray, bits: int, group: int, sym: bool, perm: np.ndarray | None = None):
+    """``(q [N, K], s [G, N] float16, z [G, N], g_idx [K])`` for a float ``w [N, K]``: inputs taken in
+    ``perm``'s order (act-order) in groups of ``group`` (-1: one group)."""
+    n, k = w.shape
+    perm = np.arange(k) if perm is None else perm
+    g = k if group == -1 else group
+    maxq = (1 << bits) - 1
+    x = w[:, perm].astype(np.float64).reshape(n, k // g, g)
+    if sym:
+        s = np.abs(x).max(axis=2) / (maxq // 2)
+        z = np.full(s.shape, (maxq + 1) // 2)
+    else:
+        lo, hi = np.minimum(x.min(axis=2), 0), np.maximum(x.max(axis=2), 0)
+        s = (hi - lo) / maxq
+    s = np.maximum(s, 1e-6).astype(np.float16)
+    if not sym:
+        z = np.clip(np.rint(-lo / s.astype(np.float64)), 0, maxq)
+    qp = np.clip(np.rint(x / s.astype(np.float64)[..., None]) + z[..., None], 0, maxq).reshape(n, k)
+    q = np.empty_like(qp)
+    q[:, perm] = qp
+    g_idx = np.empty(k, dtype=np.int32)
+    g_idx[perm] = np.arange(k) // g
+    return q.astype(np.int64), s.T.copy(), z.astype(np.int64).T.copy(), g_idx
+
+
+def dequantize64(q: np.ndarray, s: np.ndarray, z: np.ndarray, g_idx: np.ndarray) -> np.ndarray:
+    """The oracle: ``w[n, k] = s[g(k), n] (q[n, k] - z[g(k), n])`` in float64."""
+    return s.astype(np.float64)[g_idx].T * (q - z[g_idx].T)
+
+
+def awq_tensors(q, s, z) -> dict[str, torch.Tensor]:
+    return {"qweight": torch.from_numpy(pack_columns(q.T, 4, AWQ_PACK_ORDER)),
+            "qzeros": torch.from_numpy(pack_columns(z, 4, AWQ_PACK_ORDER)),
+            "scales": torch.from_numpy(s)}
+
+
+def gptq_tensors(q, s, z, g_idx, bits: int, v2: bool) -> dict[str, torch.Tensor]:
+    return {"qweight": torch.from_numpy(pack_columns(q, bits).T.copy()),
+            "qzeros": torch.from_numpy(pack_columns(z - (0 if v2 else 1), bits)),  # (AutoGPTQ stores z - 1)
+            "scales": torch.from_numpy(s), "g_idx": torch.from_numpy(g_idx)}
+
+
+def write_quantized(src: str, dst: str, deq: str, method: str, bits: int = 4, group: int = 32, sym: bool = False,
+                    v2: bool = False, act_order: bool = False, seed: int = 0) -> None:
+    """``src``'s projections quantized into an AWQ or GPTQ checkpoint ``dst``, and the same weights
+    dequantized in float64 (stored float32: exact) into a plain checkpoint ``deq`` for HF."""
+    rng = np.random.default_rng(seed)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    packed, dense = {}, {}
+    for name, t in tensors.items():
+        prefix, _, leaf = name.rpartition(".")
+        if leaf != "weight" or prefix.rpartition(".")[2] not in PROJECTIONS:
+            packed[name] = dense[name] = t
+            continue
+        w = t.double().numpy()
+        perm = rng.permutation(w.shape[1]) if act_order else None
+        q, s, z, g_idx = quantize(w, bits, group, sym, perm)
+        dense[name] = torch.from_numpy(dequantize64(q, s, z, g_idx).astype(np.float32))
+        parts = awq_tensors(q, s, z) if method == "awq" else gptq_tensors(q, s, z, g_idx, bits, v2)
+        packed.update({f"{prefix}.{p}": v for p, v in parts.items()})
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    qc = ({"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+          if method == "awq" else
+          {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": act_order,
+           "checkpoint_format": "gptq_v2" if v2 else "gptq"})
+    for out, weights, quant in ((dst, packed, qc), (deq, dense, None)):
+        shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.safetensors*", "config.json"))
+        save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(out, "model.safetensors"),
+                  metadata={"format": "pt"})
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump({**config, **({"quantization_config": quant} if quant else {})}, f)

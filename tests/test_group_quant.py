@@ -1,0 +1,201 @@
+"""AWQ and GPTQ checkpoints at their width (weights/group_quant.py): the packed integers read as
+the int8 kernel's 4- and 8-bit blocks, every value exact; float32 greedy equal to HF on the same
+weights dequantized; the default numerics logprob-close and batch invariant.
+
+Checkpoints are written here (tests/quant_writers.py, each format's published layout); the oracle
+is the float64 ``s (q - z)`` of the integers the writer chose."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from quant_writers import awq_tensors, dequantize64, gptq_tensors, pack_columns, quantize
+
+from pagellm.kernels import gemm_int8
+from pagellm.weights.group_quant import GroupQuantBlocks, GroupQuantScheme
+
+from conftest import build_tiny_checkpoint, require_int8_kernel
+
+# (method, bits, group, sym, v2, act_order)
+LAYOUTS = {
+    "awq-g32": ("awq", 4, 32, False, False, False),
+    "awq-g128": ("awq", 4, 128, False, False, False),
+    "gptq-4bit-asym-g64": ("gptq", 4, 64, False, False, False),
+    "gptq-4bit-sym-v2-g128": ("gptq", 4, 128, True, True, False),
+    "gptq-4bit-per-channel": ("gptq", 4, -1, True, False, False),
+    "gptq-8bit-sym-g32": ("gptq", 8, 32, True, False, False),
+    "gptq-4bit-act-order": ("gptq", 4, 64, False, False, True),
+}
+
+
+def test_writers_pack_the_documented_words():
+    """Outputs 0..7 of one input packed into one word: AWQ's interleaved order (AutoAWQ's
+    ``order_map``, vLLM's ``AWQ_REVERSE_ORDER`` undoes it) and GPTQ's sequential one."""
+    x = np.arange(8).reshape(1, 8)
+    assert pack_columns(x, 4, [0, 2, 4, 6, 1, 3, 5, 7]).view(np.uint32)[0, 0] == 0x75316420
+    assert pack_columns(x, 4).view(np.uint32)[0, 0] == 0x76543210
+    assert pack_columns(np.array([[1, 2, 3, 255]]), 8).view(np.uint32)[0, 0] == 0xFF030201
+
+
+def blocks_of(layout: str, n: int = 96, k: int = 512, seed: int = 0):
+    method, bits, group, sym, v2, act_order = LAYOUTS[layout]
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)) * np.exp(rng.uniform(-3, 1, (n, 1)))  # rows of different scales
+    q, s, z, g_idx = quantize(w, bits, group, sym, rng.permutation(k) if act_order else None)
+    parts = awq_tensors(q, s, z) if method == "awq" else gptq_tensors(q, s, z, g_idx, bits, v2)
+    if not act_order:
+        parts.pop("g_idx", None)  # (in order: the blocks derive it)
+    scheme = GroupQuantScheme(method, bits, group, int(method == "gptq" and not v2))
+    return GroupQuantBlocks.of(scheme, "layer", parts), dequantize64(q, s, z, g_idx)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_blocks_dequantize_to_the_float64_values_exactly(layout):
+    blocks, ref = blocks_of(layout)
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(ref.astype(np.float32)))
+    assert np.array_equal(blocks.dequantize().double().numpy(), ref)  # (float32 holds every value)
+    part = blocks.take(40, 72)  # outputs from inside a packed word on (AWQ and GPTQ's zeros: 8 per word)
+    assert part.shape == (32, 512) and torch.equal(part.dequantize(), torch.from_numpy(ref[40:72].astype(np.float32)))
+
+
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if "act-order" not in name])
+def test_int8_kernel_takes_them_at_width(layout):
+    """The fields are the kernel's blocks: its product equals float64's within the bound of the
+    activations' rounding to int8 (the weights are exact), and a row's bits do not depend on the batch."""
+    require_int8_kernel()
+    from test_gguf_quant import error_bound
+
+    blocks, ref = blocks_of(layout)
+    fmt = blocks.kernel_format()
+    assert fmt == (gemm_int8.Q4_BLOCKS if LAYOUTS[layout][1] == 4 else gemm_int8.Q8_BLOCKS)
+    d, m, q = blocks.int8_fields()
+    assert np.array_equal((d.repeat(32, axis=1) * q + m.repeat(32, axis=1)).astype(np.float64), ref)
+    w = gemm_int8.BoundWeight(gemm_int8.pack_blocks(d, m, q, fmt), fmt, *ref.shape)
+    x = torch.randn(11, ref.shape[1])
+    x[4] *= 1000.0
+    y = w(x)
+    err = (y.double() - x.double() @ torch.from_numpy(ref).T).abs()
+    bound = error_bound(x, ref, 32)
+    assert bool((err <= bound).all()) and float((err / bound).max()) > 0.01
+    assert all(torch.equal(w(x[i:i + 1]), y[i:i + 1]) for i in (0, 4, 10))
+
+
+def test_act_order_has_no_kernel_format():
+    """GPTQ's act-order groups are not runs of 32 inputs: no kernel block holds them (the projection
+    is dequantized, exactly, for the float kernels)."""
+    blocks, _ = blocks_of("gptq-4bit-act-order")
+    assert blocks.kernel_format() is None and blocks.type_name == "GPTQ int4 g64 act-order"
+
+
+def test_mismatched_tensors_are_refused_by_name():
+    blocks, _ = blocks_of("awq-g32")
+    parts = {"qweight": blocks.qweight, "qzeros": blocks.qzeros, "scales": blocks.scales[:-1]}
+    with pytest.raises(ValueError, match=r"layer.scales has shape \(15, 96\); AWQ int4 g32 .* needs \(16, 96\)"):
+        GroupQuantBlocks.of(blocks.scheme, "layer", parts)
+
+
+@pytest.fixture(scope="module")
+def quantized(ckpt_root, tmp_path_factory):
+    """The tiny Llama's projections as AWQ (g32), GPTQ 4-bit (g64, AutoGPTQ's zeros) and GPTQ 8-bit
+    symmetric (v2), each beside its weights dequantized as a plain checkpoint."""
+    from quant_writers import write_quantized
+
+    src = build_tiny_checkpoint(ckpt_root, "llama")
+    root = tmp_path_factory.mktemp("group-quant")
+    out = {}
+    for name, kw in {"awq": dict(method="awq", group=32), "gptq": dict(method="gptq", group=64),
+                     "gptq8": dict(method="gptq", bits=8, group=32, sym=True, v2=True)}.items():
+        out[name] = (str(root / name), str(root / f"{name}-dequantized"))
+        write_quantized(src, *out[name], **kw)
+    return out
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+
+
+@pytest.mark.parametrize("name", ["awq", "gptq", "gptq8"])
+def test_float32_greedy_equals_hf_on_the_dequantized_weights(quantized, name):
+    import transformers
+
+    from test_hf_parity import assert_equal_but_float32_ties, engine_greedy, hf_greedy
+
+    path, deq = quantized[name]
+    tok = transformers.AutoTokenizer.from_pretrained(deq)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
+    got, _ = engine_greedy(path, prompts, dtype="float32")
+    assert_equal_but_float32_ties(hf, prompts, got, hf_greedy(hf, prompts))
+
+
+@pytest.mark.parametrize("name", ["awq", "gptq8"])
+def test_default_numerics_keep_them_at_width(quantized, name, caplog):
+    """dtype auto: every projection packed from the checkpoint's integers (no float weight written),
+    the numerics line naming the format; tokens logprob-close to float32; a prompt alone gives the
+    tokens it gives in the batch."""
+    require_int8_kernel()
+    from test_numerics import MAX_GAP, check_logprobs_close, engine_greedy_top
+
+    from pagellm.layers.linear import Linear
+    from pagellm.layers.weight_formats import Int8Packed
+
+    path, _ = quantized[name]
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    with caplog.at_level("INFO", logger="pagellm.worker.model_loader"):
+        got, engine = engine_greedy_top(path, prompts, 16)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("numerics: ")]
+    kind = "AWQ int4 g32 x14: int8 GEMMs (4-bit" if name == "awq" else "GPTQ int8 g32 x14: int8 GEMMs (8-bit"
+    assert any(kind in line for line in lines), lines
+    assert any("every projection is stored blocks the int8 kernel" in line for line in lines), lines
+    model = engine.executor.worker.model
+    layers = [m for n, m in model.named_modules() if isinstance(m, Linear) and ".layers." in n]
+    assert len(layers) == 8 and all(isinstance(m.weight_format, Int8Packed) and m.weight.is_meta for m in layers)
+    ref, _ = engine_greedy_top(path, prompts, 16, dtype="float32")
+    gaps = check_logprobs_close(got, ref)
+    assert all(g <= MAX_GAP["int8"] for g in gaps), f"divergences at logprob gaps {gaps}"
+    for i, p in enumerate(prompts):
+        alone, _ = engine_greedy_top(path, [p], 16)
+        assert alone[0][0] == got[i][0], f"prompt {i} alone differs from the batch"
+
+
+def test_refusals_name_what_is_not_supported(quantized, ckpt_root):
+    from pagellm import LLM
+
+    path, deq = quantized["awq"]
+    with pytest.raises(ValueError, match="quantization='gptq', but .* is a AWQ checkpoint"):
+        LLM(path, quantization="gptq", num_gpu_blocks_override=16)
+    with pytest.raises(ValueError, match="quantization='awq', but .* is not quantized"):
+        LLM(deq, quantization="awq", num_gpu_blocks_override=16)
+    with pytest.raises(ValueError, match="quantization='q8_0' quantizes a 16/32-bit checkpoint; .* AWQ int4 g32"):
+        LLM(path, quantization="q8_0", num_gpu_blocks_override=16)
+
+
+def test_act_order_checkpoint_runs_dequantized(ckpt_root, tmp_path, caplog):
+    """GPTQ with desc_act and a shuffled g_idx: float32 equal to HF on the dequantized weights; the
+    numerics line says the projections were dequantized; quantization='gptq' (int8 asked) refused."""
+    import transformers
+    from quant_writers import write_quantized
+
+    from pagellm import LLM
+
+    from test_hf_parity import assert_equal_but_float32_ties, engine_greedy, hf_greedy
+
+    path, deq = str(tmp_path / "q"), str(tmp_path / "d")
+    write_quantized(build_tiny_checkpoint(ckpt_root, "llama"), path, deq, "gptq", group=32, act_order=True)
+    tok = transformers.AutoTokenizer.from_pretrained(deq)
+    prompts = [tok.encode(p) for p in PROMPTS[:2]]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
+    got, _ = engine_greedy(path, prompts, dtype="float32")
+    assert_equal_but_float32_ties(hf, prompts, got, hf_greedy(hf, prompts))
+    if gemm_int8.supported():
+        with caplog.at_level("INFO", logger="pagellm.worker.model_loader"):
+            LLM(path, num_gpu_blocks_override=16)
+        assert any("GPTQ int4 g32 act-order x14: dequantized" in r.getMessage() for r in caplog.records)
+        with pytest.raises(ValueError, match="quantization='gptq' found no weights the int8 kernel takes"):
+            LLM(path, quantization="gptq", num_gpu_blocks_override=16)
+    assert os.path.exists(os.path.join(path, "model.safetensors"))
