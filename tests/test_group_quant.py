@@ -155,6 +155,9 @@ def test_default_numerics_keep_them_at_width(quantized, name, caplog):
     model = engine.executor.worker.model
     layers = [m for n, m in model.named_modules() if isinstance(m, Linear) and ".layers." in n]
     assert len(layers) == 8 and all(isinstance(m.weight_format, Int8Packed) and m.weight.is_meta for m in layers)
+    # the 16-bit LM head as Q8_0 blocks (the numerics line says so): not read in float32 beside 4-bit layers
+    assert model.lm_head.weight_format.fmt == gemm_int8.Q8_BLOCKS
+    assert any("LM head (16-bit in the" in line and "quantized to Q8_0" in line for line in lines), lines
     ref, _ = engine_greedy_top(path, prompts, 16, dtype="float32")
     gaps = check_logprobs_close(got, ref)
     assert all(g <= MAX_GAP["int8"] for g in gaps), f"divergences at logprob gaps {gaps}"

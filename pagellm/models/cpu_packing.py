@@ -23,13 +23,15 @@ if TYPE_CHECKING:
 
 
 def pack_for_cpu(model: DecoderForCausalLM, compute_dtype: torch.dtype = torch.float32, int8: bool = False,
-                 after_each: Callable[[], None] | None = None) -> int:
+                 after_each: Callable[[], None] | None = None, head_q8_0: bool = False) -> int:
     """After ``load_weights``: pack every projection and the LM head for the CPU GEMM kernel
     (``layers/linear.py``) where it can run, for ``compute_dtype`` GEMMs (float32 or
     bfloat16; with ``int8``, the int8 kernel for weights stored as GGUF blocks); a tied head's
     packed copy is held here. Returns how many weights the int8 kernel took. ``after_each``
     runs after each projection (the worker hands the heap's free memory back there, so the
-    transient fields of packing do not pile up into the load's peak)."""
+    transient fields of packing do not pile up into the load's peak). ``head_q8_0``: a float LM
+    head is quantized to Q8_0 blocks for the int8 kernel (an AWQ / GPTQ checkpoint's 16-bit head:
+    in float32 it would be read at 4x the bytes of every 4-bit projection's share)."""
     embed = model.model.embed_tokens
     tied = model.tied_head_blocks
     # The embedding's blocks are kept only where no float copy is needed: the LM head is its own
@@ -38,6 +40,8 @@ def pack_for_cpu(model: DecoderForCausalLM, compute_dtype: torch.dtype = torch.f
         model.lm_head is not None or (tied is not None and tied.kernel_format() is not None))
     if not keep_embed:
         embed.materialize()
+    if head_q8_0 and model.lm_head is not None and model.lm_head.kept_blocks is None:
+        model.lm_head.quantize_to_q8_0()
     for module in model.modules():
         if isinstance(module, Linear):
             module.pack_for_cpu(compute_dtype, int8)
@@ -52,6 +56,8 @@ def pack_for_cpu(model: DecoderForCausalLM, compute_dtype: torch.dtype = torch.f
             if head.blocks_format() is None:
                 head.kept_blocks = None  # (the embedding holds its floats already)
         model.tied_head_blocks = None
+        if head_q8_0 and head.kept_blocks is None:
+            head.quantize_to_q8_0()  # (the head's own weight: the embedding keeps its floats)
         if head.pack_for_cpu(compute_dtype, int8):
             model.tied_head = head
     if embed.gguf_blocks is not None:

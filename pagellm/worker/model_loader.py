@@ -100,6 +100,7 @@ class ModelLoader:
         self.numerics = Numerics(self.dtype, f"{dtype_name} model")  # (where none is chosen per machine)
         self.kv_memory: HostKVMemory | None = None  # paused while GEMMs are timed (set by the worker)
         self._chosen: dict[int, Numerics] = {}  # numerics chosen before a model's weights were loaded
+        self._schemes: dict[int, GroupQuantScheme] = {}  # AWQ / GPTQ models' packing, by model
 
     def load_target(self) -> LoadedModel:
         """The served model, its numerics logged and checked against ``quantization``."""
@@ -191,6 +192,7 @@ class ModelLoader:
                                    keep_gguf_blocks=source.is_gguf and not sharded and self._int8_possible())
             if scheme is not None:  # (each module's packed tensors gathered into its weight)
                 weights = iter_group_quant(weights, scheme, keep=self._int8_possible())
+                self._schemes[id(model)] = scheme
             model.load_weights(((n if n.startswith("model.") else f"model.{n}", t) for n, t in weights) if base
                                else weights)
         return (model if chosen is not None else model.to(self.dtype)).eval(), hf_config, source
@@ -303,9 +305,15 @@ class ModelLoader:
                         time.perf_counter() - start)
         weight_types = quantized_weight_types(model)
         packed_int8 = 0
+        scheme = self._schemes.pop(id(model), None)
         if self.cpu_numerics:
-            packed_int8 = pack_for_cpu(model, numerics.compute_dtype, numerics.int8, after_each=trim)
+            head_q8_0 = numerics.int8 and scheme is not None
+            packed_int8 = pack_for_cpu(model, numerics.compute_dtype, numerics.int8, after_each=trim,
+                                       head_q8_0=head_q8_0)
             trim()
+            if scheme is not None and head_q8_0:
+                logger.info("numerics: the LM head (16-bit in the %s checkpoint) quantized to Q8_0 blocks on load for "
+                            "the int8 kernel", scheme.name)
         if weight_types:
             logger.info("numerics: quantized projections %s", ", ".join(
                 f"{t} x{n}: {'int8 GEMMs (' + gemm_int8.FORMATS[f] + ')' if numerics.int8 and f else 'dequantized'}"
