@@ -183,6 +183,11 @@ def test_every_isa_path_gives_the_same_bits(isa):
             (random_blocks(T.Q5_K, n, k, seed=13), gemm_int8.K6), (random_blocks(T.Q3_K, n, k, seed=15), gemm_int8.K6)]
     weights = [(packed(b, fmt), fmt, n) for b, fmt in runs]
     weights.append((gemm_int8.pack_parts(weights[2:4] + weights[:1]), gemm_int8.PARTS, 3 * n))
+    from test_group_quant import blocks_of
+
+    for layout in ("awq-g128", "gptq-8bit-sym-g32"):  # AWQ / GPTQ fields: the same formats, any scale
+        g = blocks_of(layout, 72, k)[0]  # (AWQ packs 8 outputs a word: 72, a partial panel)
+        weights.append((gemm_int8.pack_blocks(*g.int8_fields(), g.kernel_format()), g.kernel_format(), 72))
     x = torch.randn(37, k)  # 37 rows: AMX tiles for K4 on this machine's build
     x[3] *= 1000.0
     x[20] *= 1e-3

@@ -307,7 +307,9 @@ class ModelLoader:
         packed_int8 = 0
         scheme = self._schemes.pop(id(model), None)
         if self.cpu_numerics:
-            head_q8_0 = numerics.int8 and scheme is not None
+            # (only beside projections at their width: an act-order checkpoint's run dequantized)
+            head_q8_0 = numerics.int8 and scheme is not None and any(
+                isinstance(m, Linear) and m.blocks_format() is not None for m in model.modules())
             packed_int8 = pack_for_cpu(model, numerics.compute_dtype, numerics.int8, after_each=trim,
                                        head_q8_0=head_q8_0)
             trim()
