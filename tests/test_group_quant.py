@@ -170,9 +170,9 @@ def test_refusals_name_what_is_not_supported(quantized, ckpt_root):
     from pagellm import LLM
 
     path, deq = quantized["awq"]
-    with pytest.raises(ValueError, match="quantization='gptq', but .* is a AWQ checkpoint"):
+    with pytest.raises(ValueError, match="quantization='gptq', but .* holds AWQ weights"):
         LLM(path, quantization="gptq", num_gpu_blocks_override=16)
-    with pytest.raises(ValueError, match="quantization='awq', but .* is not quantized"):
+    with pytest.raises(ValueError, match="quantization='awq', but .* holds unquantized weights"):
         LLM(deq, quantization="awq", num_gpu_blocks_override=16)
     with pytest.raises(ValueError, match="quantization='q8_0' quantizes a 16/32-bit checkpoint; .* AWQ int4 g32"):
         LLM(path, quantization="q8_0", num_gpu_blocks_override=16)

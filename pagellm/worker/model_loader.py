@@ -201,8 +201,8 @@ class ModelLoader:
         """Refuse a ``quantization`` the checkpoint is not, and what an AWQ / GPTQ one cannot run with."""
         stored = "gguf" if source.is_gguf else None if scheme is None else scheme.method
         if quantization in AT_WIDTH and quantization != stored:
-            raise ValueError(f"quantization={quantization!r}, but {source.path} is "
-                             f"{'a ' + stored.upper() + ' checkpoint' if stored else 'not quantized'}")
+            raise ValueError(f"quantization={quantization!r}, but {source.path} holds "
+                             f"{stored.upper() + ' weights' if stored else 'unquantized weights'}")
         if scheme is None:
             return
         if quantization == "q8_0":
