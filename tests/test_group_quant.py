@@ -172,8 +172,10 @@ def test_refusals_name_what_is_not_supported(quantized, ckpt_root):
     path, deq = quantized["awq"]
     with pytest.raises(ValueError, match="quantization='gptq', but .* holds AWQ weights"):
         LLM(path, quantization="gptq", num_gpu_blocks_override=16)
-    with pytest.raises(ValueError, match="quantization='awq', but .* holds unquantized weights"):
+    with pytest.raises(ValueError, match="quantization='awq', but .* holds no AWQ / GPTQ weights"):
         LLM(deq, quantization="awq", num_gpu_blocks_override=16)
+    with pytest.raises(ValueError, match="quantization='gguf', but .* holds AWQ weights"):
+        LLM(path, quantization="gguf", num_gpu_blocks_override=16)
     with pytest.raises(ValueError, match="quantization='q8_0' quantizes a 16/32-bit checkpoint; .* AWQ int4 g32"):
         LLM(path, quantization="q8_0", num_gpu_blocks_override=16)
 

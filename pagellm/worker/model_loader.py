@@ -199,10 +199,11 @@ class ModelLoader:
 
     def _check_quantization(self, source: Any, scheme: GroupQuantScheme | None, quantization: str | None) -> None:
         """Refuse a ``quantization`` the checkpoint is not, and what an AWQ / GPTQ one cannot run with."""
-        stored = "gguf" if source.is_gguf else None if scheme is None else scheme.method
-        if quantization in AT_WIDTH and quantization != stored:
+        stored = None if scheme is None else scheme.method
+        # (gguf also takes an HF checkpoint whose float weights are exactly GGUF blocks)
+        if quantization in AT_WIDTH and quantization != stored and (quantization != "gguf" or stored):
             raise ValueError(f"quantization={quantization!r}, but {source.path} holds "
-                             f"{stored.upper() + ' weights' if stored else 'unquantized weights'}")
+                             f"{stored.upper() + ' weights' if stored else 'no AWQ / GPTQ weights'}")
         if scheme is None:
             return
         if quantization == "q8_0":
