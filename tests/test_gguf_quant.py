@@ -19,11 +19,17 @@ from hypothesis import strategies as st
 from pagellm.kernels import gemm_int8
 from pagellm.weights import gguf_quant as gq
 from pagellm.weights.gguf_write import DecoderShape, write_decoder_gguf
+from pagellm.weights.quant_blocks import combined_format
 
 from conftest import require_int8_kernel, round_to_gguf_blocks
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 F16_SCALES = [0.0, 6e-8, 1e-4, 0.01, 1.0, 300.0, 65504.0]  # zero, subnormal, up to half precision's max
+
+
+def int8_format(qtypes: list[T]) -> int | None:
+    """The kernel format of a projection whose fused parts have ``qtypes``."""
+    return combined_format(gq.part_format(t) for t in qtypes)
 
 
 def random_blocks(qtype: T, rows: int, k: int, seed: int, scale: float | None = None) -> gq.GGUFBlocks:
@@ -102,7 +108,7 @@ def test_int8_kernel_matches_float64_within_the_rounding_bound(qtype):
     n, k = 70, 768  # a partial panel of outputs, three super-blocks
     b = random_blocks(qtype, n, k, seed=1)
     w = reference(b)
-    fmt = gq.int8_format([qtype])
+    fmt = int8_format([qtype])
     assert fmt is not None
     x = torch.randn(13, k)
     x[5] *= 1000.0  # rows of very different magnitudes
@@ -136,7 +142,7 @@ def test_amx_tiles_give_the_vnni_path_bits(qtype):
         pytest.skip("no AMX int8 on this CPU (or turned off by PAGELLM_CPU_AMX=0 or PAGELLM_CPU_CFLAGS)")
     assert gemm_int8.amx(), "the CPU has AMX int8 but the int8 kernel does not use it"
     n, k = 70, 768
-    fmt = gq.int8_format([qtype])
+    fmt = int8_format([qtype])
     b = random_blocks(qtype, n, k, seed=2)
     bound_w = gemm_int8.BoundWeight(packed(b, fmt), fmt, n, k)
     # 1,024 rows in one AMX call, then two tiles of 16 and five rows left over (AMX takes 32 rows and more)
@@ -212,13 +218,13 @@ def test_every_isa_path_gives_the_same_bits(isa):
 
 
 def test_formats_for_fused_parts():
-    assert gq.int8_format([T.Q4_K, T.Q4_K]) == gemm_int8.K4
-    assert gq.int8_format([T.Q5_K, T.Q6_K]) == gemm_int8.K6
-    assert gq.int8_format([T.Q4_0, T.Q4_1]) == gemm_int8.Q4_BLOCKS
-    assert gq.int8_format([T.Q5_0, T.Q8_0]) == gemm_int8.Q8_BLOCKS
-    assert gq.int8_format([T.Q4_K, T.Q4_K, T.Q6_K]) == gemm_int8.PARTS  # q, k 4-bit beside a 6-bit v
-    assert gq.int8_format([T.Q4_K, T.Q8_0]) == gemm_int8.PARTS  # legacy and K mixed
-    assert gq.int8_format([T.Q4_K, T.Q5_1]) is None  # no kernel format for one: dequantized
+    assert int8_format([T.Q4_K, T.Q4_K]) == gemm_int8.K4
+    assert int8_format([T.Q5_K, T.Q6_K]) == gemm_int8.K6
+    assert int8_format([T.Q4_0, T.Q4_1]) == gemm_int8.Q4_BLOCKS
+    assert int8_format([T.Q5_0, T.Q8_0]) == gemm_int8.Q8_BLOCKS
+    assert int8_format([T.Q4_K, T.Q4_K, T.Q6_K]) == gemm_int8.PARTS  # q, k 4-bit beside a 6-bit v
+    assert int8_format([T.Q4_K, T.Q8_0]) == gemm_int8.PARTS  # legacy and K mixed
+    assert int8_format([T.Q4_K, T.Q5_1]) is None  # no kernel format for one: dequantized
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0], ids=lambda t: t.name)
@@ -227,7 +233,7 @@ def test_packing_a_slice_of_rows_at_a_time_gives_the_same_bytes(qtype, monkeypat
     from pagellm.layers import weight_formats
 
     parts = [random_blocks(qtype, 70, 512, seed=6), random_blocks(qtype, 50, 512, seed=7)]
-    fmt = gq.int8_format([qtype])
+    fmt = int8_format([qtype])
     whole = packed(gq.GGUFBlocks(np.concatenate([b.data for b in parts]), qtype, (120, 512)), fmt)
     monkeypatch.setattr(weight_formats, "PACK_ROWS", 32)  # slices that cut across the parts' boundary
     assert torch.equal(weight_formats._pack_blocks(parts, fmt), whole)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagellm.config.model import AT_WIDTH
 from pagellm.kernels import gemm, gemm_int8
 from pagellm.utils import cache_dir
 
@@ -203,7 +204,7 @@ def choose_numerics(requested: str, layer_weights: list[torch.Tensor], probe: bo
     asked for: a ``ValueError`` if this machine has no int8 kernel; weights that are not GGUF
     blocks take the dtype chosen as above (``awq`` and ``gptq`` likewise). ``int8_weights``:
     ``layer_weights`` packed from a GGUF file's own blocks (the K types, which no float weight is recognised as)."""
-    if quantization in ("gguf", "awq", "gptq"):
+    if quantization in AT_WIDTH:
         if not gemm_int8.supported():
             raise ValueError(f"quantization={quantization!r} needs the int8 GEMM kernel (a C compiler to build it); "
                              f"this machine: {cpu_info().summary()}")

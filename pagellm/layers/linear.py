@@ -48,7 +48,7 @@ class Linear(nn.Linear):
     bound_i8: Any = None
     # Multi-LoRA: the adapters' slots of this projection (``lora/layers.py``), when enabled.
     lora: Any = None
-    # A GGUF checkpoint's blocks kept at their width until packed (the float weight is then never
+    # A quantized checkpoint's blocks (GGUF, AWQ, GPTQ) kept at their width until packed (the float weight is then never
     # written: ``materialize`` dequantizes if the int8 kernel does not take them).
     kept_blocks: KeptBlocks | None = None
 
@@ -66,7 +66,7 @@ class Linear(nn.Linear):
         self.kept_blocks.parts[part or 0] = blocks
 
     def blocks_format(self) -> int | None:
-        """The int8 kernel format of the kept GGUF blocks (``None``: none kept, or no common format)."""
+        """The int8 kernel format of the kept blocks (``None``: none kept, or no common format)."""
         return None if self.kept_blocks is None else self.kept_blocks.kernel_format()
 
     def quantize_to_q8_0(self) -> bool:
@@ -77,17 +77,16 @@ class Linear(nn.Linear):
             return False
         w = self.weight.detach().float().numpy()
         self.kept_blocks = None
-        self.load_blocks(GGUFBlocks(gguf.quantize(w, T.Q8_0), T.Q8_0, (self.out_features, self.in_features)),
-                              None)
+        self.load_blocks(GGUFBlocks(gguf.quantize(w, T.Q8_0), T.Q8_0, (self.out_features, self.in_features)), None)
         self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"), requires_grad=False)
         return True
 
     def dense_weight(self) -> torch.Tensor:
-        """The float32 weight: the loaded one, or the kept GGUF blocks dequantized (a new tensor)."""
+        """The float32 weight: the loaded one, or the kept blocks dequantized (a new tensor)."""
         return self.weight if self.kept_blocks is None else self.kept_blocks.dense()
 
     def materialize(self) -> None:
-        """Write the kept GGUF blocks into the float weight (they have no int8 kernel here)."""
+        """Write the kept blocks into the float weight (they have no int8 kernel here)."""
         if self.kept_blocks is not None:
             with torch.no_grad():
                 self.weight.copy_(self.dense_weight())
@@ -95,7 +94,7 @@ class Linear(nn.Linear):
 
     def pack_for_cpu(self, compute_dtype: torch.dtype = torch.float32, int8: bool = False) -> bool:
         """Pack the loaded weight for the GEMM kernel if it can run here; ``True`` if packed. With
-        ``int8``, kept GGUF blocks of a type the kernel takes, or a weight that is exactly GGUF
+        ``int8``, kept blocks of a format the kernel takes, or a weight that is exactly GGUF
         blocks, go to the int8 kernel, any other to ``compute_dtype``'s. Every batch then reads the
         packed copy, so the float weight is dropped (a meta tensor keeps its shape): a bfloat16
         model is not held in float32 as well, nor a float32 one twice."""

@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import dequantize
 
 from pagellm.kernels.gemm_int8 import K4, K6, Q4_BLOCKS, Q8_BLOCKS
-from pagellm.weights.quant_blocks import QuantizedBlocks, combined_format
+from pagellm.weights.quant_blocks import QuantizedBlocks
 
 _LEGACY_FORMAT = {T.Q4_0: Q4_BLOCKS, T.Q4_1: Q4_BLOCKS, T.Q5_0: Q8_BLOCKS, T.Q8_0: Q8_BLOCKS}
 # (Q2_K and Q3_K widen to K6's 6 bits: 2.8x and 2.1x their bytes, against 12x and 9x as float32.)
@@ -103,13 +103,6 @@ class GGUFBlocks(QuantizedBlocks):
 def part_format(qtype: T) -> int | None:
     """The int8 kernel format of one tensor's blocks (``None``: no kernel for the type)."""
     return _FORMAT.get(qtype)
-
-
-def int8_format(qtypes: list[T]) -> int | None:
-    """The kernel format of a projection whose parts (a fused one's tensors, in order) have
-    ``qtypes``: their common format, ``PARTS`` where they differ (each run of parts in its own
-    format: a Q4_K q and k stay 4-bit beside a Q6_K v), or ``None`` if a type has no kernel."""
-    return combined_format(part_format(t) for t in qtypes)
 
 
 def _blocks(b: GGUFBlocks, size: int) -> np.ndarray:

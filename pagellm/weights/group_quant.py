@@ -31,7 +31,8 @@ from pagellm.kernels.gemm_int8 import Q4_BLOCKS, Q8_BLOCKS
 from pagellm.weights.quant_blocks import QuantizedBlocks
 
 AWQ_UNPACK_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])  # output j of a word is its nibble AWQ_UNPACK_ORDER[j]
-_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+_REQUIRED = ("qweight", "qzeros", "scales")  # a module's tensors, and GPTQ's g_idx beside them
+_PARTS = (*_REQUIRED, "g_idx")
 
 
 @dataclass(frozen=True)
@@ -171,10 +172,10 @@ def iter_group_quant(weights: Iterator[tuple[str, Any]], scheme: GroupQuantSchem
             continue
         got = pending.setdefault(prefix, {})
         got[part] = tensor
-        if {"qweight", "qzeros", "scales"} <= got.keys() and ("g_idx" in got or not needs_g_idx):
+        if got.keys() >= set(_REQUIRED) and ("g_idx" in got or not needs_g_idx):
             yield ready(prefix)
     for prefix in list(pending):  # (a GPTQ module without g_idx: groups in order)
-        missing = [p for p in ("qweight", "qzeros", "scales") if p not in pending[prefix]]
+        missing = [p for p in _REQUIRED if p not in pending[prefix]]
         if missing:
             raise ValueError(f"{scheme.name} checkpoint: {prefix} lacks {', '.join(missing)}")
         yield ready(prefix)

@@ -53,6 +53,11 @@ def _scheme(name: str, group: dict[str, Any]) -> str:
     return f"{name}: weights {part(group.get('weights'))}, activations {part(group.get('input_activations'))}"
 
 
+def _checkpoint_format(qc: dict[str, Any]) -> str:
+    """GPTQ's zero-point convention: ``gptq`` (AutoGPTQ's z - 1, the default) or ``gptq_v2`` (z)."""
+    return str(qc.get("checkpoint_format", "gptq")).lower()
+
+
 def _unsupported(qc: dict[str, Any]) -> str | None:
     """What of an AWQ / GPTQ config is not built (``None``: all of it is), as the refusal names it."""
     method, bits, group = qc.get("quant_method"), qc.get("bits"), qc.get("group_size", -1)
@@ -68,7 +73,7 @@ def _unsupported(qc: dict[str, Any]) -> str | None:
         return None
     if qc.get("lm_head") or qc.get("is_marlin_format"):
         return "a quantized LM head" if qc.get("lm_head") else "the Marlin packing"
-    if str(qc.get("checkpoint_format", "gptq")).lower() not in ("gptq", "gptq_v2"):
+    if _checkpoint_format(qc) not in ("gptq", "gptq_v2"):
         return "checkpoint_format (gptq and gptq_v2 are)"
     if bits not in (4, 8) or (bits == 8 and not qc.get("sym", True)):
         return "GPTQ other than 4-bit or 8-bit symmetric"
@@ -87,5 +92,5 @@ def group_quant_scheme(hf_config: Any, path: str) -> GroupQuantScheme | None:
             f"{path}: config.json's quantization_config {describe(qc)} is not supported yet ({wrong}). pagellm "
             "runs AWQ (gemm, 4-bit), GPTQ (4-bit, 8-bit symmetric), GGUF files (quantization='gguf') and 16/32-bit "
             "checkpoints: use the model's release in one of those instead")
-    v1 = qc["quant_method"] == "gptq" and str(qc.get("checkpoint_format", "gptq")).lower() == "gptq"
+    v1 = qc["quant_method"] == "gptq" and _checkpoint_format(qc) == "gptq"
     return GroupQuantScheme(qc["quant_method"], int(qc["bits"]), int(qc.get("group_size", -1)), int(v1))

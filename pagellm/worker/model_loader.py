@@ -309,14 +309,13 @@ class ModelLoader:
         scheme = self._schemes.pop(id(model), None)
         if self.cpu_numerics:
             # (only beside projections at their width: an act-order checkpoint's run dequantized)
-            head_q8_0 = numerics.int8 and scheme is not None and any(
-                isinstance(m, Linear) and m.blocks_format() is not None for m in model.modules())
+            head_scheme = scheme if numerics.int8 and any(f is not None for _, f in weight_types) else None
             packed_int8 = pack_for_cpu(model, numerics.compute_dtype, numerics.int8, after_each=trim,
-                                       head_q8_0=head_q8_0)
+                                       head_q8_0=head_scheme is not None)
             trim()
-            if scheme is not None and head_q8_0:
+            if head_scheme is not None:
                 logger.info("numerics: the LM head (16-bit in the %s checkpoint) quantized to Q8_0 blocks on load for "
-                            "the int8 kernel", scheme.name)
+                            "the int8 kernel", head_scheme.name)
         if weight_types:
             logger.info("numerics: quantized projections %s", ", ".join(
                 f"{t} x{n}: {'int8 GEMMs (' + gemm_int8.FORMATS[f] + ')' if numerics.int8 and f else 'dequantized'}"
