@@ -110,7 +110,7 @@ def gemm_label(linear) -> str:
         return f"torch F.linear ({str(linear.weight.dtype).removeprefix('torch.')})"
     if isinstance(fmt, Int8Packed):
         amx = " / AMX from 32 rows" if gemm_int8.amx() else ""
-        return f"int8 {gemm_int8.FORMATS.get(fmt.fmt, fmt.fmt)} ({gemm_int8.isa()}{amx})"
+        return f"int8 {gemm_int8.format_name(fmt.fmt)} ({gemm_int8.isa()}{amx})"
     return f"{fmt.name} packed"
 
 

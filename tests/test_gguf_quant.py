@@ -191,7 +191,7 @@ def test_every_isa_path_gives_the_same_bits(isa):
     weights.append((gemm_int8.pack_parts(weights[2:4] + weights[:1]), gemm_int8.PARTS, 3 * n))
     from test_group_quant import blocks_of
 
-    for layout in ("awq-g128", "gptq-8bit-sym-g32"):  # AWQ / GPTQ fields: the same formats, any scale
+    for layout in ("awq-g128", "gptq-4bit-per-channel", "gptq-8bit-sym-g32"):  # AWQ / GPTQ: groups of 128, 512
         g = blocks_of(layout, 72, k)[0]  # (AWQ packs 8 outputs a word: 72, a partial panel)
         weights.append((gemm_int8.pack_blocks(*g.int8_fields(), g.kernel_format()), g.kernel_format(), 72))
     x = torch.randn(37, k)  # 37 rows: AMX tiles for K4 on this machine's build
@@ -204,7 +204,7 @@ def test_every_isa_path_gives_the_same_bits(isa):
             y = torch.empty(m, rows)
             assert lib.gemm_packed_i8(y.data_ptr(), rows, x.data_ptr(), k, w.data_ptr(), bias.data_ptr(),
                                       m, rows, k, fmt) == 0
-            assert torch.equal(y, own(x[:m])), f"{gemm_int8.FORMATS[fmt]}, {m} rows"
+            assert torch.equal(y, own(x[:m])), f"{gemm_int8.format_name(fmt)}, {m} rows"
     recognised = 0  # float weights that are exact blocks (half-precision d: subnormal to large) alike
     for bits in (4, 8):
         for scale in (1e-6, 1e-4, 0.05, 30.0, 3e4):

@@ -69,11 +69,20 @@ def test_int8_kernel_takes_them_at_width(layout):
     from test_gguf_quant import error_bound
 
     blocks, ref = blocks_of(layout)
+    _, bits, group, *_ = LAYOUTS[layout]
+    n, k = ref.shape
+    group = k if group == -1 else group
     fmt = blocks.kernel_format()
-    assert fmt == (gemm_int8.Q4_BLOCKS if LAYOUTS[layout][1] == 4 else gemm_int8.Q8_BLOCKS)
+    # 4 bits: one d and m per group in the record (Q4_BLOCKS' own record for a group of 32)
+    assert fmt == (gemm_int8.Q8_BLOCKS if bits == 8 else gemm_int8.Q4_BLOCKS if group == 32
+                   else gemm_int8.Q4_GROUPS + group // 32)
     d, m, q = blocks.int8_fields()
     assert np.array_equal((d.repeat(32, axis=1) * q + m.repeat(32, axis=1)).astype(np.float64), ref)
-    w = gemm_int8.BoundWeight(gemm_int8.pack_blocks(d, m, q, fmt), fmt, *ref.shape)
+    packed = gemm_int8.pack_blocks(d, m, q, fmt)
+    panels, per_group = -(-n // 32), (2 * 4 + group * bits // 8) * 32  # d, m float32 and q, per 32 outputs
+    assert packed.numel() == panels * (k // group if bits == 4 else k // 32) * (
+        per_group if bits == 4 else (2 * 4 + 32) * 32)
+    w = gemm_int8.BoundWeight(packed, fmt, *ref.shape)
     x = torch.randn(11, ref.shape[1])
     x[4] *= 1000.0
     y = w(x)
@@ -81,6 +90,20 @@ def test_int8_kernel_takes_them_at_width(layout):
     bound = error_bound(x, ref, 32)
     assert bool((err <= bound).all()) and float((err / bound).max()) > 0.01
     assert all(torch.equal(w(x[i:i + 1]), y[i:i + 1]) for i in (0, 4, 10))
+    if fmt > gemm_int8.Q4_GROUPS:  # a group's record is its blocks' arithmetic: their bits, 25 % fewer bytes
+        blocks32 = gemm_int8.pack_blocks(d, m, q, gemm_int8.Q4_BLOCKS)
+        assert torch.equal(gemm_int8.BoundWeight(blocks32, gemm_int8.Q4_BLOCKS, *ref.shape)(x), y)
+        assert packed.numel() * 4 == blocks32.numel() * 3 if group == 128 else packed.numel() < blocks32.numel()
+
+
+def test_a_group_record_refuses_blocks_of_other_scales():
+    """A group record holds one d and m: blocks that differ in either are not packed into one."""
+    require_int8_kernel()
+    d, m, q = blocks_of("awq-g128")[0].int8_fields()
+    d[5, 2] *= 2  # block 2 of output 5: in group 0 beside blocks 0, 1 and 3
+    with pytest.raises(ValueError, match="cannot pack .* as 4-bit groups of 128"):
+        gemm_int8.pack_blocks(d, m, q, gemm_int8.q4_format(4))
+    gemm_int8.pack_blocks(d, m, q, gemm_int8.Q4_BLOCKS)  # blocks of their own take it
 
 
 def test_act_order_has_no_kernel_format():

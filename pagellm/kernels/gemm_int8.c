@@ -17,6 +17,12 @@
  * vectors whose 32-bit lane j holds the q of 4 consecutive k of output j. 4 bits: 4 vectors per half,
  * vector g holding k-groups g (low nibbles) and g + 4 (high nibbles); 8 bits: 8 vectors per half.
  *
+ * Grouped 4-bit blocks (format G4 + G, G >= 2; an AWQ / GPTQ group of 32 G k): the 4-bit blocks of
+ * 32 with one d and m for G consecutive blocks, so a record holds d[32], m[32], then G blocks' q:
+ * 4.5 bits per weight where the legacy record's 6. Activations and the float work are the 4-bit
+ * blocks' op for op (each block's d and m read from its group's record): the same bits as those
+ * blocks with d and m repeated.
+ *
  * K-quant super-blocks (formats K4 and K6, packed by pack_kquant from the file's own blocks, as
  * llama.cpp's vec_dot_q4_K_q8_K does it): 256 k per super-block with one float d and dmin per output,
  * S sub-blocks of L k each with int8 scale sc and min mn, q unsigned:
@@ -41,7 +47,10 @@
 #ifndef AMX_ROW_BLOCK
 #define AMX_ROW_BLOCK 1024 /* rows per call on AMX: a super-block's operands cost about what 256 rows' tdp do */
 #endif
-#define RECB(bits) (2 * NR * 4 + ((bits) == 4 ? NR * QB / 2 : NR * QB)) /* bytes per record */
+#define QBYTES(bits) (NR * QB * (bits) / 8)          /* bytes of q per block of a panel */
+#define GRECB(bits, G) (2 * NR * 4 + (G) * QBYTES(bits)) /* bytes per record of G blocks */
+#define RECB(bits) GRECB(bits, 1)
+#define FMT_G4 0x10000 /* + G: 4-bit blocks whose d and m G consecutive blocks share */
 #define FMT_K4 0x104
 #define FMT_K6 0x106
 #define FMT_PARTS 0x200 /* int64 header [count, (format, rows, byte offset) per part], then the parts */
@@ -64,10 +73,22 @@ int gemm_i8_supported(void) {
 }
 
 static int is_kfmt(int64_t fmt) { return fmt == FMT_K4 || fmt == FMT_K6; }
+static int64_t fmt_group(int64_t fmt) { return fmt > FMT_G4 ? fmt - FMT_G4 : 1; } /* blocks per record */
+static int fmt_bits(int64_t fmt) { return fmt > FMT_G4 ? 4 : (int)fmt; }
 
-int64_t packed_size_i8(int64_t N, int64_t K, int64_t bits) {
-  if (is_kfmt(bits)) return (N + NR - 1) / NR * (K / QK) * KREC(bits);
-  return (N + NR - 1) / NR * (K / QB) * RECB(bits);
+int64_t packed_size_i8(int64_t N, int64_t K, int64_t fmt) {
+  if (is_kfmt(fmt)) return (N + NR - 1) / NR * (K / QK) * KREC(fmt);
+  const int64_t G = fmt_group(fmt);
+  return (N + NR - 1) / NR * (K / QB / G) * GRECB(fmt_bits(fmt), G);
+}
+
+/* Output j's 32 q (0..15) of a 4-bit block whose q start at qs. */
+static void lay_q4(uint8_t *qs, int j, const int32_t *q) {
+  const int half = j / 16, lane = j % 16;
+  for (int k = 0; k < QB; ++k) {
+    const int g = k / 4; /* group of 4 k: vector g % 4, low nibbles for g < 4 */
+    qs[(half * 4 + g % 4) * 64 + lane * 4 + k % 4] |= (uint8_t)(q[k] << (g < 4 ? 0 : 4));
+  }
 }
 
 /* Output j of a zeroed record of `bits` (4 or 8): d, m and the block's 32 q (0..15 for 4 bits,
@@ -78,10 +99,7 @@ static void lay_output(uint8_t *rec, int j, float d, float m, const int32_t *q, 
   const int half = j / 16, lane = j % 16;
   if (bits == 4) {
     ((float *)rec)[NR + j] = m;
-    for (int k = 0; k < QB; ++k) {
-      const int g = k / 4; /* group of 4 k: vector g % 4, low nibbles for g < 4 */
-      qs[(half * 4 + g % 4) * 64 + lane * 4 + k % 4] |= (uint8_t)(q[k] << (g < 4 ? 0 : 4));
-    }
+    lay_q4(qs, j, q);
   } else {
     int32_t sum = 0;
     for (int k = 0; k < QB; ++k) {
@@ -92,25 +110,40 @@ static void lay_output(uint8_t *rec, int j, float d, float m, const int32_t *q, 
   }
 }
 
-/* Block (p, b) from explicit d, m [N, K / 32] and q [N, K]; outputs past N are zero. */
-static void put_block(uint8_t *rec, const float *d, const float *m, const int32_t *q, int64_t N, int64_t K,
-                      int64_t p, int64_t b, const int bits) {
-  memset(rec, 0, RECB(bits));
+/* Group record (p, c) of G blocks from explicit d, m [N, K / 32] and q [N, K]; outputs past N are
+ * zero. 0 if a block's d or m differs from its group's first (no record holds it). */
+static int put_group(uint8_t *rec, const float *d, const float *m, const int32_t *q, int64_t N, int64_t K,
+                     int64_t p, int64_t c, const int bits, const int64_t G) {
+  const int64_t B = K / QB, b0 = c * G;
+  int same = 1;
+  memset(rec, 0, GRECB(bits, G));
   for (int j = 0; j < NR && p * NR + j < N; ++j) {
     const int64_t n = p * NR + j;
-    lay_output(rec, j, d[n * (K / QB) + b], bits == 4 ? m[n * (K / QB) + b] : 0.f, q + n * K + b * QB, bits);
+    const float dn = d[n * B + b0], mn = bits == 4 ? m[n * B + b0] : 0.f;
+    lay_output(rec, j, dn, mn, q + n * K + b0 * QB, bits);
+    for (int64_t i = 1; i < G; ++i) {
+      same &= !memcmp(&d[n * B + b0 + i], &dn, 4) && !memcmp(&m[n * B + b0 + i], &mn, 4);
+      lay_q4(rec + 2 * NR * 4 + i * QBYTES(4), j, q + n * K + (b0 + i) * QB);
+    }
   }
+  return same;
 }
 
-/* Pack GGUF blocks of 32 given as d, m and q (see put_block) without a float round trip; 1, or 0 for
- * a K that is not a multiple of 32 or bits other than 4 and 8. */
+/* Pack GGUF blocks of 32 given as d, m and q (see put_group) without a float round trip in format
+ * 4, 8 or G4 + G; 1, or 0 for a K that is not a multiple of 32 G, another format, or (G4) blocks
+ * of a group whose d or m differ. */
 int pack_blocks_i8(uint8_t *dst, const float *d, const float *m, const int32_t *q, int64_t N, int64_t K,
-                   int64_t bits) {
-  if (K % QB != 0 || (bits != 4 && bits != 8)) return 0;
-  const int64_t P = (N + NR - 1) / NR, B = K / QB;
+                   int64_t fmt) {
+  const int64_t G = fmt_group(fmt);
+  const int bits = fmt_bits(fmt);
+  if (K % (QB * G) != 0 || (bits != 4 && bits != 8)) return 0;
+  const int64_t P = (N + NR - 1) / NR, C = K / QB / G;
+  int failed = 0;
 #pragma omp parallel for schedule(static)
-  for (int64_t pb = 0; pb < P * B; ++pb) put_block(dst + pb * RECB(bits), d, m, q, N, K, pb / B, pb % B, (int)bits);
-  return 1;
+  for (int64_t pc = 0; pc < P * C; ++pc)
+    if (!put_group(dst + pc * GRECB(bits, G), d, m, q, N, K, pc / C, pc % C, bits, G))
+      __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+  return !failed;
 }
 
 /* Pack K-quant super-blocks: d, dmin [N, K / 256], sc, mn [N, K / 16] (each L = 32 sub-block's
@@ -213,20 +246,21 @@ static inline __attribute__((always_inline)) void dot_q4(__m512i acc[][2], const
   }
 }
 
-/* Rows [0, R) of one panel over all blocks. xq rows are K bytes apart, dx / sx rows B floats apart.
- * Tile t of T also prefetches the next panel's records t, t + T, ... */
+/* Rows [0, R) of one panel over all blocks (G a record). xq rows are K bytes apart, dx / sx rows B
+ * floats apart. Tile t of T also prefetches the next panel's share of blocks t, t + T, ... */
 static inline __attribute__((always_inline)) void tile_i8(float *y, int64_t ldy, const int8_t *xq, const float *dx,
                                                           const float *sx, const uint8_t *rec, const float *bias,
                                                           int64_t K, __mmask16 m0, __mmask16 m1, const int R,
-                                                          const uint8_t *next, int64_t T, int64_t t, const int bits) {
-  const int64_t B = K / QB, rec_size = RECB(bits);
+                                                          const uint8_t *next, int64_t T, int64_t t, const int bits,
+                                                          const int64_t G) {
+  const int64_t B = K / QB, grec = GRECB(bits, G), share = grec / G;
   __m512 acc[MRQ][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const __m512i flip = _mm512_set1_epi8((char)0x80);
-  for (int64_t b = 0; b < B; ++b, rec += rec_size) {
+  for (int64_t b = 0, i = 0; b < B; ++b, i = i + 1 < G ? i + 1 : 0, rec += i ? 0 : grec) {
     if (b % T == t)
-      for (int64_t c = 0; c < rec_size; c += 64) _mm_prefetch((const char *)(next + b * rec_size + c), _MM_HINT_T1);
-    const uint8_t *qs = rec + 2 * NR * 4;
+      for (int64_t c = b * share & ~63; c < (b + 1) * share; c += 64) _mm_prefetch((const char *)(next + c), _MM_HINT_T1);
+    const uint8_t *qs = rec + 2 * NR * 4 + i * QBYTES(bits);
     __m512i is[MRQ][2];
     for (int r = 0; r < R; ++r) is[r][0] = is[r][1] = _mm512_setzero_si512();
     const int32_t *xk = (const int32_t *)(xq + b * QB); /* the 8 groups of 4 int8 of this block */
@@ -504,8 +538,8 @@ static void amx_configure_legacy(void) {
 /* Rows [0, M16) of one panel of a legacy format on AMX (M16 a multiple of 16). */
 static void amx_panel_i8(float *y, int64_t ldy, const int8_t *xq, const float *dx, const float *sx,
                          const uint8_t *rec, const float *bias, int64_t M16, int64_t K, __mmask16 m0, __mmask16 m1,
-                         const int bits) {
-  const int64_t B = K / QB, rec_size = RECB(bits);
+                         const int bits, const int64_t G) {
+  const int64_t B = K / QB, grec = GRECB(bits, G);
   const __m512i low = _mm512_set1_epi8(0x0F);
   uint8_t u[2][8][64] __attribute__((aligned(64))); /* a 4-bit block's q as bytes */
   int32_t c[2][AMX_ROWS][16] __attribute__((aligned(64)));
@@ -513,19 +547,19 @@ static void amx_panel_i8(float *y, int64_t ldy, const int8_t *xq, const float *d
     __m512 acc[AMX_ROWS][2];
     for (int r = 0; r < AMX_ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < B; ++b) {
-      const uint8_t *rb = rec + b * rec_size;
+      const uint8_t *rb = rec + b / G * grec, *qs = rb + 2 * NR * 4 + b % G * QBYTES(bits); /* d, m; q */
       _tile_zero(2);
       _tile_zero(3);
       _tile_loadd(0, xq + m * K + b * QB, K);
       if (bits == 8) {
-        _tile_loadd(1, rb + 2 * NR * 4, 64);
+        _tile_loadd(1, qs, 64);
         _tile_dpbssd(2, 0, 1);
-        _tile_loadd(1, rb + 2 * NR * 4 + 8 * 64, 64);
+        _tile_loadd(1, qs + 8 * 64, 64);
         _tile_dpbssd(3, 0, 1);
       } else {
         for (int h = 0; h < 2; ++h)
           for (int g = 0; g < 4; ++g) { /* vector g: groups g (low nibbles) and g + 4 (high) */
-            const __m512i v = _mm512_loadu_si512(rb + 2 * NR * 4 + (h * 4 + g) * 64);
+            const __m512i v = _mm512_loadu_si512(qs + (h * 4 + g) * 64);
             _mm512_store_si512(u[h][g], _mm512_and_si512(v, low));
             _mm512_store_si512(u[h][g + 4], _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
           }
@@ -643,13 +677,14 @@ static int gemm_packed_k(float *y, int64_t ldy, const float *x, int64_t ldx, con
 
 #define CASE_I8(R) case R: TILE_I8(R); break;
 #define TILE_I8(R)                                                                                  \
-  if (bits == 4) tile_i8(yy, ldy, xx, dd, ss, w, bb, K, m0, m1, R, wn, tiles, t, 4);                \
-  else tile_i8(yy, ldy, xx, dd, ss, w, bb, K, m0, m1, R, wn, tiles, t, 8)
+  if (bits == 4) tile_i8(yy, ldy, xx, dd, ss, w, bb, K, m0, m1, R, wn, tiles, t, 4, G);             \
+  else tile_i8(yy, ldy, xx, dd, ss, w, bb, K, m0, m1, R, wn, tiles, t, 8, 1)
 
 /* Quantized rows [0, M) against every panel (split between threads in contiguous ranges). */
 static void row_block_i8(float *y, int64_t ldy, const int8_t *xq, const float *dx, const float *sx,
-                         const uint8_t *wp, const float *bias, int64_t M, int64_t N, int64_t K, const int bits) {
-  const int64_t P = (N + NR - 1) / NR, B = K / QB, panel = B * RECB(bits);
+                         const uint8_t *wp, const float *bias, int64_t M, int64_t N, int64_t K, const int bits,
+                         const int64_t G) {
+  const int64_t P = (N + NR - 1) / NR, panel = K / QB / G * GRECB(bits, G);
   const int64_t amx_rows = amx_rows_of(M);
   const int64_t tiles = (M - amx_rows + MRQ - 1) / MRQ;
 #pragma omp parallel
@@ -666,14 +701,14 @@ static void row_block_i8(float *y, int64_t ldy, const int8_t *xq, const float *d
     const float *bb = out.bias;
     int64_t m = 0;
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-    if (amx_rows) amx_panel_i8(y + p * NR, ldy, xq, dx, sx, w, bb, amx_rows, K, m0, m1, bits);
+    if (amx_rows) amx_panel_i8(y + p * NR, ldy, xq, dx, sx, w, bb, amx_rows, K, m0, m1, bits, G);
     m = amx_rows;
 #endif
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t rows = tile_height(M - amx_rows, m - amx_rows, tiles, t);
       float *yy = y + m * ldy + p * NR;
       const int8_t *xx = xq + m * K;
-      const float *dd = dx + m * B, *ss = sx + m * B;
+      const float *dd = dx + m * (K / QB), *ss = sx + m * (K / QB);
       switch (rows) {
         CASE_I8(1) CASE_I8(2) CASE_I8(3) CASE_I8(4) CASE_I8(5)
         default: TILE_I8(6); break;
@@ -843,12 +878,13 @@ static inline __attribute__((always_inline)) void dot_q4_v(VI acc[], const uint8
 /* Rows [0, R) of quarter q of one panel of a legacy format over all blocks (tile_i8's arithmetic). */
 static inline __attribute__((always_inline)) void tile_v(float *y, int64_t ldy, const int8_t *xq, const float *dx,
                                                          const float *sx, const uint8_t *rec, const float *bias,
-                                                         int64_t K, int q, int live, const int R, const int bits) {
-  const int64_t B = K / QB, rec_size = RECB(bits);
+                                                         int64_t K, int q, int live, const int R, const int bits,
+                                                         const int64_t G) {
+  const int64_t B = K / QB, grec = GRECB(bits, G);
   const int half = q / 2, off = (q % 2) * 32;
   float acc[MRV][LANES] = {{0.f}};
-  for (int64_t b = 0; b < B; ++b, rec += rec_size) {
-    const uint8_t *qs = rec + 2 * NR * 4 + half * (bits == 4 ? 4 : 8) * 64 + off;
+  for (int64_t b = 0, i = 0; b < B; ++b, i = i + 1 < G ? i + 1 : 0, rec += i ? 0 : grec) {
+    const uint8_t *qs = rec + 2 * NR * 4 + i * QBYTES(bits) + half * (bits == 4 ? 4 : 8) * 64 + off;
     const float *d = (const float *)rec + q * LANES, *e = (const float *)rec + NR + q * LANES;
     const int32_t *xk = (const int32_t *)(xq + b * QB);
     VI is[MRV];
@@ -915,15 +951,16 @@ static inline __attribute__((always_inline)) void tile_kv(float *y, int64_t ldy,
 #define CASE_V(R)                                                                                            \
   case R:                                                                                                    \
     if (kf) tile_kv(yy, ldy, xq + m * K, dx + m * B, bsum + m * (K / 16), w, bb, K, (int)q, live, R, fmt);   \
-    else if (fmt == 4) tile_v(yy, ldy, xq + m * K, dx + m * B, sx + m * B, w, bb, K, (int)q, live, R, 4);    \
-    else tile_v(yy, ldy, xq + m * K, dx + m * B, sx + m * B, w, bb, K, (int)q, live, R, 8);                  \
+    else if (bits == 4) tile_v(yy, ldy, xq + m * K, dx + m * B, sx + m * B, w, bb, K, (int)q, live, R, 4, G); \
+    else tile_v(yy, ldy, xq + m * K, dx + m * B, sx + m * B, w, bb, K, (int)q, live, R, 8, 1);               \
     break;
 
 /* gemm_packed_i8 for one format without VNNI: quantize every row, then panels x quarters x row tiles. */
 static int gemm_packed_v(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *wp, const float *bias,
                          int64_t M, int64_t N, int64_t K, const int fmt) {
-  const int kf = is_kfmt(fmt);
-  const int64_t blk = kf ? QK : QB, B = K / blk, panel = B * (kf ? KREC(fmt) : RECB(fmt));
+  const int kf = is_kfmt(fmt), bits = fmt_bits(fmt);
+  const int64_t blk = kf ? QK : QB, B = K / blk, G = fmt_group(fmt);
+  const int64_t panel = kf ? B * KREC(fmt) : B / G * GRECB(bits, G);
   int8_t *xq = (int8_t *)malloc((size_t)(M ? M : 1) * (K + 8 * B + 4 * (K / 16)));
   if (xq == NULL) return -1;
   float *dx = (float *)(xq + M * K), *sx = dx + M * B;
@@ -969,7 +1006,7 @@ int gemm_packed_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const uin
   }
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (is_kfmt(bits)) return gemm_packed_k(y, ldy, x, ldx, wp, bias, M, N, K, (int)bits);
-  const int64_t B = K / QB;
+  const int64_t B = K / QB, G = fmt_group(bits);
   int8_t *xq = (int8_t *)malloc((size_t)(M ? M : 1) * (K + 8 * B));
   if (xq == NULL) return -1;
   float *dx = (float *)(xq + M * K), *sx = dx + M * B; /* K is a multiple of 32: aligned for floats */
@@ -981,10 +1018,10 @@ int gemm_packed_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const uin
   const int64_t rows = amx_rows_of(M) ? AMX_ROW_BLOCK : 256 / MRQ * MRQ;
   for (int64_t m = 0; m < M; m += rows) {
     const int64_t r = M - m < rows ? M - m : rows;
-    if (bits == 4)
-      row_block_i8(y + m * ldy, ldy, xq + m * K, dx + m * B, sx + m * B, wp, bias, r, N, K, 4);
+    if (fmt_bits(bits) == 4)
+      row_block_i8(y + m * ldy, ldy, xq + m * K, dx + m * B, sx + m * B, wp, bias, r, N, K, 4, G);
     else
-      row_block_i8(y + m * ldy, ldy, xq + m * K, dx + m * B, sx + m * B, wp, bias, r, N, K, 8);
+      row_block_i8(y + m * ldy, ldy, xq + m * K, dx + m * B, sx + m * B, wp, bias, r, N, K, 8, 1);
   }
   free(xq);
   return 0;

@@ -21,11 +21,32 @@ from pagellm.kernels import gemm
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 # The weight formats (``bits`` in the C interface): GGUF's legacy blocks of 32 at 4 or 8 bits,
-# K-quant super-blocks of 256 (K4: Q4_K's 4 bits; K6: 6 bits, any K type), and PARTS: runs of
-# output rows each in its own format (a fused projection whose tensors differ in type).
-Q4_BLOCKS, Q8_BLOCKS, K4, K6, PARTS = 4, 8, 0x104, 0x106, 0x200
+# K-quant super-blocks of 256 (K4: Q4_K's 4 bits; K6: 6 bits, any K type), PARTS: runs of output
+# rows each in its own format (a fused projection whose tensors differ in type), and Q4_GROUPS + G
+# (:func:`q4_format`): 4-bit blocks whose d and m G consecutive blocks share (an AWQ / GPTQ group).
+Q4_BLOCKS, Q8_BLOCKS, K4, K6, PARTS, Q4_GROUPS = 4, 8, 0x104, 0x106, 0x200, 0x10000
 FORMATS = {Q4_BLOCKS: "4-bit blocks", Q8_BLOCKS: "8-bit blocks", K4: "K4 super-blocks", K6: "K6 super-blocks",
            PARTS: "parts in their own formats"}
+
+
+def q4_format(blocks: int) -> int:
+    """The format of 4-bit blocks of 32 whose d and m are shared by ``blocks`` consecutive blocks
+    (a group of 32 ``blocks`` inputs): 4.5 bits per weight where ``Q4_BLOCKS``' record holds 6."""
+    if not 1 <= blocks < 0x10000:
+        raise ValueError(f"blocks must be in 1..65535, got {blocks}")
+    return Q4_BLOCKS if blocks == 1 else Q4_GROUPS + blocks
+
+
+def format_name(fmt: int) -> str:
+    """How the ``numerics:`` line names a kernel format."""
+    return f"4-bit groups of {32 * (fmt - Q4_GROUPS)}" if fmt > Q4_GROUPS else FORMATS.get(fmt, str(fmt))
+
+
+def _k_multiple(fmt: int) -> int | None:
+    """What a weight's K must be a multiple of in ``fmt`` (``None``: not a single format)."""
+    if fmt > Q4_GROUPS:
+        return 32 * (fmt - Q4_GROUPS) if fmt - Q4_GROUPS < 0x10000 else None
+    return {Q4_BLOCKS: 32, Q8_BLOCKS: 32, K4: 256, K6: 256}.get(fmt)
 SIGNATURES: kernels.Signatures = {
     "gemm_i8_supported": (ctypes.c_int, []),
     "gemm_i8_amx": (ctypes.c_int, [ctypes.c_int]),
@@ -108,7 +129,8 @@ def _into(out: torch.Tensor | None, rows: int, k: int, fmt: int, row0: int) -> t
 def pack_blocks(d: np.ndarray, m: np.ndarray, q: np.ndarray, bits: int, out: torch.Tensor | None = None,
                 row0: int = 0) -> torch.Tensor:
     """The packed weight of GGUF blocks of 32 given as fields (``weights/gguf_quant.legacy_fields``):
-    ``w = d q + m`` per block, d and m ``[N, K / 32]``, q ``[N, K]``; into ``out`` from output
+    ``w = d q + m`` per block, d and m ``[N, K / 32]``, q ``[N, K]``, in ``Q4_BLOCKS``, ``Q8_BLOCKS``
+    or a :func:`q4_format` (whose groups' blocks must have equal d and m); into ``out`` from output
     ``row0`` on if given (a weight packed a slice of rows at a time)."""
     lib = _lib()
     assert lib is not None, "check supported() first"
@@ -116,7 +138,7 @@ def pack_blocks(d: np.ndarray, m: np.ndarray, q: np.ndarray, bits: int, out: tor
     d, m, q = _c(d, np.float32), _c(m, np.float32), _c(q, np.int32)
     out, at = _into(out, n, k, bits, row0)
     if not lib.pack_blocks_i8(at, d.ctypes.data, m.ctypes.data, q.ctypes.data, n, k, bits):
-        raise ValueError(f"cannot pack [{n}, {k}] as {bits}-bit blocks of 32")
+        raise ValueError(f"cannot pack [{n}, {k}] as {format_name(bits)}")
     return out
 
 
@@ -163,8 +185,8 @@ def _fits(packed: torch.Tensor, bits: int, n: int, k: int) -> bool:
         parts = parts_of(packed) if packed.numel() >= 8 else []
         return (sum(rows for _, rows, _ in parts) == n and all(fmt != PARTS and _fits(
             packed[off:off + packed_size(rows, k, fmt)], fmt, rows, k) for fmt, rows, off in parts))
-    return bits in FORMATS and not k % (256 if bits in (K4, K6) else 32) and \
-        packed.numel() == packed_size(n, k, bits)
+    multiple = _k_multiple(bits)
+    return multiple is not None and not k % multiple and packed.numel() == packed_size(n, k, bits)
 
 
 class BoundWeight:

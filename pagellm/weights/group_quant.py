@@ -2,8 +2,9 @@
 
 Both formats store, per group of ``group_size`` inputs and per output, a scale ``s`` and an integer
 zero point ``z``: ``w = s (q - z)``. That is the kernel's 4-bit block ``w = d q + m`` with ``d = s``
-and ``m = -z s`` for each block of 32 inputs (a group of 32, 64 or 128 is 1, 2 or 4 blocks), both
-exact in float32 (s is 16-bit, z < 16): nothing is rounded on the way. An 8-bit symmetric weight
+and ``m = -z s`` for each block of 32 inputs (a group of 32, 64 or 128 is 1, 2 or 4 blocks, which
+share one d and m in the kernel's record: ``gemm_int8.q4_format``), both exact in float32 (s is
+16-bit, z < 16): nothing is rounded on the way. An 8-bit symmetric weight
 (z = 128) is the kernel's 8-bit block ``d (q - 128)``. Every other kernel gets ``dequantize``, the
 same values in float32.
 
@@ -27,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagellm.kernels.gemm_int8 import Q4_BLOCKS, Q8_BLOCKS
+from pagellm.kernels.gemm_int8 import Q4_BLOCKS, Q8_BLOCKS, q4_format
 from pagellm.weights.quant_blocks import QuantizedBlocks
 
 AWQ_UNPACK_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])  # output j of a word is its nibble AWQ_UNPACK_ORDER[j]
@@ -120,7 +121,12 @@ class GroupQuantBlocks(QuantizedBlocks):
     def kernel_format(self) -> int | None:
         if not self._in_order():  # (act-order would need the inputs permuted before the kernel)
             return None
-        return Q4_BLOCKS if self.scheme.bits == 4 else Q8_BLOCKS
+        if self.scheme.bits == 8:
+            return Q8_BLOCKS
+        k = self.shape[1]
+        group = k if self.scheme.group_size == -1 else self.scheme.group_size
+        # d and m once per group where the groups are whole runs of blocks, else per block
+        return q4_format(group // 32) if group % 32 == 0 and k % group == 0 else Q4_BLOCKS
 
     def unpacked(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(q [n, K], s [n, groups], z [n, groups])``: integers, float32 scales, integer zero points."""

@@ -318,7 +318,7 @@ class ModelLoader:
                             "the int8 kernel", head_scheme.name)
         if weight_types:
             logger.info("numerics: quantized projections %s", ", ".join(
-                f"{t} x{n}: {'int8 GEMMs (' + gemm_int8.FORMATS[f] + ')' if numerics.int8 and f else 'dequantized'}"
+                f"{t} x{n}: {'int8 GEMMs (' + gemm_int8.format_name(f) + ')' if numerics.int8 and f else 'dequantized'}"
                 for (t, f), n in sorted(weight_types.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0))))
         return numerics, packed_int8
 
