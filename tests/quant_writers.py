@@ -77,14 +77,17 @@ def gptq_tensors(q, s, z, g_idx, bits: int, v2: bool) -> dict[str, torch.Tensor]
 def write_quantized(src: str, dst: str, deq: str, method: str, bits: int = 4, group: int = 32, sym: bool = False,
                     v2: bool = False, act_order: bool = False, seed: int = 0) -> None:
     """``src``'s projections quantized into an AWQ or GPTQ checkpoint ``dst``, and the same weights
-    dequantized in float64 (stored float32: exact) into a plain checkpoint ``deq`` for HF."""
+    dequantized in float64 (stored float32: exact) into a plain checkpoint ``deq`` for HF. Every
+    other tensor is stored in float16, as AutoAWQ and AutoGPTQ save them (``deq`` holds the same
+    values in float32)."""
     rng = np.random.default_rng(seed)
     tensors = load_file(os.path.join(src, "model.safetensors"))
     packed, dense = {}, {}
     for name, t in tensors.items():
         prefix, _, leaf = name.rpartition(".")
         if leaf != "weight" or prefix.rpartition(".")[2] not in PROJECTIONS:
-            packed[name] = dense[name] = t
+            packed[name] = t.half()
+            dense[name] = packed[name].float()
             continue
         w = t.double().numpy()
         perm = rng.permutation(w.shape[1]) if act_order else None

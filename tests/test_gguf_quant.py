@@ -384,3 +384,21 @@ def test_embedding_rows_are_gguf_dequantizer_rows_few_or_many(qtype):
             got = blocks.gather_rows(ids)
             assert got.dtype == torch.float32 and got.shape == (*ids.shape, 128)
             assert torch.equal(got, torch.from_numpy(rows[ids.numpy()])), (qtype, ids.shape)
+
+
+def test_q8_0_on_packing_quantizes_each_slice_as_the_whole(monkeypatch):
+    """A float weight quantized to Q8_0 a slice of rows at a time as it is packed (an AWQ checkpoint's
+    LM head): every slice's values are ``gguf``'s quantizer's for those rows, and the packed weight
+    is the one packed from the whole weight's blocks (Q8_0 is per block of 32 along a row)."""
+    require_int8_kernel()
+    from pagellm.layers import weight_formats
+
+    w = torch.randn(300, 96) * torch.logspace(-3, 2, 300)[:, None]
+    lazy = gq.Q8_0OnPacking(lambda lo, hi: w[lo:hi], tuple(w.shape))
+    whole = gguf.dequantize(gguf.quantize(w.numpy(), T.Q8_0), T.Q8_0)
+    assert lazy.type_name == "Q8_0" and lazy.kernel_format() == gemm_int8.Q8_BLOCKS
+    assert np.array_equal(lazy.take(37, 211).dequantize().numpy(), whole[37:211])
+    blocks = gq.GGUFBlocks(gguf.quantize(w.numpy(), T.Q8_0), T.Q8_0, tuple(w.shape))
+    whole_packed = weight_formats._pack_blocks([blocks], gemm_int8.Q8_BLOCKS)
+    monkeypatch.setattr(weight_formats, "PACK_ROWS", 64)  # 5 slices, each quantized on its own
+    assert torch.equal(weight_formats._pack_blocks([lazy], gemm_int8.Q8_BLOCKS), whole_packed)

@@ -126,11 +126,12 @@ def quantized(ckpt_root, tmp_path_factory):
     symmetric (v2), each beside its weights dequantized as a plain checkpoint."""
     from quant_writers import write_quantized
 
-    src = build_tiny_checkpoint(ckpt_root, "llama")
     root = tmp_path_factory.mktemp("group-quant")
     out = {}
     for name, kw in {"awq": dict(method="awq", group=32), "gptq": dict(method="gptq", group=64),
-                     "gptq8": dict(method="gptq", bits=8, group=32, sym=True, v2=True)}.items():
+                     "gptq8": dict(method="gptq", bits=8, group=32, sym=True, v2=True),
+                     "awq-tied": dict(method="awq", group=64)}.items():
+        src = build_tiny_checkpoint(ckpt_root, "llama", tie=name.endswith("-tied"))
         out[name] = (str(root / name), str(root / f"{name}-dequantized"))
         write_quantized(src, *out[name], **kw)
     return out
@@ -153,11 +154,12 @@ def test_float32_greedy_equals_hf_on_the_dequantized_weights(quantized, name):
     assert_equal_but_float32_ties(hf, prompts, got, hf_greedy(hf, prompts))
 
 
-@pytest.mark.parametrize("name", ["awq", "gptq8"])
+@pytest.mark.parametrize("name", ["awq", "gptq8", "awq-tied"])
 def test_default_numerics_keep_them_at_width(quantized, name, caplog):
     """dtype auto: every projection packed from the checkpoint's integers (no float weight written),
-    the numerics line naming the format; tokens logprob-close to float32; a prompt alone gives the
-    tokens it gives in the batch."""
+    the numerics line naming the format; the 16-bit embedding kept in 16 bits and the LM head (its
+    own or the tied one) quantized to Q8_0; tokens logprob-close to float32; a prompt alone gives
+    the tokens it gives in the batch."""
     require_int8_kernel()
     from test_numerics import MAX_GAP, check_logprobs_close, engine_greedy_top
 
@@ -172,15 +174,24 @@ def test_default_numerics_keep_them_at_width(quantized, name, caplog):
     with caplog.at_level("INFO", logger="pagellm.worker.model_loader"):
         got, engine = engine_greedy_top(path, prompts, 16)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("numerics: ")]
-    kind = "AWQ int4 g32 x14: int8 GEMMs (4-bit" if name == "awq" else "GPTQ int8 g32 x14: int8 GEMMs (8-bit"
+    kind = {"awq": "AWQ int4 g32 x14: int8 GEMMs (4-bit blocks)", "gptq8": "GPTQ int8 g32 x14: int8 GEMMs (8-bit",
+            "awq-tied": "AWQ int4 g64 x14: int8 GEMMs (4-bit groups of 64)"}[name]
     assert any(kind in line for line in lines), lines
     assert any("every projection is stored blocks the int8 kernel" in line for line in lines), lines
     model = engine.executor.worker.model
     layers = [m for n, m in model.named_modules() if isinstance(m, Linear) and ".layers." in n]
     assert len(layers) == 8 and all(isinstance(m.weight_format, Int8Packed) and m.weight.is_meta for m in layers)
     # the 16-bit LM head as Q8_0 blocks (the numerics line says so): not read in float32 beside 4-bit layers
-    assert model.lm_head.weight_format.fmt == gemm_int8.Q8_BLOCKS
+    head = model.tied_head if name.endswith("-tied") else model.lm_head
+    assert head.weight_format.fmt == gemm_int8.Q8_BLOCKS
     assert any("LM head (16-bit in the" in line and "quantized to Q8_0" in line for line in lines), lines
+    embed = model.model.embed_tokens  # its rows widened from the file's float16 as tokens need them
+    assert embed.kept_rows is not None and embed.kept_rows.type_name == "F16" and embed.weight.is_meta
+    from safetensors.torch import load_file
+
+    stored = load_file(os.path.join(path, "model.safetensors"))["model.embed_tokens.weight"]
+    ids = torch.tensor([[0, 5, 49151], [7, 7, 1]])
+    assert stored.dtype == torch.float16 and torch.equal(embed(ids), stored[ids].float())
     ref, _ = engine_greedy_top(path, prompts, 16, dtype="float32")
     gaps = check_logprobs_close(got, ref)
     assert all(g <= MAX_GAP["int8"] for g in gaps), f"divergences at logprob gaps {gaps}"

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import gguf
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from pagellm.layers.weight_formats import Int8Packed, KeptBlocks, WeightFormat, pack_weight
-from pagellm.weights.gguf_quant import GGUFBlocks
+from pagellm.weights.gguf_quant import Q8_0OnPacking
 from pagellm.weights.quant_blocks import QuantizedBlocks
 
 
@@ -70,14 +68,20 @@ class Linear(nn.Linear):
         return None if self.kept_blocks is None else self.kept_blocks.kernel_format()
 
     def quantize_to_q8_0(self) -> bool:
-        """Replace the loaded weight with its GGUF Q8_0 blocks (``gguf``'s quantizer: 8 bits per
-        value, a half-precision scale per 32), which :meth:`pack_for_cpu` then packs for the int8
-        kernel; ``False`` (nothing changed) for K not a multiple of 32."""
+        """Replace the loaded weight (or the blocks kept for it: an AWQ checkpoint's 16-bit head) with
+        its GGUF Q8_0 blocks (``gguf``'s quantizer: 8 bits per value, a half-precision scale per 32),
+        made as :meth:`pack_for_cpu` packs them for the int8 kernel; ``False`` (nothing changed) for
+        K not a multiple of 32."""
         if self.in_features % 32:
             return False
-        w = self.weight.detach().float().numpy()
+        kept = self.kept_blocks.ordered() if self.kept_blocks is not None else []
+        dense = self.dense_weight() if len(kept) > 1 else self.weight.detach()
+
+        def rows(lo: int, hi: int) -> torch.Tensor:
+            return kept[0].take(lo, hi).dequantize() if len(kept) == 1 else dense[lo:hi].float()
+
         self.kept_blocks = None
-        self.load_blocks(GGUFBlocks(gguf.quantize(w, T.Q8_0), T.Q8_0, (self.out_features, self.in_features)), None)
+        self.load_blocks(Q8_0OnPacking(rows, (self.out_features, self.in_features)), None)
         self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"), requires_grad=False)
         return True
 

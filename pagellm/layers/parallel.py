@@ -22,7 +22,7 @@ from torch import nn
 
 from pagellm.distributed import TensorParallelGroup, shard_range
 from pagellm.layers.linear import Linear
-from pagellm.weights.gguf_quant import GGUFBlocks
+from pagellm.weights.quant_blocks import QuantizedBlocks
 
 
 class ColumnParallelLinear(Linear):
@@ -89,9 +89,10 @@ class VocabParallelEmbedding(nn.Embedding):
         super().__init__(self.vocab_range[1], hidden_size)
         self.tp = tp
 
-    # A GGUF file's blocks, whose rows are dequantized as tokens need them (an unsharded embedding
-    # whose float copy would outweigh the quantized model; ``DecoderForCausalLM.pack_for_cpu`` decides).
-    gguf_blocks: GGUFBlocks | None = None
+    # The checkpoint's own rows (a GGUF file's blocks, an AWQ checkpoint's 16 bits), widened to float32
+    # as tokens need them: an unsharded embedding whose float copy would outweigh the quantized
+    # model (``models/cpu_packing.pack_for_cpu`` decides).
+    kept_rows: QuantizedBlocks | None = None
 
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:  # (as ``Linear.reset_parameters``: nothing to write on meta)
@@ -102,14 +103,14 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def materialize(self) -> None:
         """Write the kept blocks into the float weight and read rows from it from now on."""
-        if self.gguf_blocks is not None:
+        if self.kept_rows is not None:
             with torch.no_grad():
-                self.weight.copy_(self.gguf_blocks.dequantize())
-            self.gguf_blocks = None
+                self.weight.copy_(self.kept_rows.dequantize())
+            self.kept_rows = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.gguf_blocks is not None:
-            return self.gguf_blocks.gather_rows(input_ids)
+        if self.kept_rows is not None:
+            return self.kept_rows.gather_rows(input_ids)
         if self.tp.world_size == 1:
             return super().forward(input_ids)
         start, size = self.vocab_range

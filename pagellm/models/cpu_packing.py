@@ -15,7 +15,6 @@ from pagellm.kernels import gemm_int8
 from pagellm.layers.linear import Linear
 from pagellm.layers.parallel import VocabParallelEmbedding
 from pagellm.layers.weight_formats import Int8Packed
-from pagellm.weights.gguf_quant import GGUFBlocks
 from pagellm.weights.quant_blocks import QuantizedBlocks
 
 if TYPE_CHECKING:
@@ -34,13 +33,13 @@ def pack_for_cpu(model: DecoderForCausalLM, compute_dtype: torch.dtype = torch.f
     in float32 it would be read at 4x the bytes of every 4-bit projection's share)."""
     embed = model.model.embed_tokens
     tied = model.tied_head_blocks
-    # The embedding's blocks are kept only where no float copy is needed: the LM head is its own
-    # weight, or takes the same blocks on the int8 kernel.
+    # The embedding's rows are kept only where no float copy is needed: the LM head is its own
+    # weight, takes the same blocks on the int8 kernel, or is quantized from them to Q8_0.
     keep_embed = int8 and gemm_int8.supported() and (
-        model.lm_head is not None or (tied is not None and tied.kernel_format() is not None))
+        model.lm_head is not None or head_q8_0 or (tied is not None and tied.kernel_format() is not None))
     if not keep_embed:
         embed.materialize()
-    if head_q8_0 and model.lm_head is not None and model.lm_head.kept_blocks is None:
+    if head_q8_0 and model.lm_head is not None and model.lm_head.blocks_format() is None:
         model.lm_head.quantize_to_q8_0()
     for module in model.modules():
         if isinstance(module, Linear):
@@ -53,14 +52,14 @@ def pack_for_cpu(model: DecoderForCausalLM, compute_dtype: torch.dtype = torch.f
         head.weight = embed.weight  # shared: batches past the kernel's read the embedding itself
         if model.tied_head_blocks is not None and int8:
             head.load_blocks(model.tied_head_blocks, None)
-            if head.blocks_format() is None:
-                head.kept_blocks = None  # (the embedding holds its floats already)
         model.tied_head_blocks = None
-        if head_q8_0 and head.kept_blocks is None:
-            head.quantize_to_q8_0()  # (the head's own weight: the embedding keeps its floats)
+        if head_q8_0 and head.blocks_format() is None:
+            head.quantize_to_q8_0()  # (from the kept rows or the embedding's floats: the head's own weight)
+        elif head.blocks_format() is None:
+            head.kept_blocks = None  # (the embedding holds its floats already)
         if head.pack_for_cpu(compute_dtype, int8):
             model.tied_head = head
-    if embed.gguf_blocks is not None:
+    if embed.kept_rows is not None:
         embed.weight = nn.Parameter(torch.empty(embed.weight.shape, device="meta"), requires_grad=False)
     return sum(isinstance(m.weight_format, Int8Packed) for m in model.modules()
                if isinstance(m, Linear))  # tied_head included
@@ -71,9 +70,9 @@ def keep_blocks(module: nn.Module, param: torch.Tensor, target: str, shard_idx: 
     """Hand a quantized tensor's blocks to its module at their width; the loaded names, or none where
     the module needs a float copy. (An embedding kept as GGUF blocks reads its rows from the file's
     read-only mapping as tokens need them: only the pages of rows used count in the RSS.)"""
-    if (isinstance(module, VocabParallelEmbedding) and isinstance(blocks, GGUFBlocks) and module.tp.world_size == 1
+    if (isinstance(module, VocabParallelEmbedding) and blocks.row_lookup and module.tp.world_size == 1
             and tuple(param.shape) == blocks.shape):
-        module.gguf_blocks = blocks
+        module.kept_rows = blocks
         return [target]
     if not isinstance(module, Linear) or param.shape[1] != blocks.shape[1]:
         return []

@@ -20,6 +20,7 @@ class QuantizedBlocks:
     """One 2-D weight ``[N, K]`` (PyTorch's order) as its checkpoint stores it."""
 
     shape: tuple[int, int]
+    row_lookup = False  # whether an embedding reads its rows from it (:meth:`gather_rows`)
 
     @property
     def type_name(self) -> str:
@@ -40,6 +41,10 @@ class QuantizedBlocks:
 
     def dequantize(self) -> torch.Tensor:
         """The weight in float32 (a new tensor): every stored value exactly."""
+        raise NotImplementedError
+
+    def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [...]`` -> their rows in float32 ``[..., K]`` (an embedding lookup; see ``row_lookup``)."""
         raise NotImplementedError
 
     def release(self) -> None:

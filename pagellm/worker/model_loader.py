@@ -32,6 +32,7 @@ from pagellm.weights.group_quant import GroupQuantScheme, iter_group_quant
 from pagellm.weights.loader import projection_dtype
 from pagellm.weights.pooling_setup import resolve_pooling
 from pagellm.weights.quant_config import group_quant_scheme
+from pagellm.weights.rows16 import Rows16
 from pagellm.worker.cache_engine import HostKVMemory
 from pagellm.worker.host_malloc import trim
 
@@ -54,16 +55,18 @@ def first_layer_linears(model: DecoderForCausalLM) -> list[Linear]:
 
 def quantized_weight_types(model: DecoderForCausalLM) -> dict[tuple[str, int | None], int]:
     """``(stored type, int8 kernel format or None)`` -> how many projections hold such blocks, before
-    packing (what the start-up ``numerics:`` line reports)."""
+    packing (what the start-up ``numerics:`` line reports; a 16-bit LM head kept beside AWQ / GPTQ
+    projections has a line of its own)."""
     counts: dict[tuple[str, int | None], int] = {}
     for m in model.modules():
         if isinstance(m, Linear) and m.kept_blocks is not None:
             fmt = m.blocks_format()
             for b in m.kept_blocks.parts.values():
-                key = (b.type_name, None if fmt is None else b.kernel_format())
-                counts[key] = counts.get(key, 0) + 1
+                if not isinstance(b, Rows16):
+                    key = (b.type_name, None if fmt is None else b.kernel_format())
+                    counts[key] = counts.get(key, 0) + 1
     tied = model.tied_head_blocks  # (packed for the LM head with the rest, if the kernel takes it)
-    if tied is not None:
+    if tied is not None and not isinstance(tied, Rows16):
         key = (f"{tied.type_name} (tied LM head)", tied.kernel_format() if gemm_int8.supported() else None)
         counts[key] = counts.get(key, 0) + 1
     return counts
