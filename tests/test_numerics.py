@@ -314,7 +314,7 @@ def test_quantization_q8_0_quantizes_on_load_and_stays_logprob_close(ckpt_root, 
         got, engine = engine_greedy_top(path, prompts, NEW_TOKENS, quantization="q8_0")
     assert engine.model_info.dtype == "int8"
     lines = [r.getMessage() for r in caplog.records]
-    assert any("quantized 8 of 8 projections to Q8_0" in m for m in lines), lines  # 2 layers x qkv, o, gate_up, down
+    assert any("8 of 8 projections quantized to Q8_0" in m for m in lines), lines  # 2 layers x qkv, o, gate_up, down
     assert any("Q8_0 x8: int8 GEMMs (8-bit blocks)" in m for m in lines), lines
     assert any("projections loaded in bfloat16" in m for m in lines), lines
     gaps = check_logprobs_close(got, ref)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -298,15 +297,11 @@ class ModelLoader:
                 numerics = choose_numerics(self.config.model.dtype, [m.dense_weight() for m in linears],
                                            probe=probe, quantization=quantization,
                                            int8_weights=kept if kept and len(kept) == len(linears) else None)
-        if numerics.int8 and quantization == "q8_0":
-            start = time.perf_counter()
+        if numerics.int8 and quantization == "q8_0":  # (each quantized a slice at a time as it is packed)
             layers = [m for m in model.model.layers.modules() if isinstance(m, Linear)]
-            done = 0
-            for m in layers:
-                done += m.quantize_to_q8_0()
-                trim()  # (each weight's float transient handed back before the next)
-            logger.info("quantized %d of %d projections to Q8_0 on load in %.1f s", done, len(layers),
-                        time.perf_counter() - start)
+            done = sum(m.quantize_to_q8_0() for m in layers)
+            logger.info("quantization='q8_0': %d of %d projections quantized to Q8_0 as they are packed", done,
+                        len(layers))
         weight_types = quantized_weight_types(model)
         packed_int8 = 0
         scheme = self._schemes.pop(id(model), None)
