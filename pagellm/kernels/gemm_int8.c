@@ -259,7 +259,7 @@ static inline __attribute__((always_inline)) void tile_i8(float *y, int64_t ldy,
   const __m512i flip = _mm512_set1_epi8((char)0x80);
   for (int64_t b = 0, i = 0; b < B; ++b, i = i + 1 < G ? i + 1 : 0, rec += i ? 0 : grec) {
     if (b % T == t)
-      for (int64_t c = b * share & ~63; c < (b + 1) * share; c += 64) _mm_prefetch((const char *)(next + c), _MM_HINT_T1);
+      for (int64_t c = (b * share) & ~63; c < (b + 1) * share; c += 64) _mm_prefetch((const char *)(next + c), _MM_HINT_T1);
     const uint8_t *qs = rec + 2 * NR * 4 + i * QBYTES(bits);
     __m512i is[MRQ][2];
     for (int r = 0; r < R; ++r) is[r][0] = is[r][1] = _mm512_setzero_si512();
@@ -991,11 +991,11 @@ static int gemm_packed_v(float *y, int64_t ldy, const float *x, int64_t ldx, con
 }
 #endif
 
-/* y = x W^T (+ bias) for W packed by pack_weight_i8 in `bits`; 0, or -1 if the scratch for the
- * quantized x could not be allocated. */
+/* y = x W^T (+ bias) for W packed in format `fmt` (pack_weight_i8 / pack_blocks_i8: 4, 8 or FMT_G4 + G;
+ * pack_kquant: K4, K6; or FMT_PARTS); 0, or -1 if the scratch for the quantized x could not be allocated. */
 int gemm_packed_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *wp, const float *bias,
-                   int64_t M, int64_t N, int64_t K, int64_t bits) {
-  if (bits == FMT_PARTS) { /* each run of output rows in its own format, into its columns of y */
+                   int64_t M, int64_t N, int64_t K, int64_t fmt) {
+  if (fmt == FMT_PARTS) { /* each run of output rows in its own format, into its columns of y */
     const int64_t *h = (const int64_t *)wp;
     for (int64_t i = 0, n0 = 0; i < h[0]; n0 += h[2 + 3 * i], ++i) {
       const int rc = gemm_packed_i8(y + n0, ldy, x, ldx, wp + h[3 + 3 * i], bias ? bias + n0 : NULL, M, h[2 + 3 * i], K,
@@ -1005,8 +1005,8 @@ int gemm_packed_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const uin
     return 0;
   }
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (is_kfmt(bits)) return gemm_packed_k(y, ldy, x, ldx, wp, bias, M, N, K, (int)bits);
-  const int64_t B = K / QB, G = fmt_group(bits);
+  if (is_kfmt(fmt)) return gemm_packed_k(y, ldy, x, ldx, wp, bias, M, N, K, (int)fmt);
+  const int64_t B = K / QB, G = fmt_group(fmt);
   int8_t *xq = (int8_t *)malloc((size_t)(M ? M : 1) * (K + 8 * B));
   if (xq == NULL) return -1;
   float *dx = (float *)(xq + M * K), *sx = dx + M * B; /* K is a multiple of 32: aligned for floats */
@@ -1018,7 +1018,7 @@ int gemm_packed_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const uin
   const int64_t rows = amx_rows_of(M) ? AMX_ROW_BLOCK : 256 / MRQ * MRQ;
   for (int64_t m = 0; m < M; m += rows) {
     const int64_t r = M - m < rows ? M - m : rows;
-    if (fmt_bits(bits) == 4)
+    if (fmt_bits(fmt) == 4)
       row_block_i8(y + m * ldy, ldy, xq + m * K, dx + m * B, sx + m * B, wp, bias, r, N, K, 4, G);
     else
       row_block_i8(y + m * ldy, ldy, xq + m * K, dx + m * B, sx + m * B, wp, bias, r, N, K, 8, 1);
@@ -1026,7 +1026,7 @@ int gemm_packed_i8(float *y, int64_t ldy, const float *x, int64_t ldx, const uin
   free(xq);
   return 0;
 #else
-  return gemm_packed_v(y, ldy, x, ldx, wp, bias, M, N, K, (int)bits);
+  return gemm_packed_v(y, ldy, x, ldx, wp, bias, M, N, K, (int)fmt);
 #endif
 }
 
