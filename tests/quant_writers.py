@@ -1,4 +1,7 @@
-"""AWQ and GPTQ checkpoints written from float weights, following each format's published layout
+"""Quantized HF checkpoints written from float weights for the tests.
+
+compressed-tensors' by the library's own compressor (``write_compressed``, ``compress_one``): its
+decompression is the oracle. AWQ and GPTQ checkpoints following each format's published layout
 (AutoAWQ's ``WQLinear_GEMM.from_linear``, AutoGPTQ's ``QuantLinear.pack``), written here and not
 by pagellm: the tests' oracle is the float64 ``s (q - z)`` of the integers chosen here.
 
@@ -107,3 +110,90 @@ def write_quantized(src: str, dst: str, deq: str, method: str, bits: int = 4, gr
                   metadata={"format": "pt"})
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump({**config, **({"quantization_config": quant} if quant else {})}, f)
+
+
+def write_compressed(src: str, dst: str, deq: str, fmt: str, weights: dict, activations: dict | None = None) -> None:
+    """``src``'s Linear layers (but the LM head) quantized by compressed-tensors' own code into a
+    ``fmt`` checkpoint ``dst`` (bfloat16 otherwise, as llm-compressor saves a bfloat16 model), and
+    the library's own decompression of it (its scales widened to float32, so that nothing is
+    rounded to bfloat16 on the way) into a plain float32 checkpoint ``deq`` for HF.
+
+    The scales come from each group's min and max (the library's ``calculate_qparams``: what its
+    default observer computes on the weights), not from calibration."""
+    import transformers
+    from compressed_tensors.compressors import BaseCompressor, ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights),
+                                input_activations=QuantizationArgs(**activations) if activations else None)
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format=fmt)
+    apply_quantization_config(model, config)
+    quantized = {n: m for n, m in model.named_modules() if hasattr(m, "weight_scale")}
+    for m in quantized.values():
+        _set_qparams(m, m.quantization_scheme.weights)
+        if hasattr(m, "input_scale"):  # (a static activation scale: stored, and not what pagellm uses)
+            m.input_scale.data.fill_(0.05)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    model.save_pretrained(dst)
+    compressor.update_config(dst)
+    dense = {}
+    for name, t in model.state_dict().items():
+        prefix, _, leaf = name.rpartition(".")
+        if prefix not in quantized:
+            dense[name] = t.float()
+        elif leaf == "weight_scale":
+            parts = {k: v for k, v in model.get_submodule(prefix).state_dict().items() if k.startswith("weight")}
+            parts["weight_scale"] = parts["weight_scale"].float()
+            dense[f"{prefix}.weight"] = BaseCompressor.get_value_from_registry(fmt).decompress(
+                parts, quantized[prefix].quantization_scheme)["weight"].float()
+    shutil.copytree(src, deq, ignore=shutil.ignore_patterns("*.safetensors*"))
+    save_file({k: v.contiguous() for k, v in dense.items()}, os.path.join(deq, "model.safetensors"),
+              metadata={"format": "pt"})
+    for f in os.listdir(src):  # (the tokenizer)
+        if f.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(src, f), dst)
+
+
+def qparams(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, zero point)`` of ``w [N, K]`` from each tensor's, channel's, group's or block's min
+    and max, by the library's ``calculate_qparams`` (shaped as ``apply_quantization_config`` makes them)."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    n, k = w.shape
+    if args.strategy == "block":
+        r, c = args.block_structure
+        x = w.reshape(n // r, r, k // c, c).permute(0, 2, 1, 3).reshape(n // r, k // c, r * c)
+    elif args.strategy == "group":
+        x = w.reshape(n, k // args.group_size, args.group_size)
+    else:
+        x = w.reshape(1 if args.strategy == "tensor" else n, 1, -1)
+    return calculate_qparams(x.amin(-1), x.amax(-1), args)
+
+
+def compress_one(w: torch.Tensor, fmt: str, weights: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``(the library's compressed tensors of w, its own decompression of them in float32)``, for one
+    bfloat16 weight ``w [N, K]``."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights))
+    s, z = qparams(w.float(), scheme.weights)
+    if scheme.weights.strategy == "tensor":
+        s, z = s.reshape(1), z.reshape(1)
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    parts = compressor.compress({"weight": w, "weight_scale": s.to(w.dtype), "weight_zero_point": z}, scheme)
+    return parts, compressor.decompress({**parts, "weight_scale": parts["weight_scale"].float()}, scheme)["weight"]
+
+
+def _set_qparams(module, args) -> None:
+    s, z = qparams(module.weight.detach().float(), args)
+    module.weight_scale.data.copy_(s.reshape(module.weight_scale.shape).to(module.weight_scale.dtype))
+    if hasattr(module, "weight_zero_point"):
+        module.weight_zero_point.data.copy_(z.reshape(module.weight_zero_point.shape))

@@ -140,18 +140,55 @@ def quantized(ckpt_root, tmp_path_factory):
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
 
-@pytest.mark.parametrize("name", ["awq", "gptq", "gptq8"])
-def test_float32_greedy_equals_hf_on_the_dequantized_weights(quantized, name):
+def assert_float32_equals_hf(path: str, deq: str, texts: list[str]) -> None:
+    """``path``'s float32 greedy tokens equal HF's on ``deq``, its weights dequantized (but float32 ties)."""
     import transformers
 
     from test_hf_parity import assert_equal_but_float32_ties, engine_greedy, hf_greedy
 
-    path, deq = quantized[name]
     tok = transformers.AutoTokenizer.from_pretrained(deq)
-    prompts = [tok.encode(p) for p in PROMPTS]
+    prompts = [tok.encode(p) for p in texts]
     hf = transformers.AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
     got, _ = engine_greedy(path, prompts, dtype="float32")
     assert_equal_but_float32_ties(hf, prompts, got, hf_greedy(hf, prompts))
+
+
+def greedy_at_width(path: str, texts: list[str], caplog) -> tuple[list, list[list[int]], object, list[str]]:
+    """``(tokens and top logprobs, prompts, engine, the numerics: lines)`` of the default numerics on
+    ``path``, after checking that every layer's projection went to the int8 kernel, no float weight
+    written."""
+    import transformers
+    from test_numerics import engine_greedy_top
+
+    from pagellm.layers.linear import Linear
+    from pagellm.layers.weight_formats import Int8Packed
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    prompts = [tok.encode(p) for p in texts]
+    with caplog.at_level("INFO", logger="pagellm.worker.model_loader"):
+        got, engine = engine_greedy_top(path, prompts, 16)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("numerics: ")]
+    assert any("every projection is stored blocks the int8 kernel" in line for line in lines), lines
+    layers = [m for n, m in engine.executor.worker.model.named_modules() if isinstance(m, Linear) and ".layers." in n]
+    assert len(layers) == 8 and all(isinstance(m.weight_format, Int8Packed) and m.weight.is_meta for m in layers)
+    return got, prompts, engine, lines
+
+
+def assert_close_and_batch_invariant(path: str, prompts: list[list[int]], got: list) -> None:
+    """The default numerics' tokens logprob-close to float32's; each prompt alone gives its batch tokens."""
+    from test_numerics import MAX_GAP, check_logprobs_close, engine_greedy_top
+
+    ref, _ = engine_greedy_top(path, prompts, 16, dtype="float32")
+    gaps = check_logprobs_close(got, ref)
+    assert all(g <= MAX_GAP["int8"] for g in gaps), f"divergences at logprob gaps {gaps}"
+    for i, p in enumerate(prompts):
+        alone, _ = engine_greedy_top(path, [p], 16)
+        assert alone[0][0] == got[i][0], f"prompt {i} alone differs from the batch"
+
+
+@pytest.mark.parametrize("name", ["awq", "gptq", "gptq8"])
+def test_float32_greedy_equals_hf_on_the_dequantized_weights(quantized, name):
+    assert_float32_equals_hf(*quantized[name], PROMPTS)
 
 
 @pytest.mark.parametrize("name", ["awq", "gptq8", "awq-tied"])
@@ -161,26 +198,12 @@ def test_default_numerics_keep_them_at_width(quantized, name, caplog):
     own or the tied one) quantized to Q8_0; tokens logprob-close to float32; a prompt alone gives
     the tokens it gives in the batch."""
     require_int8_kernel()
-    from test_numerics import MAX_GAP, check_logprobs_close, engine_greedy_top
-
-    from pagellm.layers.linear import Linear
-    from pagellm.layers.weight_formats import Int8Packed
-
     path, _ = quantized[name]
-    import transformers
-
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    prompts = [tok.encode(p) for p in PROMPTS]
-    with caplog.at_level("INFO", logger="pagellm.worker.model_loader"):
-        got, engine = engine_greedy_top(path, prompts, 16)
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("numerics: ")]
+    got, prompts, engine, lines = greedy_at_width(path, PROMPTS, caplog)
     kind = {"awq": "AWQ int4 g32 x14: int8 GEMMs (4-bit blocks)", "gptq8": "GPTQ int8 g32 x14: int8 GEMMs (8-bit",
             "awq-tied": "AWQ int4 g64 x14: int8 GEMMs (4-bit groups of 64)"}[name]
     assert any(kind in line for line in lines), lines
-    assert any("every projection is stored blocks the int8 kernel" in line for line in lines), lines
     model = engine.executor.worker.model
-    layers = [m for n, m in model.named_modules() if isinstance(m, Linear) and ".layers." in n]
-    assert len(layers) == 8 and all(isinstance(m.weight_format, Int8Packed) and m.weight.is_meta for m in layers)
     # the 16-bit LM head as Q8_0 blocks (the numerics line says so): not read in float32 beside 4-bit layers
     head = model.tied_head if name.endswith("-tied") else model.lm_head
     assert head.weight_format.fmt == gemm_int8.Q8_BLOCKS
@@ -192,12 +215,7 @@ def test_default_numerics_keep_them_at_width(quantized, name, caplog):
     stored = load_file(os.path.join(path, "model.safetensors"))["model.embed_tokens.weight"]
     ids = torch.tensor([[0, 5, 49151], [7, 7, 1]])
     assert stored.dtype == torch.float16 and torch.equal(embed(ids), stored[ids].float())
-    ref, _ = engine_greedy_top(path, prompts, 16, dtype="float32")
-    gaps = check_logprobs_close(got, ref)
-    assert all(g <= MAX_GAP["int8"] for g in gaps), f"divergences at logprob gaps {gaps}"
-    for i, p in enumerate(prompts):
-        alone, _ = engine_greedy_top(path, [p], 16)
-        assert alone[0][0] == got[i][0], f"prompt {i} alone differs from the batch"
+    assert_close_and_batch_invariant(path, prompts, got)
 
 
 def test_refusals_name_what_is_not_supported(quantized, ckpt_root):
@@ -206,7 +224,7 @@ def test_refusals_name_what_is_not_supported(quantized, ckpt_root):
     path, deq = quantized["awq"]
     with pytest.raises(ValueError, match="quantization='gptq', but .* holds AWQ weights"):
         LLM(path, quantization="gptq", num_gpu_blocks_override=16)
-    with pytest.raises(ValueError, match="quantization='awq', but .* holds no AWQ / GPTQ weights"):
+    with pytest.raises(ValueError, match="quantization='awq', but .* holds no AWQ / GPTQ / compressed-tensors weights"):
         LLM(deq, quantization="awq", num_gpu_blocks_override=16)
     with pytest.raises(ValueError, match="quantization='gguf', but .* holds AWQ weights"):
         LLM(path, quantization="gguf", num_gpu_blocks_override=16)
@@ -217,20 +235,14 @@ def test_refusals_name_what_is_not_supported(quantized, ckpt_root):
 def test_act_order_checkpoint_runs_dequantized(ckpt_root, tmp_path, caplog):
     """GPTQ with desc_act and a shuffled g_idx: float32 equal to HF on the dequantized weights; the
     numerics line says the projections were dequantized; quantization='gptq' (int8 asked) refused."""
-    import transformers
     from quant_writers import write_quantized
 
     from pagellm import LLM
 
-    from test_hf_parity import assert_equal_but_float32_ties, engine_greedy, hf_greedy
 
     path, deq = str(tmp_path / "q"), str(tmp_path / "d")
     write_quantized(build_tiny_checkpoint(ckpt_root, "llama"), path, deq, "gptq", group=32, act_order=True)
-    tok = transformers.AutoTokenizer.from_pretrained(deq)
-    prompts = [tok.encode(p) for p in PROMPTS[:2]]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
-    got, _ = engine_greedy(path, prompts, dtype="float32")
-    assert_equal_but_float32_ties(hf, prompts, got, hf_greedy(hf, prompts))
+    assert_float32_equals_hf(path, deq, PROMPTS[:2])
     if gemm_int8.supported():
         with caplog.at_level("INFO", logger="pagellm.worker.model_loader"):
             LLM(path, num_gpu_blocks_override=16)

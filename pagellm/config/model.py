@@ -11,9 +11,9 @@ from pagellm.config.parse import config_dict
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 # vLLM's word for running a GGUF checkpoint at its stored width: int8 GEMMs over its Q4_1 / Q8_0 blocks.
-Quantization = Literal["gguf", "awq", "gptq", "q8_0"]
+Quantization = Literal["gguf", "awq", "gptq", "compressed-tensors", "q8_0"]
 # The checkpoint formats whose stored integers the int8 kernel takes at their width.
-AT_WIDTH = ("gguf", "awq", "gptq")
+AT_WIDTH = ("gguf", "awq", "gptq", "compressed-tensors")
 QUANTIZATIONS = (None, *get_args(Quantization))
 Runner = Literal["generate", "pooling"]
 # vLLM's ``load_format``: "auto" reads the checkpoint's weights; "dummy" reads only its config and

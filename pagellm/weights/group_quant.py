@@ -21,7 +21,7 @@ Layouts, as AutoAWQ, AutoGPTQ / GPTQModel and vLLM read them (K inputs, N output
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -46,13 +46,18 @@ class GroupQuantScheme:
     group_size: int  # -1: one group for all K inputs (per output channel)
     zero_offset: int = 0  # added to a stored zero point: 1 for AutoGPTQ's z - 1
 
+    note = None  # (nothing of the checkpoint done another way: see CompressedTensorsScheme.note)
+
     @property
     def name(self) -> str:
         group = "per channel" if self.group_size == -1 else f"g{self.group_size}"
         return f"{self.method.upper()} int{self.bits} {group}"
 
+    def gather(self, weights: Iterator[tuple[str, Any]], keep: bool) -> Iterator[tuple[str, Any]]:
+        return iter_group_quant(weights, self, keep)
 
-def _unpack(words: torch.Tensor, bits: int) -> np.ndarray:
+
+def unpack_words(words: torch.Tensor, bits: int) -> np.ndarray:
     """int32 ``[R, C]`` -> uint8 ``[R, C 32 / bits]``: each word's fields from the low bits up, read
     as its little-endian bytes (two 4-bit fields a byte, low nibble first): a byte per field in
     every step, where shifting the words made 12 bytes of transients per weight (0.2 GB for one of
@@ -66,19 +71,88 @@ def _unpack(words: torch.Tensor, bits: int) -> np.ndarray:
     return out
 
 
-def _columns(words: torch.Tensor, bits: int, lo: int, hi: int, awq: bool) -> np.ndarray:
+def unpack_columns(words: torch.Tensor, bits: int, lo: int, hi: int, awq: bool) -> np.ndarray:
     """Outputs ``lo .. hi`` of a tensor packed along its columns, ``[rows, hi - lo]`` (only the
     words holding them unpacked)."""
     per = 32 // bits
     c0, c1 = lo // per, -(-hi // per)
-    x = _unpack(words[:, c0:c1], bits)
+    x = unpack_words(words[:, c0:c1], bits)
     if awq:
         x = x.reshape(x.shape[0], -1, per)[:, :, AWQ_UNPACK_ORDER].reshape(x.shape[0], -1)
     return x[:, lo - c0 * per:hi - c0 * per]
 
 
+class IntGroupBlocks(QuantizedBlocks):
+    """A projection stored as unsigned integers ``q`` with, per group of inputs and per output, a
+    scale ``s`` and an integer zero point ``z``: ``w = s (q - z)`` (AWQ, GPTQ, compressed-tensors'
+    integer formats). Subclasses read their layout in :meth:`unpacked`; the kernel's fields and
+    the exact dequantization are shared."""
+
+    shape: tuple[int, int]
+    g_idx: torch.Tensor | None  # each input's group, where stored
+
+    @property
+    def bits(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def group_size(self) -> int:  # -1: one group for all K inputs (per output channel)
+        raise NotImplementedError
+
+    @property
+    def label(self) -> str:
+        """The format as the ``numerics:`` line names it (``AWQ int4 g128``)."""
+        raise NotImplementedError
+
+    def unpacked(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(q [n, K], s [n, groups], z [n, groups])``: uint8 integers, float32 scales, int32 zero points."""
+        raise NotImplementedError
+
+    @property
+    def type_name(self) -> str:
+        return self.label + (" act-order" if not self._in_order() else "")
+
+    def _groups(self) -> np.ndarray:
+        """Each input's group ``[K]``."""
+        k = self.shape[1]
+        if self.g_idx is not None:
+            return self.g_idx.numpy().astype(np.int64)
+        return np.zeros(k, dtype=np.int64) if self.group_size == -1 else np.arange(k) // self.group_size
+
+    def _in_order(self) -> bool:
+        """Whether every run of 32 inputs shares one group (always, but for act-order's g_idx)."""
+        groups = self._groups()
+        return self.shape[1] % 32 == 0 and bool((groups.reshape(-1, 32) == groups[::32, None]).all())
+
+    def kernel_format(self) -> int | None:
+        if not self._in_order():  # (act-order would need the inputs permuted before the kernel)
+            return None
+        if self.bits == 8:
+            return Q8_BLOCKS
+        k = self.shape[1]
+        group = k if self.group_size == -1 else self.group_size
+        # d and m once per group where the groups are whole runs of blocks, else per block
+        return q4_format(group // 32) if group % 32 == 0 and k % group == 0 else Q4_BLOCKS
+
+    def int8_fields(self) -> tuple[np.ndarray, ...]:
+        q, s, z = self.unpacked()
+        groups = self._groups()[::32]  # each block of 32's group
+        d = s[:, groups]
+        if self.bits == 4:
+            return d, (-z.astype(np.float32) * s)[:, groups], q
+        if (z != 128).any():
+            raise ValueError(f"{self.type_name}: a zero point other than 128 has no 8-bit kernel block")
+        return d, np.zeros_like(d), q.view(np.int8) ^ np.int8(-128)  # q - 128
+
+    def dequantize(self) -> torch.Tensor:
+        q, s, z = self.unpacked()
+        groups = self._groups()
+        w = q.astype(np.float32) * s[:, groups] + (-z.astype(np.float32) * s)[:, groups]  # exact: see the module
+        return torch.from_numpy(w)
+
+
 @dataclass(frozen=True)
-class GroupQuantBlocks(QuantizedBlocks):
+class GroupQuantBlocks(IntGroupBlocks):
     """One AWQ or GPTQ projection as stored: outputs ``lo .. lo + shape[0]`` of its tensors."""
 
     scheme: GroupQuantScheme
@@ -102,99 +176,92 @@ class GroupQuantBlocks(QuantizedBlocks):
         g_idx = parts.get("g_idx")
         if g_idx is not None:
             expect["g_idx"] = (k,)
-        for part, shape in expect.items():
-            if tuple(parts[part].shape) != shape:
-                raise ValueError(f"{name}.{part} has shape {tuple(parts[part].shape)}; {scheme.name} with "
-                                 f"{name}.qweight {tuple(qweight.shape)} needs {shape}")
+        check_shapes(name, parts, expect, f"{scheme.name} with {name}.qweight {tuple(qweight.shape)}")
         if g_idx is not None and (g_idx.min() < 0 or g_idx.max() >= groups):
             raise ValueError(f"{name}.g_idx names groups outside 0..{groups - 1}")
         return cls(scheme, qweight, parts["qzeros"], scales.float(), g_idx, (n, k))
 
     @property
-    def type_name(self) -> str:
-        return self.scheme.name + (" act-order" if not self._in_order() else "")
+    def bits(self) -> int:
+        return self.scheme.bits
 
-    def _groups(self) -> np.ndarray:
-        """Each input's group ``[K]``."""
-        k = self.shape[1]
-        if self.g_idx is not None:
-            return self.g_idx.numpy().astype(np.int64)
-        return np.zeros(k, dtype=np.int64) if self.scheme.group_size == -1 else np.arange(k) // self.scheme.group_size
+    @property
+    def group_size(self) -> int:
+        return self.scheme.group_size
 
-    def _in_order(self) -> bool:
-        """Whether every run of 32 inputs shares one group (always, but for act-order's g_idx)."""
-        groups = self._groups()
-        return self.shape[1] % 32 == 0 and bool((groups.reshape(-1, 32) == groups[::32, None]).all())
-
-    def kernel_format(self) -> int | None:
-        if not self._in_order():  # (act-order would need the inputs permuted before the kernel)
-            return None
-        if self.scheme.bits == 8:
-            return Q8_BLOCKS
-        k = self.shape[1]
-        group = k if self.scheme.group_size == -1 else self.scheme.group_size
-        # d and m once per group where the groups are whole runs of blocks, else per block
-        return q4_format(group // 32) if group % 32 == 0 and k % group == 0 else Q4_BLOCKS
+    @property
+    def label(self) -> str:
+        return self.scheme.name
 
     def unpacked(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(q [n, K], s [n, groups], z [n, groups])``: uint8 integers, float32 scales, int32 zero points."""
         s, n = self.scheme, self.shape[0]
         lo, hi = self.lo, self.lo + n
         if s.method == "awq":
-            q = _columns(self.qweight, s.bits, lo, hi, awq=True).T
+            q = unpack_columns(self.qweight, s.bits, lo, hi, awq=True).T
         else:
-            q = _unpack(self.qweight[:, lo:hi].T.contiguous(), s.bits)
-        z = _columns(self.qzeros, s.bits, lo, hi, awq=s.method == "awq").T.astype(np.int32) + s.zero_offset
+            q = unpack_words(self.qweight[:, lo:hi].T.contiguous(), s.bits)
+        z = unpack_columns(self.qzeros, s.bits, lo, hi, awq=s.method == "awq").T.astype(np.int32) + s.zero_offset
         return np.ascontiguousarray(q), self.scales[:, lo:hi].T.contiguous().numpy(), np.ascontiguousarray(z)
-
-    def int8_fields(self) -> tuple[np.ndarray, ...]:
-        q, s, z = self.unpacked()
-        groups = self._groups()[::32]  # each block of 32's group
-        d = s[:, groups]
-        if self.scheme.bits == 4:
-            return d, (-z.astype(np.float32) * s)[:, groups], q
-        if (z != 128).any():
-            raise ValueError(f"{self.type_name}: a zero point other than 128 has no 8-bit kernel block")
-        return d, np.zeros_like(d), q.view(np.int8) ^ np.int8(-128)  # q - 128
-
-    def dequantize(self) -> torch.Tensor:
-        q, s, z = self.unpacked()
-        groups = self._groups()
-        w = q.astype(np.float32) * s[:, groups] + (-z.astype(np.float32) * s)[:, groups]  # exact: see the module
-        return torch.from_numpy(w)
 
     def take(self, lo: int, hi: int) -> GroupQuantBlocks:
         return replace(self, shape=(hi - lo, self.shape[1]), lo=self.lo + lo)
 
 
-def iter_group_quant(weights: Iterator[tuple[str, Any]], scheme: GroupQuantScheme,
-                     keep: bool) -> Iterator[tuple[str, Any]]:
-    """A checkpoint's tensors with each quantized module's parts (``qweight``, ``qzeros``, ``scales``,
-    ``g_idx``) gathered into its ``.weight``: ``GroupQuantBlocks`` with ``keep`` (for the int8
-    kernel), else dequantized to float32. Every other tensor passes through; with ``keep``, a 16-bit
-    embedding or LM head as ``Rows16`` (kept in 16 bits)."""
-    pending: dict[str, dict[str, torch.Tensor]] = {}
-    needs_g_idx = scheme.method == "gptq"
-    # (the 16-bit embedding and LM head kept in 16 bits: in float32 they would outweigh the projections)
+def check_shapes(name: str, parts: dict[str, torch.Tensor], expect: dict[str, tuple[int, ...]], given: str) -> None:
+    """``ValueError`` naming the first of a module's tensors whose shape is not ``expect``'s."""
+    for part, shape in expect.items():
+        if tuple(parts[part].shape) != shape:
+            raise ValueError(f"{name}.{part} has shape {tuple(parts[part].shape)}; {given} needs {shape}")
+
+
+def gather_quantized(weights: Iterator[tuple[str, Any]], is_part: Callable[[str, Any], bool],
+                     complete: Callable[[dict[str, Any]], bool],
+                     build: Callable[[str, dict[str, Any]], QuantizedBlocks], keep: bool) -> Iterator[tuple[str, Any]]:
+    """A checkpoint's tensors with each quantized module's parts (those ``is_part(leaf, tensor)``
+    takes) gathered into its ``.weight`` by ``build(prefix, parts)``, once ``complete(parts)`` (or
+    at the end: ``build`` refuses what lacks a part): the blocks with ``keep`` (for the int8
+    kernel), else dequantized to float32. Every other tensor passes through; with ``keep``, a
+    16-bit embedding or LM head as ``Rows16`` (kept in 16 bits: in float32 they would outweigh the
+    projections)."""
+    pending: dict[str, dict[str, Any]] = {}
     halves = ("embed_tokens.weight", "lm_head.weight") if keep else ()
 
     def ready(prefix: str) -> tuple[str, Any]:
-        blocks = GroupQuantBlocks.of(scheme, prefix, pending.pop(prefix))
+        blocks = build(prefix, pending.pop(prefix))
         return f"{prefix}.weight", blocks if keep else blocks.dequantize()
 
     for name, tensor in weights:
         prefix, _, part = name.rpartition(".")
-        if part not in _PARTS:
+        if not is_part(part, tensor):
             kept = name.endswith(halves) and isinstance(tensor, torch.Tensor) and tensor.dim() == 2 \
                 and tensor.dtype in HALF_TYPES
             yield name, Rows16(tensor) if kept else tensor
             continue
         got = pending.setdefault(prefix, {})
         got[part] = tensor
-        if got.keys() >= set(_REQUIRED) and ("g_idx" in got or not needs_g_idx):
+        if complete(got):
             yield ready(prefix)
-    for prefix in list(pending):  # (a GPTQ module without g_idx: groups in order)
-        missing = [p for p in _REQUIRED if p not in pending[prefix]]
-        if missing:
-            raise ValueError(f"{scheme.name} checkpoint: {prefix} lacks {', '.join(missing)}")
+    for prefix in list(pending):
         yield ready(prefix)
+
+
+def require(label: str, prefix: str, parts: dict[str, Any], names: Iterable[str]) -> None:
+    """``ValueError`` naming what of ``names`` a quantized module lacks."""
+    missing = [p for p in names if p not in parts]
+    if missing:
+        raise ValueError(f"{label} checkpoint: {prefix} lacks {', '.join(missing)}")
+
+
+def iter_group_quant(weights: Iterator[tuple[str, Any]], scheme: GroupQuantScheme,
+                     keep: bool) -> Iterator[tuple[str, Any]]:
+    """An AWQ / GPTQ checkpoint's tensors with each module's ``qweight``, ``qzeros``, ``scales`` and
+    ``g_idx`` gathered into ``GroupQuantBlocks`` (``gather_quantized``)."""
+    needs_g_idx = scheme.method == "gptq"  # (a GPTQ module without g_idx, at the end: groups in order)
+
+    def build(prefix: str, parts: dict[str, Any]) -> QuantizedBlocks:
+        require(scheme.name, prefix, parts, _REQUIRED)
+        return GroupQuantBlocks.of(scheme, prefix, parts)
+
+    return gather_quantized(weights, lambda part, _: part in _PARTS,
+                            lambda got: got.keys() >= set(_REQUIRED) and ("g_idx" in got or not needs_g_idx),
+                            build, keep)

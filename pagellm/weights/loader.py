@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
                        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                       "BOOL": torch.bool}
+                       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn}
 
 
 def load_model_config(source: ModelSource) -> Any:

@@ -27,6 +27,12 @@ class QuantizedBlocks:
         """The stored type as the start-up ``numerics:`` line names it (``Q4_K``, ``AWQ int4 g128``)."""
         raise NotImplementedError
 
+    @property
+    def packed_name(self) -> str:
+        """The type as the ``numerics:`` line names it where the int8 kernel takes it (where packing
+        changes the values, it says so)."""
+        return self.type_name
+
     def kernel_format(self) -> int | None:
         """The int8 kernel format these blocks pack into at their width (``None``: none)."""
         raise NotImplementedError

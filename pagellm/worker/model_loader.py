@@ -27,10 +27,9 @@ from pagellm.pooling_params import PoolingInfo
 from pagellm.weights import freq_factors, iter_weights, load_model_config
 from pagellm.weights.dummy import initialize_dummy_weights
 from pagellm.weights.gguf_quant import KERNEL_TYPES
-from pagellm.weights.group_quant import GroupQuantScheme, iter_group_quant
 from pagellm.weights.loader import projection_dtype
 from pagellm.weights.pooling_setup import resolve_pooling
-from pagellm.weights.quant_config import group_quant_scheme
+from pagellm.weights.quant_config import QuantScheme, quant_scheme
 from pagellm.weights.rows16 import Rows16
 from pagellm.worker.cache_engine import HostKVMemory
 from pagellm.worker.host_malloc import trim
@@ -62,7 +61,7 @@ def quantized_weight_types(model: DecoderForCausalLM) -> dict[tuple[str, int | N
             fmt = m.blocks_format()
             for b in m.kept_blocks.parts.values():
                 if not isinstance(b, Rows16):
-                    key = (b.type_name, None if fmt is None else b.kernel_format())
+                    key = (b.type_name, None) if fmt is None else (b.packed_name, b.kernel_format())
                     counts[key] = counts.get(key, 0) + 1
     tied = model.tied_head_blocks  # (packed for the LM head with the rest, if the kernel takes it)
     if tied is not None and not isinstance(tied, Rows16):
@@ -102,7 +101,7 @@ class ModelLoader:
         self.numerics = Numerics(self.dtype, f"{dtype_name} model")  # (where none is chosen per machine)
         self.kv_memory: HostKVMemory | None = None  # paused while GEMMs are timed (set by the worker)
         self._chosen: dict[int, Numerics] = {}  # numerics chosen before a model's weights were loaded
-        self._schemes: dict[int, GroupQuantScheme] = {}  # AWQ / GPTQ models' packing, by model
+        self._schemes: dict[int, QuantScheme] = {}  # quantized HF checkpoints' packing, by model
 
     def load_target(self) -> LoadedModel:
         """The served model, its numerics logged and checked against ``quantization``."""
@@ -116,7 +115,8 @@ class ModelLoader:
                         cpu_info().summary())
         if numerics.int8 and packed_int8 == 0:
             raise ValueError(f"quantization={quantization!r} found no weights the int8 kernel takes in {source.path} "
-                             f"(GGUF types {sorted(t.name for t in KERNEL_TYPES)}, AWQ, GPTQ without act-order)")
+                             f"(GGUF types {sorted(t.name for t in KERNEL_TYPES)}, AWQ, GPTQ without act-order, "
+                             "compressed-tensors)")
         if quantization is not None and not numerics.int8:
             raise ValueError(f"quantization={quantization!r} runs on the CPU with dtype auto, "
                              f"float32 or bfloat16 only (here: {self.device}, dtype {self.config.model.dtype})")
@@ -153,7 +153,7 @@ class ModelLoader:
         uninitialised, then every weight loaded (sharded, a rank reads only its slice)."""
         source = resolve_model_source(path)
         hf_config = load_model_config(source)
-        scheme = None if source.is_gguf else group_quant_scheme(hf_config, source.path)
+        scheme = None if source.is_gguf else quant_scheme(hf_config, source.path)
         self._check_quantization(source, scheme, quantization)
         if self.config.model.max_model_len:
             hf_config.get_text_config().max_model_len = self.config.model.max_model_len  # (what longrope decides by)
@@ -193,19 +193,21 @@ class ModelLoader:
             weights = iter_weights(source, hf_config, lazy=sharded,
                                    keep_gguf_blocks=source.is_gguf and not sharded and self._int8_possible())
             if scheme is not None:  # (each module's packed tensors gathered into its weight)
-                weights = iter_group_quant(weights, scheme, keep=self._int8_possible())
+                weights = scheme.gather(weights, keep=self._int8_possible())
+                if scheme.note and self._int8_possible():
+                    logger.info("numerics: %s", scheme.note)
                 self._schemes[id(model)] = scheme
             model.load_weights(((n if n.startswith("model.") else f"model.{n}", t) for n, t in weights) if base
                                else weights)
         return (model if chosen is not None else model.to(self.dtype)).eval(), hf_config, source
 
-    def _check_quantization(self, source: Any, scheme: GroupQuantScheme | None, quantization: str | None) -> None:
-        """Refuse a ``quantization`` the checkpoint is not, and what an AWQ / GPTQ one cannot run with."""
+    def _check_quantization(self, source: Any, scheme: QuantScheme | None, quantization: str | None) -> None:
+        """Refuse a ``quantization`` the checkpoint is not, and what a quantized HF one cannot run with."""
         stored = None if scheme is None else scheme.method
         # (gguf also takes an HF checkpoint whose float weights are exactly GGUF blocks)
         if quantization in AT_WIDTH and quantization != stored and (quantization != "gguf" or stored):
-            raise ValueError(f"quantization={quantization!r}, but {source.path} holds "
-                             f"{stored.upper() + ' weights' if stored else 'no AWQ / GPTQ weights'}")
+            held = f"{stored.upper()} weights" if stored else "no AWQ / GPTQ / compressed-tensors weights"
+            raise ValueError(f"quantization={quantization!r}, but {source.path} holds {held}")
         if scheme is None:
             return
         if quantization == "q8_0":
