@@ -101,6 +101,37 @@ QUANT_CONFIGS = {
 }
 
 
+# compressed-tensors as llm-compressor's presets store them: W4A16 (pack-quantized int4, symmetric, groups of
+# 128), W8A8 (int8 per channel, dynamic per-token int8 activations), FP8_DYNAMIC (e4m3 per channel).
+_TOKEN = {"num_bits": 8, "symmetric": True, "strategy": "token", "dynamic": True}
+CT_SCHEMES = {
+    "w4a16": ("pack-quantized", {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                 "group_size": 128}, None),
+    "w8a8": ("int-quantized", {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+             {**_TOKEN, "type": "int"}),
+    "fp8": ("float-quantized", {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"},
+            {**_TOKEN, "type": "float"}),
+}
+QUANT_CONFIGS |= {name: {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+                         "ignore": ["lm_head"], "config_groups": {"group_0": {
+                             "targets": ["Linear"], "weights": w, "input_activations": a, "format": fmt}}}
+                  for name, (fmt, w, a) in CT_SCHEMES.items()}
+HF_FORMATS = ("bf16", *QUANT_CONFIGS)
+
+
+def _ct_tensors(prefix: str, method: str, n: int, k: int, g: Any) -> dict:
+    """One projection's random tensors in a compressed-tensors format (``weights/compressed_tensors.py``)."""
+    import torch
+
+    if method == "w4a16":
+        return {prefix + ".weight_packed": torch.randint(-2**31, 2**31, (n, k // 8), generator=g, dtype=torch.int32),
+                prefix + ".weight_scale": (torch.rand(n, k // 128, generator=g) * 0.004 + 0.001).bfloat16(),
+                prefix + ".weight_shape": torch.tensor([n, k])}
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8) if method == "w8a8" else \
+        (torch.randn(n, k, generator=g) * 64).to(torch.float8_e4m3fn)
+    return {prefix + ".weight": q, prefix + ".weight_scale": (torch.rand(n, 1, generator=g) * 1e-4 + 1e-5).bfloat16()}
+
+
 def _hf_directory(shape: str, name: str, quantization_config: dict | None = None) -> tuple[str, Any]:
     """``(path, config)``: the cached HF directory ``name`` of ``shape``, the bundled tokenizer written
     and its config to save once the weights are (``None``: built already)."""
@@ -127,8 +158,9 @@ def _hf_directory(shape: str, name: str, quantization_config: dict | None = None
 
 
 def build_hf_quantized(shape: str, method: str) -> str:
-    """The cached AWQ or GPTQ directory of ``shape``: random packed integers, scales and zero points in
-    the format's layout (``weights/group_quant.py``), 16-bit embedding and norms."""
+    """The cached AWQ, GPTQ or compressed-tensors directory of ``shape``: random packed integers, scales
+    and zero points in the format's layout (``weights/group_quant.py``, ``compressed_tensors.py``),
+    16-bit embedding and norms."""
     import torch
     from safetensors.torch import save_file
 
@@ -143,6 +175,9 @@ def build_hf_quantized(shape: str, method: str) -> str:
                 (torch.randn(n, k, generator=g) * 0.02).to(torch.float16)
             continue
         prefix = name.removesuffix(".weight")
+        if method in CT_SCHEMES:
+            shard |= _ct_tensors(prefix, method, n, k, g)
+            continue
         words = (k, n // 8) if method == "awq" else (k // 8, n)
         shard[prefix + ".qweight"] = torch.randint(-2**31, 2**31, words, generator=g, dtype=torch.int32)
         shard[prefix + ".qzeros"] = torch.randint(-2**31, 2**31, (k // 128, n // 8), generator=g, dtype=torch.int32)
@@ -339,7 +374,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="1.7b", help=f"comma-separated, of {sorted(SHAPES)}")
     p.add_argument("--formats", default="q4_k_m",
-                   help="comma-separated: q4_k_m, q8_0 (GGUF), bf16, awq, gptq (HF directories)")
+                   help="comma-separated: q4_k_m, q8_0 (GGUF), bf16, awq, gptq, w4a16, w8a8, fp8 (HF "
+                   "directories; the last three compressed-tensors)")
     p.add_argument("--w64", type=int, default=64, help="W64 requests to run (0: none)")
     p.add_argument("--kv-cache-memory", default=None, help="pagellm's KV budget (default: the engine's own)")
     p.add_argument("--pagellm-args", default='{}',
@@ -370,7 +406,7 @@ def main() -> None:
     rows = []
     for shape in args.shapes.split(","):
         for fmt in args.formats.split(","):
-            hf = fmt in ("bf16", "awq", "gptq")
+            hf = fmt in HF_FORMATS
             path = build_hf_bf16(shape) if fmt == "bf16" else build_hf_quantized(shape, fmt) if hf else \
                 build_gguf(shape, fmt)
             size = os.path.getsize(os.path.join(path, "model.safetensors")) if hf else os.path.getsize(path)

@@ -195,6 +195,9 @@ def test_refusals_name_what_is_not_built(case):
 def test_quantization_argument_is_checked_against_the_checkpoint(compressed):
     from pagellm import LLM
 
-    path, _ = compressed["w4a16"]
+    path, deq = compressed["w4a16"]
     with pytest.raises(ValueError, match="quantization='awq', but .* holds COMPRESSED-TENSORS weights"):
         LLM(path, quantization="awq", num_gpu_blocks_override=16)
+    with pytest.raises(ValueError, match="quantization='compressed-tensors', but .* holds no AWQ / GPTQ / "
+                       "compressed-tensors weights"):
+        LLM(deq, quantization="compressed-tensors", num_gpu_blocks_override=16)
