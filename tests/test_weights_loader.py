@@ -85,11 +85,13 @@ QUANTIZED = {  # each method's quantization_config as its tool writes it, and th
                   "quant_method='gptq' (bits=3, group_size=32, sym=False, desc_act=True, checkpoint_format='gptq')"),
     "gptq-marlin": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
                     "quant_method='gptq' (bits=4, group_size=128, checkpoint_format='marlin')"),
-    "compressed-tensors": ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
-        "group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
-            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}}}},
-        "quant_method='compressed-tensors' (format='pack-quantized', group_0: weights int4 symmetric per group "
-        "128, activations none)"),
+    "compressed-tensors-nvfp4": ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+                                  "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                                                "weights": {"num_bits": 4, "type": "float",
+                                                                            "strategy": "tensor_group",
+                                                                            "group_size": 16}}}},
+                                 "quant_method='compressed-tensors' (format='nvfp4-pack-quantized', group_0: weights "
+                                 "float4 symmetric per tensor_group 16, activations none)"),
     "fp8": ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
             "quant_method='fp8' (activation_scheme='dynamic', weight_block_size=[128, 128])"),
 }
