@@ -56,7 +56,7 @@ class CompressedTensorsScheme:
     strategy: str  # tensor, channel, group or block
     symmetric: bool
     group_size: int = -1  # the group strategy's
-    block: tuple[int, int] | None = None  # the block strategy's [rows, columns]
+    block: tuple[int, int] | None = None  # the block strategy's [rows, columns], as the config gives it
     act_order: bool = False  # weight_g_idx stored (actorder "group")
     activations: str | None = None  # the checkpoint's activation scheme, as described
     method: ClassVar[str] = "compressed-tensors"
@@ -64,11 +64,17 @@ class CompressedTensorsScheme:
     @property
     def name(self) -> str:
         kind = "FP8 e4m3" if self.type == "float" else f"int{self.bits}"
+        rows, cols = self.block_shape
         how = {"group": f"g{self.group_size}", "channel": "per channel", "tensor": "per tensor",
-               "block": f"blocks {self.block[0]}x{self.block[1]}" if self.block else "blocks"}[self.strategy]
+               "block": f"blocks {rows}x{cols}"}[self.strategy]
         sym = "" if self.symmetric or self.type == "float" else " asymmetric"
         a = f"A{8 if self.activations else 16}"
         return f"compressed-tensors W{self.bits}{a} {kind} {how}{sym}"
+
+    @property
+    def block_shape(self) -> tuple[int, int]:
+        """The block strategy's ``(rows, columns)`` (128 x 128 where the config does not say)."""
+        return self.block or (128, 128)
 
     @property
     def note(self) -> str | None:
@@ -196,7 +202,7 @@ class Fp8Blocks(QuantizedBlocks):
         n, k = parts["weight"].shape
         scale = parts["weight_scale"]
         if scheme.strategy == "block":
-            rows, cols = scheme.block or (128, 128)
+            rows, cols = scheme.block_shape
             check_shapes(name, parts, {"weight_scale": (-(-n // rows), -(-k // cols))}, scheme.name)
             return cls(scheme, parts["weight"], scale.float(), (n, k))
         return cls(scheme, parts["weight"], _scale(scheme, name, scale, n, 1), (n, k))
@@ -211,13 +217,13 @@ class Fp8Blocks(QuantizedBlocks):
 
     def rows(self, lo: int, hi: int) -> torch.Tensor:
         """Rows ``lo .. hi`` (of the whole weight) in float32: e4m3 times its scale."""
-        w, s = self.weight[lo:hi].float(), self.scale
-        if self.scheme.strategy == "block":
-            rows, cols = self.scheme.block or (128, 128)
-            s = s.repeat_interleave(rows, 0)[lo:hi].repeat_interleave(cols, 1)[:, :w.shape[1]]
-        else:
-            s = s[lo:hi]
-        return w * s
+        w = self.weight[lo:hi].float()
+        if self.scheme.strategy != "block":
+            return w * self.scale[lo:hi]
+        rows, cols = self.scheme.block_shape
+        r0 = lo // rows  # (only the slice's block rows widened: packing reads a weight a slice at a time)
+        s = self.scale[r0:-(-hi // rows)].repeat_interleave(rows, 0)[lo - r0 * rows:hi - r0 * rows]
+        return w * s.repeat_interleave(cols, 1)[:, :w.shape[1]]
 
     def kernel_format(self) -> int | None:
         return Q8_BLOCKS if self.shape[1] % 32 == 0 else None

@@ -71,6 +71,7 @@ class GGUFBlocks(QuantizedBlocks):
 
     def dequantize(self) -> torch.Tensor:
         return torch.from_numpy(np.array(dequantize(self.array(), self.qtype), dtype=np.float32).reshape(self.shape))
+
     def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids [...]`` -> their rows, dequantized ``[..., K]`` float32 (an embedding lookup)."""
         flat = ids.reshape(-1).cpu().numpy()
@@ -131,8 +132,6 @@ class Q8_0OnPacking(QuantizedBlocks):  # noqa: N801 - GGUF's type name
 
     def dequantize(self) -> torch.Tensor:
         return self.blocks().dequantize()
-
-
 
 
 def part_format(qtype: T) -> int | None:
