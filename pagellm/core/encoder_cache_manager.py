@@ -62,12 +62,12 @@ class EncoderCacheManager:
 
     def schedule(self, group: SequenceGroup, start: int, n: int) -> None:
         """``group``'s chunk ``[start, start + n)`` runs this step: reference every image it
-        overlaps, encoding (and allocating) those not cached."""
-        for i, f in enumerate(group.mm_features):
-            if f.offset >= start + n:
-                break
-            if not f.overlaps(start, start + n) or i in group.encoder_refs:
-                continue
+        overlaps, encoding (and allocating) those not cached. The cached ones are referenced first,
+        as ``num_new_tokens`` counted them: room made for an image encoded now must not evict an
+        unreferenced entry the same chunk needs (it would be encoded again, past the budget)."""
+        overlapped = [(i, f) for i, f in enumerate(group.mm_features)
+                      if f.overlaps(start, start + n) and i not in group.encoder_refs]
+        for i, f in sorted(overlapped, key=lambda p: p[1].mm_hash not in self.sizes):  # (stable: in order)
             if f.mm_hash in self.sizes:
                 self.hits += 1
                 self.freeable.pop(f.mm_hash, None)
