@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagellm.weights.loader import read_safetensors
+from pagellm.weights.loader import read_safetensors, release_pages
 
 
 def test_read_safetensors_equals_the_library_for_every_dtype(tmp_path):
@@ -31,6 +31,32 @@ def test_read_safetensors_equals_the_library_for_every_dtype(tmp_path):
         f.truncate(os.path.getsize(path) - 10)
     with pytest.raises(ValueError, match="cut short"):
         dict(read_safetensors(path))
+
+
+def _rss_file_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile"))
+
+
+def test_a_read_tensor_holds_only_the_pages_read_and_writes_stay_in_the_process(tmp_path):
+    """Each tensor maps its own bytes: nothing resident until read, its pages dropped by
+    ``release_pages`` (and read again from the file after), a write never reaching the file."""
+    path = str(tmp_path / "m.safetensors")
+    want = torch.arange(16 * 2**20, dtype=torch.int32).reshape(-1, 1024)  # 64 MiB
+    save_file({"big": want, "small": torch.ones(3)}, path)
+    before = _rss_file_kib()
+    got = dict(read_safetensors(path))
+    assert _rss_file_kib() - before < 8 * 1024, "nothing is read until used"
+    assert torch.equal(got["big"], want)
+    read = _rss_file_kib() - before
+    assert read > 60 * 1024, f"the 64 MiB read count in the RSS ({read} KiB)"
+    release_pages(got["big"])
+    assert _rss_file_kib() - before < 8 * 1024, "released pages leave the RSS"
+    assert torch.equal(got["big"], want)  # (read again)
+    release_pages(want)  # a tensor not mapped: nothing happens to it
+    assert torch.equal(got["big"], want)
+    got["big"][0, 0] = -1
+    assert torch.equal(load_file(path)["big"], want), "a write stays in this process"
 
 
 def test_building_a_model_imports_no_compiler(tiny_llama):

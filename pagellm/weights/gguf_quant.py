@@ -107,11 +107,13 @@ class GGUFBlocks(QuantizedBlocks):
 class Q8_0OnPacking(QuantizedBlocks):  # noqa: N801 - GGUF's type name
     """A float weight as GGUF Q8_0 blocks (``gguf``'s quantizer), quantized a slice of rows at a time
     as they are packed or read: the whole weight's Q8_0 bytes are never held beside its packed
-    copy (a 49k-token LM head's are 0.1 GB). ``rows(lo, hi)`` gives rows ``lo .. hi`` in float32."""
+    copy (a 49k-token LM head's are 0.1 GB). ``rows(lo, hi)`` gives rows ``lo .. hi`` in float32,
+    read from ``source`` where given (whose pages are released as they are packed)."""
 
     rows: Callable[[int, int], torch.Tensor]
     shape: tuple[int, int]
     lo: int = 0
+    source: QuantizedBlocks | None = None
 
     @property
     def type_name(self) -> str:
@@ -132,6 +134,10 @@ class Q8_0OnPacking(QuantizedBlocks):  # noqa: N801 - GGUF's type name
 
     def dequantize(self) -> torch.Tensor:
         return self.blocks().dequantize()
+
+    def release(self) -> None:
+        if self.source is not None:
+            self.source.release()
 
 
 def part_format(qtype: T) -> int | None:

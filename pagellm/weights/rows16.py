@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pagellm.weights.loader import release_pages
 from pagellm.weights.quant_blocks import QuantizedBlocks
 
 HALF_TYPES = {torch.float16: "F16", torch.bfloat16: "BF16"}
@@ -46,3 +47,6 @@ class Rows16(QuantizedBlocks):
 
     def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.rows).float()
+
+    def release(self) -> None:
+        release_pages(self.rows)  # (an embedding's rows mapped from the file: only those looked up stay)
