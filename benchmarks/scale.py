@@ -93,11 +93,13 @@ def build_gguf(shape: str, fmt: str) -> str:
     return path
 
 
-# AWQ (AutoAWQ's defaults) and GPTQ (AutoGPTQ's: symmetric, desc_act off) 4-bit, groups of 128.
+# AWQ (AutoAWQ's defaults) and GPTQ (AutoGPTQ's: symmetric, desc_act off; gptq-act: on) 4-bit, groups of 128.
 QUANT_CONFIGS = {
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False,
              "checkpoint_format": "gptq"},
+    "gptq-act": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": True,
+                 "checkpoint_format": "gptq"},
 }
 
 
@@ -169,6 +171,7 @@ def build_hf_quantized(shape: str, method: str) -> str:
         return path
     g = torch.Generator().manual_seed(0)
     shard: dict = {}
+    orders: dict[str, torch.Tensor] = {}  # act-order's: one per input read (q, k, v share one; gate, up too)
     for name, (n, k) in _hf_shapes(SHAPES[shape]).items():
         if not name.endswith("proj.weight"):
             shard[name] = torch.ones(n, dtype=torch.float16) if k is None else \
@@ -184,6 +187,11 @@ def build_hf_quantized(shape: str, method: str) -> str:
         shard[prefix + ".scales"] = (torch.rand(k // 128, n, generator=g) * 0.004 + 0.001).to(torch.float16)
         if method == "gptq":
             shard[prefix + ".g_idx"] = torch.arange(k, dtype=torch.int32) // 128
+        elif method == "gptq-act":
+            reads = prefix if prefix.endswith(("o_proj", "down_proj")) else prefix.rsplit(".", 1)[0]
+            order = orders.setdefault(reads, torch.randperm(k, generator=g))
+            shard[prefix + ".g_idx"] = torch.empty(k, dtype=torch.int32).index_put_(
+                (order,), torch.arange(k, dtype=torch.int32) // 128)
     save_file(shard, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(path)
     return path
@@ -374,7 +382,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="1.7b", help=f"comma-separated, of {sorted(SHAPES)}")
     p.add_argument("--formats", default="q4_k_m",
-                   help="comma-separated: q4_k_m, q8_0 (GGUF), bf16, awq, gptq, w4a16, w8a8, fp8 (HF "
+                   help="comma-separated: q4_k_m, q8_0 (GGUF), bf16, awq, gptq, gptq-act, w4a16, w8a8, fp8 (HF "
                    "directories; the last three compressed-tensors)")
     p.add_argument("--w64", type=int, default=64, help="W64 requests to run (0: none)")
     p.add_argument("--kv-cache-memory", default=None, help="pagellm's KV budget (default: the engine's own)")

@@ -78,14 +78,18 @@ def gptq_tensors(q, s, z, g_idx, bits: int, v2: bool) -> dict[str, torch.Tensor]
 
 
 def write_quantized(src: str, dst: str, deq: str, method: str, bits: int = 4, group: int = 32, sym: bool = False,
-                    v2: bool = False, act_order: bool = False, seed: int = 0) -> None:
+                    v2: bool = False, act_order: bool | str = False, seed: int = 0) -> None:
     """``src``'s projections quantized into an AWQ or GPTQ checkpoint ``dst``, and the same weights
     dequantized in float64 (stored float32: exact) into a plain checkpoint ``deq`` for HF. Every
     other tensor is stored in float16, as AutoAWQ and AutoGPTQ save them (``deq`` holds the same
-    values in float32)."""
+    values in float32). ``act_order``: inputs taken in a random order, one per input the
+    projections read (GPTQ's comes from that input's Hessian: q, k and v share it, gate and up
+    too), or with ``"per-module"`` one per projection."""
     rng = np.random.default_rng(seed)
     tensors = load_file(os.path.join(src, "model.safetensors"))
     packed, dense = {}, {}
+    perms: dict[str, np.ndarray] = {}
+    reads = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp"}
     for name, t in tensors.items():
         prefix, _, leaf = name.rpartition(".")
         if leaf != "weight" or prefix.rpartition(".")[2] not in PROJECTIONS:
@@ -93,7 +97,9 @@ def write_quantized(src: str, dst: str, deq: str, method: str, bits: int = 4, gr
             dense[name] = packed[name].float()
             continue
         w = t.double().numpy()
-        perm = rng.permutation(w.shape[1]) if act_order else None
+        layer, _, module = prefix.rsplit(".", 2)  # (model.layers.0, self_attn, q_proj)
+        key = prefix if act_order == "per-module" else f"{layer}.{reads.get(module, module)}"
+        perm = perms.setdefault(key, rng.permutation(w.shape[1])) if act_order else None
         q, s, z, g_idx = quantize(w, bits, group, sym, perm)
         dense[name] = torch.from_numpy(dequantize64(q, s, z, g_idx).astype(np.float32))
         parts = awq_tensors(q, s, z) if method == "awq" else gptq_tensors(q, s, z, g_idx, bits, v2)

@@ -11,6 +11,7 @@ from test_scheduling_invariance import DEFAULT_NUMERICS_MODELS
 from pagellm.kernels import decode_graph
 
 from conftest import (
+    build_tiny_checkpoint,
     build_tiny_gguf_valued_checkpoint,
     require_bf16_kernel,
     require_f32_gemm_kernel,
@@ -164,4 +165,24 @@ def test_decode_graph_takes_gemma_qk_norms_and_windows_with_the_same_bits(ckpt_r
     prompts = [{"prompt_token_ids": p} for p in random_prompts(4, seed=9, lo=20, hi=60)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (30, 12, 40, 25)]
     with LLM(path, quantization="gguf", kv_cache_memory="64MiB", enable_prefix_caching=False) as llm:
+        _assert_graph_gives_the_layer_by_layer_logprobs(llm, prompts, params)
+
+
+def test_decode_graph_gathers_act_order_inputs_with_the_same_bits(ckpt_root, tmp_path):
+    """A GPTQ act-order checkpoint at width: each projection's activations are gathered into its
+    blocks' input order before the int8 GEMM, in the graph as layer by layer (the same floats)."""
+    from quant_writers import write_quantized
+
+    from pagellm import LLM, SamplingParams
+
+    _require_graph()
+    require_int8_kernel()
+    path = str(tmp_path / "gptq")
+    write_quantized(build_tiny_checkpoint(ckpt_root, "llama"), path, str(tmp_path / "deq"), "gptq", group=32,
+                    act_order=True)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, seed=5, lo=10, hi=50)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (20, 9, 30, 14)]
+    with LLM(path, kv_cache_memory="64MiB", enable_prefix_caching=False) as llm:
+        qkv = llm.llm_engine.executor.worker.model.model.layers[0].self_attn.qkv_proj
+        assert qkv.weight_format.input_order is not None and qkv.gemm_descriptor()[4] != 0
         _assert_graph_gives_the_layer_by_layer_logprobs(llm, prompts, params)

@@ -61,17 +61,24 @@ def test_blocks_dequantize_to_the_float64_values_exactly(layout):
     assert part.shape == (32, 512) and torch.equal(part.dequantize(), torch.from_numpy(ref[40:72].astype(np.float32)))
 
 
-@pytest.mark.parametrize("layout", [name for name in LAYOUTS if "act-order" not in name])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_int8_kernel_takes_them_at_width(layout):
     """The fields are the kernel's blocks: its product equals float64's within the bound of the
-    activations' rounding to int8 (the weights are exact), and a row's bits do not depend on the batch."""
+    activations' rounding to int8 (the weights are exact), and a row's bits do not depend on the
+    batch. Act-order's blocks pack in their input order, the activations permuted alike."""
     require_int8_kernel()
     from test_gguf_quant import error_bound
+
+    from pagellm.layers.weight_formats import Int8Packed
 
     blocks, ref = blocks_of(layout)
     _, bits, group, *_ = LAYOUTS[layout]
     n, k = ref.shape
     group = k if group == -1 else group
+    order = blocks.input_order()
+    assert (order is None) == ("act-order" not in layout)
+    if order is not None:
+        blocks, ref_stored, ref = blocks.in_input_order(order), ref, ref[:, order]
     fmt = blocks.kernel_format()
     # 4 bits: one d and m per group in the record (Q4_BLOCKS' own record for a group of 32)
     assert fmt == (gemm_int8.Q8_BLOCKS if bits == 8 else gemm_int8.Q4_BLOCKS if group == 32
@@ -90,6 +97,12 @@ def test_int8_kernel_takes_them_at_width(layout):
     bound = error_bound(x, ref, 32)
     assert bool((err <= bound).all()) and float((err / bound).max()) > 0.01
     assert all(torch.equal(w(x[i:i + 1]), y[i:i + 1]) for i in (0, 4, 10))
+    if order is not None:  # the projection reads x as stored: gathered into the blocks' order first
+        stored_x = torch.empty_like(x)
+        stored_x[:, torch.from_numpy(order)] = x
+        got = Int8Packed(packed, fmt, n, k, None, torch.from_numpy(order)).matmul(stored_x, None)
+        assert torch.equal(got, y) and bool(((got.double() - stored_x.double() @ torch.from_numpy(ref_stored).T).abs()
+                                             <= bound).all())
     if fmt > gemm_int8.Q4_GROUPS:  # a group's record is its blocks' arithmetic: their bits, 25 % fewer bytes
         blocks32 = gemm_int8.pack_blocks(d, m, q, gemm_int8.Q4_BLOCKS)
         assert torch.equal(gemm_int8.BoundWeight(blocks32, gemm_int8.Q4_BLOCKS, *ref.shape)(x), y)
@@ -106,11 +119,21 @@ def test_a_group_record_refuses_blocks_of_other_scales():
     gemm_int8.pack_blocks(d, m, q, gemm_int8.Q4_BLOCKS)  # blocks of their own take it
 
 
-def test_act_order_has_no_kernel_format():
-    """GPTQ's act-order groups are not runs of 32 inputs: no kernel block holds them (the projection
-    is dequantized, exactly, for the float kernels)."""
-    blocks, _ = blocks_of("gptq-4bit-act-order")
+def test_act_order_packs_in_its_input_order():
+    """GPTQ's act-order groups are not runs of 32 inputs as stored: no kernel block holds them. Its
+    inputs sorted by group are (``input_order``), and the blocks in that order are the weight's
+    columns in that order, exactly."""
+    blocks, ref = blocks_of("gptq-4bit-act-order")
     assert blocks.kernel_format() is None and blocks.type_name == "GPTQ int4 g64 act-order"
+    order = blocks.input_order()
+    groups = blocks.g_idx.numpy()[order]
+    assert sorted(order) == list(range(512)) and (np.diff(groups) >= 0).all()
+    ordered = blocks.in_input_order(order)
+    assert ordered.kernel_format() == blocks.packing_format() == gemm_int8.Q4_GROUPS + 2
+    assert ordered.type_name == "GPTQ int4 g64 act-order" and ordered.input_order() is None
+    assert np.array_equal(ordered.dequantize().double().numpy(), ref[:, order])
+    assert np.array_equal(ordered.take(40, 72).dequantize().double().numpy(), ref[40:72, order])
+    assert blocks_of("gptq-4bit-asym-g64")[0].input_order() is None
 
 
 def test_mismatched_tensors_are_refused_by_name():
@@ -122,15 +145,17 @@ def test_mismatched_tensors_are_refused_by_name():
 
 @pytest.fixture(scope="module")
 def quantized(ckpt_root, tmp_path_factory):
-    """The tiny Llama's projections as AWQ (g32), GPTQ 4-bit (g64, AutoGPTQ's zeros) and GPTQ 8-bit
-    symmetric (v2), each beside its weights dequantized as a plain checkpoint."""
+    """The tiny Llama's projections as AWQ (g32, g64 with a tied head), GPTQ 4-bit (g64, AutoGPTQ's
+    zeros; g32 act-order) and GPTQ 8-bit symmetric (v2), each beside its weights dequantized as a
+    plain checkpoint."""
     from quant_writers import write_quantized
 
     root = tmp_path_factory.mktemp("group-quant")
     out = {}
     for name, kw in {"awq": dict(method="awq", group=32), "gptq": dict(method="gptq", group=64),
                      "gptq8": dict(method="gptq", bits=8, group=32, sym=True, v2=True),
-                     "awq-tied": dict(method="awq", group=64)}.items():
+                     "awq-tied": dict(method="awq", group=64),
+                     "gptq-act-order": dict(method="gptq", group=32, act_order=True)}.items():
         src = build_tiny_checkpoint(ckpt_root, "llama", tie=name.endswith("-tied"))
         out[name] = (str(root / name), str(root / f"{name}-dequantized"))
         write_quantized(src, *out[name], **kw)
@@ -186,24 +211,29 @@ def assert_close_and_batch_invariant(path: str, prompts: list[list[int]], got: l
         assert alone[0][0] == got[i][0], f"prompt {i} alone differs from the batch"
 
 
-@pytest.mark.parametrize("name", ["awq", "gptq", "gptq8"])
+@pytest.mark.parametrize("name", ["awq", "gptq", "gptq8", "gptq-act-order"])
 def test_float32_greedy_equals_hf_on_the_dequantized_weights(quantized, name):
     assert_float32_equals_hf(*quantized[name], PROMPTS)
 
 
-@pytest.mark.parametrize("name", ["awq", "gptq8", "awq-tied"])
+@pytest.mark.parametrize("name", ["awq", "gptq8", "awq-tied", "gptq-act-order"])
 def test_default_numerics_keep_them_at_width(quantized, name, caplog):
     """dtype auto: every projection packed from the checkpoint's integers (no float weight written),
-    the numerics line naming the format; the 16-bit embedding kept in 16 bits and the LM head (its
-    own or the tied one) quantized to Q8_0; tokens logprob-close to float32; a prompt alone gives
-    the tokens it gives in the batch."""
+    the numerics line naming the format (act-order's in its input order, the activations permuted
+    alike); the 16-bit embedding kept in 16 bits and the LM head (its own or the tied one)
+    quantized to Q8_0; tokens logprob-close to float32; a prompt alone gives the tokens it gives
+    in the batch."""
     require_int8_kernel()
     path, _ = quantized[name]
     got, prompts, engine, lines = greedy_at_width(path, PROMPTS, caplog)
     kind = {"awq": "AWQ int4 g32 x14: int8 GEMMs (4-bit blocks)", "gptq8": "GPTQ int8 g32 x14: int8 GEMMs (8-bit",
-            "awq-tied": "AWQ int4 g64 x14: int8 GEMMs (4-bit groups of 64)"}[name]
+            "awq-tied": "AWQ int4 g64 x14: int8 GEMMs (4-bit groups of 64)",
+            "gptq-act-order": "GPTQ int4 g32 act-order x14: int8 GEMMs (4-bit blocks)"}[name]
     assert any(kind in line for line in lines), lines
     model = engine.executor.worker.model
+    permuted = [m.weight_format.input_order is not None for n, m in model.named_modules() if ".layers." in n
+                and hasattr(m, "weight_format") and m.weight_format is not None]
+    assert len(permuted) == 8 and all(permuted) == (name == "gptq-act-order") and any(permuted) == all(permuted)
     # the 16-bit LM head as Q8_0 blocks (the numerics line says so): not read in float32 beside 4-bit layers
     head = model.tied_head if name.endswith("-tied") else model.lm_head
     assert head.weight_format.fmt == gemm_int8.Q8_BLOCKS
@@ -232,21 +262,25 @@ def test_refusals_name_what_is_not_supported(quantized, ckpt_root):
         LLM(path, quantization="q8_0", num_gpu_blocks_override=16)
 
 
-def test_act_order_checkpoint_runs_dequantized(ckpt_root, tmp_path, caplog):
-    """GPTQ with desc_act and a shuffled g_idx: float32 equal to HF on the dequantized weights; the
-    numerics line says the projections were dequantized; quantization='gptq' (int8 asked) refused."""
+def test_fused_parts_in_different_input_orders_run_dequantized(ckpt_root, tmp_path, caplog):
+    """GPTQ with desc_act where q, k and v (and gate and up) each have their own order (GPTQ's own
+    share one: one input, one Hessian): the fused projection has no one order to permute its input
+    in, so the checkpoint runs dequantized; float32 equal to HF on the dequantized weights; the
+    numerics line says so. quantization='gptq' (int8 asked): o and down (one part each) at width."""
     from quant_writers import write_quantized
 
     from pagellm import LLM
 
-
     path, deq = str(tmp_path / "q"), str(tmp_path / "d")
-    write_quantized(build_tiny_checkpoint(ckpt_root, "llama"), path, deq, "gptq", group=32, act_order=True)
+    write_quantized(build_tiny_checkpoint(ckpt_root, "llama"), path, deq, "gptq", group=32, act_order="per-module")
     assert_float32_equals_hf(path, deq, PROMPTS[:2])
     if gemm_int8.supported():
         with caplog.at_level("INFO", logger="pagellm.worker.model_loader"):
             LLM(path, num_gpu_blocks_override=16)
         assert any("GPTQ int4 g32 act-order x14: dequantized" in r.getMessage() for r in caplog.records)
-        with pytest.raises(ValueError, match="quantization='gptq' found no weights the int8 kernel takes"):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="pagellm.worker.model_loader"):
             LLM(path, quantization="gptq", num_gpu_blocks_override=16)
+        assert any("GPTQ int4 g32 act-order x10: dequantized, GPTQ int4 g32 act-order x4: int8 GEMMs (4-bit blocks)"
+                   in r.getMessage() for r in caplog.records)
     assert os.path.exists(os.path.join(path, "model.safetensors"))

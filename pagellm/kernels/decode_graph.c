@@ -20,6 +20,7 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef int (*gemm_i8_fn)(float *y, int64_t ldy, const float *x, int64_t ldx, const void *w, const float *bias,
@@ -61,7 +62,8 @@ enum {
   NUM_DIMS
 };
 /* A projection, as Linear.matmul runs it: its kind (the GEMM it calls), packed weight, bias (0 for
- * none), bits (int8 kind), and for float32 a quantized copy read by batches of up to q_max_rows. */
+ * none), bits (int8 kind), and for float32 a quantized copy read by batches of up to q_max_rows;
+ * for int8, W_Q_PTR is the int64 [k] order its inputs were packed in (GPTQ act-order; 0: none). */
 enum { W_KIND, W_PTR, W_BIAS, W_BITS, W_Q_PTR, W_Q_BITS, W_Q_MAX_ROWS, NUM_W_FIELDS };
 enum { KIND_I8, KIND_F32, KIND_BF16, KIND_BF16_AMX };
 /* layers: one row of these per layer (pointers as int64); each projection NUM_W_FIELDS wide. */
@@ -86,6 +88,16 @@ static int gemm(const int64_t *fns, const int64_t *w, float *y, const float *x, 
   const int64_t ldx = k; /* rows of x are contiguous, as Linear gives them */
   switch (w[W_KIND]) {
     case KIND_I8:
+      if (w[W_Q_PTR]) { /* blocks packed with their inputs in this order: x gathered alike first */
+        const int64_t *order = (const int64_t *)(intptr_t)w[W_Q_PTR];
+        float *xo = malloc((size_t)(m * k) * sizeof *xo);
+        if (!xo) return -1;
+        for (int64_t r = 0; r < m; r++)
+          for (int64_t i = 0; i < k; i++) xo[r * k + i] = x[r * ldx + order[i]];
+        const int status = ((gemm_i8_fn)FN(FN_GEMM_I8))(y, n, xo, k, wp, bias, m, n, k, w[W_BITS]);
+        free(xo);
+        return status;
+      }
       return ((gemm_i8_fn)FN(FN_GEMM_I8))(y, n, x, ldx, wp, bias, m, n, k, w[W_BITS]);
     case KIND_F32:
       if (w[W_Q_PTR] && m <= w[W_Q_MAX_ROWS])

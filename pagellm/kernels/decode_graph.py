@@ -26,7 +26,8 @@ FNS = ("gemm_int8", "gemm_float32", "gemm_quantized", "gemm_bfloat16", "gemm_bfl
        "decode_windowed")
 DIMS = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size", "cache_et", "rope_tables")
 # A projection (``Linear.gemm_descriptor``): the GEMM kind, packed weight, bias (0: none), bits (int8),
-# and for float32 the quantized copy batches of up to q_max_rows rows read (0: none).
+# and for float32 the quantized copy batches of up to q_max_rows rows read (0: none); for int8,
+# q_ptr is the int64 [k] input order its blocks were packed in (GPTQ's act-order; 0: none).
 W_FIELDS = ("kind", "ptr", "bias", "bits", "q_ptr", "q_bits", "q_max_rows")
 GEMM_KINDS = ("int8", "float32", "bfloat16", "bfloat16_amx")  # kind = index; its kernel is FNS' "gemm_<kind>"
 PROJECTIONS = ("qkv", "o", "gate_up", "down")

@@ -81,7 +81,8 @@ class Linear(nn.Linear):
             return kept[0].take(lo, hi).dequantize() if len(kept) == 1 else dense[lo:hi].float()
 
         self.kept_blocks = None
-        self.load_blocks(Q8_0OnPacking(rows, (self.out_features, self.in_features)), None)
+        self.load_blocks(Q8_0OnPacking(rows, (self.out_features, self.in_features),
+                                       source=kept[0] if len(kept) == 1 else None), None)
         self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"), requires_grad=False)
         return True
 
@@ -106,9 +107,11 @@ class Linear(nn.Linear):
             return True
         if int8 and self.blocks_format() is not None:
             assert self.kept_blocks is not None
+            order = self.kept_blocks.input_order()
             packed, fmt = self.kept_blocks.pack()  # (the file's pages released as they were packed)
             self.kept_blocks = None
-            self.weight_format = Int8Packed(packed, fmt, self.out_features, self.in_features, self.bias)
+            self.weight_format = Int8Packed(packed, fmt, self.out_features, self.in_features, self.bias,
+                                            None if order is None else torch.from_numpy(order))
         else:
             self.materialize()
             # (A projection loaded in bfloat16 is widened here, one at a time, for the packing only.)
@@ -118,7 +121,8 @@ class Linear(nn.Linear):
             if self.weight.dtype != torch.float32:  # loaded in bfloat16 for a kernel that did not take it
                 self.weight = nn.Parameter(self.weight.float(), requires_grad=False)
             return False
-        self.bound_i8 = self.weight_format.bound if isinstance(self.weight_format, Int8Packed) else None
+        self.bound_i8 = self.weight_format.bound if isinstance(self.weight_format, Int8Packed) \
+            and self.weight_format.input_order is None else None  # (else matmul: x permuted first)
         self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"), requires_grad=False)
         return True
 

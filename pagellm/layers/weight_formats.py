@@ -101,16 +101,22 @@ class Int8Packed(WeightFormat):
     name = "int8"
 
     def __init__(self, packed: torch.Tensor, fmt: int, out_features: int, in_features: int,
-                 bias: torch.Tensor | None) -> None:
+                 bias: torch.Tensor | None, input_order: torch.Tensor | None = None) -> None:
         self.packed, self.fmt, self.out_features = packed, fmt, out_features
         # The weight and the bias bound to the kernel once: ``Linear.forward`` calls it directly.
         self.bound = gemm_int8.BoundWeight(packed, fmt, out_features, in_features, bias)
+        # Blocks packed with their inputs in this order (GPTQ's act-order): x is gathered alike.
+        assert input_order is None or (input_order.dtype == torch.int64 and input_order.is_contiguous())
+        self.input_order = input_order
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.input_order is not None:
+            x = x.index_select(-1, self.input_order)
         return gemm_int8.linear(x, self.packed, self.fmt, self.out_features, bias)
 
     def descriptor(self, bias: torch.Tensor | None) -> list[int]:
-        return [_kind(self.name), *self.bound.pointers(), 0, 0, 0]
+        order = 0 if self.input_order is None else self.input_order.data_ptr()
+        return [_kind(self.name), *self.bound.pointers(), order, 0, 0]
 
 
 def _pack_blocks(parts: list[QuantizedBlocks], fmt: int) -> torch.Tensor:
@@ -146,17 +152,31 @@ class KeptBlocks:
     def ordered(self) -> list[QuantizedBlocks]:
         return [self.parts[i] for i in sorted(self.parts)]
 
+    def input_order(self) -> np.ndarray | None:
+        """The inputs' order the blocks pack in (``QuantizedBlocks.input_order``): every part's, which
+        must be one (a fused projection's parts read one input; else :meth:`kernel_format` is ``None``)."""
+        return self.ordered()[0].input_order() if self.parts else None
+
+    def _packing(self) -> list[QuantizedBlocks] | None:
+        """The parts as they pack (in :meth:`input_order`), ``None`` where their orders differ."""
+        parts, order = self.ordered(), self.input_order()
+        if order is None:
+            return None if any(b.input_order() is not None for b in parts) else parts
+        orders = [b.input_order() for b in parts]
+        if not all(o is not None and np.array_equal(o, order) for o in orders):
+            return None
+        return [b.in_input_order(order) for b in parts]
+
     def kernel_format(self) -> int | None:
         """The int8 kernel format of the blocks (``None``: no kernel here, or none for a type)."""
-        if not self.parts or not gemm_int8.supported():
-            return None
-        return combined_format(b.kernel_format() for b in self.parts.values())
+        parts = self._packing() if self.parts and gemm_int8.supported() else None
+        return None if parts is None else combined_format(b.kernel_format() for b in parts)
 
     def pack(self) -> tuple[torch.Tensor, int]:
-        """``(packed, format)`` for the int8 kernel, from the checkpoint's own fields."""
-        fmt = self.kernel_format()
-        assert fmt is not None, "no blocks the int8 kernel takes"
-        parts = self.ordered()
+        """``(packed, format)`` for the int8 kernel, from the checkpoint's own fields (in
+        :meth:`input_order`)."""
+        fmt, parts = self.kernel_format(), self._packing()
+        assert fmt is not None and parts is not None, "no blocks the int8 kernel takes"
         if fmt != gemm_int8.PARTS:
             return _pack_blocks(parts, fmt), fmt
         runs = []  # consecutive parts of one format packed together (a q and k beside a v)
@@ -167,7 +187,7 @@ class KeptBlocks:
         return gemm_int8.pack_parts(runs), fmt
 
     def dense(self) -> torch.Tensor:
-        """The blocks dequantized to float32 (exactly; a new tensor)."""
+        """The blocks dequantized to float32 (exactly, in the stored order; a new tensor)."""
         return torch.cat([b.dequantize() for b in self.ordered()])
 
 

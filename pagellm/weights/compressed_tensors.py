@@ -128,6 +128,7 @@ class PackedIntBlocks(IntGroupBlocks):
     g_idx: torch.Tensor | None
     shape: tuple[int, int]
     lo: int = 0
+    order: np.ndarray | None = None
 
     @classmethod
     def of(cls, scheme: CompressedTensorsScheme, name: str, parts: dict[str, torch.Tensor]) -> PackedIntBlocks:

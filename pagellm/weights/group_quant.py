@@ -90,6 +90,7 @@ class IntGroupBlocks(QuantizedBlocks):
 
     shape: tuple[int, int]
     g_idx: torch.Tensor | None  # each input's group, where stored
+    order: np.ndarray | None  # the inputs in this order (GPTQ act-order's, sorted by group), where not 0 .. K-1
 
     @property
     def bits(self) -> int:
@@ -110,22 +111,39 @@ class IntGroupBlocks(QuantizedBlocks):
 
     @property
     def type_name(self) -> str:
-        return self.label + (" act-order" if not self._in_order() else "")
+        return self.label + (" act-order" if not _in_runs(self._stored_groups()) else "")
 
-    def _groups(self) -> np.ndarray:
-        """Each input's group ``[K]``."""
+    def _stored_groups(self) -> np.ndarray:
+        """Each input's group ``[K]``, in the stored order."""
         k = self.shape[1]
         if self.g_idx is not None:
             return self.g_idx.numpy().astype(np.int64)
         return np.zeros(k, dtype=np.int64) if self.group_size == -1 else np.arange(k) // self.group_size
 
-    def _in_order(self) -> bool:
-        """Whether every run of 32 inputs shares one group (always, but for act-order's g_idx)."""
-        groups = self._groups()
-        return self.shape[1] % 32 == 0 and bool((groups.reshape(-1, 32) == groups[::32, None]).all())
+    def _groups(self) -> np.ndarray:
+        """Each input's group ``[K]``, in :attr:`order`."""
+        groups = self._stored_groups()
+        return groups if self.order is None else groups[self.order]
+
+    def _q(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        q, s, z = self.unpacked()
+        return (q if self.order is None else q[:, self.order]), s, z
+
+    def input_order(self) -> np.ndarray | None:
+        """Where act-order's ``g_idx`` scatters the groups: the inputs sorted by group (stably),
+        which makes every run of 32 one group's, so the kernel takes the blocks with the
+        activations permuted alike (``None``: in order already, or no such order)."""
+        groups = self._stored_groups()
+        if self.order is not None or _in_runs(groups):
+            return None
+        order = np.argsort(groups, kind="stable")
+        return order if _in_runs(groups[order]) else None
+
+    def in_input_order(self, order: np.ndarray) -> IntGroupBlocks:
+        return replace(self, order=order)  # type: ignore[type-var]
 
     def kernel_format(self) -> int | None:
-        if not self._in_order():  # (act-order would need the inputs permuted before the kernel)
+        if not _in_runs(self._groups()):  # (act-order: in its input order only)
             return None
         if self.bits == 8:
             return Q8_BLOCKS
@@ -135,7 +153,7 @@ class IntGroupBlocks(QuantizedBlocks):
         return q4_format(group // 32) if group % 32 == 0 and k % group == 0 else Q4_BLOCKS
 
     def int8_fields(self) -> tuple[np.ndarray, ...]:
-        q, s, z = self.unpacked()
+        q, s, z = self._q()
         groups = self._groups()[::32]  # each block of 32's group
         d = s[:, groups]
         if self.bits == 4:
@@ -145,10 +163,15 @@ class IntGroupBlocks(QuantizedBlocks):
         return d, np.zeros_like(d), q.view(np.int8) ^ np.int8(-128)  # q - 128
 
     def dequantize(self) -> torch.Tensor:
-        q, s, z = self.unpacked()
+        q, s, z = self._q()
         groups = self._groups()
         w = q.astype(np.float32) * s[:, groups] + (-z.astype(np.float32) * s)[:, groups]  # exact: see the module
         return torch.from_numpy(w)
+
+
+def _in_runs(groups: np.ndarray) -> bool:
+    """Whether every run of 32 inputs shares one group (always, but for act-order's g_idx)."""
+    return groups.size % 32 == 0 and bool((groups.reshape(-1, 32) == groups[::32, None]).all())
 
 
 @dataclass(frozen=True)
@@ -162,6 +185,7 @@ class GroupQuantBlocks(IntGroupBlocks):
     g_idx: torch.Tensor | None
     shape: tuple[int, int]
     lo: int = 0
+    order: np.ndarray | None = None
 
     @classmethod
     def of(cls, scheme: GroupQuantScheme, name: str, parts: dict[str, torch.Tensor]) -> GroupQuantBlocks:

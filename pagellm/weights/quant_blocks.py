@@ -41,6 +41,20 @@ class QuantizedBlocks:
         """The fields ``gemm_int8.pack_blocks`` (legacy formats) or ``pack_kquant`` (K4 / K6) takes."""
         raise NotImplementedError
 
+    def input_order(self) -> np.ndarray | None:
+        """The order of the inputs in which the kernel takes these blocks, where not their stored one
+        (GPTQ's act-order: the activations are permuted alike); ``None`` for the stored order."""
+        return None
+
+    def in_input_order(self, order: np.ndarray) -> QuantizedBlocks:
+        """These blocks with their inputs in ``order`` (as :meth:`input_order` gives it)."""
+        raise NotImplementedError
+
+    def packing_format(self) -> int | None:
+        """:meth:`kernel_format` in :meth:`input_order`: the format the blocks pack into."""
+        order = self.input_order()
+        return (self if order is None else self.in_input_order(order)).kernel_format()
+
     def take(self, lo: int, hi: int) -> QuantizedBlocks:
         """Outputs ``lo .. hi`` (only these read)."""
         raise NotImplementedError

@@ -61,7 +61,7 @@ def quantized_weight_types(model: DecoderForCausalLM) -> dict[tuple[str, int | N
             fmt = m.blocks_format()
             for b in m.kept_blocks.parts.values():
                 if not isinstance(b, Rows16):
-                    key = (b.type_name, None) if fmt is None else (b.packed_name, b.kernel_format())
+                    key = (b.type_name, None) if fmt is None else (b.packed_name, b.packing_format())
                     counts[key] = counts.get(key, 0) + 1
     tied = model.tied_head_blocks  # (packed for the LM head with the rest, if the kernel takes it)
     if tied is not None and not isinstance(tied, Rows16):
@@ -317,9 +317,13 @@ class ModelLoader:
                 logger.info("numerics: the LM head (16-bit in the %s checkpoint) quantized to Q8_0 blocks on load for "
                             "the int8 kernel", head_scheme.name)
         if weight_types:
+            runs: dict[tuple[str, int], int] = {}  # (type, format or 0: dequantized) -> projections
+            for (t, f), n in weight_types.items():
+                key = (t, f if numerics.int8 and f else 0)
+                runs[key] = runs.get(key, 0) + n
             logger.info("numerics: quantized projections %s", ", ".join(
-                f"{t} x{n}: {'int8 GEMMs (' + gemm_int8.format_name(f) + ')' if numerics.int8 and f else 'dequantized'}"
-                for (t, f), n in sorted(weight_types.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0))))
+                f"{t} x{n}: {'int8 GEMMs (' + gemm_int8.format_name(f) + ')' if f else 'dequantized'}"
+                for (t, f), n in sorted(runs.items())))
         return numerics, packed_int8
 
     def pooling(self, model: DecoderForCausalLM, hf_config: Any, path: str) -> PoolingInfo | None:
