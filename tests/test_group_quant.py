@@ -248,6 +248,31 @@ def test_default_numerics_keep_them_at_width(quantized, name, caplog):
     assert_close_and_batch_invariant(path, prompts, got)
 
 
+def test_mixture_of_experts_checkpoint_at_width(ckpt_root, tmp_path, caplog):
+    """Qwen3-MoE with its experts (and attention, and the dense layer's MLP) as AWQ: float32 equal to
+    HF on the dequantized weights; in the default numerics every expert's projection packed from
+    the checkpoint's integers, logprob-close to float32 and batch invariant."""
+    from quant_writers import write_quantized
+    from test_numerics import engine_greedy_top
+
+    path, deq = str(tmp_path / "q"), str(tmp_path / "d")
+    src = build_tiny_checkpoint(ckpt_root, "qwen3_moe", moe_intermediate_size=64)  # (whole groups of 32)
+    write_quantized(src, path, deq, "awq", group=32)
+    assert_float32_equals_hf(path, deq, PROMPTS[:2])
+    require_int8_kernel()
+    import transformers
+
+    prompts = [transformers.AutoTokenizer.from_pretrained(path).encode(p) for p in PROMPTS]
+    with caplog.at_level("INFO", logger="pagellm.worker.model_loader"):
+        got, engine = engine_greedy_top(path, prompts, 16)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("numerics: ")]
+    # 4 attention projections in each of 2 layers, the dense layer's 3, 4 experts' 3
+    assert any("AWQ int4 g32 x23: int8 GEMMs (4-bit blocks)" in line for line in lines), lines
+    experts = engine.executor.worker.model.model.layers[1].mlp.experts
+    assert all(e.weight_format is not None and e.weight_format.name == "int8" for e in [*experts.w13, *experts.w2])
+    assert_close_and_batch_invariant(path, prompts, got)
+
+
 def test_refusals_name_what_is_not_supported(quantized, ckpt_root):
     from pagellm import LLM
 
