@@ -127,7 +127,7 @@ class IntGroupBlocks(QuantizedBlocks):
 
     def _q(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         q, s, z = self.unpacked()
-        return (q if self.order is None else q[:, self.order]), s, z
+        return (q if self.order is None else np.take(q, self.order, axis=1)), s, z  # (take: 10x q[:, order])
 
     def input_order(self) -> np.ndarray | None:
         """Where act-order's ``g_idx`` scatters the groups: the inputs sorted by group (stably),
