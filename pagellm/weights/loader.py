@@ -138,10 +138,24 @@ def _map_bytes(fd: int, offset: int, nbytes: int) -> torch.Tensor:
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     base = offset - offset % mmap.ALLOCATIONGRANULARITY
-    mapping = mmap.mmap(fd, offset - base + nbytes, offset=base, access=mmap.ACCESS_COPY)
+    try:
+        mapping = mmap.mmap(fd, offset - base + nbytes, offset=base, access=mmap.ACCESS_COPY)
+    except OSError:  # (a file system without mmap, or the process's map count spent: read it instead)
+        return _read_bytes(fd, offset, nbytes)
     buf = torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8, count=nbytes, offset=offset - base))
     address = buf.untyped_storage().data_ptr()
     _MAPPINGS[address] = weakref.ref(mapping, lambda _: _MAPPINGS.pop(address, None))
+    return buf
+
+
+def _read_bytes(fd: int, offset: int, nbytes: int) -> torch.Tensor:
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    view, done = memoryview(buf.numpy()).cast("B"), 0  # type: ignore[arg-type]
+    while done < nbytes:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if not got:
+            raise ValueError(f"cut short at {done} of {nbytes} bytes")
+        done += got
     return buf
 
 
