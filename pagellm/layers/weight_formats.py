@@ -159,10 +159,11 @@ class KeptBlocks:
 
     def _packing(self) -> list[QuantizedBlocks] | None:
         """The parts as they pack (in :meth:`input_order`), ``None`` where their orders differ."""
-        parts, order = self.ordered(), self.input_order()
+        parts = self.ordered()
+        orders = [b.input_order() for b in parts]  # (each an argsort: found once per call)
+        order = orders[0]
         if order is None:
-            return None if any(b.input_order() is not None for b in parts) else parts
-        orders = [b.input_order() for b in parts]
+            return parts if all(o is None for o in orders) else None
         if not all(o is not None and np.array_equal(o, order) for o in orders):
             return None
         return [b.in_input_order(order) for b in parts]
@@ -175,7 +176,8 @@ class KeptBlocks:
     def pack(self) -> tuple[torch.Tensor, int]:
         """``(packed, format)`` for the int8 kernel, from the checkpoint's own fields (in
         :meth:`input_order`)."""
-        fmt, parts = self.kernel_format(), self._packing()
+        parts = self._packing()
+        fmt = None if parts is None else combined_format(b.kernel_format() for b in parts)
         assert fmt is not None and parts is not None, "no blocks the int8 kernel takes"
         if fmt != gemm_int8.PARTS:
             return _pack_blocks(parts, fmt), fmt
