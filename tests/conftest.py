@@ -378,3 +378,16 @@ def _bundled_weights_only_in_slow_tests():
     gguf_file.iter_gguf_weights = guarded
     yield
     gguf_file.iter_gguf_weights = original
+
+
+def mapped_kib(path: str) -> int:
+    """This process's resident pages of its mappings of ``path``."""
+    total, ours = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # (a mapping's first line)
+                ours = len(fields) >= 6 and fields[5] == path
+            elif ours and line.startswith("Rss:"):
+                total += int(fields[1])
+    return total

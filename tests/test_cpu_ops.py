@@ -37,6 +37,35 @@ def test_rms_norm_matches_hf_arithmetic(t):
     assert torch.allclose(out, ref_res, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("t", [1, 50])
+def test_fused_add_norm_writes_its_result_over_the_sublayer_output(t):
+    """With a residual, RMSNorm's CPU path writes ``norm(x + residual)`` over ``x`` (vLLM's fused
+    add-norm: the decoder's step holds one hidden-sized tensor fewer); the same bits as a new output,
+    within float32 rounding of a float64 formula. Without a residual, ``x`` cannot be its output."""
+    torch.manual_seed(t)
+    norm = RMSNorm(576, 1e-5)
+    norm.use_kernel = True
+    with torch.no_grad():
+        norm.weight.normal_()
+    x, res = torch.randn(t, 576) * 3, torch.randn(t, 576)
+    s = x.double() + res.double()
+    ref = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
+    with torch.inference_mode():
+        fresh = cpu_ops.rms_norm(x, norm.weight, 1e-5, res.clone())
+        got_x, got_res = x.clone(), res.clone()
+        out, out_res = norm(got_x, got_res)
+    assert out.data_ptr() == got_x.data_ptr() and out_res.data_ptr() == got_res.data_ptr()
+    assert torch.equal(out, fresh)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="x itself only with a residual"):
+        cpu_ops.rms_norm(x, norm.weight, 1e-5, out=x)
+    strided = torch.randn(t, 700)[:, :576]
+    with torch.inference_mode():  # (a row-strided x: a new output, x untouched)
+        kept = strided.clone()
+        out, _ = norm(strided, res.clone())
+    assert out.data_ptr() != strided.data_ptr() and torch.equal(strided, kept)
+
+
 def test_rms_norm_reads_row_strided_input():
     x = torch.randn(7, 1000)[:, 100:676]
     w = torch.randn(576)

@@ -386,6 +386,32 @@ def test_embedding_rows_are_gguf_dequantizer_rows_few_or_many(qtype):
             assert torch.equal(got, torch.from_numpy(rows[ids.numpy()])), (qtype, ids.shape)
 
 
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1])
+def test_embedding_rows_of_a_mapped_file_are_read_without_mapping_a_page(qtype, tmp_path):
+    """A GGUF file's embedding (blocks in a ``np.memmap`` of the file, as ``gguf``'s reader maps it):
+    the rows looked up are ``gguf.dequantize``'s, read from the file (``loader.read_memmap_rows``),
+    and none of the mapping's pages becomes resident (through the mapping, 256 rows spread over the
+    file would be at least 1 MiB; 2 MiB each where the kernel maps large folios whole)."""
+    from conftest import mapped_kib
+
+    rng = np.random.default_rng(6)
+    w = (rng.standard_normal((8192, 256)) * 0.05).astype(np.float32)
+    data = gguf.quantize(w, qtype)
+    ref = gguf.dequantize(data, qtype).reshape(8192, 256)
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(b"\0" * 100 + data.tobytes())  # (at an offset, as a GGUF file's tensor data is)
+    mapped = np.memmap(path, mode="r")[100:].reshape(data.shape)
+    order = rng.permutation(8192)
+    ids = torch.from_numpy(rng.permutation(8192)[:256])
+
+    for blocks, rows in ((gq.GGUFBlocks(mapped, qtype, (8192, 256)), ref),
+                         (gq.GGUFBlocks(mapped, qtype, (8192, 256), order), ref[order])):
+        for got_ids in (ids, ids[:3]):
+            assert torch.equal(blocks.gather_rows(got_ids), torch.from_numpy(rows[got_ids.numpy()]))
+    assert mapped_kib(str(path)) == 0
+    assert np.array_equal(mapped[ids.numpy()], data[ids.numpy()]) and mapped_kib(str(path)) >= 1024  # (it can fail)
+
+
 def test_q8_0_on_packing_quantizes_each_slice_as_the_whole(monkeypatch):
     """A float weight quantized to Q8_0 a slice of rows at a time as it is packed (an AWQ checkpoint's
     LM head): every slice's values are ``gguf``'s quantizer's for those rows, and the packed weight

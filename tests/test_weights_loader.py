@@ -10,7 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagellm.weights.loader import read_safetensors, release_pages
+from pagellm.weights.loader import read_rows, read_safetensors, release_pages
+
+from conftest import mapped_kib
 
 
 def test_read_safetensors_equals_the_library_for_every_dtype(tmp_path):
@@ -64,6 +66,34 @@ def test_a_read_tensor_holds_only_the_pages_read_and_writes_stay_in_the_process(
     assert torch.equal(got["big"], want)
     got["big"][0, 0] = -1
     assert torch.equal(load_file(path)["big"], want), "a write stays in this process"
+
+
+def test_rows_of_a_mapped_tensor_are_read_without_mapping_a_page(tmp_path):
+    """An embedding's lookup (``read_rows``, and ``Rows16.gather_rows`` over it) reads its rows from
+    the file: equal to the rows written, none of the mapping's pages resident after. (Touching one
+    row through the mapping maps the page cache's folio around it: 2 MiB on a kernel with large
+    folios, so a long prompt's lookup made a 192 MiB embedding resident.)"""
+    import torch.nn.functional as F
+
+    from pagellm.weights.rows16 import Rows16
+
+    path = str(tmp_path / "m.safetensors")
+    want = (torch.randn(8192, 512, generator=torch.Generator().manual_seed(0)) * 10).to(torch.bfloat16)  # 8 MiB
+    save_file({"embed": want}, path)
+    got = dict(read_safetensors(path))["embed"]
+    ids = torch.tensor([[5, 8191, 5], [0, 4000, 77]])
+    rows = read_rows(got, [5, 8191, 0])
+    assert rows is not None and rows.dtype == torch.bfloat16 and torch.equal(rows, want[[5, 8191, 0]])
+    looked_up = Rows16(got).gather_rows(ids)
+    assert looked_up.dtype == torch.float32 and torch.equal(looked_up, F.embedding(ids, want).float())
+    assert torch.equal(Rows16(got).take(4000, 8192).gather_rows(torch.tensor([0, 77])), want[[4000, 4077]].float())
+    spread = torch.arange(0, 8192, 41)  # 200 rows of 1 KiB, each on a page of its own
+    assert torch.equal(Rows16(got).gather_rows(spread), want[spread].float())
+    assert mapped_kib(path) == 0, "no page of the mapping was made resident (through it: >= 800 KiB)"
+    assert torch.equal(got[spread], want[spread]) and mapped_kib(path) >= 800  # (the check can fail)
+    assert read_rows(want, [1]) is None  # (a tensor not mapped: the caller indexes it)
+    with pytest.raises(IndexError, match="out of range"):
+        read_rows(got, [8192])
 
 
 def test_building_a_model_imports_no_compiler(tiny_llama):

@@ -65,13 +65,19 @@ def _rows(x: torch.Tensor, name: str) -> int:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
+             residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``norm(x)``; with ``residual``: ``residual += x`` in place, then ``norm(residual)``.
 
-    ``x [T, n]`` (row-strided allowed), ``residual [T, n]`` contiguous; returns a new ``[T, n]``.
+    ``x [T, n]`` (row-strided allowed), ``residual [T, n]`` contiguous; returns ``out``, or a new
+    ``[T, n]``. With ``residual``, ``out`` may be ``x`` itself (each row is read whole before its
+    result is written).
     """
     t, n = x.shape
-    out = torch.empty(t, n, dtype=x.dtype)
+    if out is None:
+        out = torch.empty(t, n, dtype=x.dtype)
+    elif out.shape != (t, n) or out.dtype != x.dtype or not out.is_contiguous() \
+            or (out.data_ptr() == x.data_ptr() and (residual is None or x.stride(0) != n)):
+        raise ValueError(f"out must be a contiguous {x.dtype} [{t}, {n}] (x itself only with a residual)")
     if residual is not None and not residual.is_contiguous():
         raise ValueError("residual must be contiguous")
     _lib().rms_norm_f32(x.data_ptr(), _rows(x, "x"), None if residual is None else residual.data_ptr(),

@@ -33,15 +33,18 @@ class RMSNorm(CustomOp):
         return self._norm(x), x
 
     def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """One pass instead of seven, ``residual`` updated in place (the decoder owns it). A per-head
-        norm (Qwen3's q/k norm: 3-D, heads contiguous) reads the qkv output in place."""
+        """One pass instead of seven, ``residual`` updated in place (the decoder owns it), and the
+        result written over ``x`` (as vLLM's fused add-norm: the sublayer's output is consumed, and a
+        2,048-token step holds one hidden-sized tensor fewer). A per-head norm (Qwen3's q/k norm:
+        3-D, heads contiguous) reads the qkv output in place."""
         if x.dim() == 3 and residual is None and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
             return cpu_ops.rms_norm_heads(x, self.weight, self.eps)
         if x.dim() != 2:
             return self.forward_native(x, residual)
         if residual is None:
             return cpu_ops.rms_norm(x, self.weight, self.eps)
-        return cpu_ops.rms_norm(x, self.weight, self.eps, residual), residual
+        out = x if x.dtype == torch.float32 and x.stride() == (x.shape[1], 1) else None
+        return cpu_ops.rms_norm(x, self.weight, self.eps, residual, out), residual
 
     def forward_cuda(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """One kernel (the add, the norm, the weight), ``residual`` updated in place as on the CPU."""

@@ -68,8 +68,8 @@ def pack_for_cpu(model: DecoderForCausalLM, compute_dtype: torch.dtype = torch.f
 def keep_blocks(module: nn.Module, param: torch.Tensor, target: str, shard_idx: int | None,
                 blocks: QuantizedBlocks) -> list[str]:
     """Hand a quantized tensor's blocks to its module at their width; the loaded names, or none where
-    the module needs a float copy. (An embedding kept as GGUF blocks reads its rows from the file's
-    read-only mapping as tokens need them: only the pages of rows used count in the RSS.)"""
+    the module needs a float copy. (An embedding kept as GGUF blocks reads its rows from the
+    file as tokens need them, without mapping them: ``loader.read_memmap_rows``.)"""
     if (isinstance(module, VocabParallelEmbedding) and blocks.row_lookup and module.tp.world_size == 1
             and tuple(param.shape) == blocks.shape):
         module.kept_rows = blocks

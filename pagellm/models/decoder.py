@@ -143,6 +143,7 @@ class Attention(nn.Module):
         q, k, written = meta.backend.rotary_and_write_kv(self.rotary, q, k, v, rope, kv_cache, meta)
         o = meta.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
                                  self.logit_softcap, kv_written=written)
+        del qkv, q, k, v  # (not held through the output projection: 48 MiB at 2,048 tokens of a 1.7B)
         return self.o_proj(o)
 
 
@@ -173,7 +174,10 @@ class MLP(nn.Module):
         if x.shape[0] > MLP_CHUNK_MIN_ROWS and self._sliceable():
             # A long prefill in slices whose gate/up output stays in cache for SiLU*mul and the
             # down projection (2048 rows of SmolLM2 write and re-read 25 MiB otherwise).
-            return torch.cat([self._forward(c) for c in x.split(MLP_CHUNK_ROWS)])
+            out = torch.empty(x.shape[0], self.down_proj.out_features)
+            for rows, c in zip(out.split(MLP_CHUNK_ROWS), x.split(MLP_CHUNK_ROWS), strict=True):
+                rows.copy_(self._forward(c))  # (into one output: no slices held for a concatenation)
+            return out
         return self._forward(x)
 
     def _packed_for_amx(self) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import dequantize, quantize
 
 from pagellm.kernels.gemm_int8 import K4, K6, Q4_BLOCKS, Q8_BLOCKS
+from pagellm.weights.loader import read_memmap_rows
 from pagellm.weights.quant_blocks import QuantizedBlocks
 
 _LEGACY_FORMAT = {T.Q4_0: Q4_BLOCKS, T.Q4_1: Q4_BLOCKS, T.Q5_0: Q8_BLOCKS, T.Q8_0: Q8_BLOCKS}
@@ -78,15 +79,21 @@ class GGUFBlocks(QuantizedBlocks):
         if flat.size <= FEW_ROWS and self.qtype in _LEGACY:
             # A decode step's few tokens: their blocks' fields directly (``gguf.dequantize``'s
             # grouping and a dedupe cost ~0.3 ms a step; the values are the same: d q is exact).
-            blocks = GGUFBlocks(self.data[flat if self.order is None else self.order[flat]], self.qtype,
-                                (flat.size, self.shape[1]))
+            blocks = GGUFBlocks(self._read(flat), self.qtype, (flat.size, self.shape[1]))
             d, m, q = legacy_fields(blocks)
             w = q.astype(np.float32).reshape(flat.size, -1, 32) * d[..., None] + m[..., None]
             return torch.from_numpy(w.reshape(*ids.shape, self.shape[1])).to(ids.device)
         uniq, inverse = np.unique(flat, return_inverse=True)
-        rows = dequantize(self.data[uniq if self.order is None else self.order[uniq]], self.qtype)
+        rows = dequantize(self._read(uniq), self.qtype)
         out = torch.from_numpy(np.asarray(rows.reshape(len(uniq), self.shape[1]), dtype=np.float32))
         return out[torch.from_numpy(inverse.reshape(-1))].reshape(*ids.shape, self.shape[1]).to(ids.device)
+
+    def _read(self, ids: np.ndarray) -> np.ndarray:
+        """The blocks of rows ``ids`` of the weight, read from the file where it is mapped (no page of
+        the mapping made resident: ``loader.read_rows``)."""
+        rows = ids if self.order is None else self.order[ids]
+        read = read_memmap_rows(self.data, rows.tolist())
+        return self.data[rows] if read is None else read
 
     def release(self) -> None:
         """Drop the file's pages from this process once read (they stay in the page cache): a mapped

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagellm.weights.loader import release_pages
+from pagellm.weights.loader import read_rows, release_pages
 from pagellm.weights.quant_blocks import QuantizedBlocks
 
 HALF_TYPES = {torch.float16: "F16", torch.bfloat16: "BF16"}
@@ -46,7 +46,11 @@ class Rows16(QuantizedBlocks):
         return self.rows.float()
 
     def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.rows).float()
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        rows = read_rows(self.rows, unique.tolist())  # (rows mapped from the file: read, not mapped)
+        if rows is None:
+            return F.embedding(ids, self.rows).float()
+        return F.embedding(inverse, rows).float()
 
     def release(self) -> None:
-        release_pages(self.rows)  # (an embedding's rows mapped from the file: only those looked up stay)
+        release_pages(self.rows)  # (the pages packing read; a lookup reads its rows without mapping any)

@@ -35,7 +35,7 @@ from pagellm.worker.cache_engine import (
 )
 from pagellm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
 from pagellm.worker.draft_runner import DraftRunner
-from pagellm.worker.host_malloc import tune_malloc
+from pagellm.worker.host_malloc import TRIM_AFTER_TOKENS, trim, tune_malloc
 from pagellm.worker.kv_connector import DiskConnectorWorker, KVConnectorWorker, TcpConnectorWorker
 from pagellm.worker.model_loader import DTYPES, ModelLoader
 from pagellm.worker.model_runner import ModelRunner
@@ -87,7 +87,6 @@ class Worker:
             else torch.device(dev)
         if self.device.type == "cpu":
             torch.set_num_threads(config.device.num_threads or default_num_threads())
-            tune_malloc()  # activations reuse freed memory instead of page-faulting it in every layer
         elif self.device.index is not None:
             torch.cuda.set_device(self.device)
         par = config.parallel
@@ -155,6 +154,11 @@ class Worker:
         self.model_lora = ModelLoRA(model, lora.max_loras, lora.max_lora_rank, self.device, self.dtype) \
             if lora.enable_lora else None
         self._adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()  # by fingerprint, LRU order
+        if self.device.type == "cpu":
+            # Activations reuse freed memory instead of page-faulting it in every layer. Only now:
+            # tuned while loading, the heap kept loading's transients as holes (trimmed, so not
+            # resident) that steps' activations then wandered through, faulting more in each step.
+            tune_malloc()
         return ModelInfo(
             architecture=arch,
             vocab_size=text_config.vocab_size,
@@ -343,6 +347,8 @@ class Worker:
         out = self.model_runner.execute_model(scheduler_output, self.cache_engine.kv_caches)
         self.step_seconds += time.perf_counter() - t0
         self.num_steps += 1
+        if self.device.type == "cpu" and sum(len(s.token_ids) for s in scheduler_output.scheduled) >= TRIM_AFTER_TOKENS:
+            trim()  # (a long step's activations, freed: see host_malloc)
         if transfer is not None:
             assert meta is not None and connector is not None
             connector.save_kv(meta, transfer)
