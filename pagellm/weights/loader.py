@@ -191,7 +191,7 @@ def read_memmap_rows(data: np.ndarray, rows: list[int]) -> np.ndarray | None:
     root: Any = data
     while isinstance(root, np.ndarray) and not isinstance(root.base, mmap.mmap):
         root = root.base
-    if not isinstance(root, np.memmap) or data.ndim != 2 or not data.flags.c_contiguous:
+    if not isinstance(root, np.memmap) or root.filename is None or data.ndim != 2 or not data.flags.c_contiguous:
         return None
     out = np.empty((len(rows), data.shape[1]), dtype=data.dtype)
     _pread_rows(str(root.filename), root.offset + data.ctypes.data - root.ctypes.data, data.shape[0],
@@ -199,12 +199,12 @@ def read_memmap_rows(data: np.ndarray, rows: list[int]) -> np.ndarray | None:
     return out
 
 
-def _pread_rows(path: str | None, offset: int, num_rows: int, out: np.ndarray, rows: list[int]) -> None:
+def _pread_rows(path: str, offset: int, num_rows: int, out: np.ndarray, rows: list[int]) -> None:
     """Rows ``rows`` of a ``[num_rows, out.shape[1]]`` byte array at ``offset`` in ``path``, into ``out``."""
     if rows and not 0 <= min(rows) <= max(rows) < num_rows:
         raise IndexError(f"rows {min(rows)}..{max(rows)} out of range for {num_rows} rows")
     size, view = out.shape[1], out.data.cast("B")
-    fd = os.open(str(path), os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY)
     try:
         for i, r in enumerate(rows):
             if os.preadv(fd, [view[i * size:(i + 1) * size]], offset + r * size) != size:

@@ -15,8 +15,7 @@ Activations above that ceiling were still mmapped whenever the heap had no free 
 a 2048-token step of a model 1024 wide with a 3072-wide MLP writes a 48 MiB gate/up output (an
 8B's is 224 MiB). Whether it had one depended on what loading left behind, so runs of the same
 embedding workload spent 1.9 or 3.3 s in that projection. ``M_MMAP_MAX = 0`` serves every
-allocation from the heap (glibc still maps one a thread's arena cannot hold), and ``trim`` after
-loading returns what loading freed.
+allocation from the heap (glibc still maps one a thread's arena cannot hold).
 
 The worker tunes it once the model is loaded, not before: tuned while loading, the heap kept
 loading's transients (freed, trimmed, so not resident) as gigabytes of holes, and each step's
@@ -27,8 +26,9 @@ default instead, and leave no holes.
 What a step of at least ``TRIM_AFTER_TOKENS`` tokens freed is handed back after it (``trim``): kept,
 the next steps' activations settled partly elsewhere in the heap, and a 1.7B's W64 run peaked 215
 MiB over its loaded RSS for a 2048-token step whose live activations are under 100 MiB (measured
-~140 MiB trimmed before each such step). Faulting a long step's activations in again costs well
-under 1 % of it (their pages are the step's inputs, not its weights); decode steps keep theirs.
+~140 MiB trimmed before each such step). Faulting a long step's activations in again is ~140 MiB of
+zeroed pages against a step of seconds at 1.7B (estimated well under 1 %, not measured; a larger
+share for a small model); decode steps keep theirs.
 
 vLLM's CPU guide preloads tcmalloc for the same reason; this does it with the C library already in
 the process. Set ``PAGELLM_MALLOC_TUNING=0`` to leave the allocator as it is.
@@ -84,8 +84,9 @@ def tune_malloc() -> bool:
 
 
 def trim() -> None:
-    """Hand the heap's free memory back to the system (after loading: the transient copies of
-    packing weights stay in the heap under ``tune_malloc``'s trim threshold)."""
+    """Hand the heap's free memory back to the system: after a long step, and while loading (a
+    model loaded in a process already tuned, a second engine's, keeps its packing's transient copies
+    in the heap under ``tune_malloc``'s trim threshold)."""
     if platform.libc_ver()[0] != "glibc":
         return
     with contextlib.suppress(OSError, AttributeError):

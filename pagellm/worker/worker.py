@@ -347,7 +347,8 @@ class Worker:
         out = self.model_runner.execute_model(scheduler_output, self.cache_engine.kv_caches)
         self.step_seconds += time.perf_counter() - t0
         self.num_steps += 1
-        if self.device.type == "cpu" and sum(len(s.token_ids) for s in scheduler_output.scheduled) >= TRIM_AFTER_TOKENS:
+        num_tokens = sum(s.num_scheduled_tokens for s in scheduler_output.scheduled)
+        if self.device.type == "cpu" and num_tokens >= TRIM_AFTER_TOKENS:
             trim()  # (a long step's activations, freed: see host_malloc)
         if transfer is not None:
             assert meta is not None and connector is not None
