@@ -217,6 +217,58 @@ def test_long_prefill_through_the_int8_mlp_in_slices_gives_the_same_bits(monkeyp
         assert not plain._sliceable()
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_long_prefill_projects_its_qkv_in_slices_with_the_same_bits(ckpt_root, monkeypatch, arch):
+    """A step of more than QKV_CHUNK_MIN_ROWS tokens over the int8 kernels projects its qkv in
+    slices, each slice's K/V written to the cache before the attention reads them back (Qwen3: its
+    q/k norms per slice). Greedy tokens and logprobs are the unsliced run's bit for bit, over a
+    fresh chunk and a step whose first chunk follows cached tokens; only those two steps slice."""
+    require_int8_kernel()
+    from pagellm.models import decoder
+
+    path = build_tiny_checkpoint(ckpt_root, arch)
+    rng = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 1000, (n,), generator=rng).tolist() for n in (900, 500)]
+    sliced: list[int] = []
+    real = decoder.Attention._queries_in_slices
+
+    def counted(self, rope, x, kv_cache, meta):
+        sliced.append(x.shape[0])
+        return real(self, rope, x, kv_cache, meta)
+
+    monkeypatch.setattr(decoder.Attention, "_queries_in_slices", counted)
+    runs = []
+    for min_rows in (decoder.QKV_CHUNK_MIN_ROWS, 1 << 30):
+        monkeypatch.setattr(decoder, "QKV_CHUNK_MIN_ROWS", min_rows)
+        got, engine = engine_greedy_top(path, prompts, NEW_TOKENS, quantization="q8_0",
+                                        max_num_batched_tokens=600, long_prefill_token_threshold=0)
+        assert engine.model_info.dtype == "int8"
+        runs.append((got, list(sliced)))
+        sliced.clear()
+    layers = transformers.AutoConfig.from_pretrained(path).num_hidden_layers
+    assert runs[0][1] == [600] * layers * 2 and runs[1][1] == []  # (steps of 600, 600, then 201 tokens)
+    assert runs[0][0] == runs[1][0]
+
+
+def test_only_backends_that_read_the_steps_kv_from_the_cache_let_it_be_written_in_slices():
+    """``reads_kv_from_cache``: the reference's fresh prefill attends to the K/V it is given, so a
+    step with one is never sliced; the CPU kernels' groups (and the reference's paged ones) read the
+    cache. ``forward`` without K/V that are not written is a ``ValueError``."""
+    from pagellm.attention.cpu_paged import CpuPagedAttention
+    from pagellm.attention.torch_paged import TorchPagedAttention
+
+    cpu = torch.device("cpu")
+    chunks = [(0, 5, [0]), (16, 3, [1, 2])]  # a fresh chunk, one after cached tokens
+    ref, kernels = TorchPagedAttention(), CpuPagedAttention(True, True, True)
+    assert not ref.reads_kv_from_cache(ref.build_metadata([], [], chunks[:1], 16, cpu))
+    assert ref.reads_kv_from_cache(ref.build_metadata([17], [[3, 4]], chunks[1:], 16, cpu))
+    assert kernels.reads_kv_from_cache(kernels.build_metadata([17], [[3, 4]], chunks, 16, cpu))
+    meta = ref.build_metadata([], [], chunks[:1], 16, cpu)
+    cache = torch.zeros(64, 2, 16)
+    with pytest.raises(ValueError, match="kv_written"):
+        ref.forward(torch.zeros(5, 4, 16), None, None, cache, cache, meta, 0.25)
+
+
 def test_int8_needs_gguf_blocks_and_the_kernel(ckpt_root, monkeypatch):
     path = build_tiny_checkpoint(ckpt_root, "llama")
     with pytest.raises(ValueError, match="quantization must be one of"):

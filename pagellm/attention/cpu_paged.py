@@ -27,6 +27,9 @@ class CpuPagedAttention(TorchPagedAttention):
     the ``write_kv`` kernel, each only where it applies; SDPA (the reference) for the rest."""
 
     name = "cpu"
+    # (both kernels read every chunk's K/V from the cache, the step's own included)
+    cache_reading_kinds = TorchPagedAttention.cache_reading_kinds | {AttentionKind.DECODE_KERNEL,
+                                                                     AttentionKind.PREFILL_KERNEL}
 
     def __init__(self, decode_kernel: bool, prefill_kernel: bool, write_kv_kernel: bool,
                  prefill_bf16_tiles: bool = False) -> None:
@@ -125,8 +128,8 @@ class CpuPagedAttention(TorchPagedAttention):
             super().write_kv(key, value, key_cache, value_cache, slot_mapping)
 
     @staticmethod
-    def _decode_kernel(out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor, key: torch.Tensor,
-                       value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_size: int,
+    def _decode_kernel(out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor, key: torch.Tensor | None,
+                       value: torch.Tensor | None, key_cache: torch.Tensor, value_cache: torch.Tensor, block_size: int,
                        scale: float) -> None:
         CpuPagedAttention._decode_kernel_windowed(out, grp, query, key_cache, value_cache, block_size, scale, None,
                                                   None)
@@ -146,8 +149,8 @@ class CpuPagedAttention(TorchPagedAttention):
                                           value_cache, grp.kv_blocks, grp.seq_lens, block_size, scale,
                                           window=window, softcap=softcap)
 
-    def _prefill_kernel(self, out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor, key: torch.Tensor,
-                        value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_size: int,
+    def _prefill_kernel(self, out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor, key: torch.Tensor | None,
+                        value: torch.Tensor | None, key_cache: torch.Tensor, value_cache: torch.Tensor, block_size: int,
                         scale: float) -> None:
         self._prefill_kernel_windowed(out, grp, query, key_cache, value_cache, block_size, scale, None, None)
 

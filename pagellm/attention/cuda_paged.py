@@ -89,8 +89,9 @@ class CudaPagedAttention(TorchPagedAttention):
         return query, key, True
 
     @staticmethod
-    def _kernel(out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                key_cache: torch.Tensor, value_cache: torch.Tensor, block_size: int, scale: float) -> None:
+    def _kernel(out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor, key: torch.Tensor | None,
+                value: torch.Tensor | None, key_cache: torch.Tensor, value_cache: torch.Tensor, block_size: int,
+                scale: float) -> None:
         CudaPagedAttention._kernel_windowed(out, grp, query, key_cache, value_cache, block_size, scale, None, None)
 
     @staticmethod

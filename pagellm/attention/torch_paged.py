@@ -183,9 +183,10 @@ def _windowed(out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor, key_c
         out[row0:row0 + ql] = torch.matmul(p, v).transpose(0, 1).reshape(ql, hq * d)
 
 
-# One group's attention: writes rows ``token_start:token_end`` of ``out [T, Hq * D]``.
-GroupImpl = Callable[[torch.Tensor, AttentionGroup, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                      torch.Tensor, int, float], None]
+# One group's attention: writes rows ``token_start:token_end`` of ``out [T, Hq * D]``. The step's
+# key and value (``None`` where the caller wrote them to the cache: ``reads_kv_from_cache``).
+GroupImpl = Callable[[torch.Tensor, AttentionGroup, torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                      torch.Tensor, torch.Tensor, int, float], None]
 # The same for a layer with a sliding window and/or a logit soft-cap (the last two arguments).
 WindowedImpl = Callable[[torch.Tensor, AttentionGroup, torch.Tensor, torch.Tensor, torch.Tensor, int, float,
                          int | None, float | None], None]
@@ -302,13 +303,24 @@ class TorchPagedAttention:
         query, key = rotary(query, key, rope)
         return query, key, False
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                value_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None, kv_written: bool = False) -> torch.Tensor:
+    def reads_kv_from_cache(self, meta: AttentionMetadata) -> bool:
+        """Whether every group of this step reads its keys and values from the cache, so that a
+        caller may write them there itself, slice by slice, and pass none to ``forward``. The
+        reference's fresh prefill attends to the K/V it is given."""
+        return all(grp.kind in self.cache_reading_kinds for grp in meta.groups)
+
+    cache_reading_kinds: frozenset[AttentionKind] = frozenset({AttentionKind.PAGED, AttentionKind.CASCADE_DECODE})
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+                key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                window: int | None = None, softcap: float | None = None, kv_written: bool = False) -> torch.Tensor:
         """``query [T, Hq, D]``, ``key/value [T, Hkv, D]``, caches ``[num_slots, Hkv, D]`` -> ``[T, Hq*D]``.
-        ``window``: this layer's sliding window; ``softcap``: its attention logit soft-cap."""
+        ``window``: this layer's sliding window; ``softcap``: its attention logit soft-cap. ``key`` and
+        ``value`` may be ``None`` once written (``kv_written``) where ``reads_kv_from_cache``."""
         t, hq, d = query.shape
         if not kv_written:
+            if key is None or value is None:
+                raise ValueError("forward needs the step's key and value unless they are written (kv_written)")
             self.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty(t, hq * d, dtype=query.dtype, device=query.device)
         for grp in meta.groups:
@@ -323,10 +335,11 @@ class TorchPagedAttention:
         return out
 
     @staticmethod
-    def _fresh_prefill(out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor, key: torch.Tensor,
-                       value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_size: int,
+    def _fresh_prefill(out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor, key: torch.Tensor | None,
+                       value: torch.Tensor | None, key_cache: torch.Tensor, value_cache: torch.Tensor, block_size: int,
                        scale: float) -> None:
         """Causal attention of a chunk over its own K/V; no cache read."""
+        assert key is not None and value is not None, "a fresh prefill attends to the K/V it is given"
         hq, d = query.shape[1], query.shape[2]
         g = hq // key.shape[1]
         # 4-D inputs: with 3-D ones CPU SDPA silently takes the slow math kernel.
@@ -341,11 +354,12 @@ class TorchPagedAttention:
         out[grp.token_start:grp.token_end] = o[0].transpose(0, 1).reshape(grp.token_end - grp.token_start, hq * d)
 
     @staticmethod
-    def _paged(out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               key_cache: torch.Tensor, value_cache: torch.Tensor, block_size: int, scale: float) -> None:
+    def _paged(out: torch.Tensor, grp: AttentionGroup, query: torch.Tensor, key: torch.Tensor | None,
+               value: torch.Tensor | None, key_cache: torch.Tensor, value_cache: torch.Tensor, block_size: int,
+               scale: float) -> None:
         """Gather the group's blocks, then SDPA with its mask (plus the shared prefix, for a cascade)."""
         hq, d = query.shape[1], query.shape[2]
-        hkv = key.shape[1]
+        hkv = key_cache.shape[1]
         g = hq // hkv
         q = query[grp.token_start:grp.token_end]
         b, ql = grp.batch_size, grp.query_len

@@ -132,26 +132,63 @@ class Attention(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        if x.shape[0] > QKV_CHUNK_MIN_ROWS and self._sliceable(meta):
+            q = self._queries_in_slices(rope, x, kv_cache, meta)
+            o = meta.backend.forward(q, None, None, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
+                                     self.logit_softcap, kv_written=True)
+            del q
+            return self.o_proj(o)
+        q, k, v = self._project(x)
+        q, k, written = meta.backend.rotary_and_write_kv(self.rotary, q, k, v, rope, kv_cache, meta)
+        o = meta.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
+                                 self.logit_softcap, kv_written=written)
+        del q, k, v  # (the qkv output they view is not held through the output projection)
+        return self.o_proj(o)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values of rows ``x`` (views into one qkv output), q/k-normed where the
+        model norms them."""
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, written = meta.backend.rotary_and_write_kv(self.rotary, q, k, v, rope, kv_cache, meta)
-        o = meta.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
-                                 self.logit_softcap, kv_written=written)
-        del qkv, q, k, v  # (not held through the output projection: 48 MiB at 2,048 tokens of a 1.7B)
-        return self.o_proj(o)
+        return q, k, v
+
+    def _sliceable(self, meta: AttentionMetadata) -> bool:
+        """Whether a long prefill's projection may run in slices: over the int8 kernels (a row's
+        output is the same bits in any batch), without adapters (their rows are mapped over the
+        whole step), where every group of the step reads its K/V from the cache."""
+        p = self.qkv_proj
+        return isinstance(p.weight_format, Int8Packed) and p.lora is None and meta.backend.reads_kv_from_cache(meta)
+
+    def _queries_in_slices(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                           kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """The rotated queries of a long prefill, projected ``QKV_CHUNK_ROWS`` rows at a time, each
+        slice's K/V written to the cache as it is made: the step holds its queries, not the whole
+        qkv output (48 MiB at 2,048 tokens of a 1.7B, the largest activation of its step)."""
+        queries = torch.empty(x.shape[0], self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
+        for r0 in range(0, x.shape[0], QKV_CHUNK_ROWS):
+            rows = slice(r0, r0 + QKV_CHUNK_ROWS)
+            q, k, v = self._project(x[rows])
+            q, k = self.rotary(q, k, (rope[0][rows], rope[1][rows]))
+            meta.backend.write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping[rows])
+            queries[rows] = q
+        return queries
 
 
 # Rows per slice of a long prefill through the MLP (``MLP.forward``): 128 rows of SmolLM2's gate/up
-# output are 1.5 MiB, within a 2 MiB L2; 64-192 measured close, 128 best; at 512 rows and fewer
-# slicing gains nothing (measured), so those run whole.
+# output are 1.5 MiB, within a 2 MiB L2; 64-192 measured close, 128 best. At 512 rows slicing gains
+# no time (measured), but a default prefill chunk's whole gate/up and activation were its step's
+# largest tensors (48 MiB at 512 rows of a 1.7B), so steps of more than 256 rows take slices.
 MLP_CHUNK_ROWS = 128
-MLP_CHUNK_MIN_ROWS = 512
+MLP_CHUNK_MIN_ROWS = 256
+# The same for a long prefill's qkv projection (``Attention.forward``), sliced for memory: its
+# 128-row slices ran as fast as one call (measured at 2,048 rows of a 1.7B). From 512 rows, where
+# the qkv output outgrows the MLP's slices.
+QKV_CHUNK_ROWS, QKV_CHUNK_MIN_ROWS = MLP_CHUNK_ROWS, 512
 
 
 class MLP(nn.Module):

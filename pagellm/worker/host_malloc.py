@@ -36,9 +36,9 @@ the process. Set ``PAGELLM_MALLOC_TUNING=0`` to leave the allocator as it is.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import platform
@@ -66,13 +66,10 @@ def tune_malloc() -> bool:
     if _done is not None:
         return _done
     _done = False
-    if os.environ.get("PAGELLM_MALLOC_TUNING", "1") == "0" or platform.libc_ver()[0] != "glibc":
+    libc = _glibc()
+    if os.environ.get("PAGELLM_MALLOC_TUNING", "1") == "0" or libc is None or not hasattr(libc, "mallopt"):
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
+    mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # Setting either also turns off glibc's own adjustment of both (which would halve the trim one).
     _done = bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)) and bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) \
@@ -87,7 +84,18 @@ def trim() -> None:
     """Hand the heap's free memory back to the system: after a long step, and while loading (a
     model loaded in a process already tuned, a second engine's, keeps its packing's transient copies
     in the heap under ``tune_malloc``'s trim threshold)."""
+    libc = _glibc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """The C library where it is glibc, else ``None``; found once (``find_library`` runs
+    ``ldconfig``, ``libc_ver`` reads the interpreter's binary: not on every long step)."""
     if platform.libc_ver()[0] != "glibc":
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
