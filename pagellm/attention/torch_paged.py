@@ -303,13 +303,14 @@ class TorchPagedAttention:
         query, key = rotary(query, key, rope)
         return query, key, False
 
+    # Group kinds whose implementation reads the step's K/V from the cache, not from ``forward``'s.
+    cache_reading_kinds: frozenset[AttentionKind] = frozenset({AttentionKind.PAGED, AttentionKind.CASCADE_DECODE})
+
     def reads_kv_from_cache(self, meta: AttentionMetadata) -> bool:
         """Whether every group of this step reads its keys and values from the cache, so that a
         caller may write them there itself, slice by slice, and pass none to ``forward``. The
         reference's fresh prefill attends to the K/V it is given."""
         return all(grp.kind in self.cache_reading_kinds for grp in meta.groups)
-
-    cache_reading_kinds: frozenset[AttentionKind] = frozenset({AttentionKind.PAGED, AttentionKind.CASCADE_DECODE})
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata, scale: float,

@@ -161,8 +161,7 @@ class Attention(nn.Module):
         """Whether a long prefill's projection may run in slices: over the int8 kernels (a row's
         output is the same bits in any batch), without adapters (their rows are mapped over the
         whole step), where every group of the step reads its K/V from the cache."""
-        p = self.qkv_proj
-        return isinstance(p.weight_format, Int8Packed) and p.lora is None and meta.backend.reads_kv_from_cache(meta)
+        return rows_slice_exactly(self.qkv_proj) and meta.backend.reads_kv_from_cache(meta)
 
     def _queries_in_slices(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                            kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -189,6 +188,12 @@ MLP_CHUNK_MIN_ROWS = 256
 # 128-row slices ran as fast as one call (measured at 2,048 rows of a 1.7B). From 512 rows, where
 # the qkv output outgrows the MLP's slices.
 QKV_CHUNK_ROWS, QKV_CHUNK_MIN_ROWS = MLP_CHUNK_ROWS, 512
+
+
+def rows_slice_exactly(*projections: Linear) -> bool:
+    """Whether these projections give a row the same bits in a slice as in the whole batch: on the
+    int8 kernels (every batch size runs through them), without adapters (mapped over the step)."""
+    return all(isinstance(p.weight_format, Int8Packed) and p.lora is None for p in projections)
 
 
 class MLP(nn.Module):
@@ -235,9 +240,7 @@ class MLP(nn.Module):
         same bits sliced or not, and they gain (the 30 MLPs 1.18x at 1024 rows, 1.28x at 2048; the
         bfloat16 kernel 0.96-0.99x, the float32 one 0.95x at 2048 rows). Not with adapters, whose
         rows are mapped over the whole step."""
-        g, d = self.gate_up_proj, self.down_proj
-        return (isinstance(g.weight_format, Int8Packed) and isinstance(d.weight_format, Int8Packed)
-                and g.lora is None and d.lora is None)
+        return rows_slice_exactly(self.gate_up_proj, self.down_proj)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
