@@ -152,7 +152,9 @@ def build_tiny_checkpoint(root: str, arch: str, tie: bool = False, **overrides) 
     """Write a tiny random model of ``arch`` (config.json + safetensors + tokenizer) under ``root``."""
     import transformers
 
-    path = os.path.join(root, f"tiny-{arch}{'-tied' if tie else ''}")
+    # (Overrides are in the name: a checkpoint built without them must not be returned for them.)
+    named = "".join(f"-{k}={v}" for k, v in sorted(overrides.items()))
+    path = os.path.join(root, f"tiny-{arch}{'-tied' if tie else ''}{named}")
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     base = dict(

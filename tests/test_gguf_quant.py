@@ -122,6 +122,10 @@ def test_int8_kernel_matches_float64_within_the_rounding_bound(qtype):
     assert float((err / bound).max()) > 0.01  # (the activations really were rounded)
     for rows in (1, 4, 7):  # batch invariance: a row alone, or in other batches, gives the same bits
         assert torch.equal(bound_w(x[2:2 + rows]), y[2:2 + rows])
+    into = torch.full((13, n), float("nan"))
+    assert bound_w(x, out=into) is into and torch.equal(into, y)  # (written where it is told)
+    with pytest.raises(ValueError, match="out must be float32"):
+        bound_w(x, out=torch.empty(13, n + 1))
     if fmt == gemm_int8.K4:  # the 6-bit K6 format holds Q4_K too (a fused projection of mixed K types)
         assert torch.equal(gemm_int8.BoundWeight(packed(b, gemm_int8.K6), gemm_int8.K6, n, k)(x), y)
 

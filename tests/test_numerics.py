@@ -221,8 +221,10 @@ def test_long_prefill_through_the_int8_mlp_in_slices_gives_the_same_bits(monkeyp
 def test_long_prefill_projects_its_qkv_in_slices_with_the_same_bits(ckpt_root, monkeypatch, arch):
     """A step of more than QKV_CHUNK_MIN_ROWS tokens over the int8 kernels projects its qkv in
     slices, each slice's K/V written to the cache before the attention reads them back (Qwen3: its
-    q/k norms per slice). Greedy tokens and logprobs are the unsliced run's bit for bit, over a
-    fresh chunk and a step whose first chunk follows cached tokens; only those two steps slice."""
+    q/k norms per slice), its queries over the dead normed input where a query row fits in an input
+    row (Llama here; Qwen3's are wider), the output projection and a sliced MLP's output written over
+    their dead inputs. Greedy tokens and logprobs are the run's without any of it (unsliced, fresh
+    outputs) bit for bit, over a fresh chunk and a step whose first chunk follows cached tokens."""
     require_int8_kernel()
     from pagellm.models import decoder
 
@@ -230,23 +232,48 @@ def test_long_prefill_projects_its_qkv_in_slices_with_the_same_bits(ckpt_root, m
     rng = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 1000, (n,), generator=rng).tolist() for n in (900, 500)]
     sliced: list[int] = []
+    reused: list[tuple[str, int, bool]] = []  # (module, rows, output over its input)
     real = decoder.Attention._queries_in_slices
+    real_attention, real_mlp = decoder.Attention.forward, decoder.MLP.forward
+    allow = [True]
 
-    def counted(self, rope, x, kv_cache, meta):
+    def same(a, b):
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+    def counted(self, rope, x, kv_cache, meta, over_input):
         sliced.append(x.shape[0])
-        return real(self, rope, x, kv_cache, meta)
+        queries = real(self, rope, x, kv_cache, meta, over_input)
+        assert over_input and same(queries, x) == (queries.shape[1] * queries.shape[2] <= x.shape[1])
+        return queries
+
+    def attention(self, rope, x, kv_cache, meta, reuse_input=False):
+        out = real_attention(self, rope, x, kv_cache, meta, reuse_input and allow[0])
+        reused.append(("attention", x.shape[0], same(out, x)))
+        return out
+
+    def mlp(self, x, reuse_input=False):
+        out = real_mlp(self, x, reuse_input and allow[0])
+        reused.append(("mlp", x.shape[0], same(out, x)))
+        return out
 
     monkeypatch.setattr(decoder.Attention, "_queries_in_slices", counted)
+    monkeypatch.setattr(decoder.Attention, "forward", attention)
+    monkeypatch.setattr(decoder.MLP, "forward", mlp)
     runs = []
     for min_rows in (decoder.QKV_CHUNK_MIN_ROWS, 1 << 30):
         monkeypatch.setattr(decoder, "QKV_CHUNK_MIN_ROWS", min_rows)
         got, engine = engine_greedy_top(path, prompts, NEW_TOKENS, quantization="q8_0",
                                         max_num_batched_tokens=600, long_prefill_token_threshold=0)
         assert engine.model_info.dtype == "int8"
-        runs.append((got, list(sliced)))
+        runs.append((got, list(sliced), list(reused)))
         sliced.clear()
+        reused.clear()
+        allow[0] = False
     layers = transformers.AutoConfig.from_pretrained(path).num_hidden_layers
     assert runs[0][1] == [600] * layers * 2 and runs[1][1] == []  # (steps of 600, 600, then 201 tokens)
+    # Every attention writes its output over its input; an MLP where it runs in slices (> 256 rows).
+    assert all(over == (name == "attention" or rows > decoder.MLP_CHUNK_MIN_ROWS) for name, rows, over in runs[0][2])
+    assert sum(over for *_, over in runs[0][2]) >= 4 * layers and not any(over for *_, over in runs[1][2])
     assert runs[0][0] == runs[1][0]
 
 

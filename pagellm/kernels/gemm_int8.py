@@ -214,8 +214,9 @@ class BoundWeight:
         """``[weight, bias (0 for none), bits]`` as the kernel takes them (``kernels/decode_graph.c``)."""
         return [self._wp, self._bp or 0, self.bits]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., K] @ W^T (+ bias)`` -> ``[..., out_features]``, x rounded to int8 per block."""
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., K] @ W^T (+ bias)`` -> ``[..., out_features]``, x rounded to int8 per block;
+        written into ``out`` (float32, contiguous, ``[rows, out_features]``, not overlapping x) if given."""
         k, n = self.in_features, self.out_features
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
             raise ValueError(f"x must be float32 [..., {k}] on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
@@ -223,7 +224,11 @@ class BoundWeight:
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
         m = x2.shape[0]
-        y = torch.empty(m, n)
+        if out is not None and (out.dtype != torch.float32 or out.device.type != "cpu" or out.shape != (m, n)
+                                or not out.is_contiguous()):
+            raise ValueError(f"out must be float32 [{m}, {n}] contiguous on the CPU, got {out.dtype} "
+                             f"{tuple(out.shape)} on {out.device}")
+        y = torch.empty(m, n) if out is None else out
         if m and self._fn(y.data_ptr(), n, x2.data_ptr(), x2.stride(0) if m > 1 else k, self._wp, self._bp,
                           m, n, k, self.bits) != 0:
             raise MemoryError("the int8 GEMM could not allocate its scratch for x")

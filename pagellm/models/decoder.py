@@ -131,18 +131,25 @@ class Attention(nn.Module):
         self.rope_key = rope_layer_type(config, layer)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                reuse_input: bool = False) -> torch.Tensor:
+        """``reuse_input``: the caller has no further use for ``x``, so a long prefill's queries and
+        the output may be written over it (a layer whose block reads x again leaves it ``False``)."""
         if x.shape[0] > QKV_CHUNK_MIN_ROWS and self._sliceable(meta):
-            q = self._queries_in_slices(rope, x, kv_cache, meta)
+            q = self._queries_in_slices(rope, x, kv_cache, meta, reuse_input)
             o = meta.backend.forward(q, None, None, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
                                      self.logit_softcap, kv_written=True)
-            del q
-            return self.o_proj(o)
-        q, k, v = self._project(x)
-        q, k, written = meta.backend.rotary_and_write_kv(self.rotary, q, k, v, rope, kv_cache, meta)
-        o = meta.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
-                                 self.logit_softcap, kv_written=written)
-        del q, k, v  # (the qkv output they view is not held through the output projection)
+        else:
+            q, k, v = self._project(x)
+            q, k, written = meta.backend.rotary_and_write_kv(self.rotary, q, k, v, rope, kv_cache, meta)
+            o = meta.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
+                                     self.logit_softcap, kv_written=written)
+            del k, v  # (the qkv output they view is not held through the output projection)
+        del q
+        bound = self.o_proj.bound_i8
+        if reuse_input and bound is not None and rows_slice_exactly(self.o_proj) and self.o_proj.tp.world_size == 1 \
+                and x.is_contiguous():
+            return bound(o, out=x)  # (x, or the queries over it, is dead by now)
         return self.o_proj(o)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -164,11 +171,18 @@ class Attention(nn.Module):
         return rows_slice_exactly(self.qkv_proj) and meta.backend.reads_kv_from_cache(meta)
 
     def _queries_in_slices(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                           kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                           kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                           over_input: bool) -> torch.Tensor:
         """The rotated queries of a long prefill, projected ``QKV_CHUNK_ROWS`` rows at a time, each
         slice's K/V written to the cache as it is made: the step holds its queries, not the whole
-        qkv output (48 MiB at 2,048 tokens of a 1.7B, the largest activation of its step)."""
-        queries = torch.empty(x.shape[0], self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
+        qkv output (48 MiB at 2,048 tokens of a 1.7B, the largest activation of its step).
+        ``over_input``: written into x's memory where its rows hold them (a query row is no wider
+        than an input row, so slice ``i``'s queries land on input rows slices ``0..i`` have read)."""
+        t, width = x.shape[0], self.num_heads * self.head_dim
+        if over_input and x.is_contiguous() and width <= x.shape[1]:
+            queries = x.view(-1)[:t * width].view(t, self.num_heads, self.head_dim)
+        else:
+            queries = torch.empty(t, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         for r0 in range(0, x.shape[0], QKV_CHUNK_ROWS):
             rows = slice(r0, r0 + QKV_CHUNK_ROWS)
             q, k, v = self._project(x[rows])
@@ -208,7 +222,9 @@ class MLP(nn.Module):
         self.act_fn = gated_activation(config)
         self.down_proj = RowParallelLinear(part, config.hidden_size, bias, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reuse_input: bool = False) -> torch.Tensor:
+        """``reuse_input``: the caller has no further use for ``x``, so a long prefill's output may
+        be written over it, slice by slice as each slice's input is read."""
         packed = self._packed_for_amx()
         if packed is not None:
             g = self.gate_up_proj
@@ -216,7 +232,8 @@ class MLP(nn.Module):
         if x.shape[0] > MLP_CHUNK_MIN_ROWS and self._sliceable():
             # A long prefill in slices whose gate/up output stays in cache for SiLU*mul and the
             # down projection (2048 rows of SmolLM2 write and re-read 25 MiB otherwise).
-            out = torch.empty(x.shape[0], self.down_proj.out_features)
+            over_input = reuse_input and x.is_contiguous() and x.dtype == torch.float32
+            out = x if over_input else torch.empty(x.shape[0], self.down_proj.out_features)
             for rows, c in zip(out.split(MLP_CHUNK_ROWS), x.split(MLP_CHUNK_ROWS), strict=True):
                 rows.copy_(self._forward(c))  # (into one output: no slices held for a concatenation)
             return out
@@ -268,9 +285,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, rope, x, residual, kv_cache, meta):
         x, residual = self.input_norm(x, residual)
-        x = self.self_attn(rope, x, kv_cache, meta)
+        x = self.self_attn(rope, x, kv_cache, meta, reuse_input=True)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.feed_forward(x), residual
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP of the normed ``x``, which the block does not read again (a mixture of experts
+        reads it once per expert: given no leave to write over it)."""
+        return self.mlp(x, reuse_input=True) if isinstance(self.mlp, MLP) else self.mlp(x)
 
 
 class DecoderModel(nn.Module):

@@ -32,9 +32,9 @@ class Gemma2DecoderLayer(DecoderLayer):
 
     def forward(self, rope, x, residual, kv_cache, meta):
         x, residual = self.input_norm(x, residual)
-        x = self.post_attention_layernorm(self.self_attn(rope, x, kv_cache, meta))
+        x = self.post_attention_layernorm(self.self_attn(rope, x, kv_cache, meta, reuse_input=True))
         x, residual = self.pre_feedforward_layernorm(x, residual)
-        return self.post_feedforward_layernorm(self.mlp(x)), residual
+        return self.post_feedforward_layernorm(self.feed_forward(x)), residual
 
 
 def _plus_one_norms(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
