@@ -83,7 +83,7 @@ int64_t packed_size_i8(int64_t N, int64_t K, int64_t fmt) {
 }
 
 /* Output j's 32 q (0..15) of a 4-bit block whose q start at qs. */
-static void lay_q4(uint8_t *qs, int j, const int32_t *q) {
+static void lay_q4(uint8_t *qs, int j, const int8_t *q) {
   const int half = j / 16, lane = j % 16;
   for (int k = 0; k < QB; ++k) {
     const int g = k / 4; /* group of 4 k: vector g % 4, low nibbles for g < 4 */
@@ -93,7 +93,7 @@ static void lay_q4(uint8_t *qs, int j, const int32_t *q) {
 
 /* Output j of a zeroed record of `bits` (4 or 8): d, m and the block's 32 q (0..15 for 4 bits,
  * -128..127 for 8). */
-static void lay_output(uint8_t *rec, int j, float d, float m, const int32_t *q, const int bits) {
+static void lay_output(uint8_t *rec, int j, float d, float m, const int8_t *q, const int bits) {
   uint8_t *qs = rec + 2 * NR * 4;
   ((float *)rec)[j] = d;
   const int half = j / 16, lane = j % 16;
@@ -103,16 +103,17 @@ static void lay_output(uint8_t *rec, int j, float d, float m, const int32_t *q, 
   } else {
     int32_t sum = 0;
     for (int k = 0; k < QB; ++k) {
-      qs[(half * 8 + k / 4) * 64 + lane * 4 + k % 4] = (uint8_t)(int8_t)q[k];
+      qs[(half * 8 + k / 4) * 64 + lane * 4 + k % 4] = (uint8_t)q[k];
       sum += q[k];
     }
     ((int32_t *)rec)[NR + j] = -128 * sum;
   }
 }
 
-/* Group record (p, c) of G blocks from explicit d, m [N, K / 32] and q [N, K]; outputs past N are
+/* Group record (p, c) of G blocks from explicit d, m [N, K / 32] and q [N, K] (int8: 0..15 for 4 bits,
+ * -128..127 for 8; bytes, not ints: a 1.7B's packing read 6 GB of int32 q); outputs past N are
  * zero. 0 if a block's d or m differs from its group's first (no record holds it). */
-static int put_group(uint8_t *rec, const float *d, const float *m, const int32_t *q, int64_t N, int64_t K,
+static int put_group(uint8_t *rec, const float *d, const float *m, const int8_t *q, int64_t N, int64_t K,
                      int64_t p, int64_t c, const int bits, const int64_t G) {
   const int64_t B = K / QB, b0 = c * G;
   int same = 1;
@@ -132,7 +133,7 @@ static int put_group(uint8_t *rec, const float *d, const float *m, const int32_t
 /* Pack GGUF blocks of 32 given as d, m and q (see put_group) without a float round trip in format
  * 4, 8 or G4 + G; 1, or 0 for a K that is not a multiple of 32 G, another format, or (G4) blocks
  * of a group whose d or m differ. */
-int pack_blocks_i8(uint8_t *dst, const float *d, const float *m, const int32_t *q, int64_t N, int64_t K,
+int pack_blocks_i8(uint8_t *dst, const float *d, const float *m, const int8_t *q, int64_t N, int64_t K,
                    int64_t fmt) {
   const int64_t G = fmt_group(fmt);
   const int bits = fmt_bits(fmt);
@@ -203,9 +204,11 @@ int pack_weight_i8(uint8_t *dst, const float *w, int64_t N, int64_t K, int64_t b
     uint8_t *rec = dst + pb * rec_size;
     memset(rec, 0, rec_size);
     for (int j = 0; j < NR && p * NR + j < N; ++j) { /* padding outputs: d = m = q = 0 */
-      int32_t q[QB] = {0};
+      int32_t q32[QB] = {0};
+      int8_t q[QB];
       float d = 0.f, m = 0.f;
-      if (!fit_q(w + (p * NR + j) * K + b * QB, &d, &m, q, (int)bits)) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+      if (!fit_q(w + (p * NR + j) * K + b * QB, &d, &m, q32, (int)bits)) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+      for (int k = 0; k < QB; ++k) q[k] = (int8_t)q32[k]; /* (0..15, or -128..127: fit_q's ranges) */
       lay_output(rec, j, d, m, q, (int)bits);
     }
   }

@@ -135,7 +135,8 @@ def pack_blocks(d: np.ndarray, m: np.ndarray, q: np.ndarray, bits: int, out: tor
     lib = _lib()
     assert lib is not None, "check supported() first"
     n, k = q.shape
-    d, m, q = _c(d, np.float32), _c(m, np.float32), _c(q, np.int32)
+    # (q as bytes: 0..15 or -128..127; unsigned 4-bit q is the same bytes, viewed without a copy)
+    d, m, q = _c(d, np.float32), _c(m, np.float32), _c(q.view(np.int8) if q.dtype == np.uint8 else q, np.int8)
     out, at = _into(out, n, k, bits, row0)
     if not lib.pack_blocks_i8(at, d.ctypes.data, m.ctypes.data, q.ctypes.data, n, k, bits):
         raise ValueError(f"cannot pack [{n}, {k}] as {format_name(bits)}")

@@ -220,8 +220,8 @@ class GroupQuantBlocks(IntGroupBlocks):
     def unpacked(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         s, n = self.scheme, self.shape[0]
         lo, hi = self.lo, self.lo + n
-        if s.method == "awq":
-            q = unpack_columns(self.qweight, s.bits, lo, hi, awq=True).T
+        if s.method == "awq":  # (torch's transpose of bytes: 4.5x numpy's, 6 s of a 1.7B's start-up)
+            q = torch.from_numpy(unpack_columns(self.qweight, s.bits, lo, hi, awq=True)).T.contiguous().numpy()
         else:
             q = unpack_words(self.qweight[:, lo:hi].T.contiguous(), s.bits)
         z = unpack_columns(self.qzeros, s.bits, lo, hi, awq=s.method == "awq").T.astype(np.int32) + s.zero_offset
