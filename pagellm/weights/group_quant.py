@@ -82,6 +82,21 @@ def unpack_columns(words: torch.Tensor, bits: int, lo: int, hi: int, awq: bool) 
     return x[:, lo - c0 * per:hi - c0 * per]
 
 
+_AWQ_SHIFTS = [4 * int(f) for f in AWQ_UNPACK_ORDER]
+
+
+def unpack_awq_outputs(qweight: torch.Tensor, lo: int, hi: int) -> np.ndarray:
+    """Outputs ``lo .. hi`` of AWQ's 4-bit ``qweight [K, N / 8]`` as uint8 ``[hi - lo, K]``: the
+    words transposed first (int32: a quarter of the elements a byte transpose moves), then each
+    output's nibble shifted out along K (3x unpacking bytes, reordering and transposing those)."""
+    c0, c1 = lo // 8, -(-hi // 8)
+    words = qweight[:, c0:c1].T.contiguous()  # [words, K]
+    out = torch.empty(words.shape[0], 8, words.shape[1], dtype=torch.uint8)
+    for j, shift in enumerate(_AWQ_SHIFTS):
+        out[:, j] = ((words >> shift) & 0xF).to(torch.uint8)
+    return out.view(-1, words.shape[1])[lo - c0 * 8:hi - c0 * 8].numpy()
+
+
 class IntGroupBlocks(QuantizedBlocks):
     """A projection stored as unsigned integers ``q`` with, per group of inputs and per output, a
     scale ``s`` and an integer zero point ``z``: ``w = s (q - z)`` (AWQ, GPTQ, compressed-tensors'
@@ -220,8 +235,8 @@ class GroupQuantBlocks(IntGroupBlocks):
     def unpacked(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         s, n = self.scheme, self.shape[0]
         lo, hi = self.lo, self.lo + n
-        if s.method == "awq":  # (torch's transpose of bytes: 4.5x numpy's, 6 s of a 1.7B's start-up)
-            q = torch.from_numpy(unpack_columns(self.qweight, s.bits, lo, hi, awq=True)).T.contiguous().numpy()
+        if s.method == "awq":
+            q = unpack_awq_outputs(self.qweight, lo, hi)
         else:
             q = unpack_words(self.qweight[:, lo:hi].T.contiguous(), s.bits)
         z = unpack_columns(self.qzeros, s.bits, lo, hi, awq=s.method == "awq").T.astype(np.int32) + s.zero_offset
