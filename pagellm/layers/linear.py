@@ -138,9 +138,12 @@ class Linear(nn.Linear):
             return None
         return self.weight_format.descriptor(self.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``out``: a buffer the caller has no further use for (float32 ``[rows, out_features]``,
+        contiguous), which the int8 kernel writes the result into (adapters then add to it in
+        place); the other paths return a new tensor."""
         bound = self.bound_i8
-        y = bound(x) if bound is not None else self.matmul(x, self.bias)
+        y = bound(x, out=out) if bound is not None else self.matmul(x, self.bias)
         if self.lora is not None and self.lora.ctx.active:  # adapter rows in this step
             self.lora.add(x, y)
         return y

@@ -71,9 +71,10 @@ class RowParallelLinear(Linear):
         else:
             copy_shard(param, loaded, 1, *self.in_range)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``out`` as for ``Linear``, on one rank (the all-reduce returns its own)."""
         if self.tp.world_size == 1:
-            return super().forward(x)
+            return super().forward(x, out)
         y = self.tp.all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias
 

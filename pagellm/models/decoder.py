@@ -146,11 +146,8 @@ class Attention(nn.Module):
                                      self.logit_softcap, kv_written=written)
             del k, v  # (the qkv output they view is not held through the output projection)
         del q
-        bound = self.o_proj.bound_i8
-        if reuse_input and bound is not None and rows_slice_exactly(self.o_proj) and self.o_proj.tp.world_size == 1 \
-                and x.is_contiguous():
-            return bound(o, out=x)  # (x, or the queries over it, is dead by now)
-        return self.o_proj(o)
+        # (x, or the queries over it, is dead by now)
+        return self.o_proj(o, out=x if reuse_input and x.is_contiguous() else None)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values of rows ``x`` (views into one qkv output), q/k-normed where the

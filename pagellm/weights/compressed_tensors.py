@@ -177,7 +177,7 @@ class PackedIntBlocks(IntGroupBlocks):
         if self.zero_point is None:
             z = np.full(s.shape, offset, dtype=np.int32)
         elif self.zero_point.dtype == torch.int32:  # packed along the outputs, stored + offset
-            z = unpack_columns(self.zero_point.T.contiguous(), bits, lo, hi, awq=False).T.astype(np.int32)
+            z = unpack_columns(self.zero_point.T.contiguous(), bits, lo, hi).T.astype(np.int32)
         else:  # int8 as stored: [N, groups], or one per tensor
             zp = self.zero_point.reshape(1, 1) if self.zero_point.numel() == 1 else self.zero_point[lo:hi]
             z = np.broadcast_to(zp.numpy().astype(np.int32) + offset, s.shape)

@@ -71,22 +71,20 @@ def unpack_words(words: torch.Tensor, bits: int) -> np.ndarray:
     return out
 
 
-def unpack_columns(words: torch.Tensor, bits: int, lo: int, hi: int, awq: bool) -> np.ndarray:
-    """Outputs ``lo .. hi`` of a tensor packed along its columns, ``[rows, hi - lo]`` (only the
-    words holding them unpacked)."""
+def unpack_columns(words: torch.Tensor, bits: int, lo: int, hi: int) -> np.ndarray:
+    """Outputs ``lo .. hi`` of a tensor packed along its columns in order, ``[rows, hi - lo]``
+    (only the words holding them unpacked; AWQ's interleaved order: :func:`unpack_awq_outputs`)."""
     per = 32 // bits
     c0, c1 = lo // per, -(-hi // per)
-    x = unpack_words(words[:, c0:c1], bits)
-    if awq:
-        x = x.reshape(x.shape[0], -1, per)[:, :, AWQ_UNPACK_ORDER].reshape(x.shape[0], -1)
-    return x[:, lo - c0 * per:hi - c0 * per]
+    return unpack_words(words[:, c0:c1], bits)[:, lo - c0 * per:hi - c0 * per]
 
 
 _AWQ_SHIFTS = [4 * int(f) for f in AWQ_UNPACK_ORDER]
 
 
 def unpack_awq_outputs(qweight: torch.Tensor, lo: int, hi: int) -> np.ndarray:
-    """Outputs ``lo .. hi`` of AWQ's 4-bit ``qweight [K, N / 8]`` as uint8 ``[hi - lo, K]``: the
+    """Outputs ``lo .. hi`` of AWQ's 4-bit ``qweight [K, N / 8]`` (or ``qzeros [groups, N / 8]``)
+    as uint8 ``[hi - lo, K]``: the
     words transposed first (int32: a quarter of the elements a byte transpose moves), then each
     output's nibble shifted out along K (3x unpacking bytes, reordering and transposing those)."""
     c0, c1 = lo // 8, -(-hi // 8)
@@ -236,10 +234,11 @@ class GroupQuantBlocks(IntGroupBlocks):
         s, n = self.scheme, self.shape[0]
         lo, hi = self.lo, self.lo + n
         if s.method == "awq":
-            q = unpack_awq_outputs(self.qweight, lo, hi)
+            q, z = unpack_awq_outputs(self.qweight, lo, hi), unpack_awq_outputs(self.qzeros, lo, hi)
         else:
             q = unpack_words(self.qweight[:, lo:hi].T.contiguous(), s.bits)
-        z = unpack_columns(self.qzeros, s.bits, lo, hi, awq=s.method == "awq").T.astype(np.int32) + s.zero_offset
+            z = unpack_columns(self.qzeros, s.bits, lo, hi).T
+        z = z.astype(np.int32) + s.zero_offset
         return np.ascontiguousarray(q), self.scales[:, lo:hi].T.contiguous().numpy(), np.ascontiguousarray(z)
 
     def take(self, lo: int, hi: int) -> GroupQuantBlocks:
