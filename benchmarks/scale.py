@@ -294,6 +294,22 @@ def peak_rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
 
 
+def workers_peak_rss() -> list[int]:
+    """Peak RSS of this process's children (tensor- or pipeline-parallel workers), bytes each."""
+    pids: list[str] = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            pids += f.read().split()
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                out.append(next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM")))
+        except (OSError, StopIteration):  # (gone meanwhile)
+            continue
+    return out
+
+
 def child_pagellm(args: argparse.Namespace) -> dict:
     from pagellm import LLM, SamplingParams
 
@@ -325,6 +341,7 @@ def child_pagellm(args: argparse.Namespace) -> dict:
         out["w64_total"] = sum(r["prompt_len"] + r["max_tokens"] for r in reqs) / wall
         out["w64_output"] = sum(r["max_tokens"] for r in reqs) / wall
     out["peak_rss"] = peak_rss()
+    out["workers_peak_rss"] = workers_peak_rss()
     return out
 
 
@@ -447,8 +464,10 @@ def main() -> None:
         if "tg128" not in r:  # vLLM: W64 only
             print(f"| {shape} | bf16 directory | {engine} | {r['startup_s']:.1f} | - | - | - | {w64} |")
             continue
+        ranks = "".join(f" + {w / 2**30:.2f}" for w in r.get("workers_peak_rss", []))  # (worker processes)
         print(f"| {shape} | {fmt} {size / 2**30:.2f} GiB | {engine} | {r['startup_s']:.1f} | "
-              f"{r['peak_rss'] / 2**30:.2f} | {r['tg128']:.1f} ({100 * r['tg128'] / roof:.0f} % of {roof:.1f}) | "
+              f"{r['peak_rss'] / 2**30:.2f}{ranks} | "
+              f"{r['tg128']:.1f} ({100 * r['tg128'] / roof:.0f} % of {roof:.1f}) | "
               f"{r['pp2048']:.0f} | {w64} |")
 
 

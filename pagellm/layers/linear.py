@@ -63,6 +63,11 @@ class Linear(nn.Linear):
             self.kept_blocks = KeptBlocks()
         self.kept_blocks.parts[part or 0] = blocks
 
+    def shard_of_blocks(self, blocks: QuantizedBlocks, part: int | None) -> QuantizedBlocks:
+        """This worker's share of a quantized checkpoint tensor (part ``part`` of a fused one), as
+        ``weight_loader`` cuts a float one (``QuantizedBlocks.shard``)."""
+        return blocks
+
     def blocks_format(self) -> int | None:
         """The int8 kernel format of the kept blocks (``None``: none kept, or no common format)."""
         return None if self.kept_blocks is None else self.kept_blocks.kernel_format()

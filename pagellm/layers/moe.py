@@ -101,14 +101,16 @@ class FusedMoE(nn.Module):
                 copy_shard(linear.weight, loaded, 1, start, size)
 
     def load_blocks(self, which: str, expert: int, part: int | None, blocks: QuantizedBlocks) -> None:
-        """Keep one expert's GGUF tensor at its width (``which``/``part`` as :meth:`weight_loader`):
-        packed for the int8 kernel with the other projections, or dequantized there if not."""
+        """Keep this rank's share of one expert's quantized tensor at its width (``which``/``part`` as
+        :meth:`weight_loader`): packed for the int8 kernel with the other projections, or
+        dequantized there if not (as a share that cuts through its blocks is)."""
         linear = self._projection(which, expert)
-        shape = (self.part[1], linear.in_features) if which == "w13" else (linear.out_features, linear.in_features)
-        if self.tp.world_size != 1 or blocks.shape != shape:
-            raise ValueError(f"GGUF blocks {blocks.shape} for a {which} slice of {shape} "
-                             "(blocks are kept in one process only)")
-        linear.load_blocks(blocks, part)
+        start, size = self.part
+        share = blocks.shard(0 if which == "w13" else 1, start, size)
+        shape = (size, linear.in_features) if which == "w13" else (linear.out_features, linear.in_features)
+        if share.shape != shape:
+            raise ValueError(f"quantized blocks {blocks.shape} for a {which} slice of {shape}")
+        linear.load_blocks(share, part)
 
     def _grouped_kind(self) -> GroupedExperts | None:
         """The experts as one grouped format, or ``None`` where some expert is not packed for the

@@ -55,6 +55,9 @@ class ColumnParallelLinear(Linear):
         offset = sum(s for _, s in self.parts[:idx])
         copy_shard(param.narrow(0, offset, size), loaded, 0, start, size)
 
+    def shard_of_blocks(self, blocks: QuantizedBlocks, part: int | None) -> QuantizedBlocks:
+        return blocks.shard(0, *self.parts[part or 0])
+
 
 class RowParallelLinear(Linear):
     """Input features split across ranks (``in_range`` = this rank's ``(start, size)``); the
@@ -70,6 +73,11 @@ class RowParallelLinear(Linear):
             copy_shard(param, loaded, None, 0, 0)
         else:
             copy_shard(param, loaded, 1, *self.in_range)
+
+    def shard_of_blocks(self, blocks: QuantizedBlocks, part: int | None) -> QuantizedBlocks:
+        # (With 2 ranks both shares end where the other starts: both keep their blocks or both cut
+        # them. With more, a rank whose share cuts a block dequantizes this projection alone.)
+        return blocks.shard(1, *self.in_range)
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``out`` as for ``Linear``, on one rank (the all-reduce returns its own)."""

@@ -13,7 +13,7 @@ from torch import nn
 
 from pagellm.kernels import gemm_int8
 from pagellm.layers.linear import Linear
-from pagellm.layers.parallel import VocabParallelEmbedding
+from pagellm.layers.parallel import VocabParallelEmbedding, copy_shard
 from pagellm.layers.weight_formats import Int8Packed
 from pagellm.weights.quant_blocks import QuantizedBlocks
 
@@ -67,22 +67,30 @@ def pack_for_cpu(model: DecoderForCausalLM, compute_dtype: torch.dtype = torch.f
 
 def keep_blocks(module: nn.Module, param: torch.Tensor, target: str, shard_idx: int | None,
                 blocks: QuantizedBlocks) -> list[str]:
-    """Hand a quantized tensor's blocks to its module at their width; the loaded names, or none where
-    the module needs a float copy. (An embedding kept as GGUF blocks reads its rows from the
-    file as tokens need them, without mapping them: ``loader.read_memmap_rows``.)"""
-    if (isinstance(module, VocabParallelEmbedding) and blocks.row_lookup and module.tp.world_size == 1
-            and tuple(param.shape) == blocks.shape):
+    """Hand a quantized tensor's blocks (this worker's share of them) to its module at their width;
+    the loaded names, or none where the module needs a float copy. (An embedding kept as GGUF
+    blocks reads its rows from the file as tokens need them, without mapping them:
+    ``loader.read_memmap_rows``; a tensor-parallel rank's share of it is dequantized here.)"""
+    if isinstance(module, VocabParallelEmbedding) and tuple(param.shape) == blocks.shape \
+            and blocks.row_lookup and module.tp.world_size == 1:
         module.kept_rows = blocks
         return [target]
-    if not isinstance(module, Linear) or param.shape[1] != blocks.shape[1]:
+    if isinstance(module, VocabParallelEmbedding) and module.tp.world_size > 1:
+        with torch.no_grad():
+            copy_shard(param, blocks.shard(0, *module.vocab_range).dequantize(), None, 0, 0)
+        return [target]
+    if not isinstance(module, Linear):
         return []
     fused_sizes = getattr(module, "full_sizes", None)
     if shard_idx is None and fused_sizes is not None and len(fused_sizes) > 1 \
-            and tuple(param.shape) == blocks.shape:
-        at = 0  # a fused layer stored fused (Phi-3) and held whole: each part its rows' blocks
+            and blocks.shape == (sum(fused_sizes), module.in_features):
+        at = 0  # a fused layer stored fused (Phi-3): each part its rows' blocks (this worker's share)
         for i, size in enumerate(fused_sizes):
-            module.load_blocks(blocks.take(at, at + size), i)
+            module.load_blocks(module.shard_of_blocks(blocks.take(at, at + size), i), i)
             at += size
         return [f"{target}#{i}" for i in range(len(fused_sizes))]
-    module.load_blocks(blocks, shard_idx)
+    share = module.shard_of_blocks(blocks, shard_idx)
+    if share.shape[1] != param.shape[1]:
+        return []  # (a float copy checks the shape)
+    module.load_blocks(share, shard_idx)
     return [target if shard_idx is None else f"{target}#{shard_idx}"]

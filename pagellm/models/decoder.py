@@ -449,7 +449,8 @@ class DecoderForCausalLM(nn.Module):
             loader = getattr(module, "weight_loader", None)
             if isinstance(tensor, QuantizedBlocks):
                 if name == "model.embed_tokens.weight" and self.lm_head is None:
-                    self.tied_head_blocks = tensor  # the tied LM head may take the file's blocks
+                    # The tied LM head may take the file's blocks (this rank's rows of them).
+                    self.tied_head_blocks = tensor.shard(0, *self.model.embed_tokens.vocab_range)
                 kept = keep_blocks(module, param, target, shard_idx, tensor)
                 if kept:
                     loaded.update(kept)

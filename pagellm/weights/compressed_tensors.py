@@ -197,6 +197,7 @@ class Fp8Blocks(QuantizedBlocks):
     scale: torch.Tensor  # float32: [1, 1] per tensor, [N, 1] per channel, [N / rows, K / columns] per block
     shape: tuple[int, int]
     lo: int = 0
+    k0: int = 0  # the first input (a row-parallel rank's share starts there)
 
     @classmethod
     def of(cls, scheme: CompressedTensorsScheme, name: str, parts: dict[str, torch.Tensor]) -> Fp8Blocks:
@@ -218,13 +219,14 @@ class Fp8Blocks(QuantizedBlocks):
 
     def rows(self, lo: int, hi: int) -> torch.Tensor:
         """Rows ``lo .. hi`` (of the whole weight) in float32: e4m3 times its scale."""
-        w = self.weight[lo:hi].float()
+        k0, k1 = self.k0, self.k0 + self.shape[1]
+        w = self.weight[lo:hi, k0:k1].float()
         if self.scheme.strategy != "block":
             return w * self.scale[lo:hi]
         rows, cols = self.scheme.block_shape
         r0 = lo // rows  # (only the slice's block rows widened: packing reads a weight a slice at a time)
         s = self.scale[r0:-(-hi // rows)].repeat_interleave(rows, 0)[lo - r0 * rows:hi - r0 * rows]
-        return w * s.repeat_interleave(cols, 1)[:, :w.shape[1]]
+        return w * s.repeat_interleave(cols, 1)[:, k0:k1]
 
     def kernel_format(self) -> int | None:
         return Q8_BLOCKS if self.shape[1] % 32 == 0 else None
@@ -234,6 +236,12 @@ class Fp8Blocks(QuantizedBlocks):
 
     def take(self, lo: int, hi: int) -> Fp8Blocks:
         return replace(self, shape=(hi - lo, self.shape[1]), lo=self.lo + lo)
+
+    def take_inputs(self, lo: int, hi: int) -> Fp8Blocks | None:
+        """Inputs ``lo .. hi`` where they are whole Q8_0 blocks (the int8 kernel's requantization)."""
+        if lo % 32 or hi % 32:
+            return None
+        return replace(self, shape=(self.shape[0], hi - lo), k0=self.k0 + lo)
 
     def dequantize(self) -> torch.Tensor:
         return self.rows(self.lo, self.lo + self.shape[0])

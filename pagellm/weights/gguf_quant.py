@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, dequantize, quantize
 from gguf import GGMLQuantizationType as T
-from gguf import dequantize, quantize
 
 from pagellm.kernels.gemm_int8 import K4, K6, Q4_BLOCKS, Q8_BLOCKS
 from pagellm.weights.loader import read_memmap_rows
@@ -69,6 +69,14 @@ class GGUFBlocks(QuantizedBlocks):
         """Rows ``lo .. hi`` of the weight as blocks in order (only these rows read)."""
         data = self.data[lo:hi] if self.order is None else self.data[self.order[lo:hi]]
         return GGUFBlocks(data, self.qtype, (hi - lo, self.shape[1]))
+
+    def take_inputs(self, lo: int, hi: int) -> GGUFBlocks | None:
+        """Inputs ``lo .. hi`` of every row: the bytes of the blocks that hold them (a strided view;
+        ``None`` where ``lo`` or ``hi`` falls inside a block: 32 values, or 256 for the K types)."""
+        size, nbytes = GGML_QUANT_SIZES[self.qtype]
+        if lo % size or hi % size:
+            return None
+        return replace(self, data=self.data[:, lo // size * nbytes:hi // size * nbytes], shape=(self.shape[0], hi - lo))
 
     def dequantize(self) -> torch.Tensor:
         return torch.from_numpy(np.array(dequantize(self.array(), self.qtype), dtype=np.float32).reshape(self.shape))

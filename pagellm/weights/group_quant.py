@@ -122,6 +122,9 @@ class IntGroupBlocks(QuantizedBlocks):
         """``(q [n, K], s [n, groups], z [n, groups])``: uint8 integers, float32 scales, int32 zero points."""
         raise NotImplementedError
 
+    def take(self, lo: int, hi: int) -> IntGroupBlocks:
+        raise NotImplementedError
+
     @property
     def type_name(self) -> str:
         return self.label + (" act-order" if not _in_runs(self._stored_groups()) else "")
@@ -180,6 +183,57 @@ class IntGroupBlocks(QuantizedBlocks):
         groups = self._groups()
         w = q.astype(np.float32) * s[:, groups] + (-z.astype(np.float32) * s)[:, groups]  # exact: see the module
         return torch.from_numpy(w)
+
+    def take_inputs(self, lo: int, hi: int) -> IntGroupBlocks | None:
+        """Inputs ``lo .. hi`` where they are whole blocks of 32 (the kernel's: a group cut at such a
+        boundary keeps its scale and zero point on both sides); ``None`` otherwise."""
+        if lo % 32 or hi % 32 or self.order is not None:
+            return None
+        return InputSlice(self, lo, hi)
+
+
+@dataclass(frozen=True)
+class InputSlice(IntGroupBlocks):
+    """Inputs ``k0 .. k1`` of ``base`` (a row-parallel rank's share): its integers cut there, its
+    scales and zero points kept for every group (each input still names its own group)."""
+
+    base: IntGroupBlocks
+    k0: int
+    k1: int
+    order: np.ndarray | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:  # type: ignore[override]
+        return self.base.shape[0], self.k1 - self.k0
+
+    @property
+    def g_idx(self) -> torch.Tensor | None:  # type: ignore[override]
+        return None  # (the groups are the base's: _stored_groups)
+
+    @property
+    def bits(self) -> int:
+        return self.base.bits
+
+    @property
+    def group_size(self) -> int:
+        # A group cut off its start runs in blocks of 32 (each of one group): the kernel's record
+        # shares d and m per whole group only where the slice starts on a group.
+        g = self.base.group_size
+        return g if g == -1 or self.k0 % g == 0 else 32
+
+    @property
+    def label(self) -> str:
+        return self.base.label
+
+    def _stored_groups(self) -> np.ndarray:
+        return self.base._stored_groups()[self.k0:self.k1]
+
+    def unpacked(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        q, s, z = self.base.unpacked()
+        return np.ascontiguousarray(q[:, self.k0:self.k1]), s, z
+
+    def take(self, lo: int, hi: int) -> InputSlice:
+        return replace(self, base=self.base.take(lo, hi))
 
 
 def _in_runs(groups: np.ndarray) -> bool:

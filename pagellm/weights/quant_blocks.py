@@ -59,6 +59,21 @@ class QuantizedBlocks:
         """Outputs ``lo .. hi`` (only these read)."""
         raise NotImplementedError
 
+    def take_inputs(self, lo: int, hi: int) -> QuantizedBlocks | None:
+        """Inputs ``lo .. hi`` (a row-parallel rank's share), where the stored blocks split there;
+        ``None`` where the range cuts through a block (or the format cannot split its inputs)."""
+        return None
+
+    def shard(self, dim: int, start: int, size: int) -> QuantizedBlocks:
+        """A tensor-parallel rank's share, as ``copy_shard`` cuts a float weight: outputs (``dim`` 0)
+        or inputs (1) ``start .. start + size``; ``self`` where that is the whole tensor, and
+        ``CutThrough`` (dequantized) where the inputs' range cuts through the stored blocks."""
+        if (start, size) == (0, self.shape[dim]):
+            return self
+        if dim == 0:
+            return self.take(start, start + size)
+        return self.take_inputs(start, start + size) or CutThrough(self, start, start + size)
+
     def dequantize(self) -> torch.Tensor:
         """The weight in float32 (a new tensor): every stored value exactly."""
         raise NotImplementedError
@@ -79,3 +94,29 @@ def combined_format(formats: Iterable[int | None]) -> int | None:
     if not found or None in found:
         return None
     return found.pop() if len(found) == 1 else PARTS
+
+
+class CutThrough(QuantizedBlocks):
+    """Inputs ``lo .. hi`` of ``blocks`` where that range cuts through its blocks (a row-parallel
+    rank's share of a K-quant's 256-value super-blocks cut at 128): no kernel format, dequantized
+    (the ``numerics:`` line counts it under its own name)."""
+
+    def __init__(self, blocks: QuantizedBlocks, lo: int, hi: int) -> None:
+        self.blocks, self.lo, self.hi = blocks, lo, hi
+        self.shape = (blocks.shape[0], hi - lo)
+
+    @property
+    def type_name(self) -> str:
+        return f"{self.blocks.type_name} (this rank's share cuts its blocks)"
+
+    def kernel_format(self) -> int | None:
+        return None
+
+    def take(self, lo: int, hi: int) -> CutThrough:
+        return CutThrough(self.blocks.take(lo, hi), self.lo, self.hi)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.blocks.dequantize()[:, self.lo:self.hi].contiguous()
+
+    def release(self) -> None:
+        self.blocks.release()

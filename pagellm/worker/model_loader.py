@@ -190,8 +190,9 @@ class ModelLoader:
             logger.info("load_format='dummy': random weights at %s's shape (its weights are not read)", source.path)
             initialize_dummy_weights(model, self.config.model.seed)
         else:
-            weights = iter_weights(source, hf_config, lazy=sharded,
-                                   keep_gguf_blocks=source.is_gguf and not sharded and self._int8_possible())
+            # (A quantized module's tensors are read whole, as mappings: its blocks are cut per rank.)
+            weights = iter_weights(source, hf_config, lazy=sharded and scheme is None,
+                                   keep_gguf_blocks=source.is_gguf and self._int8_possible())
             if scheme is not None:  # (each module's packed tensors gathered into its weight)
                 weights = scheme.gather(weights, keep=self._int8_possible())
                 if scheme.note and self._int8_possible():
@@ -213,9 +214,6 @@ class ModelLoader:
         if quantization == "q8_0":
             raise ValueError(f"quantization='q8_0' quantizes a 16/32-bit checkpoint; {source.path} is {scheme.name} "
                              "already (leave quantization unset)")
-        if self.tp.world_size * self.pp.num_stages > 1:
-            raise ValueError(f"tensor_parallel_size / pipeline_parallel_size > 1 with a {scheme.name} checkpoint is "
-                             "not supported yet (its groups are not split across workers)")
 
     def _build_encoder(self, cls: Any, hf_config: Any, source: Any) -> Any:
         """An encoder (``models/bert.py``): the pooling runner's only, one worker; its GEMM numerics
@@ -267,6 +265,27 @@ class ModelLoader:
         return (self.cpu_numerics and gemm_int8.supported()
                 and (self.config.model.quantization in AT_WIDTH or self.config.model.dtype == "auto"))
 
+    def _at_width(self, linears: list[Linear], probe: bool, quantization: str | None) -> Numerics | None:
+        """Int8 GEMMs chosen without timing where a quantized checkpoint's first layer is stored as
+        blocks the int8 kernel takes (``None``: choose by ``choose_numerics``). Nothing is left to
+        time: a probe would dequantize and pack a layer in every format, a transient GB at 1.7B;
+        and the blocks kept at their width take a third to a seventh of a float copy's memory."""
+        asked = f"quantization={quantization!r}" if quantization in AT_WIDTH else \
+            "dtype auto on a quantized checkpoint" if self.config.model.dtype == "auto" else None
+        at_width = sum(m.blocks_format() is not None for m in linears)
+        # (Plain C, a CPU without AVX2, runs it at a few % of VNNI's speed: there it is timed.)
+        if not asked or at_width == 0 or (quantization not in AT_WIDTH and gemm_int8.isa() == "plain C"):
+            return None
+        reason = f"{asked}: every projection is stored blocks the int8 kernel ({gemm_int8.isa()}) takes"
+        if at_width < len(linears):
+            if probe:  # (some dequantized in one process: timed as before)
+                return None
+            # (E.g. a tensor-parallel rank's share of a projection cut through its blocks: dequantized.)
+            # Ranks do not time GEMMs: each would choose by its own clock.
+            reason = (f"{asked}: {at_width} of the first layer's {len(linears)} projections are stored blocks the "
+                      f"int8 kernel ({gemm_int8.isa()}) takes (not timed: a rank of several)")
+        return Numerics(torch.float32, f"{reason}, kept at their width (float32 between them)", int8=True)
+
     def _numerics_for(self, model: DecoderForCausalLM, probe: bool, quantization: str | None) -> tuple[Numerics, int]:
         """The GEMM numerics for ``model`` (chosen per machine on a CPU, from its first layer's
         shapes; else the worker's) and its weights packed for them; returns how many weights the
@@ -282,23 +301,10 @@ class ModelLoader:
             return numerics, 0
         if self.cpu_numerics and numerics is self.numerics:
             linears = first_layer_linears(model)
-            asked = f"quantization={quantization!r}" if quantization in AT_WIDTH else \
-                "dtype auto on a quantized checkpoint" if self.config.model.dtype == "auto" and probe else None
-            # (Plain C, a CPU without AVX2, runs it at a few % of VNNI's speed: there it is timed.)
-            if asked and all(m.blocks_format() is not None for m in linears) and \
-                    (quantization in AT_WIDTH or gemm_int8.isa() != "plain C"):
-                # Every projection goes to the int8 kernel, the stored blocks kept at their width (a
-                # float copy takes 3-7x the file's memory). Nothing left to time: a probe would
-                # dequantize and pack a layer in every format, a transient GB at 1.7B.
-                numerics = Numerics(torch.float32, f"{asked}: every projection is stored blocks the int8 kernel "
-                                    f"({gemm_int8.isa()}) takes, kept at their width (float32 between them)",
-                                    int8=True)
-            else:
-                kept = [m.kept_blocks.pack() for m in linears
-                        if m.kept_blocks is not None and m.blocks_format() is not None]
-                numerics = choose_numerics(self.config.model.dtype, [m.dense_weight() for m in linears],
-                                           probe=probe, quantization=quantization,
-                                           int8_weights=kept if kept and len(kept) == len(linears) else None)
+            numerics = self._at_width(linears, probe, quantization) or choose_numerics(
+                self.config.model.dtype, [m.dense_weight() for m in linears], probe=probe, quantization=quantization,
+                int8_weights=[m.kept_blocks.pack() for m in linears if m.kept_blocks is not None]
+                if all(m.blocks_format() is not None for m in linears) else None)
         if numerics.int8 and quantization == "q8_0":  # (each quantized a slice at a time as it is packed)
             layers = [m for m in model.model.layers.modules() if isinstance(m, Linear)]
             done = sum(m.quantize_to_q8_0() for m in layers)
