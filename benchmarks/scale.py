@@ -404,7 +404,8 @@ def main() -> None:
     p.add_argument("--w64", type=int, default=64, help="W64 requests to run (0: none)")
     p.add_argument("--kv-cache-memory", default=None, help="pagellm's KV budget (default: the engine's own)")
     p.add_argument("--pagellm-args", default='{}',
-                   help="engine keywords for the GGUF files, as JSON (default: none, auto numerics)")
+                   help="engine keywords for the quantized files, as JSON (default: none, auto numerics); a list "
+                   "of such objects runs each in turn (e.g. '[{}, {\"tensor_parallel_size\": 2}]')")
     p.add_argument("--pagellm-bf16-args", default='{}',
                    help="engine keywords for the bf16 directory, as JSON (e.g. '{\"quantization\": \"q8_0\"}')")
     p.add_argument("--llama-python", help="a python with llama-cpp-python (built from source) for llama.cpp")
@@ -436,11 +437,14 @@ def main() -> None:
                 build_gguf(shape, fmt)
             size = os.path.getsize(os.path.join(path, "model.safetensors")) if hf else os.path.getsize(path)
             roof = bw / weight_bytes_per_token(path)
-            me = [sys.executable, os.path.abspath(__file__), "--child", "pagellm", "--model", path,
-                  "--engine-args", args.pagellm_bf16_args if fmt == "bf16" else args.pagellm_args,
-                  "--w64", str(args.w64)]
-            me += ["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory else []
-            results = {"pagellm": run_child(me)}
+            variants = json.loads(args.pagellm_bf16_args if fmt == "bf16" else args.pagellm_args)
+            results = {}
+            for extra in variants if isinstance(variants, list) else [variants]:
+                me = [sys.executable, os.path.abspath(__file__), "--child", "pagellm", "--model", path,
+                      "--engine-args", json.dumps(extra), "--w64", str(args.w64)]
+                me += ["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory else []
+                label = " ".join(f"{k}={v}" for k, v in extra.items()) if isinstance(variants, list) else ""
+                results[f"pagellm {label}".strip()] = run_child(me)
             if args.llama_python and not hf:
                 results["llama.cpp"] = run_child([args.llama_python, "-c", LLAMA_CHILD, path, str(args.threads)])
             if args.vllm_python and args.w64:

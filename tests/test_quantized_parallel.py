@@ -113,6 +113,28 @@ def test_a_compressed_tensors_input_share_is_the_librarys_columns(name):
     assert blocks.take_inputs(8, 256) is None
 
 
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K])
+def test_an_embeddings_rank_reads_its_rows_from_the_blocks(qtype, monkeypatch):
+    """A tensor-parallel rank's embedding keeps its rows of the file's blocks (no float copy) and
+    gives gguf's rows for its tokens, zeros for the others' (before the sum over ranks)."""
+    from pagellm.distributed import TensorParallelGroup
+    from pagellm.layers.parallel import VocabParallelEmbedding
+    from pagellm.models.cpu_packing import keep_blocks
+
+    b = random_blocks(qtype, 11, 256, seed=2)
+    want = torch.from_numpy(reference(b))
+    ids = torch.tensor([[0, 5, 6, 10], [10, 10, 2, 7]])
+    for rank, (start, size) in enumerate([(0, 6), (6, 5)]):
+        tp = TensorParallelGroup(rank=rank, world_size=2)
+        monkeypatch.setattr(tp, "all_reduce", lambda x: x)  # (this rank's addend)
+        with torch.device("meta"):
+            embed = VocabParallelEmbedding(11, 256, tp)
+        assert keep_blocks(embed, embed.weight, "embed", None, b) == ["embed"]
+        assert embed.kept_rows is not None and embed.kept_rows.shape == (size, 256) and embed.weight.is_meta
+        mine = ((ids >= start) & (ids < start + size)).unsqueeze(-1)
+        assert torch.equal(embed(ids), torch.where(mine, want[ids], 0.0))
+
+
 # ---------------------------------------------------------------------- a model across workers
 PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(20, 90)), [300, 301, 302] * 7]
 

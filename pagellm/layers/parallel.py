@@ -118,14 +118,13 @@ class VocabParallelEmbedding(nn.Embedding):
             self.kept_rows = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.kept_rows is not None:
-            return self.kept_rows.gather_rows(input_ids)
         if self.tp.world_size == 1:
-            return super().forward(input_ids)
+            return self.kept_rows.gather_rows(input_ids) if self.kept_rows is not None else super().forward(input_ids)
         start, size = self.vocab_range
         local = input_ids - start
         outside = (local < 0) | (local >= size)
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        local = local.masked_fill(outside, 0)
+        x = self.kept_rows.gather_rows(local) if self.kept_rows is not None else F.embedding(local, self.weight)
         x.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.tp.all_reduce(x)
 

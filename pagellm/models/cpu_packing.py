@@ -13,7 +13,7 @@ from torch import nn
 
 from pagellm.kernels import gemm_int8
 from pagellm.layers.linear import Linear
-from pagellm.layers.parallel import VocabParallelEmbedding, copy_shard
+from pagellm.layers.parallel import VocabParallelEmbedding
 from pagellm.layers.weight_formats import Int8Packed
 from pagellm.weights.quant_blocks import QuantizedBlocks
 
@@ -69,15 +69,17 @@ def keep_blocks(module: nn.Module, param: torch.Tensor, target: str, shard_idx: 
                 blocks: QuantizedBlocks) -> list[str]:
     """Hand a quantized tensor's blocks (this worker's share of them) to its module at their width;
     the loaded names, or none where the module needs a float copy. (An embedding kept as GGUF
-    blocks reads its rows from the file as tokens need them, without mapping them:
-    ``loader.read_memmap_rows``; a tensor-parallel rank's share of it is dequantized here.)"""
-    if isinstance(module, VocabParallelEmbedding) and tuple(param.shape) == blocks.shape \
-            and blocks.row_lookup and module.tp.world_size == 1:
-        module.kept_rows = blocks
-        return [target]
-    if isinstance(module, VocabParallelEmbedding) and module.tp.world_size > 1:
-        with torch.no_grad():
-            copy_shard(param, blocks.shard(0, *module.vocab_range).dequantize(), None, 0, 0)
+    blocks or 16-bit rows reads its rows from the file as tokens need them, without mapping them:
+    ``loader.read_memmap_rows``.)"""
+    if isinstance(module, VocabParallelEmbedding):
+        if blocks.shape != (sum(module.vocab_sizes), param.shape[1]):
+            return []  # (a float copy names the shapes)
+        rows = blocks.shard(0, *module.vocab_range)  # (a tensor-parallel rank's rows)
+        if blocks.row_lookup:
+            module.kept_rows = rows
+        else:
+            with torch.no_grad():
+                param.copy_(rows.dequantize())
         return [target]
     if not isinstance(module, Linear):
         return []
