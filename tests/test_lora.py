@@ -16,7 +16,7 @@ from pagellm import LLM, LLMEngine, LoRARequest, SamplingParams
 from pagellm.config import EngineArgs
 from pagellm.core.lora_admission import LORA_MAX_SKIPS
 
-from conftest import build_tiny_checkpoint, run_to_completion
+from conftest import build_tiny_checkpoint, require_int8_kernel, run_to_completion
 from conftest_core import fake_step, make_group, make_scheduler
 from test_hf_parity import random_prompts
 
@@ -321,3 +321,37 @@ def test_a_16_bit_model_keeps_its_adapters_in_its_dtype(ckpt_root):
         slots = [m.lora for m in lora_modules(engine.executor.worker.model).values()]
         assert slots and all(s.At.dtype == getattr(torch, dtype) for s in slots)
     check_logprobs_close(runs["float16"], runs["float32"])
+
+
+def test_adapters_over_int8_projections_stay_logprob_close(ckpt_root):
+    """quantization='q8_0': every projection on the int8 kernel (the output projection writing into
+    its layer's dead input), an adapter on all seven added in place: logprob-close to the float32
+    engine with the same adapter, and the adapter really changes the int8 run's tokens."""
+    require_int8_kernel()
+    from test_numerics import MAX_GAP, check_logprobs_close
+
+    from pagellm.layers.weight_formats import Int8Packed
+    from pagellm.lora.layers import lora_modules
+
+    path = build_tiny_checkpoint(ckpt_root, "llama")
+    adapter = make_adapter(path, f"{path}-lora-all", 2, ALL, r=4, rslora=True)
+    prompts = random_prompts(4, seed=17, hi=60)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=5)
+    runs = {}
+    for name, kw, lora in (("float32", dict(dtype="float32"), True), ("int8", dict(quantization="q8_0"), True),
+                           ("int8 base", dict(quantization="q8_0"), False)):
+        engine = LLMEngine.from_engine_args(EngineArgs(model=path, enable_lora=True, kv_cache_memory="64MiB", **kw))
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": p}, params,
+                               lora_request=LoRARequest("all", 1, adapter) if lora else None)
+        done = run_to_completion(engine)
+        runs[name] = [(done[str(i)].outputs[0].token_ids,
+                       [{t: lp[t].logprob for t in sorted(lp, key=lambda t: lp[t].rank)[:5]}
+                        for lp in done[str(i)].outputs[0].logprobs]) for i in range(len(prompts))]
+        if name == "int8":
+            modules = lora_modules(engine.executor.worker.model)
+            assert len(modules) == 8 and all(isinstance(m.weight_format, Int8Packed) for m in modules.values())
+        engine.shutdown()
+    gaps = check_logprobs_close(runs["int8"], runs["float32"])
+    assert all(g <= MAX_GAP["int8"] for g in gaps), f"divergences at logprob gaps {gaps}"
+    assert [t for t, _ in runs["int8"]] != [t for t, _ in runs["int8 base"]], "the adapter must change the tokens"
