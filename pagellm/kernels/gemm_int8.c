@@ -232,15 +232,30 @@ static void quantize_row(const float *x, int8_t *xq, float *dx, float *sx, int64
   }
 }
 
-/* acc[r] += the 32 k of a 4-bit block (lay_output's nibble layout, 512 bytes at qs) against rows
- * [0, R) of xq (xk: the block's 8 groups of 4 int8 in row 0; rows K bytes apart). */
-static inline __attribute__((always_inline)) void dot_q4(__m512i acc[][2], const uint8_t *qs, const int32_t *xk,
-                                                         int64_t K, const int R) {
+/* The 4 operands of group g of a 4-bit block (lay_output's nibble layout, 512 bytes at qs): low and
+ * high nibbles of outputs 0-15 and 16-31, as dot_q4 multiplies them. */
+static inline __attribute__((always_inline)) void q4_operands(__m512i v[4], const uint8_t *qs, int g) {
   const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i v0 = _mm512_loadu_si512(qs + g * 64), v1 = _mm512_loadu_si512(qs + (4 + g) * 64);
+  v[0] = _mm512_and_si512(v0, low), v[1] = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+  v[2] = _mm512_and_si512(v1, low), v[3] = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+}
+
+/* acc[r] += the 32 k of a 4-bit block (at qs) against rows [0, R) of xq (xk: the block's 8 groups of
+ * 4 int8 in row 0; rows K bytes apart). With uq (1 KiB, 64-aligned), its operands are read from there,
+ * or with fill unpacked from qs and stored there for the next row tiles: the same bytes. */
+static inline __attribute__((always_inline)) void dot_q4(__m512i acc[][2], const uint8_t *qs, uint8_t *uq,
+                                                         const int fill, const int32_t *xk, int64_t K, const int R) {
   for (int g = 0; g < 4; ++g) {
-    const __m512i v0 = _mm512_loadu_si512(qs + g * 64), v1 = _mm512_loadu_si512(qs + (4 + g) * 64);
-    const __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
-    const __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+    __m512i v[4];
+    if (uq && !fill) {
+      for (int i = 0; i < 4; ++i) v[i] = _mm512_load_si512(uq + (4 * g + i) * 64);
+    } else {
+      q4_operands(v, qs, g);
+      if (fill)
+        for (int i = 0; i < 4; ++i) _mm512_store_si512(uq + (4 * g + i) * 64, v[i]);
+    }
+    const __m512i lo0 = v[0], hi0 = v[1], lo1 = v[2], hi1 = v[3];
     for (int r = 0; r < R; ++r) {
       const __m512i xa = _mm512_set1_epi32(xk[r * K / 4 + g]), xb = _mm512_set1_epi32(xk[r * K / 4 + g + 4]);
       acc[r][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r][0], lo0, xa), hi0, xb);
@@ -268,7 +283,7 @@ static inline __attribute__((always_inline)) void tile_i8(float *y, int64_t ldy,
     for (int r = 0; r < R; ++r) is[r][0] = is[r][1] = _mm512_setzero_si512();
     const int32_t *xk = (const int32_t *)(xq + b * QB); /* the 8 groups of 4 int8 of this block */
     if (bits == 4) {
-      dot_q4(is, qs, xk, K, R);
+      dot_q4(is, qs, NULL, 0, xk, K, R);
     } else {
       for (int g = 0; g < 8; ++g) {
         const __m512i w0 = _mm512_loadu_si512(qs + g * 64), w1 = _mm512_loadu_si512(qs + (8 + g) * 64);
@@ -319,15 +334,31 @@ static void quantize_row_k(const float *x, int8_t *xq, float *dx, int32_t *bsum,
   }
 }
 
-/* Rows [0, R) of one panel of a K format over all super-blocks (see the header comment). */
+/* The 2 operands of group g of a K6 sub-block (384 bytes at qs): the 6-bit q of outputs 0-15 and 16-31. */
+static inline __attribute__((always_inline)) void k6_group(__m512i w[2], const uint8_t *qs, int g) {
+  const __m512i low = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3);
+  const __m512i h0 = _mm512_loadu_si512(qs + 2 * 64), h1 = _mm512_loadu_si512(qs + 5 * 64);
+  const __m512i n0 = _mm512_loadu_si512(qs + (g / 2) * 64), n1 = _mm512_loadu_si512(qs + (3 + g / 2) * 64);
+  const __m512i l0 = _mm512_and_si512(g % 2 ? _mm512_srli_epi16(n0, 4) : n0, low);
+  const __m512i l1 = _mm512_and_si512(g % 2 ? _mm512_srli_epi16(n1, 4) : n1, low);
+  w[0] = _mm512_or_si512(l0, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h0, 2 * g), three), 4));
+  w[1] = _mm512_or_si512(l1, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h1, 2 * g), three), 4));
+}
+
+#define KUQ(fmt) ((fmt) == FMT_K4 ? 1024 : 512) /* bytes of a panel's sub-block as unpacked operands (tile_k) */
+
+/* Rows [0, R) of one panel of a K format over all super-blocks (see the header comment). A panel that
+ * several row tiles read is unpacked once: its first tile (fill) stores every sub-block's operands in
+ * uq (B S KUQ bytes, 64-aligned) as it multiplies them, the next tiles read them from there rather than
+ * unpacking them again for each 4 rows (K6's 6-bit q costs 7 operations per 64 bytes); uq NULL: each
+ * tile unpacks. */
 static inline __attribute__((always_inline)) void tile_k(float *y, int64_t ldy, const int8_t *xq, const float *dx,
-                                                         const int32_t *bsum, const uint8_t *rec, const float *bias,
-                                                         int64_t K, __mmask16 m0, __mmask16 m1, const int R,
-                                                         const int fmt, const int first) {
+                                                         const int32_t *bsum, const uint8_t *rec, uint8_t *uq,
+                                                         const int fill, const float *bias, int64_t K, __mmask16 m0,
+                                                         __mmask16 m1, const int R, const int fmt, const int first) {
   const int64_t B = K / QK, S = KSUB(fmt), rec_size = KREC(fmt);
   __m512 acc[MRK][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < B; ++b, rec += rec_size) {
     /* The panel's first tile streams its records from memory: every line of the record KPF ahead
      * into L2, a share of them per sub-block below (one line ahead left one stream at 19-22 GB/s of a
@@ -340,7 +371,7 @@ static inline __attribute__((always_inline)) void tile_k(float *y, int64_t ldy, 
     const uint8_t *qs = (const uint8_t *)(mn + S * NR);
     __m512i sum[MRK][2];
     for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
-    for (int64_t j = 0; j < S; ++j, qs += KQB(fmt)) {
+    for (int64_t j = 0; j < S; ++j, qs += KQB(fmt), uq = uq ? uq + KUQ(fmt) : NULL) {
       if (first) { /* lines [j per, (j + 1) per) of the record KPF ahead */
         const int64_t per = (rec_size / 64 + S - 1) / S * 64, c1 = (j + 1) * per < rec_size ? (j + 1) * per : rec_size;
         for (int64_t c = j * per; c < c1; c += 64) _mm_prefetch((const char *)(rec + KPF * rec_size + c), _MM_HINT_T1);
@@ -348,20 +379,21 @@ static inline __attribute__((always_inline)) void tile_k(float *y, int64_t ldy, 
       __m512i dot[MRK][2];
       for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
       if (fmt == FMT_K4) {
-        dot_q4(dot, qs, (const int32_t *)(xq + b * QK + j * 32), K, R);
+        dot_q4(dot, qs, uq, fill, (const int32_t *)(xq + b * QK + j * 32), K, R);
       } else {
         const int32_t *xk = (const int32_t *)(xq + b * QK + j * 16);
-        const __m512i h0 = _mm512_loadu_si512(qs + 2 * 64), h1 = _mm512_loadu_si512(qs + 5 * 64), three = _mm512_set1_epi8(3);
         for (int g = 0; g < 4; ++g) {
-          const __m512i n0 = _mm512_loadu_si512(qs + (g / 2) * 64), n1 = _mm512_loadu_si512(qs + (3 + g / 2) * 64);
-          const __m512i l0 = _mm512_and_si512(g % 2 ? _mm512_srli_epi16(n0, 4) : n0, low);
-          const __m512i l1 = _mm512_and_si512(g % 2 ? _mm512_srli_epi16(n1, 4) : n1, low);
-          const __m512i w0 = _mm512_or_si512(l0, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h0, 2 * g), three), 4));
-          const __m512i w1 = _mm512_or_si512(l1, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h1, 2 * g), three), 4));
+          __m512i w[2];
+          if (uq && !fill) {
+            w[0] = _mm512_load_si512(uq + 2 * g * 64), w[1] = _mm512_load_si512(uq + (2 * g + 1) * 64);
+          } else {
+            k6_group(w, qs, g);
+            if (fill) _mm512_store_si512(uq + 2 * g * 64, w[0]), _mm512_store_si512(uq + (2 * g + 1) * 64, w[1]);
+          }
           for (int r = 0; r < R; ++r) {
             const __m512i xa = _mm512_set1_epi32(xk[r * K / 4 + g]);
-            dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], w0, xa);
-            dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], w1, xa);
+            dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], w[0], xa);
+            dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], w[1], xa);
           }
         }
       }
@@ -614,9 +646,13 @@ static int64_t amx_rows_of(int64_t M) {
 }
 
 #define CASE_K(R) case R: TILE_K(R); break;
-#define TILE_K(R)                                                                          \
-  if (fmt == FMT_K4) tile_k(yy, ldy, xx, dd, bb_sum, w, bb, K, m0, m1, R, FMT_K4, t == 0); \
-  else tile_k(yy, ldy, xx, dd, bb_sum, w, bb, K, m0, m1, R, FMT_K6, t == 0)
+#define TILE_KF(R, F, FMT) tile_k(yy, ldy, xx, dd, bb_sum, w, uq, F, bb, K, m0, m1, R, FMT, t == 0)
+#define TILE_K(R)                                              \
+  if (uq && t == 0) {                                          \
+    if (fmt == FMT_K4) TILE_KF(R, 1, FMT_K4);                  \
+    else TILE_KF(R, 1, FMT_K6);                                \
+  } else if (fmt == FMT_K4) TILE_KF(R, 0, FMT_K4);             \
+  else TILE_KF(R, 0, FMT_K6)
 
 /* Rows [0, M) of a K format against every panel (split between threads in contiguous ranges). */
 static void row_block_k(float *y, int64_t ldy, const int8_t *xq, const float *dx, const int32_t *bsum,
@@ -629,6 +665,8 @@ static void row_block_k(float *y, int64_t ldy, const int8_t *xq, const float *dx
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
   if (amx_rows) amx_configure_16x64(); /* tile state is per thread */
 #endif
+  /* A panel that 2 or more row tiles read is unpacked once, by its first (NULL: each tile unpacks). */
+  uint8_t *uq = tiles >= 2 ? (uint8_t *)aligned_alloc(64, (size_t)(B * KSUB(fmt) * KUQ(fmt))) : NULL;
 #pragma omp for schedule(static)
   for (int64_t p = 0; p < P; ++p) {
     const uint8_t *w = wp + p * panel;
@@ -653,6 +691,7 @@ static void row_block_k(float *y, int64_t ldy, const int8_t *xq, const float *dx
       m += rows;
     }
   }
+  free(uq);
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
   if (amx_rows) _tile_release();
 #endif
