@@ -33,10 +33,11 @@ def pack_for_cpu(model: DecoderForCausalLM, compute_dtype: torch.dtype = torch.f
     in float32 it would be read at 4x the bytes of every 4-bit projection's share)."""
     embed = model.model.embed_tokens
     tied = model.tied_head_blocks
-    # The embedding's rows are kept only where no float copy is needed: the LM head is its own
-    # weight, takes the same blocks on the int8 kernel, or is quantized from them to Q8_0.
-    keep_embed = int8 and gemm_int8.supported() and (
-        model.lm_head is not None or head_q8_0 or (tied is not None and tied.kernel_format() is not None))
+    # The embedding's rows are kept only where no float copy is needed: no LM head here (a pipeline
+    # stage before the last), the LM head is its own weight, takes the same blocks on the int8
+    # kernel, or is quantized from them to Q8_0.
+    keep_embed = int8 and gemm_int8.supported() and (not model.has_head or model.lm_head is not None or head_q8_0
+                                                     or (tied is not None and tied.kernel_format() is not None))
     if not keep_embed:
         embed.materialize()
     if head_q8_0 and model.lm_head is not None and model.lm_head.blocks_format() is None:
@@ -46,7 +47,7 @@ def pack_for_cpu(model: DecoderForCausalLM, compute_dtype: torch.dtype = torch.f
             module.pack_for_cpu(compute_dtype, int8)
             if after_each is not None:
                 after_each()
-    if model.lm_head is None and model.tied_head is None:
+    if model.lm_head is None and model.tied_head is None and model.has_head:
         with torch.device("meta"):
             head = Linear(embed.embedding_dim, embed.num_embeddings, bias=False)
         head.weight = embed.weight  # shared: batches past the kernel's read the embedding itself

@@ -385,7 +385,10 @@ class DecoderForCausalLM(nn.Module):
         self.final_logit_softcap: float | None = getattr(config, "final_logit_softcapping", None)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         vocab = self.model.embed_tokens.vocab_range  # the LM head's rows are the embedding's
-        self.lm_head = None if self.tie_word_embeddings else ColumnParallelLinear(config.hidden_size, [vocab], False)
+        # Only the last pipeline stage computes logits: the others hold no LM head (tied or not).
+        self.has_head = pp is None or pp.is_last
+        self.lm_head = None if self.tie_word_embeddings or not self.has_head else \
+            ColumnParallelLinear(config.hidden_size, [vocab], False)
         # A tied LM head, made by ``cpu_packing.pack_for_cpu`` to hold the embedding's packed copy.
         self.tied_head: Linear | None = None
         self.tied_head_blocks: QuantizedBlocks | None = None
@@ -448,7 +451,7 @@ class DecoderForCausalLM(nn.Module):
             shard_idx = None if shard is None else shard[1]
             loader = getattr(module, "weight_loader", None)
             if isinstance(tensor, QuantizedBlocks):
-                if name == "model.embed_tokens.weight" and self.lm_head is None:
+                if name == "model.embed_tokens.weight" and self.lm_head is None and self.has_head:
                     # The tied LM head may take the file's blocks (this rank's rows of them).
                     self.tied_head_blocks = tensor.shard(0, *self.model.embed_tokens.vocab_range)
                 kept = keep_blocks(module, param, target, shard_idx, tensor)
