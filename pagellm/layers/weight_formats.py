@@ -48,6 +48,11 @@ class WeightFormat:
     name: ClassVar[str]  # as the numerics line and the decode graph's GEMM kinds say it
     out_features: int
 
+    @property
+    def kind(self) -> str:
+        """The format with its kernel layout (``int8 K4 super-blocks``), as a worker reports it."""
+        return self.name
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
@@ -108,6 +113,10 @@ class Int8Packed(WeightFormat):
         # Blocks packed with their inputs in this order (GPTQ's act-order): x is gathered alike.
         assert input_order is None or (input_order.dtype == torch.int64 and input_order.is_contiguous())
         self.input_order = input_order
+
+    @property
+    def kind(self) -> str:
+        return f"int8 {gemm_int8.format_name(self.fmt)}"
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.input_order is not None:

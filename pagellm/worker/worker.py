@@ -16,12 +16,10 @@ from pagellm.attention import select_attention_backend
 from pagellm.config import CUDA_ONE_GPU, EngineConfig, default_num_threads, resolve_model_source
 from pagellm.core.scheduler_output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed import init_parallel
-from pagellm.kernels import gemm_int8
 from pagellm.kernels.machine import Numerics
 from pagellm.layers.linear import Linear
 from pagellm.layers.moe import SparseMoeBlock
 from pagellm.layers.pooler import Pooler
-from pagellm.layers.weight_formats import Int8Packed
 from pagellm.lora.adapter import LoRAAdapter, load_adapter
 from pagellm.lora.layers import ModelLoRA, module_shapes
 from pagellm.lora_request import AdapterSpec
@@ -235,9 +233,7 @@ class Worker:
         formats: dict[str, int] = {}
         for m in self.model.modules() if hasattr(self, "model") else ():
             if isinstance(m, Linear):
-                fmt = m.weight_format
-                name = "unpacked" if fmt is None else \
-                    f"int8 {gemm_int8.format_name(fmt.fmt)}" if isinstance(fmt, Int8Packed) else fmt.name
+                name = "unpacked" if m.weight_format is None else m.weight_format.kind
                 formats[name] = formats.get(name, 0) + 1
         return {"rank": self.tp.rank, "world_size": self.tp.world_size, "shm_all_reduce": self.tp.shm is not None,
                 "num_kv_heads": self.spec.num_kv_heads if hasattr(self, "spec") else None,
