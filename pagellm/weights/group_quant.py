@@ -84,9 +84,9 @@ _AWQ_SHIFTS = [4 * int(f) for f in AWQ_UNPACK_ORDER]
 
 def unpack_awq_outputs(qweight: torch.Tensor, lo: int, hi: int) -> np.ndarray:
     """Outputs ``lo .. hi`` of AWQ's 4-bit ``qweight [K, N / 8]`` (or ``qzeros [groups, N / 8]``)
-    as uint8 ``[hi - lo, K]``: the
-    words transposed first (int32: a quarter of the elements a byte transpose moves), then each
-    output's nibble shifted out along K (3x unpacking bytes, reordering and transposing those)."""
+    as uint8 ``[hi - lo, K]``: the words transposed first (int32: a quarter of the elements a byte
+    transpose moves), then each output's nibble shifted out along K (3x unpacking bytes,
+    reordering and transposing those)."""
     c0, c1 = lo // 8, -(-hi // 8)
     words = qweight[:, c0:c1].T.contiguous()  # [words, K]
     out = torch.empty(words.shape[0], 8, words.shape[1], dtype=torch.uint8)
