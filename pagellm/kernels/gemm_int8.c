@@ -29,7 +29,7 @@
  *   w = d sc q - dmin mn   ->  sum_k w x_k = dx (d sum_j sc_j sum_{k in j} q xq_k - dmin sum_j mn_j bsum_j)
  * K4 (Q4_K): L = 32, q 4 bits. K6 (Q5_K, Q6_K, or a fused mix of the two; it holds Q4_K too): L = 16,
  * q 6 bits (Q6_K: q in 0..63 with mn = sc, dmin = 32 d). Activations per row and super-block: one
- * dx = max|x| / 127, xq in -127..127 and the integer sums bsum of each 16.
+ * dx = max|x| / 127, xq in -127..127 and the integer sums bsum of each 16 (on AVX512, also of each 32).
  *
  * Every block's integer sum is exact, and the float work per row runs in block order, so a row's
  * result depends on nothing but that row (not on M, the tiling or the threads): batch invariant.
@@ -317,8 +317,12 @@ static inline __attribute__((always_inline)) void tile_i8(float *y, int64_t ldy,
   store_tile(y, ldy, acc, bias, m0, m1, R);
 }
 
-/* One row of x for the K formats: xq[K] int8, and per super-block dx, per 16 values bsum = sum(xq). */
-static void quantize_row_k(const float *x, int8_t *xq, float *dx, int32_t *bsum, int64_t K) {
+#define BSUMS(K) ((K) / 16 + (K) / 32) /* int16 bsum per row of tile_k: the sums of each 16, then of each 32 */
+
+/* One row of x for the K formats: xq[K] int8, per super-block dx, and bsum (BSUMS(K) int16, |sum| <=
+ * 32 * 127): sum(xq) of each 16 k, then of each 32, so consecutive sub-blocks' sums pair up as the
+ * 32-bit operand of vpdpwssd in tile_k's mins pass (K6's sub-blocks are 16 k, K4's 32). */
+static void quantize_row_k(const float *x, int8_t *xq, float *dx, int16_t *bsum, int64_t K) {
   for (int64_t b = 0; b < K / QK; ++b) {
     const float *xb = x + b * QK;
     __m512 amax = _mm512_setzero_ps();
@@ -329,9 +333,10 @@ static void quantize_row_k(const float *x, int8_t *xq, float *dx, int32_t *bsum,
     for (int i = 0; i < QK; i += 16) {
       const __m512i q = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), s), RN);
       _mm_storeu_si128((__m128i *)(xq + b * QK + i), _mm512_cvtsepi32_epi8(q));
-      bsum[b * (QK / 16) + i / 16] = _mm512_reduce_add_epi32(q);
+      bsum[b * (QK / 16) + i / 16] = (int16_t)_mm512_reduce_add_epi32(q);
     }
   }
+  for (int64_t j = 0; j < K / 32; ++j) bsum[K / 16 + j] = (int16_t)(bsum[2 * j] + bsum[2 * j + 1]);
 }
 
 /* The 2 operands of group g of a K6 sub-block (384 bytes at qs): the 6-bit q of outputs 0-15 and 16-31. */
@@ -353,7 +358,7 @@ static inline __attribute__((always_inline)) void k6_group(__m512i w[2], const u
  * unpacking them again for each 4 rows (K6's 6-bit q costs 7 operations per 64 bytes); uq NULL: each
  * tile unpacks. */
 static inline __attribute__((always_inline)) void tile_k(float *y, int64_t ldy, const int8_t *xq, const float *dx,
-                                                         const int32_t *bsum, const uint8_t *rec, uint8_t *uq,
+                                                         const int16_t *bsum, const uint8_t *rec, uint8_t *uq,
                                                          const int fill, const float *bias, int64_t K, __mmask16 m0,
                                                          __mmask16 m1, const int R, const int fmt, const int first) {
   const int64_t B = K / QK, S = KSUB(fmt), rec_size = KREC(fmt);
@@ -411,15 +416,22 @@ static inline __attribute__((always_inline)) void tile_k(float *y, int64_t ldy, 
       acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][1]), _mm512_mul_ps(d1, s), acc[r][1]);
       sum[r][0] = sum[r][1] = _mm512_setzero_si512(); /* now the mins' sum */
     }
-    const int64_t per = QK / 16 / S; /* 16s of x per sub-block */
-    for (int64_t j = 0; j < S; ++j) {
-      const __m512i n0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(mn + j * NR)));
-      const __m512i n1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(mn + j * NR + 16)));
+    /* sum_j mn_j bsum_j two sub-blocks per vpdpwssd: lane o holds (mn_j, mn_j+1) of output o as int16,
+     * the broadcast (bsum_j, bsum_j+1) of the row; exact in int32, so the same sum as one by one. */
+    const int16_t *xp = bsum + (fmt == FMT_K4 ? K / 16 + b * (QK / 32) : b * (QK / 16));
+    for (int64_t j = 0; j < S; j += 2) {
+      const __m128i a0 = _mm_loadu_si128((const __m128i *)(mn + j * NR));
+      const __m128i c0 = _mm_loadu_si128((const __m128i *)(mn + (j + 1) * NR));
+      const __m128i a1 = _mm_loadu_si128((const __m128i *)(mn + j * NR + 16));
+      const __m128i c1 = _mm_loadu_si128((const __m128i *)(mn + (j + 1) * NR + 16));
+      const __m512i n0 = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a0, c0), _mm_unpacklo_epi8(a0, c0)));
+      const __m512i n1 = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a1, c1), _mm_unpacklo_epi8(a1, c1)));
       for (int r = 0; r < R; ++r) {
-        const int32_t *bs = bsum + r * (K / 16) + b * (QK / 16) + j * per;
-        const __m512i x = _mm512_set1_epi32(per == 2 ? bs[0] + bs[1] : bs[0]);
-        sum[r][0] = _mm512_add_epi32(sum[r][0], _mm512_mullo_epi32(n0, x));
-        sum[r][1] = _mm512_add_epi32(sum[r][1], _mm512_mullo_epi32(n1, x));
+        int32_t pair;
+        memcpy(&pair, xp + r * BSUMS(K) + j, sizeof pair);
+        const __m512i x = _mm512_set1_epi32(pair);
+        sum[r][0] = _mm512_dpwssd_epi32(sum[r][0], n0, x);
+        sum[r][1] = _mm512_dpwssd_epi32(sum[r][1], n1, x);
       }
     }
     const __m512 e0 = _mm512_loadu_ps((const float *)rec + NR), e1 = _mm512_loadu_ps((const float *)rec + NR + 16);
@@ -655,7 +667,7 @@ static int64_t amx_rows_of(int64_t M) {
   else TILE_KF(R, 0, FMT_K6)
 
 /* Rows [0, M) of a K format against every panel (split between threads in contiguous ranges). */
-static void row_block_k(float *y, int64_t ldy, const int8_t *xq, const float *dx, const int32_t *bsum,
+static void row_block_k(float *y, int64_t ldy, const int8_t *xq, const float *dx, const int16_t *bsum,
                         const uint8_t *wp, const float *bias, int64_t M, int64_t N, int64_t K, const int fmt) {
   const int64_t P = (N + NR - 1) / NR, B = K / QK, panel = B * KREC(fmt);
   const int64_t amx_rows = amx_rows_of(M);
@@ -683,7 +695,7 @@ static void row_block_k(float *y, int64_t ldy, const int8_t *xq, const float *dx
       float *yy = y + m * ldy + p * NR;
       const int8_t *xx = xq + m * K;
       const float *dd = dx + m * B;
-      const int32_t *bb_sum = bsum + m * (K / 16);
+      const int16_t *bb_sum = bsum + m * BSUMS(K);
       switch (rows) {
         CASE_K(1) CASE_K(2) CASE_K(3)
         default: TILE_K(4); break;
@@ -702,16 +714,16 @@ static void row_block_k(float *y, int64_t ldy, const int8_t *xq, const float *dx
 static int gemm_packed_k(float *y, int64_t ldy, const float *x, int64_t ldx, const uint8_t *wp, const float *bias,
                          int64_t M, int64_t N, int64_t K, const int fmt) {
   const int64_t B = K / QK;
-  int8_t *xq = (int8_t *)malloc((size_t)(M ? M : 1) * (K + 4 * B + 4 * (K / 16)));
+  int8_t *xq = (int8_t *)malloc((size_t)(M ? M : 1) * (K + 4 * B + 2 * BSUMS(K)));
   if (xq == NULL) return -1;
   float *dx = (float *)(xq + M * K);
-  int32_t *bsum = (int32_t *)(dx + M * B);
+  int16_t *bsum = (int16_t *)(dx + M * B);
 #pragma omp parallel for schedule(static) if (M * K >= 8192)
-  for (int64_t m = 0; m < M; ++m) quantize_row_k(x + m * ldx, xq + m * K, dx + m * B, bsum + m * (K / 16), K);
+  for (int64_t m = 0; m < M; ++m) quantize_row_k(x + m * ldx, xq + m * K, dx + m * B, bsum + m * BSUMS(K), K);
   const int64_t rows = amx_rows_of(M) ? AMX_ROW_BLOCK : 256 / MRK * MRK;
   for (int64_t m = 0; m < M; m += rows) {
     const int64_t r = M - m < rows ? M - m : rows;
-    row_block_k(y + m * ldy, ldy, xq + m * K, dx + m * B, bsum + m * (K / 16), wp, bias, r, N, K, fmt);
+    row_block_k(y + m * ldy, ldy, xq + m * K, dx + m * B, bsum + m * BSUMS(K), wp, bias, r, N, K, fmt);
   }
   free(xq);
   return 0;
