@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.environ.get("PAGELLM_SCALE_TREE") or os.path.dirname(HERE))  # (--baseline-tree)
 W64 = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "bench", "workload_n64_seed0.json"))
 
 from pagellm.weights.gguf_write import DecoderShape, q4_k_m, write_decoder_gguf  # noqa: E402
@@ -119,6 +119,7 @@ QUANT_CONFIGS |= {name: {"quant_method": "compressed-tensors", "format": fmt, "q
                              "targets": ["Linear"], "weights": w, "input_activations": a, "format": fmt}}}
                   for name, (fmt, w, a) in CT_SCHEMES.items()}
 HF_FORMATS = ("bf16", *QUANT_CONFIGS)
+SHARD_BYTES = 2 << 30  # a bf16 export's shards: an 8B shape's 16 GB is never in memory at once
 
 
 def _ct_tensors(prefix: str, method: str, n: int, k: int, g: Any) -> dict:
@@ -228,12 +229,32 @@ def build_hf_bf16(shape: str) -> str:
         return path
     g = torch.Generator().manual_seed(0)
     shard: dict = {}
+    written: list[list[str]] = []  # the names in each shard written so far (one shard in memory at a time)
+
+    def flush() -> None:
+        written.append(list(shard))
+        save_file(shard, os.path.join(path, f"model-{len(written):05d}.safetensors"), metadata={"format": "pt"})
+        shard.clear()
+
     for name, (n, k) in _hf_shapes(SHAPES[shape]).items():
+        if sum(t.nbytes for t in shard.values()) >= SHARD_BYTES:
+            flush()
         shard[name] = torch.ones(n, dtype=torch.bfloat16) if k is None else \
             (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
-    save_file(shard, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    if not written:
+        save_file(shard, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        flush()
+        weight_map = {name: f"model-{i + 1:05d}.safetensors" for i, names in enumerate(written) for name in names}
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f)
     config.save_pretrained(path)
     return path
+
+
+def safetensors_bytes(path: str) -> int:
+    """Bytes of a directory's weights (one file, or the shards of a large shape's bf16 export)."""
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
 
 
 def weight_bytes_per_token(path: str) -> int:
@@ -241,7 +262,7 @@ def weight_bytes_per_token(path: str) -> int:
     from pagellm.weights.gguf_file import _reader
 
     if os.path.isdir(path):
-        return os.path.getsize(os.path.join(path, "model.safetensors"))
+        return safetensors_bytes(path)
     tensors = _reader(path).tensors
     tied = not any(t.name == "output.weight" for t in tensors)
     return sum(t.data.nbytes for t in tensors if t.name != "token_embd.weight" or tied)
@@ -388,10 +409,8 @@ def run_vllm(python: str, hf_dir: str, requests: int) -> dict:
     return {"startup_s": r["startup"], "w64_total": tokens / r["wall"]}
 
 
-def run_child(cmd: list[str], pythonpath: str | None = None) -> dict:
-    env = None
-    if pythonpath:  # another checkout's pagellm (--baseline-tree) imported ahead of this one
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [pythonpath, os.environ.get("PYTHONPATH")]))}
+def run_child(cmd: list[str], tree: str | None = None) -> dict:
+    env = {**os.environ, "PAGELLM_SCALE_TREE": tree} if tree else None  # the pagellm the child imports
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
@@ -442,7 +461,7 @@ def main() -> None:
             hf = fmt in HF_FORMATS
             path = build_hf_bf16(shape) if fmt == "bf16" else build_hf_quantized(shape, fmt) if hf else \
                 build_gguf(shape, fmt)
-            size = os.path.getsize(os.path.join(path, "model.safetensors")) if hf else os.path.getsize(path)
+            size = safetensors_bytes(path) if hf else os.path.getsize(path)
             roof = bw / weight_bytes_per_token(path)
             variants = json.loads(args.pagellm_bf16_args if fmt == "bf16" else args.pagellm_args)
             results = {}

@@ -60,6 +60,7 @@
 #define KSUB(fmt) ((fmt) == FMT_K4 ? 8 : 16)      /* sub-blocks per super-block */
 #define KQB(fmt) ((fmt) == FMT_K4 ? 512 : 384)  /* bytes of q per sub-block of a panel */
 #define KREC(fmt) (2 * NR * 4 + KSUB(fmt) * NR * 2 + KSUB(fmt) * KQB(fmt)) /* d, dmin, sc, mn, q */
+#define BSUMS(K) ((K) / 16 + (K) / 32) /* int16 bsum per row for a K format: the sums of each 16, then of each 32 */
 
 /* The path this build takes: 3 AVX512-VNNI, 2 AVX2 + FMA, 1 plain C (every one gives the same bits). */
 int gemm_i8_supported(void) {
@@ -316,8 +317,6 @@ static inline __attribute__((always_inline)) void tile_i8(float *y, int64_t ldy,
   }
   store_tile(y, ldy, acc, bias, m0, m1, R);
 }
-
-#define BSUMS(K) ((K) / 16 + (K) / 32) /* int16 bsum per row of tile_k: the sums of each 16, then of each 32 */
 
 /* One row of x for the K formats: xq[K] int8, per super-block dx, and bsum (BSUMS(K) int16, |sum| <=
  * 32 * 127): sum(xq) of each 16 k, then of each 32, so consecutive sub-blocks' sums pair up as the
@@ -814,8 +813,11 @@ static inline VI vi_add(VI a, VI b) { return _mm256_add_epi32(a, b); }
 static inline VI vi_mul_i8(VI a, const int8_t *s) {
   return _mm256_mullo_epi32(a, _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)s)));
 }
-static inline VI vi_mul_i8_x(const int8_t *s, int32_t x) {
-  return _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)s)), _mm256_set1_epi32(x));
+/* lane l += a[l] x0 + b[l] x1 (vpmaddwd on (a, b) as int16 pairs; every product and sum exact) */
+static inline VI vi_madd_pair(VI acc, const int8_t *a, const int8_t *b, int16_t x0, int16_t x1) {
+  const __m128i ab = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
+  const __m256i x = _mm256_set1_epi32((int32_t)((uint32_t)(uint16_t)x0 | (uint32_t)(uint16_t)x1 << 16));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_cvtepi8_epi16(ab), x));
 }
 static inline void vi_store(int32_t *out, VI v) { _mm256_storeu_si256((__m256i *)out, v); }
 #else
@@ -857,10 +859,9 @@ static inline VI vi_mul_i8(VI a, const int8_t *s) {
   for (int l = 0; l < LANES; ++l) a.l[l] *= s[l];
   return a;
 }
-static inline VI vi_mul_i8_x(const int8_t *s, int32_t x) {
-  VI v;
-  for (int l = 0; l < LANES; ++l) v.l[l] = s[l] * x;
-  return v;
+static inline VI vi_madd_pair(VI acc, const int8_t *a, const int8_t *b, int16_t x0, int16_t x1) {
+  for (int l = 0; l < LANES; ++l) acc.l[l] += a[l] * x0 + b[l] * x1;
+  return acc;
 }
 static inline void vi_store(int32_t *out, VI v) { memcpy(out, v.l, sizeof v.l); }
 #endif
@@ -899,7 +900,7 @@ static void quantize_row(const float *x, int8_t *xq, float *dx, float *sx, int64
   }
 }
 
-static void quantize_row_k(const float *x, int8_t *xq, float *dx, int32_t *bsum, int64_t K) {
+static void quantize_row_k(const float *x, int8_t *xq, float *dx, int16_t *bsum, int64_t K) {
   for (int64_t b = 0; b < K / QK; ++b) {
     const float *xb = x + b * QK;
     float a = 0.f;
@@ -914,9 +915,10 @@ static void quantize_row_k(const float *x, int8_t *xq, float *dx, int32_t *bsum,
         v = v < -128.f ? -128.f : v > 127.f ? 127.f : v;
         xq[b * QK + k] = (int8_t)v;
       }
-      bsum[b * (QK / 16) + i / 16] = sum;
+      bsum[b * (QK / 16) + i / 16] = (int16_t)sum;
     }
   }
+  for (int64_t j = 0; j < K / 32; ++j) bsum[K / 16 + j] = (int16_t)(bsum[2 * j] + bsum[2 * j + 1]);
 }
 
 /* acc[r] += a 4-bit block's 32 k (a half's 4 vectors at qs, this quarter's bytes) against rows [0, R)
@@ -962,9 +964,9 @@ static inline __attribute__((always_inline)) void tile_v(float *y, int64_t ldy, 
 
 /* Rows [0, R) of quarter q of one panel of a K format over all super-blocks (tile_k's arithmetic). */
 static inline __attribute__((always_inline)) void tile_kv(float *y, int64_t ldy, const int8_t *xq, const float *dx,
-                                                          const int32_t *bsum, const uint8_t *rec, const float *bias,
+                                                          const int16_t *bsum, const uint8_t *rec, const float *bias,
                                                           int64_t K, int q, int live, const int R, const int fmt) {
-  const int64_t B = K / QK, S = KSUB(fmt), rec_size = KREC(fmt), per = QK / 16 / S;
+  const int64_t B = K / QK, S = KSUB(fmt), rec_size = KREC(fmt);
   const int half = q / 2, off = (q % 2) * 32;
   float acc[MRV][LANES] = {{0.f}};
   for (int64_t b = 0; b < B; ++b, rec += rec_size) {
@@ -991,11 +993,10 @@ static inline __attribute__((always_inline)) void tile_kv(float *y, int64_t ldy,
     }
     for (int r = 0; r < R; ++r) {
       fma_lanes(acc[r], sum[r], d, dx[r * B + b], 1.f);
-      VI msum = vi_zero();
-      for (int64_t j = 0; j < S; ++j) {
-        const int32_t *bs = bsum + r * (K / 16) + b * (QK / 16) + j * per;
-        msum = vi_add(msum, vi_mul_i8_x(mn + j * NR + q * LANES, per == 2 ? bs[0] + bs[1] : bs[0]));
-      }
+      const int16_t *bs = bsum + r * BSUMS(K) + (fmt == FMT_K4 ? K / 16 + b * (QK / 32) : b * (QK / 16));
+      VI msum = vi_zero(); /* tile_k's mins pass: two sub-blocks at a time */
+      for (int64_t j = 0; j < S; j += 2)
+        msum = vi_madd_pair(msum, mn + j * NR + q * LANES, mn + (j + 1) * NR + q * LANES, bs[j], bs[j + 1]);
       fma_lanes(acc[r], msum, e, dx[r * B + b], -1.f);
     }
   }
@@ -1004,7 +1005,7 @@ static inline __attribute__((always_inline)) void tile_kv(float *y, int64_t ldy,
 
 #define CASE_V(R)                                                                                            \
   case R:                                                                                                    \
-    if (kf) tile_kv(yy, ldy, xq + m * K, dx + m * B, bsum + m * (K / 16), w, bb, K, (int)q, live, R, fmt);   \
+    if (kf) tile_kv(yy, ldy, xq + m * K, dx + m * B, bsum + m * BSUMS(K), w, bb, K, (int)q, live, R, fmt);   \
     else if (bits == 4) tile_v(yy, ldy, xq + m * K, dx + m * B, sx + m * B, w, bb, K, (int)q, live, R, 4, G); \
     else tile_v(yy, ldy, xq + m * K, dx + m * B, sx + m * B, w, bb, K, (int)q, live, R, 8, 1);               \
     break;
@@ -1015,13 +1016,13 @@ static int gemm_packed_v(float *y, int64_t ldy, const float *x, int64_t ldx, con
   const int kf = is_kfmt(fmt), bits = fmt_bits(fmt);
   const int64_t blk = kf ? QK : QB, B = K / blk, G = fmt_group(fmt);
   const int64_t panel = kf ? B * KREC(fmt) : B / G * GRECB(bits, G);
-  int8_t *xq = (int8_t *)malloc((size_t)(M ? M : 1) * (K + 8 * B + 4 * (K / 16)));
+  int8_t *xq = (int8_t *)malloc((size_t)(M ? M : 1) * (K + 8 * B + 2 * BSUMS(K)));
   if (xq == NULL) return -1;
   float *dx = (float *)(xq + M * K), *sx = dx + M * B;
-  int32_t *bsum = (int32_t *)(sx + M * B);
+  int16_t *bsum = (int16_t *)(sx + M * B);
 #pragma omp parallel for schedule(static) if (M * K >= 8192)
   for (int64_t m = 0; m < M; ++m) {
-    if (kf) quantize_row_k(x + m * ldx, xq + m * K, dx + m * B, bsum + m * (K / 16), K);
+    if (kf) quantize_row_k(x + m * ldx, xq + m * K, dx + m * B, bsum + m * BSUMS(K), K);
     else quantize_row(x + m * ldx, xq + m * K, dx + m * B, sx + m * B, K);
   }
   const int64_t P = (N + NR - 1) / NR;
