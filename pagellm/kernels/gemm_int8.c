@@ -29,7 +29,7 @@
  *   w = d sc q - dmin mn   ->  sum_k w x_k = dx (d sum_j sc_j sum_{k in j} q xq_k - dmin sum_j mn_j bsum_j)
  * K4 (Q4_K): L = 32, q 4 bits. K6 (Q5_K, Q6_K, or a fused mix of the two; it holds Q4_K too): L = 16,
  * q 6 bits (Q6_K: q in 0..63 with mn = sc, dmin = 32 d). Activations per row and super-block: one
- * dx = max|x| / 127, xq in -127..127 and the integer sums bsum of each 16 (on AVX512, also of each 32).
+ * dx = max|x| / 127, xq in -127..127 and the integer sums bsum of each 16 and of each 32 (int16, BSUMS).
  *
  * Every block's integer sum is exact, and the float work per row runs in block order, so a row's
  * result depends on nothing but that row (not on M, the tiling or the threads): batch invariant.
