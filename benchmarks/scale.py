@@ -470,10 +470,10 @@ def main() -> None:
                       "--engine-args", json.dumps(extra), "--w64", str(args.w64)]
                 me += ["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory else []
                 label = " ".join(f"{k}={v}" for k, v in extra.items()) if isinstance(variants, list) else ""
+                engine = f"pagellm {label}".strip()
                 if args.baseline_tree:
-                    results[f"pagellm {label} (baseline tree)".replace("  ", " ")] = run_child(
-                        me, os.path.abspath(args.baseline_tree))
-                results[f"pagellm {label}".strip()] = run_child(me)
+                    results[f"{engine} (baseline tree)"] = run_child(me, os.path.abspath(args.baseline_tree))
+                results[engine] = run_child(me)
             if args.llama_python and not hf:
                 results["llama.cpp"] = run_child([args.llama_python, "-c", LLAMA_CHILD, path, str(args.threads)])
             if args.vllm_python and args.w64:

@@ -74,6 +74,15 @@ int gemm_i8_supported(void) {
 }
 
 static int is_kfmt(int64_t fmt) { return fmt == FMT_K4 || fmt == FMT_K6; }
+
+/* A row's bsum (BSUMS(K) int16): quantize_row_k writes the sums of each 16 k, this the sums of each 32
+ * after them; sub_sums finds super-block b's sums per sub-block (16 k for K6, 32 for K4). */
+static void sums_of_32(int16_t *bsum, int64_t K) {
+  for (int64_t j = 0; j < K / 32; ++j) bsum[K / 16 + j] = (int16_t)(bsum[2 * j] + bsum[2 * j + 1]);
+}
+static inline const int16_t *sub_sums(const int16_t *bsum, int64_t K, int64_t b, int fmt) {
+  return bsum + (fmt == FMT_K4 ? K / 16 + b * (QK / 32) : b * (QK / 16));
+}
 static int64_t fmt_group(int64_t fmt) { return fmt > FMT_G4 ? fmt - FMT_G4 : 1; } /* blocks per record */
 static int fmt_bits(int64_t fmt) { return fmt > FMT_G4 ? 4 : (int)fmt; }
 
@@ -335,7 +344,7 @@ static void quantize_row_k(const float *x, int8_t *xq, float *dx, int16_t *bsum,
       bsum[b * (QK / 16) + i / 16] = (int16_t)_mm512_reduce_add_epi32(q);
     }
   }
-  for (int64_t j = 0; j < K / 32; ++j) bsum[K / 16 + j] = (int16_t)(bsum[2 * j] + bsum[2 * j + 1]);
+  sums_of_32(bsum, K);
 }
 
 /* The 2 operands of group g of a K6 sub-block (384 bytes at qs): the 6-bit q of outputs 0-15 and 16-31. */
@@ -417,7 +426,7 @@ static inline __attribute__((always_inline)) void tile_k(float *y, int64_t ldy, 
     }
     /* sum_j mn_j bsum_j two sub-blocks per vpdpwssd: lane o holds (mn_j, mn_j+1) of output o as int16,
      * the broadcast (bsum_j, bsum_j+1) of the row; exact in int32, so the same sum as one by one. */
-    const int16_t *xp = bsum + (fmt == FMT_K4 ? K / 16 + b * (QK / 32) : b * (QK / 16));
+    const int16_t *xp = sub_sums(bsum, K, b, fmt);
     for (int64_t j = 0; j < S; j += 2) {
       const __m128i a0 = _mm_loadu_si128((const __m128i *)(mn + j * NR));
       const __m128i c0 = _mm_loadu_si128((const __m128i *)(mn + (j + 1) * NR));
@@ -918,7 +927,7 @@ static void quantize_row_k(const float *x, int8_t *xq, float *dx, int16_t *bsum,
       bsum[b * (QK / 16) + i / 16] = (int16_t)sum;
     }
   }
-  for (int64_t j = 0; j < K / 32; ++j) bsum[K / 16 + j] = (int16_t)(bsum[2 * j] + bsum[2 * j + 1]);
+  sums_of_32(bsum, K);
 }
 
 /* acc[r] += a 4-bit block's 32 k (a half's 4 vectors at qs, this quarter's bytes) against rows [0, R)
@@ -993,7 +1002,7 @@ static inline __attribute__((always_inline)) void tile_kv(float *y, int64_t ldy,
     }
     for (int r = 0; r < R; ++r) {
       fma_lanes(acc[r], sum[r], d, dx[r * B + b], 1.f);
-      const int16_t *bs = bsum + r * BSUMS(K) + (fmt == FMT_K4 ? K / 16 + b * (QK / 32) : b * (QK / 16));
+      const int16_t *bs = sub_sums(bsum + r * BSUMS(K), K, b, fmt);
       VI msum = vi_zero(); /* tile_k's mins pass: two sub-blocks at a time */
       for (int64_t j = 0; j < S; j += 2)
         msum = vi_madd_pair(msum, mn + j * NR + q * LANES, mn + (j + 1) * NR + q * LANES, bs[j], bs[j + 1]);
