@@ -19,8 +19,8 @@ _seq_ids = itertools.count(10**9)  # far from the ids a scheduler hands its fork
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_model_len=10_000, enable_caching=True, num_cpu_blocks=0,
-                   watermark=0.0, max_loras=0, **cfg) -> Scheduler:
-    kv = KVCacheManager(num_blocks, block_size, enable_caching, num_cpu_blocks, watermark)
+                   watermark=0.0, max_loras=0, kv_cache_config=None, **cfg) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, enable_caching, num_cpu_blocks, watermark, kv_cache_config)
     return Scheduler(SchedulerConfig(watermark=watermark, **cfg), kv, max_model_len=max_model_len, max_loras=max_loras)
 
 

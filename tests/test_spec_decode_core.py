@@ -86,7 +86,7 @@ def spec_step(sched, rng: random.Random, quality: float):
             table = kv.block_tables.get(seq.seq_id, [])
             # Blocks that held only rejected drafts went back; hashed blocks hold computed tokens only.
             assert len(table) <= cdiv(seq.num_tokens, kv.block_size), "a block of rejected drafts kept"
-            assert kv._num_cached_blocks.get(seq.seq_id, 0) * kv.block_size <= seq.num_computed_tokens
+            assert kv._num_cached_blocks[0].get(seq.seq_id, 0) * kv.block_size <= seq.num_computed_tokens
             assert not seq.spec_token_ids or seq.num_computed_tokens == seq.num_tokens - 1
     return out, finished
 

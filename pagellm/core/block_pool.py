@@ -121,13 +121,21 @@ class BlockPool:
     request with the same prefix wants).
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, reserve_null: bool = False) -> None:
+        """``reserve_null``: block 0 is the null block, never handed out: what a sliding-window
+        group's table holds where the window has left (no K/V there is ever read)."""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.null_block: KVCacheBlock | None = self.blocks[0] if reserve_null and num_blocks else None
+        self.free_block_queue = FreeKVCacheBlockQueue(b for b in self.blocks if b is not self.null_block)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that can hold K/V: all but the null block."""
+        return self.num_blocks - (self.null_block is not None)
 
     @property
     def num_free_blocks(self) -> int:
@@ -178,7 +186,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only when no block is in use (like vLLM); returns success."""
-        if self.num_free_blocks != self.num_blocks:
+        if self.num_free_blocks != self.num_usable_blocks:
             return False
         for b in self.cached_block_hash_to_block.values():
             b.block_hash = None
@@ -186,7 +194,7 @@ class BlockPool:
         return True
 
     def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks if self.num_usable_blocks else 0.0
 
     def check_invariants(self) -> None:
         """Free list holds exactly the blocks with ref_cnt 0, each once, and its count is right."""
@@ -199,7 +207,12 @@ class BlockPool:
             seen.add(b.block_id)
         if len(seen) != self.free_block_queue.num_free_blocks:
             raise InvariantError("free count out of sync")
+        null = self.null_block
+        if null is not None and (null.ref_cnt or null.block_hash is not None or null.block_id in seen):
+            raise InvariantError(f"the null {null} is held, hashed or free")
         for b in self.blocks:
+            if b is null:
+                continue
             if b.ref_cnt < 0:
                 raise InvariantError(f"{b} has a negative ref_cnt")
             if (b.ref_cnt == 0) != (b.block_id in seen):

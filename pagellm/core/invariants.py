@@ -77,7 +77,7 @@ def check_scheduler_invariants(sched: Scheduler) -> None:
     if not sched.requests:
         if kv.num_free_blocks != kv.num_blocks:
             raise InvariantError("idle but device blocks in use")
-        if kv.cpu_pool.num_free_blocks != kv.cpu_pool.num_blocks:
+        if kv.cpu_pool.num_free_blocks != kv.cpu_pool.num_usable_blocks:
             raise InvariantError("idle but CPU blocks in use")
     if sched.encoder is not None:
         sched.encoder.check_invariants({g.request_id: g for g in sched.running})

@@ -385,7 +385,8 @@ class Scheduler:
             if not self._has_seq_room(group):
                 step.waiting_stop = LeftOut.MAX_NUM_SEQS
                 break
-            if any(kv.num_blocks_for(s.num_tokens) > kv.num_blocks for s in group.live_seqs()):
+            if any(kv.max_blocks_held(s.num_tokens, self.config.max_num_batched_tokens) > kv.num_blocks
+                   for s in group.live_seqs()):
                 self._ignore(group)  # could never be held, however empty the pool
                 continue
             plan = self.planner.plan_admission(group, step.token_budget)

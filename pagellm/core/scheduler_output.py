@@ -46,6 +46,9 @@ class ScheduledSequence:
     # M-RoPE (Qwen2-VL): every image of the request as ``(offset, length, t, h, w)``, from which the
     # runner computes the positions of any token (``models/qwen2_vl.mrope_positions``).
     mrope_layout: list[tuple[int, int, int, int, int]] | None = None
+    # Every KV cache group's block ids where the model has more than one group (group 0's are
+    # ``block_ids``; a sliding-window group's hold the null block where its window has left).
+    group_block_ids: list[list[int]] | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from pagellm.config import SchedulerConfig
 from pagellm.core.encoder_cache_manager import EncoderCacheManager
-from pagellm.core.kv_cache_manager import KVCacheManager, SlotRequest
+from pagellm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, SlotRequest
 from pagellm.core.scheduler_output import CacheOps, ScheduledSequence
 from pagellm.core.step_decisions import LeftOut
 from pagellm.sequence import Sequence, SequenceGroup
@@ -71,7 +71,7 @@ class StepPlanner:
                 break
             # (vLLM's rule: prompt logprobs, and mean or first-token pooling, need every prompt
             # position computed, so no hits; last-token pooling takes them)
-            hits = [] if group.sampling_params.prompt_logprobs is not None or group.pooling in ("MEAN", "CLS") \
+            hits: KVCacheBlocks | list = [] if group.sampling_params.prompt_logprobs is not None or group.pooling in ("MEAN", "CLS") \
                 else kv.get_computed_blocks(seq, group.hash_key)
             computed = len(hits) * kv.block_size
             n = self.encoder_cap(group, computed, self.num_new_tokens(seq.num_tokens, computed, token_budget))
@@ -176,6 +176,7 @@ class StepPlanner:
             token_ids=token_ids,
             num_computed_tokens=start,
             block_ids=self.kv.get_block_ids(seq.seq_id),
+            group_block_ids=self.kv.get_group_block_ids(seq.seq_id) if self.kv.num_groups > 1 else None,
             do_sample=do_sample,
             sampling_params=group.sampling_params,
             output_token_ids=seq.output_token_ids,

@@ -37,6 +37,8 @@ class SequenceDelta:
     prompt_token_ids: list[int] | None = None
     sampling_params: SamplingParams | None = None
     mrope_layout: list[tuple[int, int, int, int, int]] | None = None
+    # (every group's whole tables, every step: a window's null blocks rewrite a table's head)
+    group_block_ids: list[list[int]] | None = None
 
 
 @dataclass(slots=True)
@@ -63,14 +65,15 @@ class StepEncoder:
                 d = SequenceDelta(s.seq_id, s.token_ids, s.num_computed_tokens, s.do_sample, s.sample_seq_ids,
                                   list(s.block_ids), True, list(s.output_token_ids), s.spec_token_ids,
                                   s.lora_slot, s.mm_spans, s.request_id, list(s.prompt_token_ids), s.sampling_params,
-                                  s.mrope_layout)
+                                  s.mrope_layout, s.group_block_ids)
             else:
                 blocks, n_out = prev
                 n = len(blocks)
                 appended = len(s.block_ids) >= n and s.block_ids[:n] == blocks
                 d = SequenceDelta(s.seq_id, s.token_ids, s.num_computed_tokens, s.do_sample, s.sample_seq_ids,
                                   s.block_ids[n:] if appended else list(s.block_ids), not appended,
-                                  s.output_token_ids[n_out:], s.spec_token_ids, s.lora_slot, s.mm_spans)
+                                  s.output_token_ids[n_out:], s.spec_token_ids, s.lora_slot, s.mm_spans,
+                                  group_block_ids=s.group_block_ids)
             self._sent[s.seq_id] = (list(s.block_ids), len(s.output_token_ids))
             deltas.append(d)
         return SchedulerOutputDelta(deltas, replace(so, scheduled=[]))
@@ -95,13 +98,14 @@ class StepDecoder:
                 assert d.prompt_token_ids is not None and d.sampling_params is not None
                 s = ScheduledSequence(d.request_id, d.seq_id, d.token_ids, d.num_computed_tokens, d.block_ids,
                                       d.do_sample, d.sampling_params, d.new_output_token_ids, d.prompt_token_ids,
-                                      d.sample_seq_ids, d.spec_token_ids, d.lora_slot, d.mm_spans, d.mrope_layout)
+                                      d.sample_seq_ids, d.spec_token_ids, d.lora_slot, d.mm_spans, d.mrope_layout,
+                                      d.group_block_ids)
                 self._seqs[d.seq_id] = s
             else:
                 s = self._seqs[d.seq_id]
                 s.token_ids, s.num_computed_tokens, s.do_sample = d.token_ids, d.num_computed_tokens, d.do_sample
                 s.sample_seq_ids, s.spec_token_ids, s.lora_slot = d.sample_seq_ids, d.spec_token_ids, d.lora_slot
-                s.mm_spans = d.mm_spans
+                s.mm_spans, s.group_block_ids = d.mm_spans, d.group_block_ids
                 if d.replace_blocks:
                     s.block_ids = d.block_ids
                 else:

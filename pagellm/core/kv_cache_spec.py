@@ -1,0 +1,145 @@
+"""What each layer keeps per request, and how layers are grouped over one block pool (vLLM V1's
+hybrid KV cache manager, in our vocabulary).
+
+A layer's ``KVCacheSpec`` says what it can ever read: a full-attention layer every token before
+the query, a sliding-window layer only the last ``sliding_window`` positions. Layers with equal
+specs are cut into groups of equal size, so that one block id means the same number of bytes in
+every group (a page: ``layers_per_page`` layers x ``block_size`` tokens); each group then keeps
+its own block table per request over the one shared ``BlockPool``::
+
+    Gemma 3, 18 layers: 15 sliding (window 512) + 3 full  ->  groups of 3 layers, a page = 3 layers
+        group 0  full     layers  5 11 17        table: [b3][b8][b1][b9] ... every block
+        group 1  sliding  layers  0  1  2        table: [--][--][b4][b7]     blocks the window left
+        ...                                                               are the null block
+        group 5  sliding  layers 12 13 14
+
+A dense model is one group of every layer, exactly the single block table it always had.
+``MambaSpec`` (a fixed-size state per request) is declared for the state layers to come; no group
+of it is built yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagellm.utils import cdiv
+
+
+@dataclass(frozen=True, slots=True)
+class FullAttentionSpec:
+    """A layer that reads every earlier token: a request holds a block for each ``block_size`` tokens."""
+
+    block_size: int
+
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Leading tokens no later query can read: none."""
+        return 0
+
+    def max_blocks_held(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        """The most blocks one request of ``num_tokens`` holds at once in a group of this spec."""
+        return cdiv(num_tokens, self.block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class SlidingWindowSpec:
+    """A layer whose query at position ``p`` sees keys ``p - sliding_window < k <= p``: blocks wholly
+    before the window of the next query go back to the pool (``remove_skipped_blocks``)."""
+
+    block_size: int
+    sliding_window: int
+
+    def __post_init__(self) -> None:
+        if self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Leading tokens that the next query (at ``num_computed_tokens``) and every later one cannot read."""
+        return max(0, num_computed_tokens - self.sliding_window + 1)
+
+    def max_blocks_held(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        """A chunk of up to ``max_chunk_tokens`` queries plus the window behind its first one, and
+        the block the window starts in part way."""
+        return min(cdiv(num_tokens, self.block_size), cdiv(self.sliding_window - 1 + max_chunk_tokens,
+                                                              self.block_size) + 1)
+
+
+@dataclass(frozen=True, slots=True)
+class MambaSpec:
+    """A state layer (Mamba2, gated DeltaNet, a short convolution): fixed-size states per request
+    (``shapes`` and ``dtypes``, one each for the conv and recurrent states), no K/V per token."""
+
+    block_size: int
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+
+
+AttentionSpec = FullAttentionSpec | SlidingWindowSpec
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MambaSpec
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheGroupSpec:
+    """Layers that share one block table per request (their spec and their model layer indices)."""
+
+    spec: KVCacheSpec
+    layer_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheConfig:
+    """The groups over one pool; a page holds ``layers_per_page`` layers' K/V of ``block_size`` tokens."""
+
+    groups: tuple[KVCacheGroupSpec, ...]
+    layers_per_page: int
+
+    @property
+    def specs(self) -> list[KVCacheSpec]:
+        return [g.spec for g in self.groups]
+
+    @property
+    def is_single_full(self) -> bool:
+        """One group of full attention: the plain paged cache (every feature applies)."""
+        return len(self.groups) == 1 and isinstance(self.groups[0].spec, FullAttentionSpec)
+
+    def page_slot(self, layer: int) -> tuple[int, int]:
+        """``(group, position in the page)`` of model layer ``layer``."""
+        for g, group in enumerate(self.groups):
+            if layer in group.layer_ids:
+                return g, group.layer_ids.index(layer)
+        raise ValueError(f"layer {layer} is in no KV cache group")
+
+    def describe(self, bytes_per_layer_token: int) -> str:
+        """One line per group kind for the start-up log: layers, window, bytes a token costs."""
+        parts: list[str] = []
+        for g in self.groups:
+            s = g.spec
+            kind = f"sliding window {s.sliding_window}" if isinstance(s, SlidingWindowSpec) else "full attention"
+            parts.append(f"group {len(parts)}: {kind}, layers {list(g.layer_ids)}")
+        page = self.layers_per_page * bytes_per_layer_token
+        return f"{len(self.groups)} KV cache group(s) of {self.layers_per_page} layer(s), {page} bytes a token " \
+               f"in each group's block; " + "; ".join(parts)
+
+
+def group_layers(layer_windows: list[int | None], block_size: int, hybrid: bool = True) -> KVCacheConfig:
+    """Group layers by spec (``None``: full attention, else the layer's sliding window).
+
+    Every kind's layers are cut into groups of the smallest kind's layer count, in layer order;
+    full-attention groups come first (group 0 is what KV transfer and the invariants call "the"
+    block table). ``hybrid=False`` (``disable_hybrid_kv_cache_manager``): one full-attention group
+    of every layer, as before windows freed anything.
+    """
+    n = len(layer_windows)
+    if n < 1:
+        raise ValueError("a model with KV has at least one layer")
+    if not hybrid or all(w is None for w in layer_windows):
+        return KVCacheConfig((KVCacheGroupSpec(FullAttentionSpec(block_size), tuple(range(n))),), n)
+    kinds: dict[int | None, list[int]] = {}
+    for i, w in enumerate(layer_windows):
+        kinds.setdefault(w, []).append(i)
+    size = min(len(ids) for ids in kinds.values())
+    groups: list[KVCacheGroupSpec] = []
+    for w in sorted(kinds, key=lambda w: (w is not None, w or 0)):
+        spec: KVCacheSpec = FullAttentionSpec(block_size) if w is None else SlidingWindowSpec(block_size, w)
+        ids = kinds[w]
+        groups.extend(KVCacheGroupSpec(spec, tuple(ids[i:i + size])) for i in range(0, len(ids), size))
+    return KVCacheConfig(tuple(groups), size)
