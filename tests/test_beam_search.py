@@ -40,7 +40,7 @@ def engine_beams(llm: LLM, prompts: list[list[int]], k: int, new_tokens: int, le
                               length_penalty=length_penalty, early_stopping=early_stopping)
     outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     kv = llm.llm_engine.kv_cache_manager
-    assert kv.num_free_blocks == kv.num_blocks and kv.cpu_pool.num_free_blocks == kv.cpu_pool.num_blocks
+    assert kv.num_free_blocks == kv.num_blocks and kv.cpu_pool.num_free_blocks == kv.cpu_pool.num_usable_blocks
     return [[s.output_token_ids for s in o.sequences] for o in outs]
 
 

@@ -5,7 +5,6 @@ are worked out here from the window rule (a query at p reads keys p - window < k
 
 from __future__ import annotations
 
-from conftest_core import TRAFFIC, drive, make_group, make_scheduler
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,6 +12,8 @@ from pagellm.core.kv_cache_manager import AllocStatus, KVCacheManager, _group_ke
 from pagellm.core.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec, group_layers
 from pagellm.sequence import Sequence
 from pagellm.utils import cdiv
+
+from conftest_core import TRAFFIC, drive, make_group, make_scheduler
 
 BS = 4
 

@@ -29,9 +29,14 @@ from test_hf_parity import engine_greedy, random_prompts
 MAX_TOKENS = 24
 
 
-def _tight_blocks(prompts, block_size=16):
-    """Just enough blocks for the largest request alone: forces repeated preemption."""
-    return max(cdiv(len(p) + MAX_TOKENS, block_size) for p in prompts) + 1
+# The tiny checkpoints whose layers mix a sliding window with full attention, and their KV cache
+# groups (one layer each: a block holds one layer's K/V, and a null block is reserved).
+KV_GROUPS = {"gemma2": 2, "gemma3": 2, "gemma2-llamacpp": 2, "gemma3-llamacpp": 6}
+
+
+def _tight_blocks(prompts, block_size=16, groups=1):
+    """Just enough blocks for the largest request alone (in every group): forces repeated preemption."""
+    return groups * max(cdiv(len(p) + MAX_TOKENS, block_size) for p in prompts) + 1 + (groups > 1)
 
 
 CONFIGS = {
@@ -50,21 +55,24 @@ CONFIGS = {
     "tight_swap_priority": ("tight", dict(preemption_mode="swap", scheduling_policy="priority")),
     # Multi-step decoding: up to 4 passes per schedule once every prompt is in.
     "multi_step": dict(num_scheduler_steps=4),
+    # One block table for all layers: windowed layers keep every token (the layout before groups).
+    "no_hybrid_kv": dict(disable_hybrid_kv_cache_manager=True),
 }
 
 
-def _kwargs(name, prompts):
+def _kwargs(name, prompts, arch=""):
     cfg = CONFIGS[name]
+    groups = KV_GROUPS.get(arch, 1)
     if isinstance(cfg, tuple):
-        return {**_tight(cfg[0], prompts), **cfg[1]}
-    return _tight(cfg, prompts) if isinstance(cfg, str) else dict(cfg)
+        return {**_tight(cfg[0], prompts, groups), **cfg[1]}
+    return _tight(cfg, prompts, groups) if isinstance(cfg, str) else dict(cfg)
 
 
-def _tight(cfg, prompts):
+def _tight(cfg, prompts, groups=1):
     if cfg == "tight":
-        return dict(num_gpu_blocks_override=_tight_blocks(prompts))
+        return dict(num_gpu_blocks_override=_tight_blocks(prompts, groups=groups))
     if cfg == "tight+chunks":
-        return dict(num_gpu_blocks_override=_tight_blocks(prompts), max_num_batched_tokens=13,
+        return dict(num_gpu_blocks_override=_tight_blocks(prompts, groups=groups), max_num_batched_tokens=13,
                     long_prefill_token_threshold=0)
     raise AssertionError(cfg)
 
@@ -83,7 +91,7 @@ def baseline(ckpt_root):
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_tiny_model_outputs_do_not_depend_on_scheduling(baseline, arch, config):
     path, prompts, ref = baseline[arch]
-    got, engine = engine_greedy(path, prompts, MAX_TOKENS, **_kwargs(config, prompts))
+    got, engine = engine_greedy(path, prompts, MAX_TOKENS, **_kwargs(config, prompts, arch))
     assert got == ref
     if config.startswith("tight"):
         assert engine.scheduler.num_preemptions > 0, "the tight cache must force preemption"
@@ -91,7 +99,7 @@ def test_tiny_model_outputs_do_not_depend_on_scheduling(baseline, arch, config):
         assert engine.scheduler.num_swap_outs > 0 and engine.scheduler.num_swap_ins > 0, "no swapping happened"
     _assert_multi_step_ran(config, engine)
     kv = engine.kv_cache_manager
-    assert kv.num_free_blocks == kv.num_blocks and kv.cpu_pool.num_free_blocks == kv.cpu_pool.num_blocks
+    assert kv.num_free_blocks == kv.num_blocks and kv.cpu_pool.num_free_blocks == kv.cpu_pool.num_usable_blocks
 
 
 def _assert_multi_step_ran(config: str, engine) -> None:
@@ -305,7 +313,7 @@ def test_default_numerics_do_not_depend_on_scheduling_at_every_head_size(ckpt_ro
     assert repeated == [(toks[17:], lps[17:]) for toks, lps in cold], "prefilling decoded tokens changed them"
 
     for name in ("chunk_every_prompt", "tight_cache_and_chunks", "tight_swap"):
-        e = engine(**_kwargs(name, prompts))
+        e = engine(**_kwargs(name, prompts, arch))
         assert _greedy_with_logprobs(e, prompts) == cold, name
         if name.startswith("tight"):
             assert e.scheduler.num_preemptions > 0, f"{name}: no preemption"

@@ -209,7 +209,7 @@ def test_random_drafts_keep_invariants_and_outputs(ops, num_blocks, block_size, 
         spec_step(sched, rng, quality)
     assert not sched.has_unfinished_requests()
     kv = sched.kv_cache_manager
-    assert kv.num_free_blocks == kv.num_blocks and kv.cpu_pool.num_free_blocks == kv.cpu_pool.num_blocks
+    assert kv.num_free_blocks == kv.num_blocks and kv.cpu_pool.num_free_blocks == kv.cpu_pool.num_usable_blocks
     for group in groups:
         seq = group.seqs[0]
         if group.request_id in aborted or seq.status == SequenceStatus.FINISHED_IGNORED:

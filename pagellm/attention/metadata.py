@@ -79,3 +79,10 @@ class AttentionMetadata:
     block_size: int
     # Flat position -> index into the caller's decode list (decodes are reordered for grouping).
     decode_order: list[int]
+    # Where the KV cache has several layer groups (core/kv_cache_spec.py): each layer's own
+    # metadata (its group's block tables and slots; the same rows), index = layer in the stage.
+    by_layer: list[AttentionMetadata] | None = None
+
+    def for_layer(self, i: int) -> AttentionMetadata:
+        """Layer ``i``'s metadata (this one, where every layer shares one block table)."""
+        return self if self.by_layer is None else self.by_layer[i]

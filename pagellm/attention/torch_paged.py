@@ -50,16 +50,19 @@ def _padded_block_table(lens: list[int], tables: list[list[int]], block_size: in
 MIN_SHARED_TOKENS = 64
 
 
-def _plan_decodes(lens: list[int], tables: list[list[int]], block_size: int) -> list[tuple[list[int], int]]:
+def _plan_decodes(lens: list[int], tables: list[list[int]], block_size: int,
+                  share_prefixes: bool = True) -> list[tuple[list[int], int]]:
     """Group decodes: ``[(member indices, shared prefix blocks)]``; 0 shared means a plain group.
 
     Sequences whose first block is the same physical block share a prefix; their common run of
     block ids (leaving each at least one position of its own) is attended once. The rest are
     sorted by length and split into a few groups of similar length (less padding).
+    ``share_prefixes=False``: plain groups only, so the order depends on the lengths alone (every
+    KV cache group of a step then lays its decodes out alike).
     """
     by_first: dict[int, list[int]] = {}
     for i, t in enumerate(tables):
-        by_first.setdefault(t[0], []).append(i)
+        by_first.setdefault(t[0] if share_prefixes else i, []).append(i)
     plans: list[tuple[list[int], int]] = []
     plain: list[int] = []
     for members in by_first.values():
@@ -203,6 +206,9 @@ class TorchPagedAttention:
     """
 
     name = "torch"
+    # Cascade groups for decodes sharing prefix blocks; off where several KV cache groups must
+    # lay a step's decodes out in one order (the worker says so).
+    share_prefixes = True
 
     def __init__(self) -> None:
         self.impls: dict[AttentionKind, GroupImpl] = {
@@ -250,7 +256,8 @@ class TorchPagedAttention:
         """Decodes in length-sorted ``PAGED`` groups, or ``CASCADE_DECODE`` where they share a prefix."""
         groups: list[AttentionGroup] = []
         order: list[int] = []
-        for members, shared in _plan_decodes(decode_lens, decode_block_tables, block_size) if decode_lens else []:
+        plans = _plan_decodes(decode_lens, decode_block_tables, block_size, self.share_prefixes) if decode_lens else []
+        for members, shared in plans:
             lo = len(order)
             order.extend(members)
             lens = [decode_lens[i] - shared * block_size for i in members]

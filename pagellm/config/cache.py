@@ -34,6 +34,9 @@ class CacheConfig:
     # On a CUDA device without kv_cache_memory (vLLM's): the share of the device's memory the
     # weights, a step's activations and the KV cache may take; the KV cache gets the rest.
     gpu_memory_utilization: float = 0.9
+    # vLLM's flag: one block table for every layer, even where a sliding window cannot read
+    # (the KV cache layout before layer groups; for comparisons and as a way out).
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -78,6 +78,8 @@ _HELP = {
     "kv_cache_dtype": "K/V cache element type: auto (the model's dtype; float16 with bfloat16 or int8 GEMMs on a "
                       "CPU), float32, float16, bfloat16 or int8 (one scale per token and KV head); 16 bits halve "
                       "attention's memory traffic, int8 takes 0.53x of that",
+    "disable_hybrid_kv_cache_manager": "one block table for every layer: sliding-window layers keep every token's "
+                                       "K/V instead of giving back what their window left (default: off)",
     "swap_space": "CPU swap pool for preempted requests, GiB (default: the KV cache's size, at most 4; "
                   "0 = recompute only)",
     "num_cpu_blocks_override": "exact number of CPU swap blocks",
@@ -128,6 +130,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    disable_hybrid_kv_cache_manager: bool = False
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
@@ -201,7 +204,8 @@ class EngineArgs:
                               enable_prefix_caching=self.enable_prefix_caching,
                               swap_space=None if self.swap_space is None else float(self.swap_space),
                               num_cpu_blocks_override=self.num_cpu_blocks_override,
-                              kv_cache_dtype=self.kv_cache_dtype),
+                              kv_cache_dtype=self.kv_cache_dtype,
+                              disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager),
             scheduler=SchedulerConfig(**sched_kwargs),
             parallel=self._parallel(),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads, enforce_eager=self.enforce_eager,

@@ -71,8 +71,8 @@ class StepPlanner:
                 break
             # (vLLM's rule: prompt logprobs, and mean or first-token pooling, need every prompt
             # position computed, so no hits; last-token pooling takes them)
-            hits: KVCacheBlocks | list = [] if group.sampling_params.prompt_logprobs is not None or group.pooling in ("MEAN", "CLS") \
-                else kv.get_computed_blocks(seq, group.hash_key)
+            no_hits = group.sampling_params.prompt_logprobs is not None or group.pooling in ("MEAN", "CLS")
+            hits: KVCacheBlocks | list = [] if no_hits else kv.get_computed_blocks(seq, group.hash_key)
             computed = len(hits) * kv.block_size
             n = self.encoder_cap(group, computed, self.num_new_tokens(seq.num_tokens, computed, token_budget))
             plan.append(SlotRequest(seq, computed, n, hits))

@@ -101,15 +101,15 @@ class LLMEngine:
         info = self.model_info
         if info.is_encoder:
             self.config = config = _encoder_config(config, info.architecture)
-        self.max_model_len = resolve_max_model_len(config, info.max_position_embeddings,
-                                                   self.num_blocks * self.block_size)
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching,
+                                               self.num_cpu_blocks, config.scheduler.watermark, info.kv_cache_config)
+        capacity = self.kv_cache_manager.token_capacity(config.scheduler.max_num_batched_tokens)
+        self.max_model_len = resolve_max_model_len(config, info.max_position_embeddings, capacity)
         mm_processor, encoder = self._multimodal(config) if info.is_multimodal else (None, None)
         self.input_processor = InputProcessor(config, self.tokenizer, info.vocab_size, self.max_model_len,
-                                              self.num_blocks * self.block_size, mm_processor,
+                                              capacity, mm_processor,
                                               min(encoder.budget, encoder.cache_size) if encoder else 0,
                                               info.end_of_generation_ids)
-        self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching,
-                                               self.num_cpu_blocks, config.scheduler.watermark)
         lora = config.lora
         self.kv_receiver: KVReceiver | None = None
         kv_transfer = self._kv_transfer(config)
@@ -151,6 +151,10 @@ class LLMEngine:
         logger.info("pagellm engine: %s on %s (%s), %d KV blocks x %d tokens (+%d CPU swap blocks), "
                     "max_model_len %d", self.model_info.architecture, self.model_info.device, self.model_info.dtype,
                     self.num_blocks, self.block_size, self.num_cpu_blocks, self.max_model_len)
+        kv_config = self.model_info.kv_cache_config
+        if kv_config is not None and not kv_config.is_single_full:
+            logger.info("KV cache: %s", kv_config.describe(self.model_info.block_bytes // self.block_size
+                                                           // kv_config.layers_per_page))
 
     def _kv_transfer(self, config: EngineConfig) -> KVTransferAdmission | None:
         """The scheduler's side of KV transfer (and a TcpConnector consumer's receiver), if configured."""

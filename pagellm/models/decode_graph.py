@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 
 
 def decode_group(meta: AttentionMetadata) -> AttentionGroup | None:
-    """The step's one ``DECODE_KERNEL`` group if every row is a decode in it, else ``None``."""
-    if len(meta.groups) != 1:
+    """The step's one ``DECODE_KERNEL`` group if every row is a decode in it, else ``None`` (also
+    where layers read different block tables: the graph takes one)."""
+    if len(meta.groups) != 1 or meta.by_layer is not None:
         return None
     grp = meta.groups[0]
     if grp.kind != AttentionKind.DECODE_KERNEL or grp.token_start != 0 or grp.token_end != meta.num_tokens \

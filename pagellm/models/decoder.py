@@ -351,8 +351,9 @@ class DecoderModel(nn.Module):
             cos, sin = (torch.stack([ropes[k][i].view(t, -1) for k in decode_graph.rope_keys]) for i in (0, 1))
             x, residual = decode_graph.run(x, cos, sin, meta.slot_mapping, group.kv_blocks, group.seq_lens)
         else:
-            for layer, kv_cache in zip(self.layers[self.start:self.end], kv_caches, strict=True):
-                x, residual = layer(ropes[layer.self_attn.rope_key], x, residual, kv_cache, meta)  # type: ignore[union-attr,index]
+            for i, (layer, kv_cache) in enumerate(zip(self.layers[self.start:self.end], kv_caches, strict=True)):
+                x, residual = layer(ropes[layer.self_attn.rope_key], x, residual, kv_cache,  # type: ignore[union-attr,index]
+                                    meta.for_layer(i))
         assert residual is not None  # (every layer returns it)
         if not pp.is_last:
             pp.send([x, residual])

@@ -112,6 +112,8 @@ class ModelRunner:
         self.encoder_cache: dict[str, torch.Tensor] = {}
         # The running sequences' block tables and sampling rows, kept across steps.
         self.input_batch = InputBatch()
+        # Where the KV cache has several layer groups: each layer's group (the Worker sets it).
+        self.kv_layer_groups: list[int] | None = None
 
     def _generator(self, seq_id: int, seed: int | None, index: int = 0) -> torch.Generator | None:
         """The RNG of sequence ``seq_id``, created on its first sample. Sample ``index`` of a request
@@ -176,6 +178,7 @@ class ModelRunner:
         exactly as a plain decode step would compute it: speculation cannot change greedy outputs."""
         if self._plain_decodes(so.scheduled):
             return self._prepare_decodes(so.scheduled)
+        grouped = self.kv_layer_groups is not None
         bs = self.block_size
         decodes = [(s, i) for s in so.scheduled if s.is_decode or s.spec_token_ids
                    for i in range(s.num_scheduled_tokens)]
@@ -188,7 +191,7 @@ class ModelRunner:
         # Plain decodes read their block tables in place from the persistent batch, where the backend can.
         table = self.input_batch.decode_table([s for s, _ in decodes]) \
             if decodes and self.attn_backend.takes_decode_table and len(decodes) == len(so.scheduled) - len(chunks) \
-            else None
+            and not grouped else None
         meta = self.attn_backend.build_metadata(decode_lens, decode_tables, chunk_specs, bs, self.device,
                                                 decode_table=table)
         input_ids: list[int] = []
@@ -201,10 +204,13 @@ class ModelRunner:
         pool_spans: list[tuple[int, int, int, int, int]] = []
         # M-RoPE positions (Qwen2-VL), where a request in the step has images: three rows.
         mrope: list[list[int]] | None = [[], [], []] if any(s.mrope_layout for s in so.scheduled) else None
+        rows: list[tuple[ScheduledSequence, int]] = []  # (sequence, position) of each flat row, with groups
         for s, i in [decodes[j] for j in meta.decode_order]:
             p = s.num_computed_tokens + i
             self._row_features(s, p, 1, len(input_ids), mm_segments, mrope, prompt_lp, pool_spans)
             slots.append(s.block_ids[p // bs] * bs + p % bs)
+            if grouped:
+                rows.append((s, p))
             input_ids.append(s.token_ids[i])
             positions.append(p)
             if s.spec_token_ids:
@@ -217,6 +223,8 @@ class ModelRunner:
                                pool_spans)
             for p in range(start, start + s.num_scheduled_tokens):
                 slots.append(s.block_ids[p // bs] * bs + p % bs)
+                if grouped:
+                    rows.append((s, p))
             input_ids.extend(s.token_ids)
             positions.extend(range(start, start + s.num_scheduled_tokens))
             last_row[s.seq_id] = len(input_ids) - 1
@@ -226,6 +234,8 @@ class ModelRunner:
             self.lora.set_step([decodes[j][0].lora_slot for j in meta.decode_order]
                                + [s.lora_slot for s in chunks for _ in range(s.num_scheduled_tokens)])
         meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
+        if grouped:
+            meta.by_layer = self._layer_metadata(meta, decodes, chunks, rows)
         if mrope is not None:  # (three equal rows, as in a decode-only step: plain RoPE, decode graphs apply)
             positions = mrope if mrope[0] != mrope[1] or mrope[0] != mrope[2] else mrope[0]  # type: ignore[assignment]
         batch = FlatBatch(torch.tensor(input_ids, dtype=torch.long, device=self.device),
@@ -236,10 +246,33 @@ class ModelRunner:
             self._plan_sampling(batch)
         return batch
 
+    def _layer_metadata(self, meta: AttentionMetadata, decodes: list[tuple[ScheduledSequence, int]],
+                        chunks: list[ScheduledSequence], rows: list[tuple[ScheduledSequence, int]],
+                        ) -> list[AttentionMetadata]:
+        """Each layer's metadata where KV cache groups differ: group 0's is ``meta``; every other
+        group's is built the same way from its own block tables, over the same flat rows."""
+        assert self.kv_layer_groups is not None
+        bs, metas = self.block_size, [meta]
+        for g in range(1, max(self.kv_layer_groups) + 1):
+            def table(s: ScheduledSequence, g: int = g) -> list[int]:
+                assert s.group_block_ids is not None, "a step over KV cache groups without their block tables"
+                return s.group_block_ids[g]
+            m = self.attn_backend.build_metadata(
+                [s.num_computed_tokens + i + 1 for s, i in decodes], [table(s) for s, _ in decodes],
+                [(s.num_computed_tokens, s.num_scheduled_tokens, table(s)) for s in chunks], bs, self.device)
+            if m.decode_order != meta.decode_order:
+                raise RuntimeError("KV cache groups laid a step's decodes out in different orders")
+            m.slot_mapping = torch.tensor([table(s)[p // bs] * bs + p % bs for s, p in rows], dtype=torch.long,
+                                          device=self.device)
+            metas.append(m)
+        return [metas[g] for g in self.kv_layer_groups]
+
     def _plain_decodes(self, seqs: list[ScheduledSequence]) -> bool:
         """Whether every row of the step is a plain decode (one token, none of ``_row_features``) whose
-        block table the backend reads from the persistent batch: the steady state of generation."""
-        if self.lora is not None or self.pooler is not None or not self.attn_backend.takes_decode_table:
+        block table the backend reads from the persistent batch: the steady state of generation.
+        Not with KV cache groups (the persistent batch keeps one table per sequence)."""
+        if self.lora is not None or self.pooler is not None or not self.attn_backend.takes_decode_table \
+                or self.kv_layer_groups is not None:
             return False
         return all(s.is_decode and not (s.spec_token_ids or s.mm_spans or s.mrope_layout)
                    and s.sampling_params.prompt_logprobs is None for s in seqs)

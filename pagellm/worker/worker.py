@@ -14,6 +14,7 @@ import torch
 
 from pagellm.attention import select_attention_backend
 from pagellm.config import CUDA_ONE_GPU, EngineConfig, default_num_threads, resolve_model_source
+from pagellm.core.kv_cache_spec import KVCacheConfig, MambaSpec, group_layers
 from pagellm.core.scheduler_output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed import init_parallel
 from pagellm.kernels.machine import Numerics
@@ -25,7 +26,6 @@ from pagellm.lora.layers import ModelLoRA, module_shapes
 from pagellm.lora_request import AdapterSpec
 from pagellm.models.decoder import DecoderForCausalLM, model_sliding_window
 from pagellm.pooling_params import PoolingInfo
-from pagellm.utils import cdiv
 from pagellm.weights.loader import end_of_generation_ids
 from pagellm.worker.cache_engine import (
     CacheEngine,
@@ -68,6 +68,8 @@ class ModelInfo:
     pooling: PoolingInfo | None = None  # runner="pooling": how prompts become vectors
     is_encoder: bool = False  # bidirectional: prompts run whole, no prefix caching
     end_of_generation_ids: tuple[int, ...] = ()  # the checkpoint's own (weights/loader.py), EOS aside
+    # The KV cache's layer groups (core/kv_cache_spec.py): the engine's KVCacheManager takes them.
+    kv_cache_config: KVCacheConfig | None = None
 
 
 class Worker:
@@ -140,7 +142,8 @@ class Worker:
         arch = hf_config.architectures[0]
         text_config = hf_config.get_text_config()  # (a vision-language model's decoder)
         self.model = model
-        self.spec = self._kv_spec(model, self.numerics)
+        self.kv_config = self._kv_cache_config(model)
+        self.spec = self._kv_spec(model, self.numerics, self.kv_config.layers_per_page)
         self.kv_fp = self._kv_fingerprint(loaded.path, arch)
         self.draft_model: DecoderForCausalLM | None = None
         self.draft_spec: KVCacheSpec | None = None
@@ -176,6 +179,7 @@ class Worker:
             is_encoder=getattr(model, "is_encoder", False),
             pooling=self.pooling,
             end_of_generation_ids=eog_ids,
+            kv_cache_config=self.kv_config,
         )
 
     def _kv_fingerprint(self, path: str, arch: str) -> bytes:
@@ -209,10 +213,27 @@ class Worker:
         """Bytes of one block: the target's K/V, and the draft model's when there is one."""
         return self.spec.block_bytes + (self.draft_spec.block_bytes if self.draft_spec is not None else 0)
 
-    def _kv_spec(self, model: DecoderForCausalLM, numerics: Numerics) -> KVCacheSpec:
+    def _kv_cache_config(self, model: DecoderForCausalLM) -> KVCacheConfig:
+        """The layers' groups by what each can read (its sliding window, or everything). One group
+        of every layer where a feature keeps one block table per sequence: pipeline stages, a draft
+        model's cache, KV transfer (or ``disable_hybrid_kv_cache_manager``)."""
+        inner = model.model
+        windows = [getattr(la.self_attn, "sliding_window", None) for la in inner.layers[inner.start:inner.end]]
+        cfg = self.config
+        off = [why for why, on in (("disable_hybrid_kv_cache_manager", cfg.cache.disable_hybrid_kv_cache_manager),
+                                   ("pipeline parallelism", self.pp.num_stages > 1),
+                                   ("a draft model", cfg.speculative is not None and cfg.speculative.model is not None),
+                                   ("KV transfer", cfg.kv_transfer is not None)) if on]
+        if off and any(w is not None for w in windows):
+            logger.info("sliding-window layers keep every token's K/V (one block table for all layers): %s",
+                        ", ".join(off))
+        return group_layers(windows, self.config.cache.block_size, hybrid=not off)
+
+    def _kv_spec(self, model: DecoderForCausalLM, numerics: Numerics, num_layers: int | None = None) -> KVCacheSpec:
+        """A block's shape; ``num_layers``: the layers a page holds (all of this stage's by default)."""
         inner = model.model
         attn = inner.first_layer.self_attn
-        return KVCacheSpec(num_layers=inner.end - inner.start, num_kv_heads=attn.num_kv_heads,
+        return KVCacheSpec(num_layers=num_layers or inner.end - inner.start, num_kv_heads=attn.num_kv_heads,
                            head_dim=attn.head_dim, block_size=self.config.cache.block_size,
                            dtype=self._kv_cache_dtype(numerics))
 
@@ -253,9 +274,12 @@ class Worker:
                     f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block "
                     f"(one block of {cache.block_size} tokens needs {self.block_bytes} bytes)"
                 )
-            if cache.size_to_model:  # (and one block to spare)
+            if cache.size_to_model:  # (and one block to spare, the null block where windows free blocks)
                 max_len = self.config.model.max_model_len or self.max_positions
-                n = min(n, self.config.scheduler.max_num_seqs * cdiv(max_len, cache.block_size) + 1)
+                sched = self.config.scheduler
+                per_seq = sum(s.max_blocks_held(max_len, sched.max_num_batched_tokens)
+                              for s in self.kv_config.specs if not isinstance(s, MambaSpec))
+                n = min(n, sched.max_num_seqs * per_seq + 1 + (not self.kv_config.is_single_full))
         if cache.num_cpu_blocks_override is not None:
             n_cpu = cache.num_cpu_blocks_override
         elif cache.swap_space is None:
@@ -294,6 +318,12 @@ class Worker:
         self.model_runner = ModelRunner(self.model, self.spec.block_size, self.device, self.attn_backend,
                                         self.tp.is_driver and self.pp.is_last)
         self.model_runner.lora = self.model_lora
+        # Each model layer's K/V tensors: its slot of the page its group's blocks index.
+        slots = [self.kv_config.page_slot(i) for i in range(sum(len(g.layer_ids) for g in self.kv_config.groups))]
+        self.layer_caches = [self.cache_engine.kv_caches[j] for _, j in slots]
+        if len(self.kv_config.groups) > 1:
+            self.model_runner.kv_layer_groups = [g for g, _ in slots]
+            self.attn_backend.share_prefixes = False
         if self.pooling is not None:
             # (a classification head's: models/bert.py)
             head = getattr(self.model, "classify") if self.pooling.num_labels is not None else None  # noqa: B009
@@ -317,6 +347,9 @@ class Worker:
         whose forward never reads a tensor on the host (a mixture of experts counts its rows) and
         without LoRA (its rows' adapters are set per step on the host)."""
         if self.device.type != "cuda" or self.config.device.enforce_eager:
+            return False
+        if len(self.kv_config.groups) > 1:
+            logger.info("CUDA graphs off: layers read the block tables of several KV cache groups")
             return False
         if any(isinstance(m, SparseMoeBlock) for m in self.model.modules()) or self.model_lora is not None:
             logger.info("CUDA graphs off: %s", "a mixture-of-experts model" if self.model_lora is None else "LoRA")
@@ -352,7 +385,7 @@ class Worker:
             transfer = KVConnectorOutput()
             connector.start_load_kv(meta, transfer)  # (blocks of waiting requests: no step reads them)
         t0 = time.perf_counter()
-        out = self.model_runner.execute_model(scheduler_output, self.cache_engine.kv_caches)
+        out = self.model_runner.execute_model(scheduler_output, self.layer_caches)
         self.step_seconds += time.perf_counter() - t0
         self.num_steps += 1
         num_tokens = sum(s.num_scheduled_tokens for s in scheduler_output.scheduled)
