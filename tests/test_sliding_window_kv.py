@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import random
 
-from conftest import build_tiny_checkpoint
-
 from pagellm import EngineArgs, LLMEngine, SamplingParams
+
+from conftest import build_tiny_checkpoint
 
 WINDOW = 512  # Gemma 3 270M's own
 CONTEXT = 32 * 1024
