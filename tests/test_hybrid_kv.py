@@ -157,6 +157,11 @@ def test_blocks_held_and_capacity():
     # One full group holds every block; five sliding groups hold the window plus a chunk.
     assert mgr.max_blocks_held(32768, 2048) == 2048 + 5 * (cdiv(511 + 2048, 16) + 1)
     assert mgr.token_capacity(2048) == (999 - 5 * (cdiv(511 + 2048, 16) + 1)) * 16
+    # Short sequences hold fewer sliding blocks than a whole window and chunk: all of them fit.
+    small = KVCacheManager(13, 16, kv_cache_config=group_layers([64], 16))  # every layer windowed
+    assert small.token_capacity(2048) == 12 * 16
+    dense = KVCacheManager(10, 16)
+    assert dense.token_capacity(2048) == 160
 
 
 @settings(max_examples=120, deadline=None)

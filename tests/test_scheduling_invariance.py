@@ -32,11 +32,16 @@ MAX_TOKENS = 24
 # The tiny checkpoints whose layers mix a sliding window with full attention, and their KV cache
 # groups (one layer each: a block holds one layer's K/V, and a null block is reserved).
 KV_GROUPS = {"gemma2": 2, "gemma3": 2, "gemma2-llamacpp": 2, "gemma3-llamacpp": 6}
+# Windowed layers: past its window a request's windowed groups stop growing (a block back for
+# each one taken), so a pool that fits the largest request alone need not preempt (measured: none
+# of these runs did); what they must show is the windows giving back. Preemption and swap over
+# mixed groups are forced in tests/test_hybrid_kv.py.
+WINDOWED = {"mistral", "phi3", *KV_GROUPS}
 
 
 def _tight_blocks(prompts, block_size=16, groups=1):
     """Just enough blocks for the largest request alone (in every group): forces repeated preemption."""
-    return groups * max(cdiv(len(p) + MAX_TOKENS, block_size) for p in prompts) + 1 + (groups > 1)
+    return groups * max(cdiv(len(p) + MAX_TOKENS, block_size) for p in prompts) + 1
 
 
 CONFIGS = {
@@ -93,12 +98,14 @@ def test_tiny_model_outputs_do_not_depend_on_scheduling(baseline, arch, config):
     path, prompts, ref = baseline[arch]
     got, engine = engine_greedy(path, prompts, MAX_TOKENS, **_kwargs(config, prompts, arch))
     assert got == ref
-    if config.startswith("tight"):
+    kv = engine.kv_cache_manager
+    if arch in WINDOWED:
+        assert (kv.num_window_freed_blocks > 0) == (config != "no_hybrid_kv"), "windows gave nothing back"
+    elif config.startswith("tight"):
         assert engine.scheduler.num_preemptions > 0, "the tight cache must force preemption"
-    if "swap" in config:
+    if "swap" in config and arch not in WINDOWED:
         assert engine.scheduler.num_swap_outs > 0 and engine.scheduler.num_swap_ins > 0, "no swapping happened"
     _assert_multi_step_ran(config, engine)
-    kv = engine.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks and kv.cpu_pool.num_free_blocks == kv.cpu_pool.num_usable_blocks
 
 
@@ -315,6 +322,9 @@ def test_default_numerics_do_not_depend_on_scheduling_at_every_head_size(ckpt_ro
     for name in ("chunk_every_prompt", "tight_cache_and_chunks", "tight_swap"):
         e = engine(**_kwargs(name, prompts, arch))
         assert _greedy_with_logprobs(e, prompts) == cold, name
+        if arch in WINDOWED:
+            assert e.kv_cache_manager.num_window_freed_blocks > 0, f"{name}: windows gave nothing back"
+            continue
         if name.startswith("tight"):
             assert e.scheduler.num_preemptions > 0, f"{name}: no preemption"
         if "swap" in name:

@@ -113,6 +113,7 @@ class KVCacheManager:
         # Per group and sequence: how many leading blocks are already recorded in the prefix cache.
         self._num_cached_blocks: list[dict[int, int]] = [{} for _ in self.specs]
         self._copies: list[tuple[int, int]] = []
+        self.num_window_freed_blocks = 0  # blocks sliding windows gave back (remove_skipped_blocks)
 
     @property
     def num_groups(self) -> int:
@@ -138,12 +139,17 @@ class KVCacheManager:
         return sum(s.max_blocks_held(num_tokens, max_chunk_tokens) for s in self.specs)
 
     def token_capacity(self, max_chunk_tokens: int) -> int:
-        """The longest sequence the pool can ever hold (a bound on ``max_model_len``)."""
-        full = sum(isinstance(s, FullAttentionSpec) for s in self.specs)
-        fixed = self.max_blocks_held(1 << 40, max_chunk_tokens) - full * self.num_blocks_for(1 << 40)
-        if full == 0:
-            return 1 << 40 if fixed <= self.num_blocks else 0
-        return max(0, (self.num_blocks - fixed) // full) * self.block_size
+        """The longest sequence the pool can ever hold (a bound on ``max_model_len``): the largest
+        ``n`` with ``max_blocks_held(n) <= num_blocks`` (it grows with ``n``; without a full-attention
+        group it stops growing, and the bound is 2**40)."""
+        lo, hi = 0, 1 << 40
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.max_blocks_held(mid, max_chunk_tokens) <= self.num_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     # ------------------------------------------------------------------ prefix cache
     def _update_block_hashes(self, seq: Sequence, extra_key: ExtraKey) -> None:
@@ -283,6 +289,7 @@ class KVCacheManager:
                 self.block_pool.free_blocks([table[i]])
                 table[i] = self._null()
                 freed += 1
+        self.num_window_freed_blocks += freed
         return freed
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
