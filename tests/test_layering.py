@@ -23,7 +23,8 @@ LAYER = {
 ALLOWED = {
     0: {0}, 1: {0, 1}, 2: {0, 1, 2},
     2.5: {0, 2.5},  # models see tensors, never sequences or the scheduler
-    3: {0, 2.5, 3, "core.scheduler_output"},
+    # (the scheduler's step, and the KV cache groups' specs: plain data the worker lays its cache out by)
+    3: {0, 2.5, 3, "core.scheduler_output", "core.kv_cache_spec"},
     4: {0, 3, 4, "core.scheduler_output"},
     5: {0, 1, 2, 4, 5},
     6: {0, 1, 2, 4, 5, 6},

@@ -79,10 +79,18 @@ class AttentionMetadata:
     block_size: int
     # Flat position -> index into the caller's decode list (decodes are reordered for grouping).
     decode_order: list[int]
-    # Where the KV cache has several layer groups (core/kv_cache_spec.py): each layer's own
-    # metadata (its group's block tables and slots; the same rows), index = layer in the stage.
-    by_layer: list[AttentionMetadata] | None = None
+    # Where the KV cache has several layer groups (core/kv_cache_spec.py): every group's metadata
+    # (this one is group 0's; the same rows, each group's block tables and slots) and each layer's
+    # group (index = layer in the stage).
+    kv_groups: list[AttentionMetadata] | None = None
+    layer_group: list[int] | None = None
+    # A plain decode step over groups: every group's slots ``[G, T]`` and block tables
+    # ``[G, T, width]`` (the persistent batch's), for the decode graph.
+    group_slots: torch.Tensor | None = None
+    group_tables: torch.Tensor | None = None
 
     def for_layer(self, i: int) -> AttentionMetadata:
         """Layer ``i``'s metadata (this one, where every layer shares one block table)."""
-        return self if self.by_layer is None else self.by_layer[i]
+        if self.kv_groups is None or self.layer_group is None:
+            return self
+        return self.kv_groups[self.layer_group[i]]

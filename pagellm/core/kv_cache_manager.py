@@ -95,7 +95,7 @@ class KVCacheManager:
             self.specs.append(s)
             if s.block_size != block_size:
                 raise ValueError(f"a group's block_size {s.block_size} differs from block_size {block_size}")
-        windowed = any(isinstance(s, SlidingWindowSpec) for s in self.specs)
+        windowed = self.has_windows = any(isinstance(s, SlidingWindowSpec) for s in self.specs)
         # Off: nothing is ever hashed into the pool, so nothing is ever found there either.
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, reserve_null=windowed)

@@ -237,6 +237,10 @@ class Scheduler:
         if self.encoder is not None:
             self.encoder.begin_step()
         self._decisions = StepDecisions(token_budget=step.token_budget) if self.record_decisions else None
+        if self.kv_cache_manager.has_windows:  # what windows left goes back before anyone is weighed
+            for group in self.running:  # (not under a step in flight: it may still read them)
+                for seq in group.live_seqs() if group.request_id not in self.in_flight else ():
+                    self.kv_cache_manager.remove_skipped_blocks(seq)
         if self.priority_policy:
             self.running.sort(key=self.order.key)  # the worst is last: the next victim
             self._preempt_for_priority(step)

@@ -148,12 +148,16 @@ class LLMEngine:
             self._spec = SpecDecodeManager(config.speculative, self.iteration_stats, _under_grammar)
             if self.scheduler.num_lookahead_tokens:  # a draft model: how many drafts it computes
                 self.decorators.append(self._spec)
+        self._log_start()
+
+    def _log_start(self) -> None:
+        info = self.model_info
         logger.info("pagellm engine: %s on %s (%s), %d KV blocks x %d tokens (+%d CPU swap blocks), "
-                    "max_model_len %d", self.model_info.architecture, self.model_info.device, self.model_info.dtype,
+                    "max_model_len %d", info.architecture, info.device, info.dtype,
                     self.num_blocks, self.block_size, self.num_cpu_blocks, self.max_model_len)
-        kv_config = self.model_info.kv_cache_config
+        kv_config = info.kv_cache_config
         if kv_config is not None and not kv_config.is_single_full:
-            logger.info("KV cache: %s", kv_config.describe(self.model_info.block_bytes // self.block_size
+            logger.info("KV cache: %s", kv_config.describe(info.block_bytes // self.block_size
                                                            // kv_config.layers_per_page))
 
     def _kv_transfer(self, config: EngineConfig) -> KVTransferAdmission | None:

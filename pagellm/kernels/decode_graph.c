@@ -74,7 +74,7 @@ enum {
   L_IN_NORM, L_POST_NORM,
   L_QKV, L_O = L_QKV + NUM_W_FIELDS, L_GATE_UP = L_O + NUM_W_FIELDS, L_DOWN = L_GATE_UP + NUM_W_FIELDS,
   L_KEY_CACHE = L_DOWN + NUM_W_FIELDS, L_VALUE_CACHE,
-  L_PRE_FF_NORM, L_POST_FF_NORM, L_Q_NORM, L_K_NORM, L_ROPE, L_WINDOW, L_SOFTCAP, L_ACT, NUM_LAYER_FIELDS
+  L_PRE_FF_NORM, L_POST_FF_NORM, L_Q_NORM, L_K_NORM, L_ROPE, L_WINDOW, L_SOFTCAP, L_ACT, L_KV_GROUP, NUM_LAYER_FIELDS
 };
 
 int decode_graph_num_fields(void) { return NUM_FNS * 10000 + NUM_DIMS * 100 + NUM_LAYER_FIELDS; }
@@ -130,12 +130,14 @@ static float float_bits(int64_t bits) {
 
 /* Runs layers [0, num_layers) over t decode rows. x [t, hidden] holds the embedded tokens and is
  * the residual stream afterwards; the last layer's output is left at *out_x (inside ws).
- * cos / sin [rope_tables, t, head]; slots [t]; block_tables [t, max_blocks]; seq_lens [t]. Returns 0,
- * or the failing kernel's status (a GEMM or the attention could not allocate its scratch). */
+ * cos / sin [rope_tables, t, head]; slots [groups, t]; block_tables [groups][t, max_blocks] (a group's
+ * table group_stride elements after the one before); seq_lens [t]. A layer writes and reads its KV cache
+ * group's slots and table (L_KV_GROUP: 0 where every layer shares one). Returns 0, or the failing
+ * kernel's status (a GEMM or the attention could not allocate its scratch). */
 int decode_graph_run(const int64_t *fns, const int64_t *dims, const int64_t *layers, int64_t num_layers, float eps,
                      float scale, float *x, float *ws, const float *cos, const float *sin, const int64_t *slots,
-                     const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int64_t t,
-                     int64_t *out_x_offset) {
+                     const int64_t *block_tables, int64_t max_blocks, int64_t group_stride,
+                     const int64_t *seq_lens, int64_t t, int64_t *out_x_offset) {
   const rms_norm_fn rms_norm = (rms_norm_fn)FN(FN_RMS_NORM);
   const rms_norm_heads_fn rms_norm_heads = (rms_norm_heads_fn)FN(FN_RMS_NORM_HEADS);
   const rotary_fn rotary = (rotary_fn)FN(FN_ROTARY);
@@ -169,13 +171,15 @@ int decode_graph_run(const int64_t *fns, const int64_t *dims, const int64_t *lay
     } else {
       rotary(qkv, nqkv, c, sn, t, hq + hkv, d); /* k's heads follow q's in every row */
     }
-    write_kv(k, k_stride, qkv + (hq + hkv) * d, nqkv, P(L_KEY_CACHE), P(L_VALUE_CACHE), slots, t, hkv, d);
+    const int64_t *group_slots = slots + L[L_KV_GROUP] * t;
+    const int64_t *tables = block_tables + L[L_KV_GROUP] * group_stride;
+    write_kv(k, k_stride, qkv + (hq + hkv) * d, nqkv, P(L_KEY_CACHE), P(L_VALUE_CACHE), group_slots, t, hkv, d);
     const float softcap = float_bits(L[L_SOFTCAP]);
     if (L[L_WINDOW] || softcap > 0.f)
-      status = decode_windowed(attn, q, q_stride, P(L_KEY_CACHE), P(L_VALUE_CACHE), block_tables, seq_lens, t, hq,
+      status = decode_windowed(attn, q, q_stride, P(L_KEY_CACHE), P(L_VALUE_CACHE), tables, seq_lens, t, hq,
                                hkv, d, bs, max_blocks, scale, et, L[L_WINDOW], softcap);
     else
-      status = decode(attn, q, q_stride, P(L_KEY_CACHE), P(L_VALUE_CACHE), block_tables, seq_lens, t, hq, hkv, d,
+      status = decode(attn, q, q_stride, P(L_KEY_CACHE), P(L_VALUE_CACHE), tables, seq_lens, t, hq, hkv, d,
                       bs, max_blocks, scale);
     if (status) return status;
     status = gemm(fns, L + L_O, o, attn, t, h, hq * d);

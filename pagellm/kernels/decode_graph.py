@@ -18,7 +18,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES: kernels.Signatures = {
     "decode_graph_num_fields": (ctypes.c_int, []),
     "decode_graph_workspace": (_I, [_P, _I]),
-    "decode_graph_run": (ctypes.c_int, [_P, _P, _P, _I, _F, _F, _P, _P, _P, _P, _P, _P, _I, _P, _I, _P]),
+    "decode_graph_run": (ctypes.c_int, [_P, _P, _P, _I, _F, _F, _P, _P, _P, _P, _P, _P, _I, _I, _P, _I, _P]),
 }
 # The order of decode_graph.c's enums.
 FNS = ("gemm_int8", "gemm_float32", "gemm_quantized", "gemm_bfloat16", "gemm_bfloat16_amx",
@@ -32,10 +32,11 @@ W_FIELDS = ("kind", "ptr", "bias", "bits", "q_ptr", "q_bits", "q_max_rows")
 GEMM_KINDS = ("int8", "float32", "bfloat16", "bfloat16_amx")  # kind = index; its kernel is FNS' "gemm_<kind>"
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 # (pre/post_ff_norm: Gemma's block, 0 in Llama's; q/k_norm: 0 for none; rope: the layer's cos/sin table;
-# window: 0 for none; softcap: its float32 bits, 0 for none; act: ACTIVATIONS' index.)
+# window: 0 for none; softcap: its float32 bits, 0 for none; act: ACTIVATIONS' index; kv_group: which
+# of the step's slot rows and block tables the layer's KV cache group is, 0 where all share one.)
 LAYER_FIELDS = (("in_norm", "post_norm") + tuple(f"{p}_{f}" for p in PROJECTIONS for f in W_FIELDS)
                 + ("key_cache", "value_cache", "pre_ff_norm", "post_ff_norm", "q_norm", "k_norm", "rope", "window",
-                   "softcap", "act"))
+                   "softcap", "act", "kv_group"))
 ACTIVATIONS = ("silu_and_mul", "gelu_and_mul")
 # The kernels a layer calls only where its row says so.
 _OPTIONAL_FNS = ("rms_norm_heads", "gelu_and_mul", "decode_windowed", "silu_and_mul")
@@ -149,30 +150,36 @@ class DecodeGraph:
         ``(the last layer's output, the residual stream)`` as the Python layers do. ``x`` becomes
         the residual stream in place. ``cos / sin [rope_tables, T, head_dim]`` (each layer reads its
         table), ``slot_mapping [T]``, ``block_tables [T, max_blocks]``, ``seq_lens [T]``: contiguous,
-        as the kernels take them."""
+        as the kernels take them. Where layers belong to several KV cache groups (the ``kv_group``
+        column), ``slot_mapping [G, T]`` and ``block_tables [G, T, max_blocks]``, each group's rows
+        contiguous (the groups may lie apart: a view of the persistent batch's tables)."""
         lib = _lib()
         assert lib is not None, "check enabled() first"
         t, hidden, head_dim = x.shape[0], self.hidden, self.head_dim
         tables = int(self.dims[DIMS.index("rope_tables")])
         if x.dtype != torch.float32 or x.shape != (t, hidden) or not x.is_contiguous():
             raise ValueError(f"x must be contiguous float32 [T, {hidden}], got {x.dtype} {tuple(x.shape)}")
+        groups = int(self.layers[:, LAYER_FIELDS.index("kv_group")].max()) + 1
+        slots_shape = (t,) if groups == 1 else (groups, t)
         for v, shape, dtype, name in ((cos, (tables, t, head_dim), torch.float32, "cos"),
                                       (sin, (tables, t, head_dim), torch.float32, "sin"),
-                                      (slot_mapping, (t,), torch.int64, "slot_mapping"),
+                                      (slot_mapping, slots_shape, torch.int64, "slot_mapping"),
                                       (seq_lens, (t,), torch.int64, "seq_lens")):
             if v.dtype != dtype or v.shape != shape or not v.is_contiguous():
                 raise ValueError(f"{name} must be contiguous {dtype} {shape}, got {v.dtype} {tuple(v.shape)}")
-        if block_tables.dtype != torch.int64 or block_tables.dim() != 2 or block_tables.shape[0] != t \
-                or not block_tables.is_contiguous():
-            raise ValueError(f"block_tables must be contiguous int64 [{t}, max_blocks]")
+        per_group = block_tables if block_tables.dim() == 3 else block_tables[None]
+        if block_tables.dtype != torch.int64 or per_group.dim() != 3 or per_group.shape[:2] != (groups, t) \
+                or not per_group[0].is_contiguous():
+            raise ValueError(f"block_tables must be int64 [{t}, max_blocks] per group ({groups}), each contiguous")
         if not self.cache_ptrs:
             raise ValueError("bind_caches() first")
         ws = torch.empty(lib.decode_graph_workspace(self.dims.data_ptr(), t))
         offset = ctypes.c_int64(0)
         status = lib.decode_graph_run(self.fns.data_ptr(), self.dims.data_ptr(), self.layers.data_ptr(),
                                       self.layers.shape[0], self.eps, self.scale, x.data_ptr(), ws.data_ptr(),
-                                      cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
-                                      block_tables.shape[1], seq_lens.data_ptr(), t, ctypes.byref(offset))
+                                      cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(), per_group.data_ptr(),
+                                      per_group.shape[2], per_group.stride(0), seq_lens.data_ptr(), t,
+                                      ctypes.byref(offset))
         if status != 0:
             raise MemoryError("a kernel of the decode graph could not allocate its scratch memory")
         return ws[offset.value:offset.value + t * hidden].view(t, hidden), x

@@ -31,8 +31,9 @@ if TYPE_CHECKING:
 
 def decode_group(meta: AttentionMetadata) -> AttentionGroup | None:
     """The step's one ``DECODE_KERNEL`` group if every row is a decode in it, else ``None`` (also
-    where layers read different block tables: the graph takes one)."""
-    if len(meta.groups) != 1 or meta.by_layer is not None:
+    where layers read the tables of several KV cache groups that the step does not hand over as one
+    ``group_tables``)."""
+    if len(meta.groups) != 1 or (meta.kv_groups is not None and meta.group_tables is None):
         return None
     grp = meta.groups[0]
     if grp.kind != AttentionKind.DECODE_KERNEL or grp.token_start != 0 or grp.token_end != meta.num_tokens \
@@ -80,10 +81,11 @@ def capture(model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tenso
         return None  # (partial rotary: the layer rotates part of each head, off the kernel)
     rows: list[list[int]] = []
     keep: list[torch.Tensor] = []
-    for layer in layers:
+    for i, layer in enumerate(layers):
         row = _layer_row(layer, attn, hidden, d, inter, eps, rope_keys, keep)
         if row is None:
             return None
+        row[decode_graph.LAYER_FIELDS.index("kv_group")] = meta.layer_group[i] if meta.layer_group else 0
         rows.append(row)
     gemms = gemm.kernel_addresses()
     gemms["int8"] = gemm_int8.kernel_address() if gemm_int8.supported() else 0

@@ -349,7 +349,9 @@ class DecoderModel(nn.Module):
             t = x.shape[0]
             # The tables stacked in the graph's order (each layer reads its own by index).
             cos, sin = (torch.stack([ropes[k][i].view(t, -1) for k in decode_graph.rope_keys]) for i in (0, 1))
-            x, residual = decode_graph.run(x, cos, sin, meta.slot_mapping, group.kv_blocks, group.seq_lens)
+            slots, tables = (meta.slot_mapping, group.kv_blocks) if meta.group_tables is None \
+                else (meta.group_slots, meta.group_tables)
+            x, residual = decode_graph.run(x, cos, sin, slots, tables, group.seq_lens)
         else:
             for i, (layer, kv_cache) in enumerate(zip(self.layers[self.start:self.end], kv_caches, strict=True)):
                 x, residual = layer(ropes[layer.self_attn.rope_key], x, residual, kv_cache,  # type: ignore[union-attr,index]

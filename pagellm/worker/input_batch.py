@@ -13,7 +13,9 @@ step occupy rows ``0 .. B-1`` in the step's order, so their block table is a con
              2: seq 5  [ 2  0  0  0 ...]     (running, not decoding this step)
 
 A row's entries past its sequence's blocks are stale or zero; the kernels read only the blocks
-that ``seq_lens`` covers, so they never see them.
+that ``seq_lens`` covers, so they never see them. Where the KV cache has several layer groups
+(``core/kv_cache_spec.py``), each group has such a table (``tables [groups, rows, width]``), its
+rows in the same order.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ from pagellm.sampling.sampler import SamplingRow
 class InputBatch:
     """Rows of block ids (and cached sampling rows) by sequence, persistent across steps."""
 
-    def __init__(self, rows: int = 8, width: int = 16) -> None:
-        self.block_table = torch.zeros(rows, width, dtype=torch.int64)
-        self._np = self.block_table.numpy()
+    def __init__(self, rows: int = 8, width: int = 16, num_groups: int = 1) -> None:
+        self.tables = torch.zeros(num_groups, rows, width, dtype=torch.int64)
+        self._np = self.tables.numpy()
         self.seq_ids: list[int] = []  # row -> sequence
         self.row_of: dict[int, int] = {}
-        self._blocks: list[list[int]] = []  # row -> its block ids as last applied (the delta's base)
+        # Per group, row -> its block ids as last applied (the delta's base).
+        self._blocks: list[list[list[int]]] = [[] for _ in range(num_groups)]
         self._sampling: dict[int, SamplingRow] = {}
         # A decode step's input ids, positions, slots and context lengths (one row each): filled in
         # place, handed out as views that live until the next step fills them.
@@ -44,6 +47,11 @@ class InputBatch:
     @property
     def num_rows(self) -> int:
         return len(self.seq_ids)
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        """Group 0's table ``[rows, width]``."""
+        return self.tables[0]
 
     def remove(self, seq_ids: list[int]) -> None:
         """Drop finished sequences; the rows after each move up (order is kept)."""
@@ -66,9 +74,19 @@ class InputBatch:
             first = [self.row_of[i] for i in ids]
             taken = set(first)
             self._reorder(first + [r for r in range(self.num_rows) if r not in taken])
+        groups = len(self._blocks)
         for row, s in enumerate(seqs):
-            self._apply(row, s.block_ids)
-        return self.block_table[:len(ids)]
+            self._apply(row, s.block_ids, 0)
+            if groups > 1:
+                assert s.group_block_ids is not None and len(s.group_block_ids) == groups
+                for g in range(1, groups):
+                    self._apply(row, s.group_block_ids[g], g)
+        return self.tables[0, :len(ids)]
+
+    def group_tables(self, n: int) -> torch.Tensor:
+        """Every group's table of the first ``n`` rows, ``[groups, n, width]`` (after ``decode_table``):
+        a view, each group's rows contiguous."""
+        return self.tables[:, :n]
 
     def step_rows(self, *columns: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
         """``columns`` (equal lengths, at most 4) as int64 tensors on ``device``: views of the step
@@ -106,51 +124,54 @@ class InputBatch:
 
     def _add(self, seq_id: int) -> None:
         r = self.num_rows
-        if r == self.block_table.shape[0]:
-            self._resize(2 * r, self.block_table.shape[1])
+        if r == self.tables.shape[1]:
+            self._resize(2 * r, self.tables.shape[2])
         self.seq_ids.append(seq_id)
-        self._blocks.append([])
+        for blocks in self._blocks:
+            blocks.append([])
         self.row_of[seq_id] = r
 
-    def _apply(self, row: int, block_ids: list[int]) -> None:
-        """Row ``row`` holds ``block_ids`` after this: the appended ids only, where the row's are a prefix."""
-        have = self._blocks[row]
+    def _apply(self, row: int, block_ids: list[int], group: int = 0) -> None:
+        """Row ``row`` of ``group`` holds ``block_ids`` after this: the appended ids only, where the
+        row's are a prefix."""
+        have = self._blocks[group][row]
         n = len(have)
         if block_ids == have:
             return
-        if len(block_ids) > self.block_table.shape[1]:
-            self._resize(self.block_table.shape[0], max(len(block_ids), 2 * self.block_table.shape[1]))
+        if len(block_ids) > self.tables.shape[2]:
+            self._resize(self.tables.shape[1], max(len(block_ids), 2 * self.tables.shape[2]))
         if len(block_ids) >= n and block_ids[:n] == have:
-            self._np[row, n:len(block_ids)] = block_ids[n:]
+            self._np[group, row, n:len(block_ids)] = block_ids[n:]
             have.extend(block_ids[n:])
         else:
-            self._np[row, :len(block_ids)] = block_ids
-            self._blocks[row] = list(block_ids)
+            self._np[group, row, :len(block_ids)] = block_ids
+            self._blocks[group][row] = list(block_ids)
 
     def _reorder(self, rows: list[int]) -> None:
         """The rows ``rows`` become rows ``0 ..`` in that order; the others are dropped."""
         n = len(rows)
-        self.block_table[:n] = self.block_table[torch.tensor(rows, dtype=torch.long)]
+        self.tables[:, :n] = self.tables[:, torch.tensor(rows, dtype=torch.long)]
         self.seq_ids = [self.seq_ids[r] for r in rows]
-        self._blocks = [self._blocks[r] for r in rows]
+        self._blocks = [[blocks[r] for r in rows] for blocks in self._blocks]
         self.row_of = {s: i for i, s in enumerate(self.seq_ids)}
 
     def _resize(self, rows: int, width: int) -> None:
-        old = self.block_table
-        self.block_table = torch.zeros(rows, width, dtype=torch.int64)
-        self.block_table[:old.shape[0], :old.shape[1]] = old
-        self._np = self.block_table.numpy()
+        old = self.tables
+        self.tables = torch.zeros(old.shape[0], rows, width, dtype=torch.int64)
+        self.tables[:, :old.shape[1], :old.shape[2]] = old
+        self._np = self.tables.numpy()
 
     def check_invariants(self) -> None:
-        """Every row holds its sequence's block ids as last applied, and the index matches the rows
-        (raised, not asserted: the checks run under ``python -O`` too)."""
+        """Every row holds its sequence's block ids as last applied in every group, and the index
+        matches the rows (raised, not asserted: the checks run under ``python -O`` too)."""
         index = {s: i for i, s in enumerate(self.seq_ids)}
-        if self.row_of != index or not len(self._blocks) == len(self.seq_ids) <= self.block_table.shape[0]:
+        if self.row_of != index or any(not len(b) == len(self.seq_ids) <= self.tables.shape[1] for b in self._blocks):
             raise AssertionError(f"rows {self.seq_ids} and index {self.row_of} disagree")
-        for r, ids in enumerate(self._blocks):
-            row = self._np[r, :len(ids)].tolist()
-            if row != ids:
-                raise AssertionError(f"row {r} holds {row}, not {ids}")
+        for g, blocks in enumerate(self._blocks):
+            for r, ids in enumerate(blocks):
+                row = self._np[g, r, :len(ids)].tolist()
+                if row != ids:
+                    raise AssertionError(f"group {g} row {r} holds {row}, not {ids}")
 
 
 def _flat_int64_view(t: torch.Tensor) -> memoryview:

@@ -112,7 +112,8 @@ class ModelRunner:
         self.encoder_cache: dict[str, torch.Tensor] = {}
         # The running sequences' block tables and sampling rows, kept across steps.
         self.input_batch = InputBatch()
-        # Where the KV cache has several layer groups: each layer's group (the Worker sets it).
+        # Where the KV cache has several layer groups: each layer's group (the Worker sets it,
+        # with ``set_kv_groups``).
         self.kv_layer_groups: list[int] | None = None
 
     def _generator(self, seq_id: int, seed: int | None, index: int = 0) -> torch.Generator | None:
@@ -196,7 +197,6 @@ class ModelRunner:
                                                 decode_table=table)
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         last_row: dict[int, int] = {}  # seq_id -> flat row of its last token
         draft_row: dict[tuple[int, int], int] = {}  # (seq_id, offset) -> flat row, for drafting sequences
         mm_segments: list[tuple[int, str, int, int]] = []
@@ -204,13 +204,11 @@ class ModelRunner:
         pool_spans: list[tuple[int, int, int, int, int]] = []
         # M-RoPE positions (Qwen2-VL), where a request in the step has images: three rows.
         mrope: list[list[int]] | None = [[], [], []] if any(s.mrope_layout for s in so.scheduled) else None
-        rows: list[tuple[ScheduledSequence, int]] = []  # (sequence, position) of each flat row, with groups
+        rows: list[tuple[ScheduledSequence, int]] = []  # (sequence, position) of each flat row
         for s, i in [decodes[j] for j in meta.decode_order]:
             p = s.num_computed_tokens + i
             self._row_features(s, p, 1, len(input_ids), mm_segments, mrope, prompt_lp, pool_spans)
-            slots.append(s.block_ids[p // bs] * bs + p % bs)
-            if grouped:
-                rows.append((s, p))
+            rows.append((s, p))
             input_ids.append(s.token_ids[i])
             positions.append(p)
             if s.spec_token_ids:
@@ -221,10 +219,7 @@ class ModelRunner:
             start = s.num_computed_tokens
             self._row_features(s, start, s.num_scheduled_tokens, len(input_ids), mm_segments, mrope, prompt_lp,
                                pool_spans)
-            for p in range(start, start + s.num_scheduled_tokens):
-                slots.append(s.block_ids[p // bs] * bs + p % bs)
-                if grouped:
-                    rows.append((s, p))
+            rows.extend((s, p) for p in range(start, start + s.num_scheduled_tokens))
             input_ids.extend(s.token_ids)
             positions.extend(range(start, start + s.num_scheduled_tokens))
             last_row[s.seq_id] = len(input_ids) - 1
@@ -233,9 +228,10 @@ class ModelRunner:
         if self.lora is not None:  # each flat row's adapter slot
             self.lora.set_step([decodes[j][0].lora_slot for j in meta.decode_order]
                                + [s.lora_slot for s in chunks for _ in range(s.num_scheduled_tokens)])
-        meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
+        meta.slot_mapping = torch.tensor([s.block_ids[p // bs] * bs + p % bs for s, p in rows], dtype=torch.long,
+                                         device=self.device)
         if grouped:
-            meta.by_layer = self._layer_metadata(meta, decodes, chunks, rows)
+            self._layer_metadata(meta, decodes, chunks, rows)
         if mrope is not None:  # (three equal rows, as in a decode-only step: plain RoPE, decode graphs apply)
             positions = mrope if mrope[0] != mrope[1] or mrope[0] != mrope[2] else mrope[0]  # type: ignore[assignment]
         batch = FlatBatch(torch.tensor(input_ids, dtype=torch.long, device=self.device),
@@ -246,11 +242,15 @@ class ModelRunner:
             self._plan_sampling(batch)
         return batch
 
+    def set_kv_groups(self, layer_groups: list[int]) -> None:
+        """The KV cache has several layer groups: ``layer_groups[i]`` is layer ``i``'s."""
+        self.kv_layer_groups = layer_groups
+        self.input_batch = InputBatch(num_groups=max(layer_groups) + 1)
+
     def _layer_metadata(self, meta: AttentionMetadata, decodes: list[tuple[ScheduledSequence, int]],
-                        chunks: list[ScheduledSequence], rows: list[tuple[ScheduledSequence, int]],
-                        ) -> list[AttentionMetadata]:
-        """Each layer's metadata where KV cache groups differ: group 0's is ``meta``; every other
-        group's is built the same way from its own block tables, over the same flat rows."""
+                        chunks: list[ScheduledSequence], rows: list[tuple[ScheduledSequence, int]]) -> None:
+        """Every KV cache group's metadata into ``meta`` (group 0's): each built the same way from
+        its own block tables, over the same flat rows."""
         assert self.kv_layer_groups is not None
         bs, metas = self.block_size, [meta]
         for g in range(1, max(self.kv_layer_groups) + 1):
@@ -265,14 +265,12 @@ class ModelRunner:
             m.slot_mapping = torch.tensor([table(s)[p // bs] * bs + p % bs for s, p in rows], dtype=torch.long,
                                           device=self.device)
             metas.append(m)
-        return [metas[g] for g in self.kv_layer_groups]
+        meta.kv_groups, meta.layer_group = metas, self.kv_layer_groups
 
     def _plain_decodes(self, seqs: list[ScheduledSequence]) -> bool:
         """Whether every row of the step is a plain decode (one token, none of ``_row_features``) whose
-        block table the backend reads from the persistent batch: the steady state of generation.
-        Not with KV cache groups (the persistent batch keeps one table per sequence)."""
-        if self.lora is not None or self.pooler is not None or not self.attn_backend.takes_decode_table \
-                or self.kv_layer_groups is not None:
+        block table the backend reads from the persistent batch: the steady state of generation."""
+        if self.lora is not None or self.pooler is not None or not self.attn_backend.takes_decode_table:
             return False
         return all(s.is_decode and not (s.spec_token_ids or s.mm_spans or s.mrope_layout)
                    and s.sampling_params.prompt_logprobs is None for s in seqs)
@@ -287,6 +285,8 @@ class ModelRunner:
         meta = self.attn_backend.build_metadata(lens, [], [], self.block_size, self.device, decode_table=table,
                                                 seq_lens=seq_lens)
         meta.slot_mapping = slot_mapping
+        if self.kv_layer_groups is not None:
+            self._group_decodes(meta, seqs, positions, lens, seq_lens)
         rows = [b for b, s in enumerate(seqs) if s.do_sample]
         sample_seqs = [seqs[b] for b in rows]
         batch = FlatBatch(input_ids, pos, meta, lens, [s.block_ids for s in seqs], [], rows, sample_seqs,
@@ -294,6 +294,25 @@ class ModelRunner:
         if self.is_driver:
             self._plan_sampling(batch)
         return batch
+
+    def _group_decodes(self, meta: AttentionMetadata, seqs: list[ScheduledSequence], positions: list[int],
+                       lens: list[int], seq_lens: torch.Tensor) -> None:
+        """Plain decodes over KV cache groups: each group's metadata over its rows of the persistent
+        batch (in the same order), and all groups' slots and tables for the decode graph."""
+        bs, n = self.block_size, len(seqs)
+        tables = self.input_batch.group_tables(n)
+        slots = [[s.block_ids[p // bs] * bs + p % bs for s, p in zip(seqs, positions, strict=True)]]
+        metas = [meta]
+        for g in range(1, tables.shape[0]):
+            ids = [s.group_block_ids[g] for s in seqs]  # type: ignore[index]
+            slots.append([t[p // bs] * bs + p % bs for t, p in zip(ids, positions, strict=True)])
+            m = self.attn_backend.build_metadata(lens, [], [], bs, self.device, decode_table=tables[g],
+                                                 seq_lens=seq_lens)
+            m.slot_mapping = torch.tensor(slots[g], dtype=torch.long, device=self.device)
+            metas.append(m)
+        meta.kv_groups, meta.layer_group = metas, self.kv_layer_groups
+        meta.group_slots = torch.tensor(slots, dtype=torch.long, device=self.device)
+        meta.group_tables = tables
 
     def _decode_columns(self, seqs: list[ScheduledSequence], tokens: list[int],
                         offset: int = 0) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -426,7 +445,9 @@ class ModelRunner:
         persistent batch's buffers; the sampling rows are history-free); any other step is
         prepared afresh each pass."""
         seqs, forward_s = so.scheduled, 0.0
-        in_place = batch.every_row_samples and self.device.type == "cpu" and self._plain_decodes(seqs)
+        # (not over KV cache groups: the other groups' slots are not in the step buffers)
+        in_place = batch.every_row_samples and self.device.type == "cpu" and self._plain_decodes(seqs) \
+            and self.kv_layer_groups is None
         for j in range(1, so.num_steps):
             for s in seqs:
                 result.earlier_sampled.setdefault(s.seq_id, []).append(result.sampled[s.seq_id])

@@ -322,7 +322,7 @@ class Worker:
         slots = [self.kv_config.page_slot(i) for i in range(sum(len(g.layer_ids) for g in self.kv_config.groups))]
         self.layer_caches = [self.cache_engine.kv_caches[j] for _, j in slots]
         if len(self.kv_config.groups) > 1:
-            self.model_runner.kv_layer_groups = [g for g, _ in slots]
+            self.model_runner.set_kv_groups([g for g, _ in slots])
             self.attn_backend.share_prefixes = False
         if self.pooling is not None:
             # (a classification head's: models/bert.py)
