@@ -40,6 +40,10 @@ ARCH_CONFIGS = {
                             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                              "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                                 "rope_theta": 1000000.0}}),
+    # LFM2: short-convolution layers (3 taps) around attention layers, as LFM2-350M's pattern starts.
+    "lfm2": dict(model_type="lfm2", architectures=["Lfm2ForCausalLM"], num_hidden_layers=6, conv_L_cache=3,
+                 layer_types=["conv", "conv", "full_attention", "conv", "conv", "full_attention"], norm_eps=1e-5,
+                 block_auto_adjust_ff_dim=False),
     # Phi-4-mini's partial rotary and Phi-3.5's longrope (trained length 512 here), a window that binds.
     "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], sliding_window=40, head_dim=16,
                  original_max_position_embeddings=512,

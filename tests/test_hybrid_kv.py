@@ -5,11 +5,12 @@ are worked out here from the window rule (a query at p reads keys p - window < k
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagellm.core.kv_cache_manager import AllocStatus, KVCacheManager, _group_key
-from pagellm.core.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec, group_layers
+from pagellm.core.kv_cache_manager import AllocStatus, KVCacheManager, SlotRequest, _group_key
+from pagellm.core.kv_cache_spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec, group_layers
 from pagellm.sequence import Sequence
 from pagellm.utils import cdiv
 
@@ -228,3 +229,66 @@ def test_pressure_over_mixed_groups_preempts_and_frees():
         drive(sched, [], lambda *a: None)
         assert sched.num_preemptions > 0 and freed > 0
         assert mode != "swap" or sched.num_swap_outs > 0
+
+
+CONV = MambaSpec(BS, ((64, 2),), ("float32",))  # LFM2's short convolution: the last 2 inputs of 64 channels
+
+
+def test_group_layers_puts_state_layers_in_groups_of_their_own():
+    cfg = group_layers([CONV, CONV, None, CONV, CONV, None], BS)  # LFM2's pattern: convolutions, attention
+    assert [g.layer_ids for g in cfg.groups] == [(2, 5), (0, 1), (3, 4)]
+    assert cfg.specs == [FullAttentionSpec(BS), CONV, CONV] and cfg.layers_per_page == 2
+    with pytest.raises(ValueError, match="state layers"):
+        group_layers([CONV, None], BS, hybrid=False)
+
+
+def test_state_group_holds_one_block_shared_until_written():
+    mgr = KVCacheManager(32, BS, True, 16, kv_cache_config=group_layers([CONV, None], BS))
+    seq = Sequence(1, list(range(30)))
+    run_prefill(mgr, seq, chunk=7)
+    full, state = mgr.group_tables[0][1], mgr.group_tables[1][1]
+    assert len(full) == 8 and len(state) == 1 and mgr.num_free_blocks == 32 - 9
+    # No prefix hits while a request has states (they are not saved at block boundaries).
+    assert len(mgr.get_computed_blocks(Sequence(2, list(range(30)) + [5]))) == 0
+    child = seq.fork(2)
+    mgr.fork(seq, child)
+    assert mgr.group_tables[1][2] == state and state[0].ref_cnt == 2
+    mgr.check_invariants(live_seq_ids={1, 2})
+    # The next token writes both the shared partial KV block 7 and the shared state: one copy of
+    # each for whichever sequence writes first; the other then owns the originals alone.
+    for s in (seq, child):
+        s.append_token(3, -0.1, None)
+    assert mgr.num_new_blocks([SlotRequest(child, 30, 1)]) == 2
+    assert mgr.allocate_slots(child, 1) is not None
+    copies = mgr.take_copies()
+    assert sorted(src for src, _ in copies) == sorted([full[7].block_id, state[0].block_id])
+    assert mgr.allocate_slots(seq, 1) is not None and mgr.take_copies() == []
+    mgr.check_invariants(live_seq_ids={1, 2})
+    pairs = mgr.swap_out([child])  # its 8 KV blocks (7 still shared: copied, not moved) and its state
+    assert len(pairs) == 9 and len(mgr.cpu_group_tables[1][2]) == 1
+    mgr.swap_in([child])
+    for s in (seq, child):
+        mgr.free(s)
+    mgr.check_invariants()
+    assert mgr.num_free_blocks == mgr.num_blocks
+
+
+@settings(max_examples=80, deadline=None)
+@given(TRAFFIC, st.integers(12, 40), st.sampled_from([1, 4]), st.integers(1, 40),
+       st.sampled_from(["recompute", "swap"]), st.sampled_from([1, 2]))
+def test_random_traffic_over_state_groups_keeps_invariants(ops, num_blocks, block_size, budget, mode, n):
+    """Convolution, sliding-window and full-attention groups (and ``n`` samples sharing a state
+    until each writes it): ``check_invariants`` after every step, nothing left held."""
+    conv = MambaSpec(block_size, ((64, 2),), ("float32",))
+    cfg = group_layers([conv, 3, None, conv, 3, None], block_size)
+    sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_model_len=10_000,
+                           num_cpu_blocks=num_blocks if mode == "swap" else 0, max_num_batched_tokens=budget,
+                           max_num_seqs=4, long_prefill_token_threshold=0, preemption_mode=mode,
+                           kv_cache_config=cfg)
+    capacity = sched.kv_cache_manager.token_capacity(budget)
+
+    def build(rid, length, max_tokens):
+        return make_group(rid, length, max_tokens=max_tokens, n=n, temperature=1.0 if n > 1 else 0, seed=0) \
+            if length + max_tokens < capacity // 2 else None
+
+    drive(sched, ops, build)

@@ -68,6 +68,15 @@ class AttentionGroup:
 
 
 @dataclass(slots=True)
+class StateMetadata:
+    """A state layer group's share of a step (``core/kv_cache_spec.py`` ``MambaSpec``): each
+    sequence's flat rows and the block holding its state, ``fresh`` where the chunk starts the
+    request (its state starts from zeros)."""
+
+    spans: list[tuple[int, int, bool, int]]  # (first flat row, rows, fresh, state block)
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Per-step attention inputs, built once by the model runner's backend and shared by every
     layer; ``backend`` (which built them) runs each layer's attention over them."""
@@ -82,14 +91,14 @@ class AttentionMetadata:
     # Where the KV cache has several layer groups (core/kv_cache_spec.py): every group's metadata
     # (this one is group 0's; the same rows, each group's block tables and slots) and each layer's
     # group (index = layer in the stage).
-    kv_groups: list[AttentionMetadata] | None = None
+    kv_groups: list[AttentionMetadata | StateMetadata] | None = None
     layer_group: list[int] | None = None
     # A plain decode step over groups: every group's slots ``[G, T]`` and block tables
     # ``[G, T, width]`` (the persistent batch's), for the decode graph.
     group_slots: torch.Tensor | None = None
     group_tables: torch.Tensor | None = None
 
-    def for_layer(self, i: int) -> AttentionMetadata:
+    def for_layer(self, i: int) -> AttentionMetadata | StateMetadata:
         """Layer ``i``'s metadata (this one, where every layer shares one block table)."""
         if self.kv_groups is None or self.layer_group is None:
             return self

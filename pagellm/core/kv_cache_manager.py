@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from pagellm.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
-from pagellm.core.kv_cache_spec import AttentionSpec, FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+from pagellm.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from pagellm.mm_inputs import BlockKeys
 from pagellm.sequence import Sequence
 from pagellm.utils import InvariantError, cdiv
@@ -88,11 +88,13 @@ class KVCacheManager:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.block_size = block_size
-        self.specs: list[AttentionSpec] = []
-        for s in [FullAttentionSpec(block_size)] if kv_cache_config is None else kv_cache_config.specs:
-            if not isinstance(s, FullAttentionSpec | SlidingWindowSpec):
-                raise ValueError(f"{type(s).__name__} groups (state layers) have no KV cache manager yet")
-            self.specs.append(s)
+        self.specs: list[KVCacheSpec] = [FullAttentionSpec(block_size)] if kv_cache_config is None \
+            else kv_cache_config.specs
+        # Per group: a state group's table is one block, rewritten in place (see _blocks_for).
+        self._is_state = [isinstance(s, MambaSpec) for s in self.specs]
+        # (prefix hits would need the states saved at block boundaries: not built, so no hits)
+        self.has_states = any(self._is_state)
+        for s in self.specs:
             if s.block_size != block_size:
                 raise ValueError(f"a group's block_size {s.block_size} differs from block_size {block_size}")
         windowed = self.has_windows = any(isinstance(s, SlidingWindowSpec) for s in self.specs)
@@ -132,6 +134,15 @@ class KVCacheManager:
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
+
+    def _blocks_for(self, group: int, num_tokens: int) -> int:
+        """Blocks group ``group`` holds for ``num_tokens`` tokens: one per ``block_size`` of them, or
+        a state group's one."""
+        return 1 if self._is_state[group] else self.num_blocks_for(num_tokens)
+
+    def _write_index(self, group: int, num_computed_tokens: int) -> int:
+        """The block of ``group`` the next token writes (a state group writes its one block)."""
+        return 0 if self._is_state[group] else num_computed_tokens // self.block_size
 
     def max_blocks_held(self, num_tokens: int, max_chunk_tokens: int) -> int:
         """The most blocks, over every group, one sequence of ``num_tokens`` holds at once when
@@ -195,7 +206,7 @@ class KVCacheManager:
             window 8, block_size 4, k = 4:   [--][--][b5][b6]   (positions 9..15 are read)
         """
         empty = KVCacheBlocks(tuple([] for _ in self.specs))
-        if not self.enable_caching:
+        if not self.enable_caching or self.has_states:
             return empty
         self._update_block_hashes(seq, extra_key)
         hashes = seq.block_hashes[: (seq.num_tokens - 1) // self.block_size]
@@ -228,6 +239,8 @@ class KVCacheManager:
             return
         self._update_block_hashes(seq, extra_key)
         for g, tables in enumerate(self.group_tables):
+            if self._is_state[g]:
+                continue
             table = tables[seq.seq_id]
             n_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes), len(table))
             start = self._num_cached_blocks[g].get(seq.seq_id, 0)
@@ -265,11 +278,10 @@ class KVCacheManager:
         need = 0
         reclaimed: set[int] = set()
         for r in requests:
-            n_blocks = self.num_blocks_for(r.num_computed_tokens + r.num_new_tokens)
             for g, hits in enumerate(self._hits(r.computed_blocks)):
                 table = tables[g].get(r.seq.seq_id, [])
-                need += max(0, n_blocks - len(table) - len(hits))
-                need += self._needs_cow(r.num_computed_tokens, table)
+                need += max(0, self._blocks_for(g, r.num_computed_tokens + r.num_new_tokens) - len(table) - len(hits))
+                need += self._needs_cow(self._write_index(g, r.num_computed_tokens), table)
                 reclaimed.update(b.block_id for b in hits if b.ref_cnt == 0 and b is not self.null_block)
         return need + len(reclaimed)
 
@@ -313,7 +325,6 @@ class KVCacheManager:
         request = SlotRequest(seq, seq.num_computed_tokens, num_new_tokens, computed_blocks or [])
         if self.num_new_blocks([request]) > self.block_pool.num_free_blocks:
             return None
-        n_blocks = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
         new: list[KVCacheBlock] = []
         for g, tables in enumerate(self.group_tables):
             table = tables.get(seq.seq_id, [])
@@ -321,13 +332,14 @@ class KVCacheManager:
                 self.block_pool.touch(b for b in hits[g] if b is not self.null_block)
                 table = list(hits[g])
             tables[seq.seq_id] = table
-            if self._needs_cow(seq.num_computed_tokens, table):
-                i = seq.num_computed_tokens // self.block_size
+            i = self._write_index(g, seq.num_computed_tokens)
+            if self._needs_cow(i, table):
                 old = table[i]
                 table[i] = self.block_pool.get_new_blocks(1)[0]
                 self._copies.append((old.block_id, table[i].block_id))
                 self.block_pool.free_blocks([old])  # still held by its other owners
                 new.append(table[i])
+            n_blocks = self._blocks_for(g, seq.num_computed_tokens + num_new_tokens)
             if n_blocks > len(table):
                 added = self.block_pool.get_new_blocks(n_blocks - len(table))
                 table.extend(added)
@@ -341,7 +353,7 @@ class KVCacheManager:
         freed = 0
         for g, tables in enumerate(self.group_tables):
             table = tables.get(seq.seq_id)
-            if not table or len(table) <= keep:
+            if not table or len(table) <= keep or self._is_state[g]:
                 continue
             tail = [b for b in table[keep:] if b is not self.null_block]
             del table[keep:]
@@ -351,9 +363,9 @@ class KVCacheManager:
                 self._num_cached_blocks[g][seq.seq_id] = keep
         return freed
 
-    def _needs_cow(self, num_computed_tokens: int, table: list[KVCacheBlock]) -> bool:
-        """The block the next token goes into exists and is shared: it must be copied first."""
-        i = num_computed_tokens // self.block_size
+    @staticmethod
+    def _needs_cow(i: int, table: list[KVCacheBlock]) -> bool:
+        """Block ``i``, which the next token writes, exists and is shared: it must be copied first."""
         return i < len(table) and table[i].ref_cnt > 1
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -499,9 +511,12 @@ class KVCacheManager:
             for b in pool.blocks:
                 if b is not pool.null_block and b.ref_cnt != owners.get(b.block_id, 0):
                     raise InvariantError(f"{b} ref_cnt != {owners.get(b.block_id, 0)} owners")
-        for sid, table in self.block_tables.items():
-            if any(len(tables[sid]) != len(table) for tables in self.group_tables):
+        for sid in self.block_tables:
+            lens = {len(tables[sid]) for g, tables in enumerate(self.group_tables) if not self._is_state[g]}
+            if len(lens) > 1:
                 raise InvariantError(f"sequence {sid}'s groups hold tables of different lengths")
+            if any(len(tables[sid]) != 1 for g, tables in enumerate(self.group_tables) if self._is_state[g]):
+                raise InvariantError(f"sequence {sid} holds other than one block of a state group")
         for b in self.cpu_pool.blocks:
             if b.block_hash is not None:
                 raise InvariantError(f"CPU {b} carries a prefix-cache hash")

@@ -14,8 +14,8 @@ its own block table per request over the one shared ``BlockPool``::
         group 5  sliding  layers 12 13 14
 
 A dense model is one group of every layer, exactly the single block table it always had.
-``MambaSpec`` (a fixed-size state per request) is declared for the state layers to come; no group
-of it is built yet.
+A state group (``MambaSpec``) holds one block per request: the layers' states after its computed
+tokens, rewritten in place each step.
 """
 
 from __future__ import annotations
@@ -66,14 +66,21 @@ class SlidingWindowSpec:
 @dataclass(frozen=True, slots=True)
 class MambaSpec:
     """A state layer (Mamba2, gated DeltaNet, a short convolution): fixed-size states per request
-    (``shapes`` and ``dtypes``, one each for the conv and recurrent states), no K/V per token."""
+    (``shapes`` and ``dtypes``, one each for the conv and recurrent states), no K/V per token. A
+    request holds one block of its group, the state after its computed tokens, written in place
+    each step (shared after a fork until either side writes: copy-on-write, as a partial block)."""
 
     block_size: int
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
 
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return 0
 
-AttentionSpec = FullAttentionSpec | SlidingWindowSpec
+    def max_blocks_held(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        return 1
+
+
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MambaSpec
 
 
@@ -113,33 +120,43 @@ class KVCacheConfig:
         parts: list[str] = []
         for g in self.groups:
             s = g.spec
-            kind = f"sliding window {s.sliding_window}" if isinstance(s, SlidingWindowSpec) else "full attention"
+            kind = f"sliding window {s.sliding_window}" if isinstance(s, SlidingWindowSpec) else \
+                f"state {list(s.shapes)}" if isinstance(s, MambaSpec) else "full attention"
             parts.append(f"group {len(parts)}: {kind}, layers {list(g.layer_ids)}")
         page = self.layers_per_page * bytes_per_layer_token
         return f"{len(self.groups)} KV cache group(s) of {self.layers_per_page} layer(s), {page} bytes a token " \
                f"in each group's block; " + "; ".join(parts)
 
 
-def group_layers(layer_windows: list[int | None], block_size: int, hybrid: bool = True) -> KVCacheConfig:
-    """Group layers by spec (``None``: full attention, else the layer's sliding window).
+def group_layers(layer_windows: list[int | None | MambaSpec], block_size: int, hybrid: bool = True) -> KVCacheConfig:
+    """Group layers by spec (``None``: full attention, an int: the layer's sliding window, a
+    ``MambaSpec``: a state layer's).
 
     Every kind's layers are cut into groups of the smallest kind's layer count, in layer order;
     full-attention groups come first (group 0 is what KV transfer and the invariants call "the"
-    block table). ``hybrid=False`` (``disable_hybrid_kv_cache_manager``): one full-attention group
-    of every layer, as before windows freed anything.
+    block table), state groups last. ``hybrid=False`` (``disable_hybrid_kv_cache_manager``): one
+    full-attention group of every layer, as before windows freed anything (not for state layers).
     """
     n = len(layer_windows)
     if n < 1:
         raise ValueError("a model with KV has at least one layer")
+    states = any(isinstance(w, MambaSpec) for w in layer_windows)
+    if not hybrid and states:
+        raise ValueError("state layers need KV cache groups: disable_hybrid_kv_cache_manager cannot apply")
     if not hybrid or all(w is None for w in layer_windows):
         return KVCacheConfig((KVCacheGroupSpec(FullAttentionSpec(block_size), tuple(range(n))),), n)
-    kinds: dict[int | None, list[int]] = {}
+    kinds: dict[int | None | MambaSpec, list[int]] = {}
     for i, w in enumerate(layer_windows):
         kinds.setdefault(w, []).append(i)
     size = min(len(ids) for ids in kinds.values())
     groups: list[KVCacheGroupSpec] = []
-    for w in sorted(kinds, key=lambda w: (w is not None, w or 0)):
-        spec: KVCacheSpec = FullAttentionSpec(block_size) if w is None else SlidingWindowSpec(block_size, w)
+
+    def order(w: int | None | MambaSpec) -> tuple[int, int]:
+        return (2, 0) if isinstance(w, MambaSpec) else (w is not None, w or 0)
+
+    for w in sorted(kinds, key=order):
+        spec: KVCacheSpec = w if isinstance(w, MambaSpec) else \
+            FullAttentionSpec(block_size) if w is None else SlidingWindowSpec(block_size, w)
         ids = kinds[w]
         groups.extend(KVCacheGroupSpec(spec, tuple(ids[i:i + size])) for i in range(0, len(ids), size))
     return KVCacheConfig(tuple(groups), size)

@@ -30,6 +30,7 @@ ARCHITECTURES = (
     Architecture("Qwen3ForCausalLM", "qwen", "qwen3", "qwen3", "Qwen3Config", "Qwen3Model"),
     Architecture("Gemma2ForCausalLM", "gemma", "gemma2", "gemma2", "Gemma2Config", "Gemma2Model", llava_text=True),
     Architecture("Gemma3ForCausalLM", "gemma", "gemma3_text", "gemma3", "Gemma3TextConfig"),
+    Architecture("Lfm2ForCausalLM", "lfm2", "lfm2", hf_config="Lfm2Config", base_model="Lfm2Model"),
     # llama.cpp writes Mixtral as "llama" with experts (weights/gguf_file.py).
     Architecture("MixtralForCausalLM", "moe", "mixtral", hf_config="MixtralConfig"),
     Architecture("Qwen2MoeForCausalLM", "moe", "qwen2_moe", "qwen2moe", "Qwen2MoeConfig"),

@@ -322,10 +322,9 @@ class DecoderModel(nn.Module):
 
     @property
     def first_layer(self) -> DecoderLayer:
-        """This pipeline stage's first decoder layer (its shapes are every layer's)."""
-        layer = self.layers[self.start]
-        assert isinstance(layer, DecoderLayer)
-        return layer
+        """This pipeline stage's first attention layer (its shapes are every attention layer's; a
+        state layer, LFM2's convolution, is none)."""
+        return next(la for la in self.layers[self.start:self.end] if isinstance(la, DecoderLayer))
 
     def forward(self, input_ids, positions, kv_caches, meta, decode_graph: DecodeGraph | None = None,
                 inputs_embeds: torch.Tensor | None = None):
@@ -354,8 +353,8 @@ class DecoderModel(nn.Module):
             x, residual = decode_graph.run(x, cos, sin, slots, tables, group.seq_lens)
         else:
             for i, (layer, kv_cache) in enumerate(zip(self.layers[self.start:self.end], kv_caches, strict=True)):
-                x, residual = layer(ropes[layer.self_attn.rope_key], x, residual, kv_cache,  # type: ignore[union-attr,index]
-                                    meta.for_layer(i))
+                rope = ropes[layer.self_attn.rope_key] if isinstance(layer, DecoderLayer) else None
+                x, residual = layer(rope, x, residual, kv_cache, meta.for_layer(i))
         assert residual is not None  # (every layer returns it)
         if not pp.is_last:
             pp.send([x, residual])

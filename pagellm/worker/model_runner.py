@@ -12,12 +12,13 @@ chunk, so attention runs the decodes as one batched call and each chunk unpadded
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pagellm.attention.metadata import AttentionMetadata
+from pagellm.attention.metadata import AttentionMetadata, StateMetadata
 from pagellm.attention.torch_paged import TorchPagedAttention
 from pagellm.core.scheduler_output import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
 from pagellm.layers.custom_op import select_kernels
@@ -113,8 +114,9 @@ class ModelRunner:
         # The running sequences' block tables and sampling rows, kept across steps.
         self.input_batch = InputBatch()
         # Where the KV cache has several layer groups: each layer's group (the Worker sets it,
-        # with ``set_kv_groups``).
+        # with ``set_kv_groups``), and which groups hold states.
         self.kv_layer_groups: list[int] | None = None
+        self.state_groups: set[int] = set()
 
     def _generator(self, seq_id: int, seed: int | None, index: int = 0) -> torch.Generator | None:
         """The RNG of sequence ``seq_id``, created on its first sample. Sample ``index`` of a request
@@ -242,9 +244,11 @@ class ModelRunner:
             self._plan_sampling(batch)
         return batch
 
-    def set_kv_groups(self, layer_groups: list[int]) -> None:
-        """The KV cache has several layer groups: ``layer_groups[i]`` is layer ``i``'s."""
+    def set_kv_groups(self, layer_groups: list[int], state_groups: set[int] | None = None) -> None:
+        """The KV cache has several layer groups: ``layer_groups[i]`` is layer ``i``'s; the
+        ``state_groups`` hold states (one block per sequence, ``StateMetadata``)."""
         self.kv_layer_groups = layer_groups
+        self.state_groups = state_groups or set()
         self.input_batch = InputBatch(num_groups=max(layer_groups) + 1)
 
     def _layer_metadata(self, meta: AttentionMetadata, decodes: list[tuple[ScheduledSequence, int]],
@@ -252,11 +256,15 @@ class ModelRunner:
         """Every KV cache group's metadata into ``meta`` (group 0's): each built the same way from
         its own block tables, over the same flat rows."""
         assert self.kv_layer_groups is not None
-        bs, metas = self.block_size, [meta]
+        bs = self.block_size
+        metas: list[AttentionMetadata | StateMetadata] = [meta]
         for g in range(1, max(self.kv_layer_groups) + 1):
             def table(s: ScheduledSequence, g: int = g) -> list[int]:
                 assert s.group_block_ids is not None, "a step over KV cache groups without their block tables"
                 return s.group_block_ids[g]
+            if g in self.state_groups:
+                metas.append(_state_spans(rows, table))
+                continue
             m = self.attn_backend.build_metadata(
                 [s.num_computed_tokens + i + 1 for s, i in decodes], [table(s) for s, _ in decodes],
                 [(s.num_computed_tokens, s.num_scheduled_tokens, table(s)) for s in chunks], bs, self.device)
@@ -302,9 +310,13 @@ class ModelRunner:
         bs, n = self.block_size, len(seqs)
         tables = self.input_batch.group_tables(n)
         slots = [[s.block_ids[p // bs] * bs + p % bs for s, p in zip(seqs, positions, strict=True)]]
-        metas = [meta]
+        metas: list[AttentionMetadata | StateMetadata] = [meta]
         for g in range(1, tables.shape[0]):
             ids = [s.group_block_ids[g] for s in seqs]  # type: ignore[index]
+            if g in self.state_groups:
+                metas.append(StateMetadata([(b, 1, False, t[0]) for b, t in enumerate(ids)]))
+                slots.append([0] * n)  # (no K/V slot: the graph does not take state layers)
+                continue
             slots.append([t[p // bs] * bs + p % bs for t, p in zip(ids, positions, strict=True)])
             m = self.attn_backend.build_metadata(lens, [], [], bs, self.device, decode_table=tables[g],
                                                  seq_lens=seq_lens)
@@ -501,6 +513,20 @@ class ModelRunner:
                 pos = s.num_computed_tokens + s.num_scheduled_tokens - len(s.spec_token_ids or ()) + accepted
                 starts.append((s.seq_id, result.sampled[s.seq_id].token_id, pos, s.block_ids, k))
         return self.draft.propose(starts)
+
+
+def _state_spans(rows: list[tuple[ScheduledSequence, int]],
+                 table: Callable[[ScheduledSequence], list[int]]) -> StateMetadata:
+    """A state group's spans: each run of a sequence's flat rows, whether it starts the request, and
+    its state block (a sequence's rows are consecutive in the flat batch)."""
+    spans: list[tuple[int, int, bool, int]] = []
+    for r, (s, p) in enumerate(rows):
+        if spans and r > 0 and rows[r - 1][0] is s:
+            first, n, fresh, block = spans[-1]
+            spans[-1] = (first, n + 1, fresh, block)
+        else:
+            spans.append((r, 1, p == 0, table(s)[0]))
+    return StateMetadata(spans)
 
 
 def _logits_rows(sample_seqs: list[ScheduledSequence], last_row: dict[int, int],

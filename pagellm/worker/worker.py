@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections import OrderedDict
@@ -218,16 +219,28 @@ class Worker:
         of every layer where a feature keeps one block table per sequence: pipeline stages, a draft
         model's cache, KV transfer (or ``disable_hybrid_kv_cache_manager``)."""
         inner = model.model
-        windows = [getattr(la.self_attn, "sliding_window", None) for la in inner.layers[inner.start:inner.end]]
+        bs = self.config.cache.block_size
+        # (a state layer declares its state's shape: one MambaSpec group block per request)
+        windows: list[int | None | MambaSpec] = []
+        for la in inner.layers[inner.start:inner.end]:
+            shape = getattr(la, "state_shape", None)
+            windows.append(MambaSpec(bs, (tuple(shape),), ("cache",)) if shape is not None
+                           else getattr(la.self_attn, "sliding_window", None))
         cfg = self.config
         off = [why for why, on in (("disable_hybrid_kv_cache_manager", cfg.cache.disable_hybrid_kv_cache_manager),
                                    ("pipeline parallelism", self.pp.num_stages > 1),
                                    ("a draft model", cfg.speculative is not None and cfg.speculative.model is not None),
                                    ("KV transfer", cfg.kv_transfer is not None)) if on]
+        states = any(isinstance(w, MambaSpec) for w in windows)
+        if states and (off or cfg.speculative is not None or cfg.cache.kv_cache_dtype == "int8"):
+            why = off + (["speculative decoding"] if cfg.speculative is not None else []) \
+                + (["kv_cache_dtype='int8'"] if cfg.cache.kv_cache_dtype == "int8" else [])
+            raise ValueError(f"a model with state layers (its convolution states) does not support {', '.join(why)} "
+                             "yet")
         if off and any(w is not None for w in windows):
             logger.info("sliding-window layers keep every token's K/V (one block table for all layers): %s",
                         ", ".join(off))
-        return group_layers(windows, self.config.cache.block_size, hybrid=not off)
+        return group_layers(windows, bs, hybrid=not off)
 
     def _kv_spec(self, model: DecoderForCausalLM, numerics: Numerics, num_layers: int | None = None) -> KVCacheSpec:
         """A block's shape; ``num_layers``: the layers a page holds (all of this stage's by default)."""
@@ -318,11 +331,14 @@ class Worker:
         self.model_runner = ModelRunner(self.model, self.spec.block_size, self.device, self.attn_backend,
                                         self.tp.is_driver and self.pp.is_last)
         self.model_runner.lora = self.model_lora
-        # Each model layer's K/V tensors: its slot of the page its group's blocks index.
+        # Each model layer's K/V tensors: its slot of the page its group's blocks index (a state
+        # layer's state: a view of the same pages).
         slots = [self.kv_config.page_slot(i) for i in range(sum(len(g.layer_ids) for g in self.kv_config.groups))]
-        self.layer_caches = [self.cache_engine.kv_caches[j] for _, j in slots]
+        self.layer_caches = [self._state_view(j, spec) if isinstance(spec := self.kv_config.groups[g].spec, MambaSpec)
+                             else self.cache_engine.kv_caches[j] for g, j in slots]
         if len(self.kv_config.groups) > 1:
-            self.model_runner.set_kv_groups([g for g, _ in slots])
+            states = {g for g, group in enumerate(self.kv_config.groups) if isinstance(group.spec, MambaSpec)}
+            self.model_runner.set_kv_groups([g for g, _ in slots], states)
             self.attn_backend.share_prefixes = False
         if self.pooling is not None:
             # (a classification head's: models/bert.py)
@@ -341,6 +357,20 @@ class Worker:
             backend = select_attention_backend(self.draft_cache.kv_caches[0][0], self.dtype)
             self.model_runner.draft = DraftRunner(self.draft_model, backend, self.draft_cache.kv_caches,
                                                   self.spec.block_size, self.device, self.max_positions)
+
+    def _state_view(self, slot: int, spec: MambaSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """A state layer's ``[num_blocks, *shape]`` view of page slot ``slot``: each block's state in
+        the first elements of the block's K rows (the same bytes swaps and copies move)."""
+        assert self.cache_engine is not None
+        shape = spec.shapes[0]
+        keys = self.cache_engine.kv[slot, 0]
+        per_block = keys.view(-1, self.spec.block_size * keys.shape[1] * keys.shape[2])
+        need = math.prod(shape)
+        if need > per_block.shape[1]:
+            raise ValueError(f"a state of {shape} does not fit a block's {per_block.shape[1]} K elements: raise "
+                             "block_size")
+        view = per_block[:, :need].unflatten(1, shape)
+        return view, view
 
     def _cuda_graphs_apply(self) -> bool:
         """Whether decode steps become CUDA graphs: on a GPU unless ``enforce_eager``, for models
