@@ -87,19 +87,22 @@ def _tight(cfg, prompts, groups=1, states=0):
     raise AssertionError(cfg)
 
 
+ARCHS = ["llama", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "lfm2"]
+
+
 @pytest.fixture(scope="module")
 def baseline(ckpt_root):
     out = {}
-    for arch in ("llama", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "lfm2"):
+    for arch in ARCHS:
         path = build_tiny_checkpoint(ckpt_root, arch)
         prompts = random_prompts(10, seed=7, hi=150)
         out[arch] = (path, prompts, engine_greedy(path, prompts, MAX_TOKENS)[0])
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe",
-                                  "lfm2"])
-@pytest.mark.parametrize("config", list(CONFIGS))
+# (the hybrid layout off changes nothing for a model whose every layer attends to everything: not run there)
+@pytest.mark.parametrize("config,arch", [(c, a) for c in CONFIGS for a in ARCHS
+                                         if c != "no_hybrid_kv" or a in WINDOWED or a in STATE_GROUPS])
 def test_tiny_model_outputs_do_not_depend_on_scheduling(baseline, arch, config):
     path, prompts, ref = baseline[arch]
     if arch in STATE_GROUPS and config in ("no_hybrid_kv", "block_size_1"):
