@@ -10,20 +10,15 @@ import pytest
 from pagellm import EngineArgs, LLMEngine, SamplingParams
 from pagellm.utils import cdiv
 
-from conftest import build_tiny_checkpoint
+from conftest import build_tiny_checkpoint, run_to_completion
 from test_hf_parity import random_prompts
 
 
 def _run(engine, prompts, params):
     for i, p in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": p}, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = [o.token_ids for o in out.outputs]
-        engine.scheduler.check_invariants()
-    return [done[str(i)] for i in range(len(prompts))]
+    done = run_to_completion(engine)  # (invariants after every step)
+    return [[o.token_ids for o in done[str(i)].outputs] for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])

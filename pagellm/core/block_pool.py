@@ -155,8 +155,11 @@ class BlockPool:
         return out
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference from each block; blocks nobody holds go back to the free list."""
+        """Drop one reference from each block; blocks nobody holds go back to the free list. The
+        null block (never held) is passed over."""
         for b in blocks:
+            if b is self.null_block:
+                continue
             if b.ref_cnt <= 0:
                 raise RuntimeError(f"double free of {b}")
             b.ref_cnt -= 1
@@ -171,8 +174,11 @@ class BlockPool:
         return self.cached_block_hash_to_block.get(block_hash)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take a reference on cache hits, pulling free ones out of the free list (O(1) each)."""
+        """Take a reference on cache hits, pulling free ones out of the free list (O(1) each); the
+        null block is passed over."""
         for b in blocks:
+            if b is self.null_block:
+                continue
             if b.ref_cnt == 0:
                 self.free_block_queue.remove(b)
             b.ref_cnt += 1

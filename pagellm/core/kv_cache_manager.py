@@ -267,8 +267,9 @@ class KVCacheManager:
         counts blocks. ``tables``: where each sequence's blocks are now, per group (the device
         block tables by default; the CPU ones for a swap-in, whose blocks must then come back too)::
 
-            per request and group:  cdiv(num_computed_tokens + num_new_tokens, block_size) - len(table) - len(hits)
-                                  + 1 if the block the next token goes into is shared (copy-on-write)
+            per request and group:  cdiv(num_computed_tokens + num_new_tokens, block_size) (a state group: 1)
+                                    - len(table) - len(hits)
+                                  + 1 if the block the next token writes is shared (copy-on-write)
             once:                 + cached hits nobody holds (touching them takes them off the free list)
 
         A cached block several requests hit (sibling forks) is reclaimed once. Blocks a window is
@@ -329,7 +330,7 @@ class KVCacheManager:
         for g, tables in enumerate(self.group_tables):
             table = tables.get(seq.seq_id, [])
             if hits[g]:
-                self.block_pool.touch(b for b in hits[g] if b is not self.null_block)
+                self.block_pool.touch(hits[g])
                 table = list(hits[g])
             tables[seq.seq_id] = table
             i = self._write_index(g, seq.num_computed_tokens)
@@ -372,7 +373,7 @@ class KVCacheManager:
         """``child`` shares every block of ``parent`` in every group (one more reference each)."""
         for g, tables in enumerate(self.group_tables):
             table = tables.get(parent.seq_id, [])
-            self.block_pool.touch(b for b in table if b is not self.null_block)
+            self.block_pool.touch(table)
             tables[child.seq_id] = list(table)
             self._num_cached_blocks[g][child.seq_id] = self._num_cached_blocks[g].get(parent.seq_id, 0)
 
@@ -395,7 +396,7 @@ class KVCacheManager:
             table = tables.pop(seq.seq_id, None)
             self._num_cached_blocks[g].pop(seq.seq_id, None)
             if table:
-                self.block_pool.free_blocks(b for b in reversed(table) if b is not self.null_block)
+                self.block_pool.free_blocks(reversed(table))
         self.free_swapped(seq)
 
     # ------------------------------------------------------------------ swapping
@@ -471,7 +472,7 @@ class KVCacheManager:
                         dst_pool.touch([d])
                     dst.append(d)
                 dst_tables[seq.seq_id] = dst
-                src_pool.free_blocks(b for b in reversed(src) if b is not src_pool.null_block)
+                src_pool.free_blocks(reversed(src))
         return pairs
 
     def _cached_on_device(self, seq: Sequence, i: int, group: int) -> KVCacheBlock | None:
@@ -485,7 +486,7 @@ class KVCacheManager:
         for tables in self.cpu_group_tables:
             table = tables.pop(seq.seq_id, None)
             if table:
-                self.cpu_pool.free_blocks(b for b in reversed(table) if b is not self.cpu_pool.null_block)
+                self.cpu_pool.free_blocks(reversed(table))
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self, live_seq_ids: set[int] | None = None, swapped_seq_ids: set[int] | None = None) -> None:

@@ -294,7 +294,7 @@ class ModelRunner:
                                                 seq_lens=seq_lens)
         meta.slot_mapping = slot_mapping
         if self.kv_layer_groups is not None:
-            self._group_decodes(meta, seqs, positions, lens, seq_lens)
+            self._group_decodes(meta, seqs, positions, slots, lens, seq_lens)
         rows = [b for b, s in enumerate(seqs) if s.do_sample]
         sample_seqs = [seqs[b] for b in rows]
         batch = FlatBatch(input_ids, pos, meta, lens, [s.block_ids for s in seqs], [], rows, sample_seqs,
@@ -304,12 +304,12 @@ class ModelRunner:
         return batch
 
     def _group_decodes(self, meta: AttentionMetadata, seqs: list[ScheduledSequence], positions: list[int],
-                       lens: list[int], seq_lens: torch.Tensor) -> None:
+                       group0_slots: list[int], lens: list[int], seq_lens: torch.Tensor) -> None:
         """Plain decodes over KV cache groups: each group's metadata over its rows of the persistent
         batch (in the same order), and all groups' slots and tables for the decode graph."""
         bs, n = self.block_size, len(seqs)
         tables = self.input_batch.group_tables(n)
-        slots = [[s.block_ids[p // bs] * bs + p % bs for s, p in zip(seqs, positions, strict=True)]]
+        slots = [group0_slots]
         metas: list[AttentionMetadata | StateMetadata] = [meta]
         for g in range(1, tables.shape[0]):
             ids = [s.group_block_ids[g] for s in seqs]  # type: ignore[index]
