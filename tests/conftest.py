@@ -44,6 +44,12 @@ ARCH_CONFIGS = {
     "lfm2": dict(model_type="lfm2", architectures=["Lfm2ForCausalLM"], num_hidden_layers=6, conv_L_cache=3,
                  layer_types=["conv", "conv", "full_attention", "conv", "conv", "full_attention"], norm_eps=1e-5,
                  block_auto_adjust_ff_dim=False),
+    # Qwen3.5: three gated-DeltaNet layers to one gated attention layer (GQA 2:1 in the DeltaNet's
+    # heads too), rotary on a quarter of each head; its zero-centred norms made random (below).
+    "qwen3_5": dict(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], num_hidden_layers=4,
+                    head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"]),
     # Phi-4-mini's partial rotary and Phi-3.5's longrope (trained length 512 here), a window that binds.
     "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], sliding_window=40, head_dim=16,
                  original_max_position_embeddings=512,
@@ -172,6 +178,12 @@ def build_tiny_checkpoint(root: str, arch: str, tie: bool = False, **overrides) 
     config = transformers.AutoConfig.for_model(model_type, **base)
     torch.manual_seed(1234)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if model_type == "qwen3_5_text":
+        # (HF starts its norms at identity: random ones, so that the tests see each norm's weight)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.add_(torch.randn_like(p) * 0.3)
     tok = transformers.AutoTokenizer.from_pretrained(_tokenizer_dir(root))  # (first: config.json marks it done)
     tok.save_pretrained(path)
     model.save_pretrained(path, safe_serialization=True)

@@ -97,8 +97,10 @@ class LLMEngine:
             self.executor.shutdown()  # no worker process outlives a failed start-up
             raise
         self.tokenizer = tokenizer or Tokenizer(self.source, config.model.tokenizer, chat_template)
-        self.block_size = config.cache.block_size
         info = self.model_info
+        if info.block_size and info.block_size != config.cache.block_size:  # (raised for a model's states)
+            self.config = config = replace(config, cache=replace(config.cache, block_size=info.block_size))
+        self.block_size = config.cache.block_size
         if info.is_encoder:
             self.config = config = _encoder_config(config, info.architecture)
         self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching,

@@ -31,6 +31,8 @@ ARCHITECTURES = (
     Architecture("Gemma2ForCausalLM", "gemma", "gemma2", "gemma2", "Gemma2Config", "Gemma2Model", llava_text=True),
     Architecture("Gemma3ForCausalLM", "gemma", "gemma3_text", "gemma3", "Gemma3TextConfig"),
     Architecture("Lfm2ForCausalLM", "lfm2", "lfm2", hf_config="Lfm2Config", base_model="Lfm2Model"),
+    Architecture("Qwen3_5ForCausalLM", "qwen3_5", "qwen3_5_text", hf_config="Qwen3_5TextConfig",
+                 base_model="Qwen3_5TextModel"),
     # llama.cpp writes Mixtral as "llama" with experts (weights/gguf_file.py).
     Architecture("MixtralForCausalLM", "moe", "mixtral", hf_config="MixtralConfig"),
     Architecture("Qwen2MoeForCausalLM", "moe", "qwen2_moe", "qwen2moe", "Qwen2MoeConfig"),

@@ -91,6 +91,12 @@ def model_sliding_window(model: nn.Module) -> int | None:
     return max(w for w in windows if w is not None)
 
 
+def state_shapes(layer: nn.Module) -> tuple[tuple[tuple[int, ...], str], ...]:
+    """A state layer's states per request, ``(shape, dtype)`` each (``"cache"``: the K/V cache's
+    dtype); ``()`` for an attention layer. The worker gives them a ``MambaSpec`` group's block."""
+    return tuple(getattr(layer, "state_shapes", ()))
+
+
 def rope_layer_type(config: Any, layer: int) -> str | None:
     """The key of ``layer``'s rotary table: its ``layer_types`` entry where the config keys rope
     parameters by layer type (Gemma 3's local and global bases), else ``None`` (one table)."""

@@ -96,9 +96,9 @@ class Lfm2ConvLayer(nn.Module):
         self.mlp = MLP(config, tp)
 
     @property
-    def state_shape(self) -> tuple[int, ...]:
-        """The shape of this layer's state per request (the worker makes it a ``MambaSpec`` group)."""
-        return self.conv.state_shape
+    def state_shapes(self) -> tuple[tuple[tuple[int, ...], str], ...]:
+        """This layer's state per request, in the cache's dtype (``decoder.state_shapes``)."""
+        return ((self.conv.state_shape, "cache"),)
 
     def forward(self, rope, x, residual, kv_cache, meta):
         x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)

@@ -9,11 +9,12 @@ import math
 import os
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from pagellm.attention import select_attention_backend
+from pagellm.attention.kv_quant import cache_head_dim
 from pagellm.config import CUDA_ONE_GPU, EngineConfig, default_num_threads, resolve_model_source
 from pagellm.core.kv_cache_spec import KVCacheConfig, MambaSpec, group_layers
 from pagellm.core.scheduler_output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
@@ -25,8 +26,9 @@ from pagellm.layers.pooler import Pooler
 from pagellm.lora.adapter import LoRAAdapter, load_adapter
 from pagellm.lora.layers import ModelLoRA, module_shapes
 from pagellm.lora_request import AdapterSpec
-from pagellm.models.decoder import DecoderForCausalLM, model_sliding_window
+from pagellm.models.decoder import DecoderForCausalLM, model_sliding_window, state_shapes
 from pagellm.pooling_params import PoolingInfo
+from pagellm.utils import cdiv
 from pagellm.weights.loader import end_of_generation_ids
 from pagellm.worker.cache_engine import (
     CacheEngine,
@@ -71,6 +73,8 @@ class ModelInfo:
     end_of_generation_ids: tuple[int, ...] = ()  # the checkpoint's own (weights/loader.py), EOS aside
     # The KV cache's layer groups (core/kv_cache_spec.py): the engine's KVCacheManager takes them.
     kv_cache_config: KVCacheConfig | None = None
+    # Tokens per block: the configured size, or more where a state layer's state needs a larger page.
+    block_size: int = 0
 
 
 class Worker:
@@ -143,6 +147,7 @@ class Worker:
         arch = hf_config.architectures[0]
         text_config = hf_config.get_text_config()  # (a vision-language model's decoder)
         self.model = model
+        self._fit_block_size_to_states(model)
         self.kv_config = self._kv_cache_config(model)
         self.spec = self._kv_spec(model, self.numerics, self.kv_config.layers_per_page)
         self.kv_fp = self._kv_fingerprint(loaded.path, arch)
@@ -181,6 +186,7 @@ class Worker:
             pooling=self.pooling,
             end_of_generation_ids=eog_ids,
             kv_cache_config=self.kv_config,
+            block_size=self.config.cache.block_size,
         )
 
     def _kv_fingerprint(self, path: str, arch: str) -> bytes:
@@ -223,9 +229,9 @@ class Worker:
         # (a state layer declares its state's shape: one MambaSpec group block per request)
         windows: list[int | None | MambaSpec] = []
         for la in inner.layers[inner.start:inner.end]:
-            shape = getattr(la, "state_shape", None)
-            windows.append(MambaSpec(bs, (tuple(shape),), ("cache",)) if shape is not None
-                           else getattr(la.self_attn, "sliding_window", None))
+            layer_states = state_shapes(la)
+            windows.append(MambaSpec(bs, tuple(shape for shape, _ in layer_states), tuple(d for _, d in layer_states))
+                           if layer_states else getattr(la.self_attn, "sliding_window", None))
         cfg = self.config
         off = [why for why, on in (("disable_hybrid_kv_cache_manager", cfg.cache.disable_hybrid_kv_cache_manager),
                                    ("pipeline parallelism", self.pp.num_stages > 1),
@@ -235,8 +241,8 @@ class Worker:
         if states and (off or cfg.speculative is not None or cfg.cache.kv_cache_dtype == "int8"):
             why = off + (["speculative decoding"] if cfg.speculative is not None else []) \
                 + (["kv_cache_dtype='int8'"] if cfg.cache.kv_cache_dtype == "int8" else [])
-            raise ValueError(f"a model with state layers (its convolution states) does not support {', '.join(why)} "
-                             "yet")
+            raise ValueError("a model with state layers (convolution or recurrent states) does not support "
+                             f"{', '.join(why)} yet")
         if off and any(w is not None for w in windows):
             logger.info("sliding-window layers keep every token's K/V (one block table for all layers): %s",
                         ", ".join(off))
@@ -359,18 +365,41 @@ class Worker:
                                                   self.spec.block_size, self.device, self.max_positions)
 
     def _state_view(self, slot: int, spec: MambaSpec) -> tuple[torch.Tensor, torch.Tensor]:
-        """A state layer's ``[num_blocks, *shape]`` view of page slot ``slot``: each block's state in
-        the first elements of the block's K rows (the same bytes swaps and copies move)."""
+        """A state layer's states, each ``[num_blocks, *shape]`` of its dtype: state ``i`` in the
+        first bytes of each block's K (``i = 0``) or V (``i = 1``) rows of page slot ``slot`` (the
+        same bytes swaps and copies move; ``_fit_block_size_to_states`` made them fit). A layer's
+        one state comes twice (the pair a layer's cache is)."""
         assert self.cache_engine is not None
-        shape = spec.shapes[0]
-        keys = self.cache_engine.kv[slot, 0]
-        per_block = keys.view(-1, self.spec.block_size * keys.shape[1] * keys.shape[2])
-        need = math.prod(shape)
-        if need > per_block.shape[1]:
-            raise ValueError(f"a state of {shape} does not fit a block's {per_block.shape[1]} K elements: raise "
-                             "block_size")
-        view = per_block[:, :need].unflatten(1, shape)
-        return view, view
+        views = []
+        for i, (shape, dtype) in enumerate(zip(spec.shapes, spec.dtypes, strict=True)):
+            rows = self.cache_engine.kv[slot, i]
+            per_block = rows.view(-1, self.spec.block_size * rows.shape[1] * rows.shape[2])
+            if dtype != "cache":
+                per_block = per_block.view(DTYPES[dtype])
+            views.append(per_block[:, :math.prod(shape)].unflatten(1, shape))
+        return views[0], views[-1]
+
+    def _fit_block_size_to_states(self, model: DecoderForCausalLM) -> None:
+        """Raise ``block_size`` where a state layer's state (one per half of its page slot: K rows,
+        then V rows) needs more bytes than a block of attention K/V holds, as vLLM sizes hybrid
+        models' attention blocks to their state pages: to a multiple of 16 tokens."""
+        inner = model.model
+        states = [s for la in inner.layers[inner.start:inner.end] for s in [state_shapes(la)] if s]
+        if not states:
+            return
+        if any(len(s) > 2 for s in states):
+            raise ValueError("a state layer has more than two states (a page slot holds one in K, one in V)")
+        cache_dtype = self._kv_cache_dtype(self.numerics)
+        attn = inner.first_layer.self_attn
+        token_bytes = attn.num_kv_heads * cache_head_dim(attn.head_dim, cache_dtype) * cache_dtype.itemsize
+        itemsize = {"cache": cache_dtype.itemsize} | {k: v.itemsize for k, v in DTYPES.items()}
+        need = max(cdiv(math.prod(shape) * itemsize[dtype], token_bytes) for s in states for shape, dtype in s)
+        cache = self.config.cache
+        if need > cache.block_size:
+            size = cdiv(need, 16) * 16
+            logger.info("block_size raised from %d to %d tokens: a block's page must hold a state layer's state "
+                        "(%d bytes)", cache.block_size, size, need * token_bytes)
+            self.config = replace(self.config, cache=replace(cache, block_size=size))
 
     def _cuda_graphs_apply(self) -> bool:
         """Whether decode steps become CUDA graphs: on a GPU unless ``enforce_eager``, for models

@@ -1,0 +1,92 @@
+"""State layers' per-token kernels on CPU float32 tensors (``linear_attention.c``): a causal
+depthwise convolution over each sequence's convolution state, and the gated delta rule (Qwen3.5's
+gated DeltaNet) over its recurrent state. Their PyTorch equivalents are the layers' native paths
+(``models/qwen3_5.py``), which ``tests/test_linear_attention.py`` compares them against.
+
+``spans``: a step's sequences as ``(first flat row, rows, fresh, state block)`` each
+(``attention.metadata.StateMetadata``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from pagellm import kernels
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES: kernels.Signatures = {
+    "causal_conv_f32": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int]),
+    "gated_delta_rule_f32": (None, [_P, _P, _P, _P, _I, _P, _P, _P, _F, _P, _I, _P, _I, _I, _I, _I, _I, _P]),
+}
+MAX_TAPS, MAX_HEAD = 17, 512  # (the kernels' stack buffers)
+
+
+def _lib() -> ctypes.CDLL:
+    lib = kernels.load("linear_attention", _SIGNATURES)
+    assert lib is not None, "check available() first"
+    return lib
+
+
+def available() -> bool:
+    """Build (once) and load the library; ``False`` when disabled or impossible."""
+    return kernels.load("linear_attention", _SIGNATURES) is not None
+
+
+def _spans(spans: list[tuple[int, int, bool, int]]) -> torch.Tensor:
+    return torch.tensor([[r, n, int(f), b] for r, n, f, b in spans], dtype=torch.int64)
+
+
+def _check(t: torch.Tensor, name: str, dim: int) -> None:
+    if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != dim or t.stride(-1) != 1:
+        raise ValueError(f"{name} must be a CPU float32 {dim}-D tensor with a contiguous last dimension")
+
+
+def _blocks_apart(state: torch.Tensor) -> bool:
+    """Whether each block's state is contiguous (blocks any stride apart: views of the K/V pages)."""
+    return state.dtype == torch.float32 and state.device.type == "cpu" and state[0].is_contiguous()
+
+
+def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
+                spans: list[tuple[int, int, bool, int]], silu: bool) -> torch.Tensor:
+    """``x [T, C]`` (rows strided allowed) convolved along each span's rows by ``weight [C, taps]``
+    after its ``state [blocks, C, taps - 1]`` (zeros where fresh), SiLU after where ``silu``; the
+    states rewritten. Returns ``[T, C]``."""
+    _check(x, "x", 2)
+    c, taps = weight.shape
+    if taps > MAX_TAPS or not _blocks_apart(state) or state.shape[1:] != (c, taps - 1):
+        raise ValueError(f"state must be a float32 [blocks, {c}, {taps - 1}], each block's contiguous "
+                         f"(taps <= {MAX_TAPS})")
+    out = torch.empty(x.shape[0], c, dtype=torch.float32)
+    sp = _spans(spans)
+    w = weight.float().contiguous()
+    _lib().causal_conv_f32(x.data_ptr(), x.stride(0), state.data_ptr(), state.stride(0), w.data_ptr(),
+                           out.data_ptr(), sp.data_ptr(), len(spans), c, taps, int(silu))
+    return out
+
+
+def gated_delta_rule(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor,
+                     dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float, state: torch.Tensor,
+                     spans: list[tuple[int, int, bool, int]], num_k_heads: int) -> torch.Tensor:
+    """The gated delta rule over each span's tokens in order, and its gated RMSNorm:
+    ``mixed [T, 2 Hk K + Hv V]`` the convolved ``q | k | v``; ``z [T, Hv V]``, ``b, a [T, Hv]`` views
+    of one projection's rows (one row stride); ``state [blocks, Hv, K, V]`` (each block's contiguous)
+    read and rewritten.
+    Returns ``[T, Hv V]``."""
+    hv, k_dim, v_dim = state.shape[1:]
+    for t, name in ((mixed, "mixed"), (z, "z"), (b, "b"), (a, "a")):
+        _check(t, name, 2)
+    if not mixed.is_contiguous() or mixed.shape[1] != 2 * num_k_heads * k_dim + hv * v_dim:
+        raise ValueError("mixed must be a contiguous [T, 2 Hk K + Hv V]")
+    if not (z.stride(0) == b.stride(0) == a.stride(0)):
+        raise ValueError("z, b and a must share one row stride (views of one projection's rows)")
+    if not _blocks_apart(state) or max(k_dim, v_dim) > MAX_HEAD:
+        raise ValueError(f"state must be a float32 [blocks, Hv, K, V], each block's contiguous (K, V <= {MAX_HEAD})")
+    out = torch.empty(mixed.shape[0], hv * v_dim, dtype=torch.float32)
+    sp = _spans(spans)
+    f32 = [p.float().contiguous() for p in (a_log, dt_bias, norm_weight)]
+    _lib().gated_delta_rule_f32(mixed.data_ptr(), z.data_ptr(), b.data_ptr(), a.data_ptr(), z.stride(0),
+                                *(p.data_ptr() for p in f32), eps, state.data_ptr(), state.stride(0), sp.data_ptr(),
+                                len(spans), num_k_heads, hv, k_dim, v_dim, out.data_ptr())
+    return out

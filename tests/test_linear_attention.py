@@ -1,0 +1,149 @@
+"""The state layers' CPU kernels (kernels/linear_attention.c) against a float64 formula written here
+and the layers' PyTorch path: the same values, and one token's bits whatever the step around it
+(alone or batched with other sequences, one chunk or split across steps)."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from pagellm.kernels import linear_attention as la
+
+from conftest import require_cpu_kernel
+
+HK, HV, K, V, TAPS = 2, 4, 16, 24, 4
+CONV = 2 * HK * K + HV * V
+WIDTH = CONV + HV * V + 2 * HV  # one in-projection row: qkv | z | b | a
+
+
+def _params(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return dict(w=torch.randn(CONV, TAPS, generator=g) * 0.5, a_log=torch.rand(HV, generator=g) * 2 - 1,
+                dt_bias=torch.randn(HV, generator=g), norm_w=1 + 0.3 * torch.randn(V, generator=g))
+
+
+def _proj(t: int, seed: int) -> torch.Tensor:
+    return torch.randn(t, WIDTH, generator=torch.Generator().manual_seed(seed))
+
+
+def _parts(proj: torch.Tensor):
+    return proj.split([CONV, HV * V, HV, HV], dim=-1)
+
+
+def _reference(proj: torch.Tensor, p) -> torch.Tensor:
+    """One sequence from zero states, in float64, the formula of HF's recurrent form written out."""
+    qkv, z, b, a = (x.double() for x in _parts(proj))
+    w = p["w"].double()
+    xp = torch.cat([torch.zeros(TAPS - 1, CONV, dtype=torch.float64), qkv])
+    conv = torch.stack([(xp[t:t + TAPS].T * w).sum(-1) for t in range(qkv.shape[0])])
+    mixed = conv * torch.sigmoid(conv)
+    s = torch.zeros(HV, K, V, dtype=torch.float64)
+    out = []
+    for t in range(qkv.shape[0]):
+        q, k, v = mixed[t].split([HK * K, HK * K, HV * V])
+        q = F.normalize(q.view(HK, K), dim=-1, eps=0).repeat_interleave(HV // HK, 0) / K ** 0.5
+        k = F.normalize(k.view(HK, K), dim=-1, eps=0).repeat_interleave(HV // HK, 0)
+        v = v.view(HV, V)
+        decay = torch.exp(-torch.exp(p["a_log"].double()) * F.softplus(a[t] + p["dt_bias"].double()))
+        beta = torch.sigmoid(b[t])
+        s = s * decay[:, None, None]
+        s = s + k[:, :, None] * ((v - torch.einsum("hkv,hk->hv", s, k)) * beta[:, None])[:, None, :]
+        o = torch.einsum("hkv,hk->hv", s, q)
+        o = o / torch.sqrt((o * o).mean(-1, keepdim=True) + 1e-6) * p["norm_w"].double()
+        zt = z[t].view(HV, V)
+        out.append((o * zt * torch.sigmoid(zt)).reshape(-1))
+    return torch.stack(out)
+
+
+def _kernel(proj: torch.Tensor, p, spans, states=None):
+    """The kernels over ``spans`` of ``proj``'s rows; returns the output and the states."""
+    blocks = 1 + max(s[3] for s in spans)
+    rec, conv = states if states is not None else (torch.zeros(blocks, HV, K, V), torch.zeros(blocks, CONV, TAPS - 1))
+    qkv, z, b, a = _parts(proj)
+    mixed = la.causal_conv(qkv, conv, p["w"], spans, silu=True)
+    out = la.gated_delta_rule(mixed, z, b, a, p["a_log"], p["dt_bias"], p["norm_w"], 1e-6, rec, spans, HK)
+    return out, (rec, conv)
+
+
+def test_kernels_match_a_float64_formula():
+    require_cpu_kernel(la.available, "linear-attention kernels")
+    p = _params()
+    proj = _proj(37, seed=1)
+    got, _ = _kernel(proj, p, [(0, 37, True, 0)])
+    ref = _reference(proj, p)
+    assert torch.allclose(got.double(), ref, atol=2e-5, rtol=1e-4), float((got.double() - ref).abs().max())
+
+
+def test_the_convolution_is_the_pytorch_paths_bits():
+    """Without the SiLU, the kernel's convolution is the layer's PyTorch sums in their order."""
+    require_cpu_kernel(la.available, "linear-attention kernels")
+    p = _params()
+    x = _proj(9, seed=2)[:, :CONV]  # (rows strided, as the projection's)
+    state = torch.randn(3, CONV, TAPS - 1)
+    spans = [(0, 5, False, 2), (5, 4, True, 0)]
+    ref_state = state.clone()
+    ref = torch.empty(9, CONV)
+    for row0, n, fresh, block in spans:  # (the layer's native sums, written out)
+        xp = torch.cat([torch.zeros(TAPS - 1, CONV) if fresh else ref_state[block].t(), x[row0:row0 + n]])
+        acc = xp[0:n] * p["w"][:, 0]
+        for j in range(1, TAPS):
+            acc = acc + xp[j:j + n] * p["w"][:, j]
+        ref[row0:row0 + n] = acc
+        ref_state[block] = xp[n:].t()
+    got = la.causal_conv(x, state, p["w"], spans, silu=False)
+    assert torch.equal(got, ref) and torch.equal(state, ref_state)
+
+
+def test_a_tokens_bits_do_not_depend_on_the_step_around_it():
+    """Three sequences in one step, each alone, and each split into chunks over several steps (the
+    states carried in their blocks between them): the same output and state bits."""
+    require_cpu_kernel(la.available, "linear-attention kernels")
+    p = _params(3)
+    lens = [23, 1, 9]
+    proj = _proj(sum(lens), seed=4)
+    rows = [sum(lens[:i]) for i in range(3)]
+    spans = [(rows[i], lens[i], True, 2 * i + 1) for i in range(3)]
+    together, (rec, conv) = _kernel(proj, p, spans)
+    for i, (r0, n, _, block) in enumerate(spans):
+        alone, (rec1, conv1) = _kernel(proj[r0:r0 + n], p, [(0, n, True, block)])
+        assert torch.equal(alone, together[r0:r0 + n]), f"sequence {i} alone"
+        assert torch.equal(rec1[block], rec[block]) and torch.equal(conv1[block], conv[block])
+        # the same tokens in chunks of up to 5 per step, the last two steps single decodes
+        cuts = sorted({0, n, *range(0, n, 5), max(n - 2, 0), max(n - 1, 0)})
+        states, outs = None, []
+        for c0, c1 in itertools.pairwise(cuts):
+            out, states = _kernel(proj[r0 + c0:r0 + c1], p, [(0, c1 - c0, c0 == 0, block)], states)
+            outs.append(out)
+        assert torch.equal(torch.cat(outs), together[r0:r0 + n]), f"sequence {i} in chunks"
+        assert torch.equal(states[0][block], rec[block]) and torch.equal(states[1][block], conv[block])
+
+
+def test_the_layers_pytorch_path_matches_the_kernels():
+    """The PyTorch path (the layer's off the CPU kernels) against the kernels on the same step."""
+    require_cpu_kernel(la.available, "linear-attention kernels")
+    from types import SimpleNamespace
+
+    from pagellm.attention.metadata import StateMetadata
+    from pagellm.distributed import TensorParallelGroup
+    from pagellm.models.qwen3_5 import GatedDeltaNet
+
+    cfg = SimpleNamespace(hidden_size=32, linear_num_key_heads=HK, linear_num_value_heads=HV, linear_key_head_dim=K,
+                          linear_value_head_dim=V, linear_conv_kernel_dim=TAPS, rms_norm_eps=1e-6)
+    layer = GatedDeltaNet(cfg, TensorParallelGroup())
+    p = _params(5)
+    with torch.no_grad():
+        layer.conv_weight.copy_(p["w"])
+        layer.A_log.copy_(p["a_log"])
+        layer.dt_bias.copy_(p["dt_bias"])
+        layer.norm.weight.copy_(p["norm_w"])
+    proj = _proj(12, seed=6)
+    spans = [(0, 7, True, 0), (7, 1, False, 1), (8, 4, True, 2)]
+    states = (torch.randn(3, HV, K, V) * 0.1, torch.randn(3, CONV, TAPS - 1))
+    native_states = tuple(s.clone() for s in states)
+    got, states = _kernel(proj, p, spans, states)
+    ref = layer.forward_native(*_parts(proj), native_states, StateMetadata(spans))
+    assert torch.allclose(got, ref, atol=2e-5, rtol=1e-4), float((got - ref).abs().max())
+    for a, b in zip(states, native_states, strict=True):
+        assert torch.allclose(a, b, atol=2e-5, rtol=1e-4)
