@@ -50,6 +50,11 @@ ARCH_CONFIGS = {
                     head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                     linear_value_head_dim=16, linear_conv_kernel_dim=4,
                     layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"]),
+    "qwen3_5_moe": dict(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"], num_hidden_layers=4,
+                        head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=48, shared_expert_intermediate_size=96,
+                        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"]),
     # Phi-4-mini's partial rotary and Phi-3.5's longrope (trained length 512 here), a window that binds.
     "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], sliding_window=40, head_dim=16,
                  original_max_position_embeddings=512,
@@ -178,7 +183,7 @@ def build_tiny_checkpoint(root: str, arch: str, tie: bool = False, **overrides) 
     config = transformers.AutoConfig.for_model(model_type, **base)
     torch.manual_seed(1234)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if model_type == "qwen3_5_text":
+    if model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
         # (HF starts its norms at identity: random ones, so that the tests see each norm's weight)
         with torch.no_grad():
             for name, p in model.named_parameters():

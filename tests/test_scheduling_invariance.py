@@ -41,7 +41,7 @@ WINDOWED = {"mistral", "phi3", *KV_GROUPS}
 
 # And those with state groups: one block per request in each (LFM2's two groups of convolutions,
 # Qwen3.5's three of gated DeltaNet).
-STATE_GROUPS = {"lfm2": 2, "qwen3_5": 3}
+STATE_GROUPS = {"lfm2": 2, "qwen3_5": 3, "qwen3_5_moe": 3}
 
 
 def _tight_blocks(prompts, block_size=16, groups=1, states=0):
@@ -88,7 +88,8 @@ def _tight(cfg, prompts, groups=1, states=0):
     raise AssertionError(cfg)
 
 
-ARCHS = ["llama", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "lfm2", "qwen3_5"]
+ARCHS = ["llama", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "lfm2", "qwen3_5",
+         "qwen3_5_moe"]
 
 
 @pytest.fixture(scope="module")

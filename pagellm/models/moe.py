@@ -44,7 +44,7 @@ class MoeForCausalLM(DecoderForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded_elsewhere: Iterable[str] = ()) -> None:
         experts = {i: m.mlp.experts for i, m in enumerate(self.model.layers)
-                   if isinstance(m, DecoderLayer) and isinstance(m.mlp, SparseMoeBlock)}
+                   if isinstance(getattr(m, "mlp", None), SparseMoeBlock)}
         got: set[tuple[int, int, str, int | None]] = set()
 
         def others() -> Iterator[tuple[str, Any]]:

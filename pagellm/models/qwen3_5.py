@@ -1,4 +1,4 @@
-"""Qwen3.5 (and Qwen3-Next's layout): gated DeltaNet layers between gated full-attention layers.
+"""Qwen3.5 and Qwen3.5-MoE (Qwen3-Next's layout): gated DeltaNet layers between gated full-attention layers.
 
 A DeltaNet layer (linear attention) projects its input to ``q, k, v`` (one ``in_proj_qkv``), an
 output gate ``z`` and per-head ``b, a``; convolves ``q, k, v`` along the sequence, one channel at
@@ -39,9 +39,11 @@ from pagellm.attention import AttentionMetadata
 from pagellm.attention.metadata import StateMetadata
 from pagellm.distributed import TensorParallelGroup
 from pagellm.kernels import linear_attention
+from pagellm.layers.moe import SparseMoeBlock
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from pagellm.models.decoder import MLP, Attention, DecoderForCausalLM, DecoderLayer
+from pagellm.models.moe import MoeForCausalLM
 
 
 def _decoder_config(config: Any) -> Any:
@@ -234,7 +236,7 @@ class GatedDeltaNetLayer(nn.Module):
         x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
         x = self.linear_attn(x, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x, reuse_input=True), residual
+        return (self.mlp(x, reuse_input=True) if isinstance(self.mlp, MLP) else self.mlp(x)), residual
 
 
 def qwen3_5_layer(config: Any, qkv_bias: bool, qk_norm: bool, tp: TensorParallelGroup, layer: int = 0) -> nn.Module:
@@ -242,6 +244,14 @@ def qwen3_5_layer(config: Any, qkv_bias: bool, qk_norm: bool, tp: TensorParallel
     if config.layer_types[layer] == "linear_attention":
         return GatedDeltaNetLayer(config, tp)
     return Qwen3_5AttentionLayer(config, qkv_bias, True, tp, layer)
+
+
+def qwen3_5_moe_layer(config: Any, qkv_bias: bool, qk_norm: bool, tp: TensorParallelGroup,
+                      layer: int = 0) -> nn.Module:
+    """Qwen3.5-MoE's layer ``layer``: Qwen3.5's, its MLP a mixture of experts with a shared expert."""
+    la = qwen3_5_layer(config, qkv_bias, qk_norm, tp, layer)
+    la.mlp = SparseMoeBlock(config, tp, MLP)
+    return la
 
 
 # Zero-centred norms: HF multiplies by ``1 + weight`` (the DeltaNet's gated norm by its weight).
@@ -272,3 +282,9 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded_elsewhere: Iterable[str] = ()) -> None:
         super().load_weights(_renamed(weights), loaded_elsewhere)
+
+
+class Qwen3_5MoeForCausalLM(MoeForCausalLM, Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE: every layer's MLP routed (top-k renormalised) beside a gated shared expert."""
+
+    layer_cls = staticmethod(qwen3_5_moe_layer)  # type: ignore[assignment]
