@@ -43,8 +43,8 @@ class MoeForCausalLM(DecoderForCausalLM):
     layer_cls = MoeDecoderLayer
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded_elsewhere: Iterable[str] = ()) -> None:
-        experts = {i: m.mlp.experts for i, m in enumerate(self.model.layers)
-                   if isinstance(getattr(m, "mlp", None), SparseMoeBlock)}
+        experts = {i: mlp.experts for i, m in enumerate(self.model.layers)
+                   if isinstance(mlp := getattr(m, "mlp", None), SparseMoeBlock)}
         got: set[tuple[int, int, str, int | None]] = set()
 
         def others() -> Iterator[tuple[str, Any]]:
