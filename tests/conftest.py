@@ -55,6 +55,14 @@ ARCH_CONFIGS = {
                         linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=48, shared_expert_intermediate_size=96,
                         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"]),
+    # Granite 4: Mamba2 layers (4 heads of 32 features, 2 groups of B/C) around a NoPE attention
+    # layer, a shared MLP beside routed experts on every layer, muP multipliers that bind.
+    "granite4": dict(model_type="granitemoehybrid", architectures=["GraniteMoeHybridForCausalLM"],
+                     num_hidden_layers=4, head_dim=64, layer_types=["mamba", "mamba", "attention", "mamba"],
+                     mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4,
+                     mamba_expand=2, shared_intermediate_size=96, intermediate_size=48, num_local_experts=4,
+                     num_experts_per_tok=2, embedding_multiplier=4.0, residual_multiplier=0.5,
+                     attention_multiplier=0.3, logits_scaling=2.0),
     # Phi-4-mini's partial rotary and Phi-3.5's longrope (trained length 512 here), a window that binds.
     "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], sliding_window=40, head_dim=16,
                  original_max_position_embeddings=512,
@@ -183,11 +191,11 @@ def build_tiny_checkpoint(root: str, arch: str, tie: bool = False, **overrides) 
     config = transformers.AutoConfig.for_model(model_type, **base)
     torch.manual_seed(1234)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
-        # (HF starts its norms at identity: random ones, so that the tests see each norm's weight)
+    if model_type in ("qwen3_5_text", "qwen3_5_moe_text", "granitemoehybrid"):
+        # (HF starts these at constants, its norms at identity: random ones, so that the tests see each)
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if "norm" in name:
+                if "norm" in name or name.endswith((".D", ".dt_bias")):
                     p.add_(torch.randn_like(p) * 0.3)
     tok = transformers.AutoTokenizer.from_pretrained(_tokenizer_dir(root))  # (first: config.json marks it done)
     tok.save_pretrained(path)

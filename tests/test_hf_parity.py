@@ -82,7 +82,7 @@ def random_prompts(n: int, seed: int, vocab: int = 49152, lo: int = 1, hi: int =
     ("mistral", False, False), ("gemma2", True, False), ("gemma3", True, False),
     ("mixtral", False, False), ("qwen2_moe", False, False), ("qwen3_moe", True, True),
     ("lfm2", False, False), ("lfm2", True, False), ("qwen3_5", False, False), ("qwen3_5", True, False),
-    ("qwen3_5_moe", False, False),
+    ("qwen3_5_moe", False, False), ("granite4", False, False),
 ])
 def test_tiny_random_models_match_hf(ckpt_root, arch, tie, shard):
     path = build_tiny_checkpoint(ckpt_root, arch, tie=tie)
@@ -111,6 +111,7 @@ def test_tiny_random_models_match_hf(ckpt_root, arch, tie, shard):
     ("gemma2", dict(num_key_value_heads=4, head_dim=24, query_pre_attn_scalar=24)),
     ("gemma3", dict(num_key_value_heads=1, head_dim=40, query_pre_attn_scalar=40)),
     ("qwen3_moe", dict(num_key_value_heads=4, head_dim=48)),
+    ("granite4", dict(num_key_value_heads=1, num_local_experts=0)),  # (and Granite 4's dense hybrids)
 ])
 def test_gqa_ratios_and_odd_head_sizes_match_hf(ckpt_root, arch, overrides):
     path = build_tiny_checkpoint(os.path.join(ckpt_root, "gqa-odd"), arch, **overrides)

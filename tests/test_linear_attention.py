@@ -147,3 +147,97 @@ def test_the_layers_pytorch_path_matches_the_kernels():
     assert torch.allclose(got, ref, atol=2e-5, rtol=1e-4), float((got - ref).abs().max())
     for a, b in zip(states, native_states, strict=True):
         assert torch.allclose(a, b, atol=2e-5, rtol=1e-4)
+
+
+# Mamba2 (Granite 4): 4 heads of 8 features in 2 groups of B/C, a 6-wide state.
+MH, MP, MN, MG = 4, 8, 6, 2
+MCONV = MH * MP + 2 * MG * MN
+
+
+def _mamba_params(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return dict(a_log=torch.rand(MH, generator=g) * 2, dt_bias=torch.randn(MH, generator=g),
+                d=1 + 0.3 * torch.randn(MH, generator=g), norm_w=1 + 0.3 * torch.randn(MH * MP, generator=g))
+
+
+def _mamba_reference(xbc: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, p) -> torch.Tensor:
+    """One sequence from a zero state, in float64: HF's selective state update written out, then the
+    gated group norm."""
+    xbc, dt, z = xbc.double(), dt.double(), z.double()
+    s = torch.zeros(MH, MP, MN, dtype=torch.float64)
+    a = -torch.exp(p["a_log"].double())
+    ys = []
+    for t in range(xbc.shape[0]):
+        x, b, c = xbc[t].split([MH * MP, MG * MN, MG * MN])
+        b = b.view(MG, MN).repeat_interleave(MH // MG, 0)
+        c = c.view(MG, MN).repeat_interleave(MH // MG, 0)
+        d = F.softplus(dt[t] + p["dt_bias"].double())
+        s = s * torch.exp(d * a)[:, None, None] + (d[:, None] * b)[:, None, :] * x.view(MH, MP)[:, :, None]
+        ys.append(((s * c[:, None, :]).sum(-1) + x.view(MH, MP) * p["d"].double()[:, None]).reshape(-1))
+    h = torch.stack(ys) * z * torch.sigmoid(z)
+    h = h.view(-1, MG, MH * MP // MG)
+    h = h / torch.sqrt((h * h).mean(-1, keepdim=True) + 1e-6)
+    return h.reshape(-1, MH * MP) * p["norm_w"].double()
+
+
+def _mamba_kernel(xbc, dt, z, p, spans, state=None):
+    state = state if state is not None else torch.zeros(1 + max(s[3] for s in spans), MH, MP, MN)
+    y = la.mamba2_ssm(xbc, dt, p["a_log"], p["dt_bias"], p["d"], state, spans, MG)
+    return la.gated_group_norm(y, z, p["norm_w"], MH * MP // MG, 1e-6), state
+
+
+def test_mamba2_kernels_match_a_float64_formula_and_keep_their_bits_in_any_step():
+    require_cpu_kernel(la.available, "linear-attention kernels")
+    g = torch.Generator().manual_seed(7)
+    p = _mamba_params(1)
+    lens = [19, 1, 6]
+    t = sum(lens)
+    proj = torch.randn(t, MCONV + MH + MH * MP, generator=g)  # (xbc | dt | z: rows strided, as one projection's)
+    xbc, dt, z = proj[:, :MCONV].contiguous(), proj[:, MCONV:MCONV + MH], proj[:, MCONV + MH:]
+    rows = [sum(lens[:i]) for i in range(3)]
+    together, state = _mamba_kernel(xbc, dt, z, p, [(rows[i], lens[i], True, i) for i in range(3)])
+    for i, (r0, n) in enumerate(zip(rows, lens, strict=True)):
+        sl = slice(r0, r0 + n)
+        ref = _mamba_reference(xbc[sl], dt[sl], z[sl], p)
+        assert torch.allclose(together[sl].double(), ref, atol=2e-5, rtol=1e-4), float((together[sl] - ref).abs().max())
+        # one token at a time (decodes), carried in the block: the same bits
+        st, outs = None, []
+        for j in range(n):
+            out, st = _mamba_kernel(xbc[r0 + j:r0 + j + 1], dt[r0 + j:r0 + j + 1], z[r0 + j:r0 + j + 1], p,
+                                    [(0, 1, j == 0, i)], st)
+            outs.append(out)
+        assert torch.equal(torch.cat(outs), together[sl]) and torch.equal(st[i], state[i]), f"sequence {i} decoded"
+
+
+def test_the_mamba2_layers_pytorch_path_matches_the_kernels():
+    require_cpu_kernel(la.available, "linear-attention kernels")
+    from types import SimpleNamespace
+
+    from pagellm.attention.metadata import StateMetadata
+    from pagellm.distributed import TensorParallelGroup
+    from pagellm.models.granite_hybrid import Mamba2Mixer
+
+    cfg = SimpleNamespace(hidden_size=16, mamba_n_heads=MH, mamba_d_head=MP, mamba_d_state=MN, mamba_n_groups=MG,
+                          mamba_expand=2, mamba_d_conv=TAPS, mamba_proj_bias=False, mamba_conv_bias=True,
+                          rms_norm_eps=1e-6)
+    layer = Mamba2Mixer(cfg, TensorParallelGroup())
+    p = _mamba_params(2)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        layer.conv_weight.copy_(torch.randn(MCONV, TAPS, generator=g) * 0.5)
+        layer.conv_bias.copy_(torch.randn(MCONV, generator=g))
+        layer.A_log.copy_(p["a_log"])
+        layer.dt_bias.copy_(p["dt_bias"])
+        layer.D.copy_(p["d"])
+        layer.norm.weight.copy_(p["norm_w"])
+    z, xbc, dt = torch.randn(11, MH * MP + MCONV + MH, generator=g).split([MH * MP, MCONV, MH], dim=-1)
+    spans = [(0, 6, True, 0), (6, 1, False, 1), (7, 4, False, 2)]
+    states = (torch.randn(3, MH, MP, MN) * 0.1, torch.randn(3, MCONV, TAPS - 1))
+    native = tuple(s.clone() for s in states)
+    conv = la.causal_conv(xbc, states[1], layer.conv_weight, spans, True, layer.conv_bias)
+    y = la.mamba2_ssm(conv, dt, layer.A_log, layer.dt_bias, layer.D, states[0], spans, MG)
+    got = la.gated_group_norm(y, z, layer.norm.weight, MH * MP // MG, 1e-6)
+    ref = layer.forward_native(z, xbc, dt, native, StateMetadata(spans))
+    assert torch.allclose(got, ref, atol=2e-5, rtol=1e-4), float((got - ref).abs().max())
+    for a, b in zip(states, native, strict=True):
+        assert torch.allclose(a, b, atol=2e-5, rtol=1e-4)

@@ -1,6 +1,6 @@
 /* State layers' per-token arithmetic on CPU, float32: a causal depthwise convolution that continues
- * from each sequence's convolution state, and the gated delta rule (Qwen3.5's gated DeltaNet) over
- * each sequence's recurrent state. Built on first use by pagellm/kernels/__init__.py; wrapped by
+ * from each sequence's convolution state, the gated delta rule (Qwen3.5's gated DeltaNet) and
+ * Mamba2's selective state update (Granite 4) over each sequence's recurrent state. Built on first use by pagellm/kernels/__init__.py; wrapped by
  * pagellm/kernels/linear_attention.py, whose PyTorch functions are the oracle the tests compare with.
  *
  * A step's sequences are spans of its flat rows, each ``(first row, rows, fresh, state block)``: a
@@ -24,12 +24,13 @@
 
 #define MAX_HEAD 512
 
-/* out[r, c] = act(sum_j w[c, j] * xp[r + j, c]) for each span's rows, where xp is the span's
+/* out[r, c] = act(sum_j w[c, j] * xp[r + j, c] + bias[c]) for each span's rows (bias may be NULL), where xp is the span's
  * convolution state (``taps - 1`` rows, zeros where fresh) followed by its rows of x; then the
  * state becomes the last ``taps - 1`` rows of xp. x [T, C] (row stride ldx), out [T, C], w [C, taps],
  * state [blocks, C, taps - 1] (blocks state_stride apart); act SiLU where silu, else none. */
-void causal_conv_f32(const float *x, int64_t ldx, float *state, int64_t state_stride, const float *w, float *out,
-                     const int64_t *spans, int64_t S, int64_t C, int64_t taps, int silu) {
+void causal_conv_f32(const float *x, int64_t ldx, float *state, int64_t state_stride, const float *w,
+                     const float *bias, float *out, const int64_t *spans, int64_t S, int64_t C, int64_t taps,
+                     int silu) {
   const int64_t keep = taps - 1, chunk = 64;
   const int64_t nchunks = (C + chunk - 1) / chunk;
 #pragma omp parallel for collapse(2) schedule(static)
@@ -56,6 +57,8 @@ void causal_conv_f32(const float *x, int64_t ldx, float *state, int64_t state_st
             for (int64_t c = 0; c < width; ++c) o[c] = o[c] + xr[c] * wj[c];
           }
         }
+        if (bias)
+          for (int64_t c = 0; c < width; ++c) o[c] = o[c] + bias[c0 + c];
         if (silu)
           for (int64_t c = 0; c < width; ++c) o[c] = o[c] / (1.f + exp_f32(-o[c]));
       }
@@ -144,6 +147,64 @@ void gated_delta_rule_f32(const float *mixed, const float *z, const float *b, co
           outr[j] = (norm_w[j] * (o[j] * inv)) * (g / (1.f + exp_f32(-g)));
         }
       }
+    }
+  }
+}
+
+/* Mamba2's selective state update per span and head h (of group h / (H / G)): xbc [T, H P + 2 G N]
+ * holds each row's convolved x | B | C, dt [T, H] (row stride ld). Per token: d = softplus(dt +
+ * dt_bias); S = exp(d A) S + (d B) x^T, A = -exp(A_log); y = S C + D x. state [blocks, H, P, N]
+ * (blocks state_stride apart); y [T, H P]. */
+void mamba2_ssm_f32(const float *xbc, const float *dt, int64_t ld, const float *A_log, const float *dt_bias,
+                    const float *D, float *state, int64_t state_stride, const int64_t *spans, int64_t S, int64_t H,
+                    int64_t P, int64_t N, int64_t G, float *y) {
+  const int64_t inner = H * P, width = inner + 2 * G * N, per_group = H / G;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t row0 = spans[4 * s], n = spans[4 * s + 1], fresh = spans[4 * s + 2], block = spans[4 * s + 3];
+      float *st = state + block * state_stride + h * P * N;
+      if (fresh) memset(st, 0, (size_t)(P * N) * sizeof(float));
+      const float a = -exp_f32(A_log[h]);
+      const int64_t g = h / per_group;
+      float db[MAX_HEAD];
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t r = row0 + t;
+        const float *x = xbc + r * width + h * P, *B = xbc + r * width + inner + g * N, *C = B + G * N;
+        const float d = softplus_f32(dt[r * ld + h] + dt_bias[h]);
+        const float da = exp_f32(d * a);
+        for (int64_t k = 0; k < N; ++k) db[k] = d * B[k];
+        float *yr = y + r * inner + h * P;
+        for (int64_t p = 0; p < P; ++p) {
+          float *row = st + p * N;
+          const float xp = x[p];
+          float acc = 0.f;
+          for (int64_t k = 0; k < N; ++k) {
+            const float v = row[k] * da + db[k] * xp;
+            row[k] = v;
+            acc = acc + v * C[k];
+          }
+          yr[p] = acc + xp * D[h];
+        }
+      }
+    }
+  }
+}
+
+/* out = weight * groupnorm(y * silu(z)): y [T, I], z [T, I] (row stride ldz), each row's I features
+ * RMS-normed in groups of group_size (Mamba2's gated norm, the gate before the norm). */
+void gated_group_norm_f32(const float *y, const float *z, int64_t ldz, const float *weight, int64_t T, int64_t I,
+                          int64_t group_size, float eps, float *out) {
+#pragma omp parallel for if (T >= 16)
+  for (int64_t t = 0; t < T; ++t) {
+    const float *yr = y + t * I, *zr = z + t * ldz;
+    float *o = out + t * I;
+    for (int64_t i = 0; i < I; ++i) o[i] = yr[i] * (zr[i] / (1.f + exp_f32(-zr[i])));
+    for (int64_t g0 = 0; g0 < I; g0 += group_size) {
+      float ss = 0.f;
+      for (int64_t i = g0; i < g0 + group_size; ++i) ss += o[i] * o[i];
+      const float inv = 1.f / sqrtf(ss / (float)group_size + eps);
+      for (int64_t i = g0; i < g0 + group_size; ++i) o[i] = weight[i] * (o[i] * inv);
     }
   }
 }

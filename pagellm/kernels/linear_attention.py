@@ -1,7 +1,9 @@
 """State layers' per-token kernels on CPU float32 tensors (``linear_attention.c``): a causal
-depthwise convolution over each sequence's convolution state, and the gated delta rule (Qwen3.5's
-gated DeltaNet) over its recurrent state. Their PyTorch equivalents are the layers' native paths
-(``models/qwen3_5.py``), which ``tests/test_linear_attention.py`` compares them against.
+depthwise convolution over each sequence's convolution state, the gated delta rule (Qwen3.5's
+gated DeltaNet) and Mamba2's selective state update (Granite 4) over its recurrent state, and
+Mamba2's gated group norm. Their PyTorch equivalents are the layers' native paths
+(``models/qwen3_5.py``, ``models/granite_hybrid.py``), which ``tests/test_linear_attention.py``
+compares them against.
 
 ``spans``: a step's sequences as ``(first flat row, rows, fresh, state block)`` each
 (``attention.metadata.StateMetadata``).
@@ -17,7 +19,9 @@ from pagellm import kernels
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES: kernels.Signatures = {
-    "causal_conv_f32": (None, [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int]),
+    "causal_conv_f32": (None, [_P, _I, _P, _I, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int]),
+    "mamba2_ssm_f32": (None, [_P, _P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _P]),
+    "gated_group_norm_f32": (None, [_P, _P, _I, _P, _I, _I, _I, _F, _P]),
     "gated_delta_rule_f32": (None, [_P, _P, _P, _P, _I, _P, _P, _P, _F, _P, _I, _P, _I, _I, _I, _I, _I, _P]),
 }
 MAX_TAPS, MAX_HEAD = 17, 512  # (the kernels' stack buffers)
@@ -49,10 +53,10 @@ def _blocks_apart(state: torch.Tensor) -> bool:
 
 
 def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
-                spans: list[tuple[int, int, bool, int]], silu: bool) -> torch.Tensor:
+                spans: list[tuple[int, int, bool, int]], silu: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [T, C]`` (rows strided allowed) convolved along each span's rows by ``weight [C, taps]``
-    after its ``state [blocks, C, taps - 1]`` (zeros where fresh), SiLU after where ``silu``; the
-    states rewritten. Returns ``[T, C]``."""
+    after its ``state [blocks, C, taps - 1]`` (zeros where fresh), plus ``bias``, SiLU after where
+    ``silu``; the states rewritten. Returns ``[T, C]``."""
     _check(x, "x", 2)
     c, taps = weight.shape
     if taps > MAX_TAPS or not _blocks_apart(state) or state.shape[1:] != (c, taps - 1):
@@ -61,8 +65,10 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
     out = torch.empty(x.shape[0], c, dtype=torch.float32)
     sp = _spans(spans)
     w = weight.float().contiguous()
+    b = None if bias is None else bias.float().contiguous()
     _lib().causal_conv_f32(x.data_ptr(), x.stride(0), state.data_ptr(), state.stride(0), w.data_ptr(),
-                           out.data_ptr(), sp.data_ptr(), len(spans), c, taps, int(silu))
+                           None if b is None else b.data_ptr(), out.data_ptr(), sp.data_ptr(), len(spans), c, taps,
+                           int(silu))
     return out
 
 
@@ -89,4 +95,40 @@ def gated_delta_rule(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: t
     _lib().gated_delta_rule_f32(mixed.data_ptr(), z.data_ptr(), b.data_ptr(), a.data_ptr(), z.stride(0),
                                 *(p.data_ptr() for p in f32), eps, state.data_ptr(), state.stride(0), sp.data_ptr(),
                                 len(spans), num_k_heads, hv, k_dim, v_dim, out.data_ptr())
+    return out
+
+
+def mamba2_ssm(xbc: torch.Tensor, dt: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, d: torch.Tensor,
+               state: torch.Tensor, spans: list[tuple[int, int, bool, int]], num_groups: int) -> torch.Tensor:
+    """Mamba2's selective state update over each span's tokens in order: ``xbc [T, H P + 2 G N]`` the
+    convolved ``x | B | C``, ``dt [T, H]`` (rows strided allowed); ``state [blocks, H, P, N]``
+    (each block's contiguous) read and rewritten. Returns ``y [T, H P]`` (before the gated norm)."""
+    h, p, n = state.shape[1:]
+    _check(xbc, "xbc", 2)
+    _check(dt, "dt", 2)
+    if not xbc.is_contiguous() or xbc.shape[1] != h * p + 2 * num_groups * n or h % num_groups:
+        raise ValueError("xbc must be a contiguous [T, H P + 2 G N], H a multiple of G")
+    if not _blocks_apart(state) or n > MAX_HEAD:
+        raise ValueError(f"state must be a float32 [blocks, H, P, N], each block's contiguous (N <= {MAX_HEAD})")
+    out = torch.empty(xbc.shape[0], h * p, dtype=torch.float32)
+    sp = _spans(spans)
+    f32 = [t.float().contiguous() for t in (a_log, dt_bias, d)]
+    _lib().mamba2_ssm_f32(xbc.data_ptr(), dt.data_ptr(), dt.stride(0), *(t.data_ptr() for t in f32), state.data_ptr(),
+                          state.stride(0), sp.data_ptr(), len(spans), h, p, n, num_groups, out.data_ptr())
+    return out
+
+
+def gated_group_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
+                     eps: float) -> torch.Tensor:
+    """``weight * groupnorm(y * silu(z))``, each row's features RMS-normed ``group_size`` at a time:
+    ``y [T, I]`` contiguous, ``z [T, I]`` (rows strided allowed). Returns ``[T, I]``."""
+    _check(y, "y", 2)
+    _check(z, "z", 2)
+    t, i = y.shape
+    if not y.is_contiguous() or z.shape != y.shape or i % group_size:
+        raise ValueError("y must be contiguous, z of its shape, and its width a multiple of group_size")
+    out = torch.empty(t, i, dtype=torch.float32)
+    w = weight.float().contiguous()
+    _lib().gated_group_norm_f32(y.data_ptr(), z.data_ptr(), z.stride(0), w.data_ptr(), t, i, group_size, eps,
+                                out.data_ptr())
     return out

@@ -33,6 +33,8 @@ ARCHITECTURES = (
     Architecture("Lfm2ForCausalLM", "lfm2", "lfm2", hf_config="Lfm2Config", base_model="Lfm2Model"),
     Architecture("Qwen3_5ForCausalLM", "qwen3_5", "qwen3_5_text", hf_config="Qwen3_5TextConfig",
                  base_model="Qwen3_5TextModel"),
+    Architecture("GraniteMoeHybridForCausalLM", "granite_hybrid", "granitemoehybrid",
+                 hf_config="GraniteMoeHybridConfig", base_model="GraniteMoeHybridModel"),
     Architecture("Qwen3_5MoeForCausalLM", "qwen3_5", "qwen3_5_moe_text", hf_config="Qwen3_5MoeTextConfig",
                  base_model="Qwen3_5MoeTextModel"),
     # llama.cpp writes Mixtral as "llama" with experts (weights/gguf_file.py).
