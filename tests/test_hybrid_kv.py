@@ -273,13 +273,51 @@ def test_state_group_holds_one_block_shared_until_written():
     assert mgr.num_free_blocks == mgr.num_blocks
 
 
+KEPT = MambaSpec(BS, ((64, 2),), ("float32",), cache_states=True)  # (the same, its states kept for prefix hits)
+
+
+def test_kept_states_hold_each_steps_last_boundary_and_serve_prefix_hits():
+    """Chunks of 11 over 30 tokens (block size 4): each step keeps its last block and the one of the
+    last boundary inside it (the others it crosses are null), the block it starts in part way
+    keeps that block's end; the blocks the state left go back to the pool cached; a hit takes the
+    longest prefix whose last block is a kept state, and only that block of the state group."""
+    mgr = KVCacheManager(40, BS, True, 0, kv_cache_config=group_layers([KEPT, None], BS))
+    seq = Sequence(1, list(range(30)))
+    null = mgr.null_block
+    assert mgr.allocate_slots(seq, 11) is not None  # [0, 11): boundaries 4, 8 inside; 8 kept, 4 not
+    state = mgr.group_tables[1][1]
+    assert [b is null for b in state] == [True, False, False]
+    seq.num_computed_tokens = 11
+    mgr.cache_full_blocks(seq)
+    assert mgr.allocate_slots(seq, 11) is not None  # [11, 22): block 2 to its end (12), 20 kept, 16 not
+    assert [b is null for b in state] == [True, True, False, True, False, False]  # (block 1 went back, cached)
+    seq.num_computed_tokens = 22
+    mgr.cache_full_blocks(seq)
+    assert mgr.allocate_slots(seq, 8) is not None  # [22, 30): block 5 to 24, 28 kept
+    seq.num_computed_tokens = 30
+    mgr.cache_full_blocks(seq)
+    mgr.check_invariants(live_seq_ids={1})
+    assert max(len([b for b in mgr.group_tables[1][1] if b is not null]), 0) <= 3
+    kept_at = {8, 12, 20, 24, 28}  # the boundaries whose states some step wrote
+    for length in (31, 29, 26, 21, 15, 10):
+        hit = mgr.get_computed_blocks(Sequence(2, list(range(length - 1)) + [99]))
+        k = max((b for b in kept_at if b <= (length - 1) // BS * BS), default=0) // BS
+        assert len(hit) == k, length
+        if k:
+            assert [b is null for b in hit.groups[1]] == [True] * (k - 1) + [False]
+    mgr.free(seq)
+    mgr.check_invariants()
+    assert mgr.num_free_blocks == mgr.num_blocks
+
+
 @settings(max_examples=80, deadline=None)
 @given(TRAFFIC, st.integers(12, 40), st.sampled_from([1, 4]), st.integers(1, 40),
-       st.sampled_from(["recompute", "swap"]), st.sampled_from([1, 2]))
-def test_random_traffic_over_state_groups_keeps_invariants(ops, num_blocks, block_size, budget, mode, n):
+       st.sampled_from(["recompute", "swap"]), st.sampled_from([1, 2]), st.booleans())
+def test_random_traffic_over_state_groups_keeps_invariants(ops, num_blocks, block_size, budget, mode, n, kept):
     """Convolution, sliding-window and full-attention groups (and ``n`` samples sharing a state
-    until each writes it): ``check_invariants`` after every step, nothing left held."""
-    conv = MambaSpec(block_size, ((64, 2),), ("float32",))
+    until each writes it; states rewritten in one block, or ``kept`` at boundaries for prefix
+    hits): ``check_invariants`` after every step, nothing left held."""
+    conv = MambaSpec(block_size, ((64, 2),), ("float32",), cache_states=kept)
     cfg = group_layers([conv, 3, None, conv, 3, None], block_size)
     sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_model_len=10_000,
                            num_cpu_blocks=num_blocks if mode == "swap" else 0, max_num_batched_tokens=budget,
@@ -292,3 +330,33 @@ def test_random_traffic_over_state_groups_keeps_invariants(ops, num_blocks, bloc
             if length + max_tokens < capacity // 2 else None
 
     drive(sched, ops, build)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 60), st.integers(1, 40), st.sampled_from([1, 4, 16]))
+def test_a_steps_state_pieces_leave_every_kept_block_its_boundarys_state(start, n, block_size):
+    """The runner's cut of a step over kept states (``worker.model_runner.state_metadata``), run on
+    labels: each block the manager keeps (``MambaSpec.kept``) and the block the step starts in part
+    way end the step holding the state at their block's end, the last block the state after the
+    step, each piece starting from the state its first token follows."""
+    from pagellm.worker.model_runner import state_metadata
+
+    kept = MambaSpec(block_size, ((1,),), ("float32",), cache_states=True).kept(start, start + n)
+    total, last = start + n, (start + n - 1) // block_size
+    table = [100 + i for i in range(last + 1)]  # (a distinct block per entry; nulls are never read)
+    held = {table[(start - 1) // block_size]: start} if start else {}  # block -> the tokens its state follows
+    meta = state_metadata([(0, n, start, table)], block_size, cached=True)
+    row = 0
+    for copies, spans in meta.rounds:
+        for src, dst in copies:
+            held[dst] = held[src]
+        for row0, rows, fresh, block in spans:
+            assert row0 == row and (fresh == (start + row0 == 0))
+            assert fresh or held[block] == start + row0, "a piece did not start from the state before it"
+            held[block] = start + row0 + rows
+            row += rows
+    assert row == n and held[table[last]] == total
+    ends = set(kept) | ({start // block_size} if start % block_size and (start // block_size + 1) * block_size <= total
+                        else set())
+    for i in ends:
+        assert held[table[i]] == min(total, (i + 1) * block_size), f"block {i} does not hold its end's state"

@@ -143,7 +143,7 @@ def test_the_layers_pytorch_path_matches_the_kernels():
     states = (torch.randn(3, HV, K, V) * 0.1, torch.randn(3, CONV, TAPS - 1))
     native_states = tuple(s.clone() for s in states)
     got, states = _kernel(proj, p, spans, states)
-    ref = layer.forward_native(*_parts(proj), native_states, StateMetadata(spans))
+    ref = layer.forward_native(*_parts(proj), native_states, StateMetadata.in_place(spans))
     assert torch.allclose(got, ref, atol=2e-5, rtol=1e-4), float((got - ref).abs().max())
     for a, b in zip(states, native_states, strict=True):
         assert torch.allclose(a, b, atol=2e-5, rtol=1e-4)
@@ -237,7 +237,7 @@ def test_the_mamba2_layers_pytorch_path_matches_the_kernels():
     conv = la.causal_conv(xbc, states[1], layer.conv_weight, spans, True, layer.conv_bias)
     y = la.mamba2_ssm(conv, dt, layer.A_log, layer.dt_bias, layer.D, states[0], spans, MG)
     got = la.gated_group_norm(y, z, layer.norm.weight, MH * MP // MG, 1e-6)
-    ref = layer.forward_native(z, xbc, dt, native, StateMetadata(spans))
+    ref = layer.forward_native(z, xbc, dt, native, StateMetadata.in_place(spans))
     assert torch.allclose(got, ref, atol=2e-5, rtol=1e-4), float((got - ref).abs().max())
     for a, b in zip(states, native, strict=True):
         assert torch.allclose(a, b, atol=2e-5, rtol=1e-4)

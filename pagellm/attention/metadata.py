@@ -11,6 +11,7 @@ its own (no query padding anywhere)::
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -67,13 +68,33 @@ class AttentionGroup:
     v_buf: torch.Tensor | None = None
 
 
+StateSpan = tuple[int, int, bool, int]  # (first flat row, rows, fresh, state block)
+
+
 @dataclass(slots=True)
 class StateMetadata:
-    """A state layer group's share of a step (``core/kv_cache_spec.py`` ``MambaSpec``): each
-    sequence's flat rows and the block holding its state, ``fresh`` where the chunk starts the
-    request (its state starts from zeros)."""
+    """A state layer group's share of a step (``core/kv_cache_spec.py`` ``MambaSpec``), in rounds:
+    each round's copies ``(src, dst)`` of whole states between blocks, then its spans, each a
+    sequence's run of flat rows and the block holding (and keeping) its state, ``fresh`` where the
+    run starts the request (its state starts from zeros). One round without copies where a state
+    is rewritten in its one block; where states are kept at block boundaries for prefix hits, a
+    sequence's rows are cut at each boundary, round ``k`` its ``k``-th run, which continues in the
+    next block from a copy of the state the previous run left (kept, then cached) in its own."""
 
-    spans: list[tuple[int, int, bool, int]]  # (first flat row, rows, fresh, state block)
+    rounds: list[tuple[list[tuple[int, int]], list[StateSpan]]]
+
+    @classmethod
+    def in_place(cls, spans: list[StateSpan]) -> StateMetadata:
+        return cls([([], spans)])
+
+    def each_round(self, *states: torch.Tensor) -> Iterator[list[StateSpan]]:
+        """Each round's spans, its copies made in ``states`` first (a layer's conv and recurrent
+        states, each in its own pass over the rounds)."""
+        for copies, spans in self.rounds:
+            for src, dst in copies:
+                for st in states:
+                    st[dst] = st[src]
+            yield spans
 
 
 @dataclass(slots=True)

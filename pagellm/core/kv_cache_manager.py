@@ -90,14 +90,17 @@ class KVCacheManager:
         self.block_size = block_size
         self.specs: list[KVCacheSpec] = [FullAttentionSpec(block_size)] if kv_cache_config is None \
             else kv_cache_config.specs
-        # Per group: a state group's table is one block, rewritten in place (see _blocks_for).
-        self._is_state = [isinstance(s, MambaSpec) for s in self.specs]
-        # (prefix hits would need the states saved at block boundaries: not built, so no hits)
-        self.has_states = any(self._is_state)
+        # Per group: a state group's table is one block, rewritten in place (see _blocks_for), unless
+        # its states are kept at block boundaries (``MambaSpec.cache_states``).
+        self._is_state = [isinstance(s, MambaSpec) and not s.cache_states for s in self.specs]
+        self.has_states = any(isinstance(s, MambaSpec) for s in self.specs)
         for s in self.specs:
             if s.block_size != block_size:
                 raise ValueError(f"a group's block_size {s.block_size} differs from block_size {block_size}")
-        windowed = self.has_windows = any(isinstance(s, SlidingWindowSpec) for s in self.specs)
+        # Groups that give back leading blocks (a window's; kept states' once the state moved on).
+        self._skips = [isinstance(s, SlidingWindowSpec) or (isinstance(s, MambaSpec) and s.cache_states)
+                       for s in self.specs]
+        windowed = self.has_windows = any(self._skips)
         # Off: nothing is ever hashed into the pool, so nothing is ever found there either.
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, reserve_null=windowed)
@@ -206,7 +209,7 @@ class KVCacheManager:
             window 8, block_size 4, k = 4:   [--][--][b5][b6]   (positions 9..15 are read)
         """
         empty = KVCacheBlocks(tuple([] for _ in self.specs))
-        if not self.enable_caching or self.has_states:
+        if not self.enable_caching or any(self._is_state):  # (states rewritten in place: none kept)
             return empty
         self._update_block_hashes(seq, extra_key)
         hashes = seq.block_hashes[: (seq.num_tokens - 1) // self.block_size]
@@ -281,23 +284,39 @@ class KVCacheManager:
         for r in requests:
             for g, hits in enumerate(self._hits(r.computed_blocks)):
                 table = tables[g].get(r.seq.seq_id, [])
-                need += max(0, self._blocks_for(g, r.num_computed_tokens + r.num_new_tokens) - len(table) - len(hits))
+                need += self._num_added(g, r.num_computed_tokens, r.num_new_tokens, len(table) + len(hits))
                 need += self._needs_cow(self._write_index(g, r.num_computed_tokens), table)
                 reclaimed.update(b.block_id for b in hits if b.ref_cnt == 0 and b is not self.null_block)
         return need + len(reclaimed)
 
+    def _num_added(self, group: int, num_computed_tokens: int, num_new_tokens: int, held: int) -> int:
+        """New blocks group ``group`` takes for a step past the ``held`` entries of its table (a
+        kept-state group only those the step writes states into)."""
+        total = num_computed_tokens + num_new_tokens
+        n = self._blocks_for(group, total)
+        spec = self.specs[group]
+        if isinstance(spec, MambaSpec) and spec.cache_states:
+            return sum(1 for i in spec.kept(num_computed_tokens, total) if i >= held)
+        return max(0, n - held)
+
     def remove_skipped_blocks(self, seq: Sequence) -> int:
         """Give back the blocks of ``seq``'s sliding-window groups that no query from
-        ``num_computed_tokens`` on can read (the null block takes their place). Returns how many."""
+        ``num_computed_tokens`` on can read, and of its kept-state groups those before its live
+        state (the null block takes their place; hashed ones stay cached). Returns how many."""
         freed = 0
         null = self.null_block
         for g, spec in enumerate(self.specs):
             table = self.group_tables[g].get(seq.seq_id)
-            if not table or not isinstance(spec, SlidingWindowSpec):
+            if not table or not self._skips[g]:
                 continue
             first = min(self._first_read_block(g, seq.num_computed_tokens), len(table))
-            for i in range(first - 1, -1, -1):  # back to front: stop at the first already null
+            # Back to front: a window's nulls are a prefix (stop at the first); kept states leave
+            # nulls between the boundaries they kept (pass over them).
+            interleaved = isinstance(spec, MambaSpec)
+            for i in range(first - 1, -1, -1):
                 if table[i] is null:
+                    if interleaved:
+                        continue
                     break
                 self.block_pool.free_blocks([table[i]])
                 table[i] = self._null()
@@ -342,8 +361,15 @@ class KVCacheManager:
                 new.append(table[i])
             n_blocks = self._blocks_for(g, seq.num_computed_tokens + num_new_tokens)
             if n_blocks > len(table):
-                added = self.block_pool.get_new_blocks(n_blocks - len(table))
-                table.extend(added)
+                added = self.block_pool.get_new_blocks(self._num_added(g, seq.num_computed_tokens, num_new_tokens,
+                                                                       len(table)))
+                spec = self.specs[g]
+                if isinstance(spec, MambaSpec) and spec.cache_states:  # (the boundaries it does not keep: null)
+                    kept = spec.kept(seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens)
+                    it = iter(added)
+                    table.extend(next(it) if i in kept else self._null() for i in range(len(table), n_blocks))
+                else:
+                    table.extend(added)
                 new.extend(added)
         return new
 
@@ -500,7 +526,7 @@ class KVCacheManager:
             for g, tables in enumerate(groups):
                 if set(tables) != set(groups[0]):
                     raise InvariantError(f"group {g} has tables for other sequences than group 0")
-                windowed = isinstance(self.specs[g], SlidingWindowSpec)
+                windowed = self._skips[g]
                 for table in tables.values():
                     held = [b for b in table if b is not pool.null_block]
                     if len({b.block_id for b in held}) != len(held):

@@ -14,8 +14,9 @@ its own block table per request over the one shared ``BlockPool``::
         group 5  sliding  layers 12 13 14
 
 A dense model is one group of every layer, exactly the single block table it always had.
-A state group (``MambaSpec``) holds one block per request: the layers' states after its computed
-tokens, rewritten in place each step.
+A state group (``MambaSpec``) holds one block per request, the layers' states after its computed
+tokens rewritten in place each step; or, with prefix caching, a block per ``block_size`` tokens
+of which only the last is live (the others: states at boundaries, cached for prefix hits).
 """
 
 from __future__ import annotations
@@ -66,19 +67,41 @@ class SlidingWindowSpec:
 @dataclass(frozen=True, slots=True)
 class MambaSpec:
     """A state layer (Mamba2, gated DeltaNet, a short convolution): fixed-size states per request
-    (``shapes`` and ``dtypes``, one each for the conv and recurrent states), no K/V per token. A
-    request holds one block of its group, the state after its computed tokens, written in place
-    each step (shared after a fork until either side writes: copy-on-write, as a partial block)."""
+    (``shapes`` and ``dtypes``, one each for the conv and recurrent states), no K/V per token.
+
+    Without ``cache_states`` a request holds one block of its group, the state after its computed
+    tokens, written in place each step (shared after a fork until either side writes: copy-on-write,
+    as a partial block). With it (prefix caching on) the group's table has an entry per
+    ``block_size`` tokens, like a one-token window's: a step's last block holds the state after its
+    tokens, the block of the last boundary it crosses inside keeps the state there (``kept``; the
+    others it crosses are the null block), and the block it starts in part way the state at that
+    block's end. A block holding the state after ``(i + 1) *
+    block_size`` tokens is hashed like a full block and goes back to the pool (cached, evictable)
+    once the request's state has moved on; a prefix hit of ``k`` blocks needs only block ``k - 1``,
+    the state it continues from. Decodes keep every boundary; a prefill chunk its last one (the
+    chunk's end, where chunks are multiples of ``block_size``)."""
 
     block_size: int
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
+    cache_states: bool = False
 
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        return 0
+        """Leading tokens whose blocks no later step reads: all but the last computed one's block."""
+        return max(0, num_computed_tokens - 1) if self.cache_states else 0
 
     def max_blocks_held(self, num_tokens: int, max_chunk_tokens: int) -> int:
-        return 1
+        """One; kept at boundaries, the block a step continues from and the two it writes."""
+        return min(cdiv(num_tokens, self.block_size), 3) if self.cache_states else 1
+
+    def kept(self, num_computed_tokens: int, num_tokens: int) -> set[int]:
+        """The table entries past the block it starts in that a step from ``num_computed_tokens`` to
+        ``num_tokens`` writes states into: its last block, and the block ending at the last boundary
+        strictly inside the step."""
+        bs = self.block_size
+        last = (num_tokens - 1) // bs
+        boundary = num_tokens // bs * bs
+        return {last, boundary // bs - 1} if num_computed_tokens < boundary < num_tokens else {last}
 
 
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MambaSpec

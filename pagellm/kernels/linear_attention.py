@@ -52,17 +52,27 @@ def _blocks_apart(state: torch.Tensor) -> bool:
     return state.dtype == torch.float32 and state.device.type == "cpu" and state[0].is_contiguous()
 
 
+def _out(out: torch.Tensor | None, rows: int, width: int) -> torch.Tensor:
+    """The output: ``out`` (a round's rows written into a step's) or a new ``[rows, width]``."""
+    if out is None:
+        return torch.empty(rows, width, dtype=torch.float32)
+    if out.shape != (rows, width) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 [{rows}, {width}]")
+    return out
+
+
 def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
-                spans: list[tuple[int, int, bool, int]], silu: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+                spans: list[tuple[int, int, bool, int]], silu: bool, bias: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """``x [T, C]`` (rows strided allowed) convolved along each span's rows by ``weight [C, taps]``
     after its ``state [blocks, C, taps - 1]`` (zeros where fresh), plus ``bias``, SiLU after where
-    ``silu``; the states rewritten. Returns ``[T, C]``."""
+    ``silu``; the states rewritten. Returns ``[T, C]`` (``out``: the spans' rows written there)."""
     _check(x, "x", 2)
     c, taps = weight.shape
     if taps > MAX_TAPS or not _blocks_apart(state) or state.shape[1:] != (c, taps - 1):
         raise ValueError(f"state must be a float32 [blocks, {c}, {taps - 1}], each block's contiguous "
                          f"(taps <= {MAX_TAPS})")
-    out = torch.empty(x.shape[0], c, dtype=torch.float32)
+    out = _out(out, x.shape[0], c)
     sp = _spans(spans)
     w = weight.float().contiguous()
     b = None if bias is None else bias.float().contiguous()
@@ -74,12 +84,13 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
 
 def gated_delta_rule(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor,
                      dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float, state: torch.Tensor,
-                     spans: list[tuple[int, int, bool, int]], num_k_heads: int) -> torch.Tensor:
+                     spans: list[tuple[int, int, bool, int]], num_k_heads: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """The gated delta rule over each span's tokens in order, and its gated RMSNorm:
     ``mixed [T, 2 Hk K + Hv V]`` the convolved ``q | k | v``; ``z [T, Hv V]``, ``b, a [T, Hv]`` views
     of one projection's rows (one row stride); ``state [blocks, Hv, K, V]`` (each block's contiguous)
     read and rewritten.
-    Returns ``[T, Hv V]``."""
+    Returns ``[T, Hv V]`` (``out``: the spans' rows written there)."""
     hv, k_dim, v_dim = state.shape[1:]
     for t, name in ((mixed, "mixed"), (z, "z"), (b, "b"), (a, "a")):
         _check(t, name, 2)
@@ -89,7 +100,7 @@ def gated_delta_rule(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: t
         raise ValueError("z, b and a must share one row stride (views of one projection's rows)")
     if not _blocks_apart(state) or max(k_dim, v_dim) > MAX_HEAD:
         raise ValueError(f"state must be a float32 [blocks, Hv, K, V], each block's contiguous (K, V <= {MAX_HEAD})")
-    out = torch.empty(mixed.shape[0], hv * v_dim, dtype=torch.float32)
+    out = _out(out, mixed.shape[0], hv * v_dim)
     sp = _spans(spans)
     f32 = [p.float().contiguous() for p in (a_log, dt_bias, norm_weight)]
     _lib().gated_delta_rule_f32(mixed.data_ptr(), z.data_ptr(), b.data_ptr(), a.data_ptr(), z.stride(0),
@@ -99,10 +110,12 @@ def gated_delta_rule(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: t
 
 
 def mamba2_ssm(xbc: torch.Tensor, dt: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, d: torch.Tensor,
-               state: torch.Tensor, spans: list[tuple[int, int, bool, int]], num_groups: int) -> torch.Tensor:
+               state: torch.Tensor, spans: list[tuple[int, int, bool, int]], num_groups: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Mamba2's selective state update over each span's tokens in order: ``xbc [T, H P + 2 G N]`` the
     convolved ``x | B | C``, ``dt [T, H]`` (rows strided allowed); ``state [blocks, H, P, N]``
-    (each block's contiguous) read and rewritten. Returns ``y [T, H P]`` (before the gated norm)."""
+    (each block's contiguous) read and rewritten. Returns ``y [T, H P]`` (before the gated norm;
+    ``out``: the spans' rows written there)."""
     h, p, n = state.shape[1:]
     _check(xbc, "xbc", 2)
     _check(dt, "dt", 2)
@@ -110,7 +123,7 @@ def mamba2_ssm(xbc: torch.Tensor, dt: torch.Tensor, a_log: torch.Tensor, dt_bias
         raise ValueError("xbc must be a contiguous [T, H P + 2 G N], H a multiple of G")
     if not _blocks_apart(state) or n > MAX_HEAD:
         raise ValueError(f"state must be a float32 [blocks, H, P, N], each block's contiguous (N <= {MAX_HEAD})")
-    out = torch.empty(xbc.shape[0], h * p, dtype=torch.float32)
+    out = _out(out, xbc.shape[0], h * p)
     sp = _spans(spans)
     f32 = [t.float().contiguous() for t in (a_log, dt_bias, d)]
     _lib().mamba2_ssm_f32(xbc.data_ptr(), dt.data_ptr(), dt.stride(0), *(t.data_ptr() for t in f32), state.data_ptr(),

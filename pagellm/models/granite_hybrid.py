@@ -137,16 +137,21 @@ class Mamba2Mixer(nn.Module):
                 ((self.conv_dim, self.taps - 1), "float32"))
 
     def forward(self, x: torch.Tensor, states: tuple[torch.Tensor, ...], meta: StateMetadata) -> torch.Tensor:
-        """``x [T, hidden]`` over the step's sequences (``meta.spans``); ``states``: the recurrent
-        ``[num_blocks, H, head_dim, d_state]`` and convolution ``[num_blocks, conv_dim, d_conv - 1]``
-        states, read and rewritten at each sequence's block."""
+        """``x [T, hidden]`` over the step's sequences (``meta``'s rounds of spans); ``states``: the
+        recurrent ``[num_blocks, H, head_dim, d_state]`` and convolution ``[num_blocks, conv_dim,
+        d_conv - 1]`` states, read and rewritten at each span's block."""
         recurrent, conv = states
         z, xbc, dt = self.in_proj(x).float().split([self.inner, self.conv_dim, self.num_heads], dim=-1)
         group = self.inner // self.num_groups
         if x.device.type == "cpu" and linear_attention.available():
-            xbc = linear_attention.causal_conv(xbc, conv, self.conv_weight, meta.spans, True, self.conv_bias)
-            y = linear_attention.mamba2_ssm(xbc, dt, self.A_log, self.dt_bias, self.D, recurrent, meta.spans,
-                                            self.num_groups)
+            t = x.shape[0]
+            conv_out = torch.empty(t, self.conv_dim)
+            for spans in meta.each_round(conv):
+                linear_attention.causal_conv(xbc, conv, self.conv_weight, spans, True, self.conv_bias, out=conv_out)
+            y = torch.empty(t, self.inner)
+            for spans in meta.each_round(recurrent):
+                linear_attention.mamba2_ssm(conv_out, dt, self.A_log, self.dt_bias, self.D, recurrent, spans,
+                                            self.num_groups, out=y)
             out = linear_attention.gated_group_norm(y, z, self.norm.weight, group, self.norm.eps)
         else:
             out = self.forward_native(z, xbc, dt, states, meta)
@@ -166,12 +171,13 @@ class Mamba2Mixer(nn.Module):
         d = F.softplus(dt + self.dt_bias.float())
         da = torch.exp(d * -torch.exp(self.A_log.float()))
         y = torch.empty_like(xs)
-        for row0, n, fresh, block in meta.spans:
-            s = torch.zeros_like(recurrent[block]) if fresh else recurrent[block].clone()
-            for i in range(row0, row0 + n):
-                s = s * da[i, :, None, None] + (d[i, :, None] * b[i])[:, None, :] * xs[i, :, :, None]
-                y[i] = (s * c[i, :, None, :]).sum(-1) + xs[i] * self.D.float()[:, None]
-            recurrent[block] = s
+        for spans in meta.each_round(recurrent):
+            for row0, n, fresh, block in spans:
+                s = torch.zeros_like(recurrent[block]) if fresh else recurrent[block].clone()
+                for i in range(row0, row0 + n):
+                    s = s * da[i, :, None, None] + (d[i, :, None] * b[i])[:, None, :] * xs[i, :, :, None]
+                    y[i] = (s * c[i, :, None, :]).sum(-1) + xs[i] * self.D.float()[:, None]
+                recurrent[block] = s
         h = y.reshape(t, -1) * F.silu(z)
         h = h.view(t, self.num_groups, -1)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.norm.eps)
@@ -183,14 +189,15 @@ class Mamba2Mixer(nn.Module):
         out = torch.empty_like(x)
         w = self.conv_weight.float()
         keep = self.taps - 1
-        for row0, n, fresh, block in meta.spans:
-            past = x.new_zeros(keep, self.conv_dim) if fresh else conv[block].t()
-            xp = torch.cat([past, x[row0:row0 + n]])
-            acc = xp[0:n] * w[:, 0]
-            for j in range(1, self.taps):
-                acc = acc + xp[j:j + n] * w[:, j]
-            out[row0:row0 + n] = acc if self.conv_bias is None else acc + self.conv_bias.float()
-            conv[block] = xp[n:].t()
+        for spans in meta.each_round(conv):
+            for row0, n, fresh, block in spans:
+                past = x.new_zeros(keep, self.conv_dim) if fresh else conv[block].t()
+                xp = torch.cat([past, x[row0:row0 + n]])
+                acc = xp[0:n] * w[:, 0]
+                for j in range(1, self.taps):
+                    acc = acc + xp[j:j + n] * w[:, j]
+                out[row0:row0 + n] = acc if self.conv_bias is None else acc + self.conv_bias.float()
+                conv[block] = xp[n:].t()
         return out
 
 

@@ -65,23 +65,24 @@ class ShortConv(nn.Module):
         return (self.hidden_size, self.taps - 1)
 
     def forward(self, x: torch.Tensor, state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
-        """``x [T, hidden]`` over the step's sequences (``meta.spans``); ``state [num_blocks, hidden,
+        """``x [T, hidden]`` over the step's sequences (``meta``'s rounds of spans); ``state [num_blocks, hidden,
         taps - 1]`` (the cache's dtype) read and rewritten at each sequence's block."""
         b, c, v = self.in_proj(x).chunk(3, dim=-1)
         bx = (b * v).to(state.dtype).to(x.dtype)  # (rounded as the state stores it)
         out = torch.empty_like(bx)
         w = self.conv_weight.to(x.dtype)
         keep = self.taps - 1
-        for row0, n, fresh, block in meta.spans:
-            past = torch.zeros(keep, self.hidden_size, dtype=x.dtype) if fresh else state[block].t().to(x.dtype)
-            xp = torch.cat([past, bx[row0:row0 + n]])  # [keep + n, hidden]
-            acc = xp[0:n] * w[:, 0]
-            for k in range(1, self.taps):  # (one order for every token: prefill and decode alike)
-                acc = acc + xp[k:k + n] * w[:, k]
-            if self.conv_bias is not None:
-                acc = acc + self.conv_bias.to(x.dtype)
-            out[row0:row0 + n] = acc
-            state[block] = xp[n:].t().to(state.dtype)
+        for spans in meta.each_round(state):
+            for row0, n, fresh, block in spans:
+                past = torch.zeros(keep, self.hidden_size, dtype=x.dtype) if fresh else state[block].t().to(x.dtype)
+                xp = torch.cat([past, bx[row0:row0 + n]])  # [keep + n, hidden]
+                acc = xp[0:n] * w[:, 0]
+                for k in range(1, self.taps):  # (one order for every token: prefill and decode alike)
+                    acc = acc + xp[k:k + n] * w[:, k]
+                if self.conv_bias is not None:
+                    acc = acc + self.conv_bias.to(x.dtype)
+                out[row0:row0 + n] = acc
+                state[block] = xp[n:].t().to(state.dtype)
         return self.out_proj(c * out)
 
 

@@ -137,17 +137,22 @@ class GatedDeltaNet(nn.Module):
                 ((self.conv_dim, self.taps - 1), "float32"))
 
     def forward(self, x: torch.Tensor, states: tuple[torch.Tensor, ...], meta: StateMetadata) -> torch.Tensor:
-        """``x [T, hidden]`` over the step's sequences (``meta.spans``); ``states``: the recurrent
-        ``[num_blocks, H, K, V]`` and convolution ``[num_blocks, conv_dim, taps - 1]`` states, read
-        and rewritten at each sequence's block. On a CPU the kernels (``kernels/linear_attention``)
+        """``x [T, hidden]`` over the step's sequences (``meta``'s rounds of spans); ``states``: the
+        recurrent ``[num_blocks, H, K, V]`` and convolution ``[num_blocks, conv_dim, taps - 1]``
+        states, read and rewritten at each span's block. On a CPU the kernels (``kernels/linear_attention``)
         take every token; elsewhere this module's PyTorch code, their reference."""
         recurrent, conv = states
         hv = self.num_v_heads
         qkv, z, b, a = self.in_proj(x).float().split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
         if x.device.type == "cpu" and linear_attention.available():
-            mixed = linear_attention.causal_conv(qkv, conv, self.conv_weight, meta.spans, silu=True)
-            out = linear_attention.gated_delta_rule(mixed, z, b, a, self.A_log, self.dt_bias, self.norm.weight,
-                                                    self.norm.eps, recurrent, meta.spans, self.num_k_heads)
+            t = x.shape[0]
+            mixed = torch.empty(t, self.conv_dim)
+            for spans in meta.each_round(conv):
+                linear_attention.causal_conv(qkv, conv, self.conv_weight, spans, silu=True, out=mixed)
+            out = torch.empty(t, self.value_dim)
+            for spans in meta.each_round(recurrent):
+                linear_attention.gated_delta_rule(mixed, z, b, a, self.A_log, self.dt_bias, self.norm.weight,
+                                                  self.norm.eps, recurrent, spans, self.num_k_heads, out=out)
         else:
             out = self.forward_native(qkv, z, b, a, states, meta)
         return self.out_proj(out.to(x.dtype))
@@ -176,35 +181,37 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty_like(x)
         w = self.conv_weight.float()
         keep = self.taps - 1
-        for row0, n, fresh, block in meta.spans:
-            past = x.new_zeros(keep, self.conv_dim) if fresh else conv[block].t()
-            xp = torch.cat([past, x[row0:row0 + n]])  # [keep + n, conv_dim]
-            acc = xp[0:n] * w[:, 0]
-            for j in range(1, self.taps):  # (one order for every token: prefill and decode alike)
-                acc = acc + xp[j:j + n] * w[:, j]
-            out[row0:row0 + n] = acc
-            conv[block] = xp[n:].t()
+        for spans in meta.each_round(conv):
+            for row0, n, fresh, block in spans:
+                past = x.new_zeros(keep, self.conv_dim) if fresh else conv[block].t()
+                xp = torch.cat([past, x[row0:row0 + n]])  # [keep + n, conv_dim]
+                acc = xp[0:n] * w[:, 0]
+                for j in range(1, self.taps):  # (one order for every token: prefill and decode alike)
+                    acc = acc + xp[j:j + n] * w[:, j]
+                out[row0:row0 + n] = acc
+                conv[block] = xp[n:].t()
         return out
 
     def _delta_rule(self, recurrent: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     decay: torch.Tensor, beta: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
         """Every sequence's tokens in order, the sequences with a token at step ``i`` together (the
         longest first, so they are a prefix of the batch): a decode step is one batched step."""
-        spans = sorted(meta.spans, key=lambda s: -s[1])
-        blocks = torch.tensor([s[3] for s in spans], dtype=torch.long)
-        state = recurrent.index_select(0, blocks)
-        fresh = [j for j, s in enumerate(spans) if s[2]]
-        if fresh:
-            state[fresh] = 0.0
-        first = torch.tensor([s[0] for s in spans], dtype=torch.long)
         out = torch.empty_like(v)
-        m = len(spans)
-        for i in range(spans[0][1]):
-            while spans[m - 1][1] <= i:
-                m -= 1
-            rows = first[:m] + i
-            out[rows] = gated_delta_step(state[:m], q[rows], k[rows], v[rows], decay[rows], beta[rows])
-        recurrent.index_copy_(0, blocks, state)
+        for round_spans in meta.each_round(recurrent):
+            spans = sorted(round_spans, key=lambda s: -s[1])
+            blocks = torch.tensor([s[3] for s in spans], dtype=torch.long)
+            state = recurrent.index_select(0, blocks)
+            fresh = [j for j, s in enumerate(spans) if s[2]]
+            if fresh:
+                state[fresh] = 0.0
+            first = torch.tensor([s[0] for s in spans], dtype=torch.long)
+            m = len(spans)
+            for i in range(spans[0][1]):
+                while spans[m - 1][1] <= i:
+                    m -= 1
+                rows = first[:m] + i
+                out[rows] = gated_delta_step(state[:m], q[rows], k[rows], v[rows], decay[rows], beta[rows])
+            recurrent.index_copy_(0, blocks, state)
         return out
 
     def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

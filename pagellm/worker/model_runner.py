@@ -117,6 +117,7 @@ class ModelRunner:
         # with ``set_kv_groups``), and which groups hold states.
         self.kv_layer_groups: list[int] | None = None
         self.state_groups: set[int] = set()
+        self.cached_states = False
 
     def _generator(self, seq_id: int, seed: int | None, index: int = 0) -> torch.Generator | None:
         """The RNG of sequence ``seq_id``, created on its first sample. Sample ``index`` of a request
@@ -244,11 +245,14 @@ class ModelRunner:
             self._plan_sampling(batch)
         return batch
 
-    def set_kv_groups(self, layer_groups: list[int], state_groups: set[int] | None = None) -> None:
+    def set_kv_groups(self, layer_groups: list[int], state_groups: set[int] | None = None,
+                      cached_states: bool = False) -> None:
         """The KV cache has several layer groups: ``layer_groups[i]`` is layer ``i``'s; the
-        ``state_groups`` hold states (one block per sequence, ``StateMetadata``)."""
+        ``state_groups`` hold states (``StateMetadata``): one block per sequence, or with
+        ``cached_states`` one per ``block_size`` tokens, each boundary's state kept for prefix hits."""
         self.kv_layer_groups = layer_groups
         self.state_groups = state_groups or set()
+        self.cached_states = cached_states
         self.input_batch = InputBatch(num_groups=max(layer_groups) + 1)
 
     def _layer_metadata(self, meta: AttentionMetadata, decodes: list[tuple[ScheduledSequence, int]],
@@ -263,7 +267,7 @@ class ModelRunner:
                 assert s.group_block_ids is not None, "a step over KV cache groups without their block tables"
                 return s.group_block_ids[g]
             if g in self.state_groups:
-                metas.append(_state_spans(rows, table))
+                metas.append(state_metadata(_state_runs(rows, table), bs, self.cached_states))
                 continue
             m = self.attn_backend.build_metadata(
                 [s.num_computed_tokens + i + 1 for s, i in decodes], [table(s) for s, _ in decodes],
@@ -314,7 +318,8 @@ class ModelRunner:
         for g in range(1, tables.shape[0]):
             ids = [s.group_block_ids[g] for s in seqs]  # type: ignore[index]
             if g in self.state_groups:
-                metas.append(StateMetadata([(b, 1, False, t[0]) for b, t in enumerate(ids)]))
+                metas.append(state_metadata([(b, 1, p, t) for b, (t, p) in enumerate(zip(ids, positions, strict=True))],
+                                            bs, self.cached_states))
                 slots.append([0] * n)  # (no K/V slot: the graph does not take state layers)
                 continue
             slots.append([t[p // bs] * bs + p % bs for t, p in zip(ids, positions, strict=True)])
@@ -515,18 +520,45 @@ class ModelRunner:
         return self.draft.propose(starts)
 
 
-def _state_spans(rows: list[tuple[ScheduledSequence, int]],
-                 table: Callable[[ScheduledSequence], list[int]]) -> StateMetadata:
-    """A state group's spans: each run of a sequence's flat rows, whether it starts the request, and
-    its state block (a sequence's rows are consecutive in the flat batch)."""
-    spans: list[tuple[int, int, bool, int]] = []
+def _state_runs(rows: list[tuple[ScheduledSequence, int]],
+               table: Callable[[ScheduledSequence], list[int]]) -> list[tuple[int, int, int, list[int]]]:
+    """Each sequence's run of flat rows (they are consecutive in the flat batch): ``(first row,
+    rows, first position, its state group's block table)``."""
+    runs: list[tuple[int, int, int, list[int]]] = []
     for r, (s, p) in enumerate(rows):
-        if spans and r > 0 and rows[r - 1][0] is s:
-            first, n, fresh, block = spans[-1]
-            spans[-1] = (first, n + 1, fresh, block)
+        if runs and r > 0 and rows[r - 1][0] is s:
+            first, n, p0, t = runs[-1]
+            runs[-1] = (first, n + 1, p0, t)
         else:
-            spans.append((r, 1, p == 0, table(s)[0]))
-    return StateMetadata(spans)
+            runs.append((r, 1, p, table(s)))
+    return runs
+
+
+def state_metadata(runs: list[tuple[int, int, int, list[int]]], block_size: int, cached: bool) -> StateMetadata:
+    """A state group's step (``StateMetadata``) from each sequence's run of rows. Rewritten in its
+    one block, one round; ``cached`` (states kept at block boundaries for prefix hits, the table an
+    entry per ``block_size`` tokens: ``MambaSpec.kept``): the state after ``p`` tokens lives in
+    block ``(p - 1) // block_size``, so a run is cut at the end of the block it starts in part way
+    (that block then holds the state at its end, the one its hash names) and at the last boundary
+    inside it, each piece continuing in its own block from a copy of the state the piece before
+    left in the previous one (a fresh piece from zeros)."""
+    if not cached:
+        return StateMetadata.in_place([(r0, n, p0 == 0, t[0]) for r0, n, p0, t in runs])
+    rounds: list[tuple[list[tuple[int, int]], list[tuple[int, int, bool, int]]]] = []
+    for r0, n, p0, t in runs:
+        total = p0 + n
+        cuts = {c for c in ((p0 // block_size + 1) * block_size if p0 % block_size else 0,
+                            total // block_size * block_size) if p0 < c < total}
+        p = p0
+        for k, end in enumerate(sorted(cuts) + [total]):
+            block = t[(end - 1) // block_size]
+            if len(rounds) <= k:
+                rounds.append(([], []))
+            if p > 0 and t[(p - 1) // block_size] != block:
+                rounds[k][0].append((t[(p - 1) // block_size], block))
+            rounds[k][1].append((r0 + p - p0, end - p, p == 0, block))
+            p = end
+    return StateMetadata(rounds)
 
 
 def _logits_rows(sample_seqs: list[ScheduledSequence], last_row: dict[int, int],

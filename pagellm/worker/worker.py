@@ -230,7 +230,8 @@ class Worker:
         windows: list[int | None | MambaSpec] = []
         for la in inner.layers[inner.start:inner.end]:
             layer_states = state_shapes(la)
-            windows.append(MambaSpec(bs, tuple(shape for shape, _ in layer_states), tuple(d for _, d in layer_states))
+            windows.append(MambaSpec(bs, tuple(shape for shape, _ in layer_states), tuple(d for _, d in layer_states),
+                                     cache_states=self.config.cache.enable_prefix_caching)
                            if layer_states else getattr(la.self_attn, "sliding_window", None))
         cfg = self.config
         off = [why for why, on in (("disable_hybrid_kv_cache_manager", cfg.cache.disable_hybrid_kv_cache_manager),
@@ -344,7 +345,9 @@ class Worker:
                              else self.cache_engine.kv_caches[j] for g, j in slots]
         if len(self.kv_config.groups) > 1:
             states = {g for g, group in enumerate(self.kv_config.groups) if isinstance(group.spec, MambaSpec)}
-            self.model_runner.set_kv_groups([g for g, _ in slots], states)
+            self.model_runner.set_kv_groups([g for g, _ in slots], states,
+                                            any(s.cache_states for s in self.kv_config.specs
+                                                if isinstance(s, MambaSpec)))
             self.attn_backend.share_prefixes = False
         if self.pooling is not None:
             # (a classification head's: models/bert.py)
