@@ -26,21 +26,32 @@ REPLIES = {
                    '{"name": "note", "parameters": {"text": "hi; {x}"}}',
     "mistral": '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}, '
                '{"name": "note", "arguments": {"text": "hi; {x}"}}]',
+    # Granite 3.x/4's list after its special token; Qwen3-Coder's and Qwen3.5's XML (a string
+    # argument as written, the integers typed by the tool's schema).
+    "granite": '<|tool_call|>[{"name": "add", "arguments": {"a": 1, "b": 2}}, '
+               '{"name": "note", "arguments": {"text": "hi; {x}"}}]',
+    "qwen3_coder": 'Let me see.\n<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n'
+                   '</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=note>\n<parameter=text>\nhi; {x}\n'
+                   '</parameter>\n</function>\n</tool_call>',
 }
+# (formats whose calls are parsed, not grammar-bound: no JSON schema binds XML arguments)
+UNBOUND = {"qwen3_coder"}
 
 
 @pytest.mark.parametrize("name", sorted(REPLIES))
 def test_each_family_format_parses_into_calls(name):
     mode = tool_calls.resolve([ADD, NOTE], "auto", None, tool_calls.get_parser(name))
     content, calls = tool_calls.parse(mode, REPLIES[name])
-    assert content == ("Let me see." if name == "hermes" else None)
+    assert content == ("Let me see." if name in ("hermes", "qwen3_coder") else None)
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
         [("add", {"a": 1, "b": 2}), ("note", {"text": "hi; {x}"})]
     assert all(c["type"] == "function" and c["id"] for c in calls)
     assert tool_calls.parse(mode, "Just text.") == ("Just text.", None)
-    unknown = REPLIES[name].replace('"add"', '"rm"').replace('"note"', '"rm"')
+    unknown = REPLIES[name]
+    for tool in ("add", "note"):  # (a JSON name, or an XML tag's)
+        unknown = unknown.replace(f'"{tool}"', '"rm"').replace(f"={tool}>", "=rm>")
     assert tool_calls.parse(mode, unknown) == (unknown, None)  # calls to tools not given are text
-    cut = REPLIES[name][:REPLIES[name].index('"b"')]
+    cut = REPLIES[name][:REPLIES[name].index('"b"' if name not in UNBOUND else "=b>")]
     assert tool_calls.parse(mode, cut) == (cut, None)  # a call cut short is text
     # What is written back as history is what the parser reads.
     parser = tool_calls.get_parser(name)
@@ -55,7 +66,20 @@ def test_unknown_parser_is_refused_by_name():
         tool_calls.get_parser("pythonic")
 
 
-@pytest.mark.parametrize("name", sorted(REPLIES))
+def test_an_xml_argument_keeps_its_text_where_its_schema_says_string():
+    """``qwen3_coder``: a string parameter that looks like JSON stays the text written, an untyped
+    one is read as JSON, and a parameter cut short leaves the reply as text."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"s": {"type": "string"}, "o": {}}}}}]
+    mode = tool_calls.resolve(tools, "auto", None, tool_calls.get_parser("qwen3_coder"))
+    reply = ('<tool_call>\n<function=f>\n<parameter=s>\n[1, 2]\n</parameter>\n'
+             '<parameter=o>\n{"k": [1]}\n</parameter>\n</function>\n</tool_call>')
+    _, calls = tool_calls.parse(mode, reply)
+    assert json.loads(calls[0]["function"]["arguments"]) == {"s": "[1, 2]", "o": {"k": [1]}}
+    assert tool_calls.constraint(mode) is None
+
+
+@pytest.mark.parametrize("name", sorted(set(REPLIES) - UNBOUND))
 def test_auto_grammar_binds_a_started_call_in_each_format(tiny_llama, name):
     from pagellm.config import resolve_model_source
     from pagellm.structured_output.backend import create_backend
@@ -97,7 +121,7 @@ def mistral_style_engine(tiny_llama):
     engine.shutdown()
 
 
-@pytest.mark.parametrize("name", ["mistral", "llama3_json"])
+@pytest.mark.parametrize("name", ["mistral", "llama3_json", "granite", "qwen3_coder"])
 def test_a_forced_reply_in_the_format_comes_back_as_calls(mistral_style_engine, name):
     import openai
     from test_server import KEY, NAME, _Server

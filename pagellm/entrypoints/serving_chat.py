@@ -50,11 +50,12 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         params = self._params(body, len(ids), max_tokens, top if body.logprobs else None)
         if mode is not None:
-            if params.structured_outputs is None:
-                params = params.clone(structured_outputs=tool_calls.constraint(mode))
-            elif mode.constrained:
+            if params.structured_outputs is not None and mode.constrained:
                 raise APIError("tool_choice 'required' or a named function already constrains the reply; "
                                "drop response_format / structured_outputs", param="tool_choice")
+            bound = tool_calls.constraint(mode)  # (None: auto mode in a format no schema binds)
+            if params.structured_outputs is None and bound is not None:
+                params = params.clone(structured_outputs=bound)
             # (auto with a response_format: the format wins; calls are still parsed from the text)
             if mode.kind == "auto" and mode.parser.keeps_special:
                 params = params.clone(skip_special_tokens=False)  # (the call's tag is a special token)

@@ -9,12 +9,13 @@
   (vLLM's names, :data:`PARSERS`): ``hermes`` (Qwen 2.5/3, Hermes; the default)
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, ``llama3_json`` (Llama 3.x)
   ``{"name": ..., "parameters": {...}}`` with ``; `` between calls, ``mistral``
-  ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``. A chat template that takes ``tools``
+  ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``, ``granite`` ``<|tool_call|>[...]``,
+  ``qwen3_coder`` (Qwen3-Coder, Qwen3.5) XML, :class:`XmlToolCallParser`. A chat template that takes ``tools``
   gets them; one that does not (SmolLM2's) gets them in a system message,
   :func:`tools_system_prompt` (or, where the template refuses a system role, in the first user
   message). The reply is free text, but once it starts a call a structural tag constrains it (a
   given tool's name, then arguments under its schema, then the format's closing text), so a
-  started call always parses.
+  started call always parses (the JSON formats; ``qwen3_coder``'s XML is parsed only).
 - ``"none"``: tools are not shown and no call is parsed.
 
 Earlier turns carry calls as assistant ``tool_calls`` and results as ``tool`` messages; for a
@@ -24,6 +25,7 @@ template without tool support they are rendered into text in the parser's format
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -68,9 +70,11 @@ class ToolCallParser:
             return self.open + "[" + ", ".join(objs) + "]" + self.close
         return self.separator.join(self.open + o + self.close for o in objs)
 
-    def parse(self, text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]] | None]:
+    def parse(self, text: str, names: set[str],
+              schemas: dict[str, dict[str, Any]] | None = None) -> tuple[str | None, list[dict[str, Any]] | None]:
         """``(content, calls)`` of a finished reply: the calls from where the first starts, the text
-        before it as content; the whole text and ``None`` when no call to a given tool parses."""
+        before it as content; the whole text and ``None`` when no call to a given tool parses.
+        (``schemas``, each tool's parameters: the JSON formats carry their own types.)"""
         start = text.find(self.trigger)
         if start < 0:
             return text, None
@@ -95,6 +99,64 @@ class ToolCallParser:
         return text[:start].strip() or None, calls
 
 
+class XmlToolCallParser(ToolCallParser):
+    """Qwen3-Coder's and Qwen3.5's calls (vLLM's ``qwen3_coder``): each argument a tagged text, typed
+    by its tool's schema (strings as written, other types as JSON)::
+
+        <tool_call>
+        <function=add>
+        <parameter=a>
+        1
+        </parameter>
+        </function>
+        </tool_call>
+
+    Parsed, not grammar-bound: its arguments are no JSON a schema could bind (vLLM binds none)."""
+
+    _CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
+    _PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+    def structures(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return []
+
+    def render(self, calls: list[tuple[str, Any]]) -> str:
+        out = []
+        for name, args in calls:
+            params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+                             for k, v in (args.items() if isinstance(args, dict) else []))
+            out.append(f"{self.open}\n<function={name}>\n{params}</function>\n{self.close}")
+        return "\n".join(out)
+
+    def parse(self, text: str, names: set[str],
+              schemas: dict[str, dict[str, Any]] | None = None) -> tuple[str | None, list[dict[str, Any]] | None]:
+        start = text.find(self.open)
+        if start < 0:
+            return text, None
+        calls = []
+        for m in self._CALL.finditer(text, start):
+            name = m.group(1).strip()
+            if name not in names:
+                continue
+            props = ((schemas or {}).get(name) or {}).get("properties") or {}
+            args = {k.strip(): _typed(v, props.get(k.strip())) for k, v in self._PARAM.findall(m.group(2))}
+            calls.append(_call(name, args))
+        if not calls:
+            return text, None
+        return text[:start].strip() or None, calls
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """An XML argument's text as its schema's type: a string as written, anything else as JSON
+    (the text itself where it does not parse)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if kind == "string":
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
 def _skip_space(text: str, pos: int, also: str = "") -> int:
     while pos < len(text) and (text[pos].isspace() or text[pos] in also):
         pos += 1
@@ -105,6 +167,9 @@ PARSERS = {p.name: p for p in (
     ToolCallParser("hermes", CALL_OPEN, CALL_CLOSE),
     ToolCallParser("llama3_json", "", "", key="parameters", separator="; "),
     ToolCallParser("mistral", "[TOOL_CALLS]", "", in_list=True, keeps_special=True),
+    # Granite 3.x/4's list after its special token.
+    ToolCallParser("granite", "<|tool_call|>", "", in_list=True, keeps_special=True),
+    XmlToolCallParser("qwen3_coder", CALL_OPEN, CALL_CLOSE),
 )}
 
 
@@ -174,11 +239,13 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
     return tool["function"].get("parameters") or _ANY_OBJECT
 
 
-def constraint(mode: ToolMode) -> StructuredOutputsParams:
+def constraint(mode: ToolMode) -> StructuredOutputsParams | None:
     """The grammar a mode decodes under (``auto``: free text with structurally tagged calls)."""
     if mode.kind == "auto":
-        return StructuredOutputsParams(structural_tag={"structures": mode.parser.structures(mode.tools),
-                                                       "triggers": [mode.parser.trigger]})
+        structures = mode.parser.structures(mode.tools)
+        if not structures:
+            return None  # (a format no schema binds: calls are parsed from free text)
+        return StructuredOutputsParams(structural_tag={"structures": structures, "triggers": [mode.parser.trigger]})
     if mode.kind == "named":
         tool = next(t for t in mode.tools if t["function"]["name"] == mode.name)
         return StructuredOutputsParams(json=_parameters(tool))
@@ -248,7 +315,7 @@ def parse(mode: ToolMode, text: str) -> tuple[str | None, list[dict[str, Any]] |
             return text, None
         calls = [_call(c["name"], c["arguments"]) for c in items if isinstance(c, dict) and c.get("name") in names]
         return (None, calls) if calls else (text, None)
-    return mode.parser.parse(text, names)
+    return mode.parser.parse(text, names, {t["function"]["name"]: _parameters(t) for t in mode.tools})
 
 
 def finished(mode: ToolMode | None, text: str,
