@@ -55,6 +55,14 @@ ARCH_CONFIGS = {
                         linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=48, shared_expert_intermediate_size=96,
                         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"]),
+    # Qwen3-Next: Qwen3.5-MoE's layers with one dense MLP (Qwen's mlp_only_layers), its DeltaNet
+    # projections stored per key head.
+    "qwen3_next": dict(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], num_hidden_layers=4,
+                       head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                       linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=48, shared_expert_intermediate_size=96, mlp_only_layers=[1],
+                       decoder_sparse_step=1,
+                       layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"]),
     # Granite 4: Mamba2 layers (4 heads of 32 features, 2 groups of B/C) around a NoPE attention
     # layer, a shared MLP beside routed experts on every layer, muP multipliers that bind.
     "granite4": dict(model_type="granitemoehybrid", architectures=["GraniteMoeHybridForCausalLM"],
@@ -191,7 +199,7 @@ def build_tiny_checkpoint(root: str, arch: str, tie: bool = False, **overrides) 
     config = transformers.AutoConfig.for_model(model_type, **base)
     torch.manual_seed(1234)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if model_type in ("qwen3_5_text", "qwen3_5_moe_text", "granitemoehybrid"):
+    if model_type in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid"):
         # (HF starts these at constants, its norms at identity: random ones, so that the tests see each)
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -82,7 +82,7 @@ def random_prompts(n: int, seed: int, vocab: int = 49152, lo: int = 1, hi: int =
     ("mistral", False, False), ("gemma2", True, False), ("gemma3", True, False),
     ("mixtral", False, False), ("qwen2_moe", False, False), ("qwen3_moe", True, True),
     ("lfm2", False, False), ("lfm2", True, False), ("qwen3_5", False, False), ("qwen3_5", True, False),
-    ("qwen3_5_moe", False, False), ("granite4", False, False),
+    ("qwen3_5_moe", False, False), ("qwen3_next", False, False), ("granite4", False, False),
 ])
 def test_tiny_random_models_match_hf(ckpt_root, arch, tie, shard):
     path = build_tiny_checkpoint(ckpt_root, arch, tie=tie)

@@ -35,6 +35,8 @@ ARCHITECTURES = (
                  base_model="Qwen3_5TextModel"),
     Architecture("GraniteMoeHybridForCausalLM", "granite_hybrid", "granitemoehybrid",
                  hf_config="GraniteMoeHybridConfig", base_model="GraniteMoeHybridModel"),
+    Architecture("Qwen3NextForCausalLM", "qwen3_5", "qwen3_next", hf_config="Qwen3NextConfig",
+                 base_model="Qwen3NextModel"),
     Architecture("Qwen3_5MoeForCausalLM", "qwen3_5", "qwen3_5_moe_text", hf_config="Qwen3_5MoeTextConfig",
                  base_model="Qwen3_5MoeTextModel"),
     # llama.cpp writes Mixtral as "llama" with experts (weights/gguf_file.py).

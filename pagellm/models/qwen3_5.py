@@ -1,4 +1,4 @@
-"""Qwen3.5 and Qwen3.5-MoE (Qwen3-Next's layout): gated DeltaNet layers between gated full-attention layers.
+"""Qwen3.5, Qwen3.5-MoE and Qwen3-Next: gated DeltaNet layers between gated full-attention layers.
 
 A DeltaNet layer (linear attention) projects its input to ``q, k, v`` (one ``in_proj_qkv``), an
 output gate ``z`` and per-head ``b, a``; convolves ``q, k, v`` along the sequence, one channel at
@@ -43,7 +43,7 @@ from pagellm.layers.moe import SparseMoeBlock
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from pagellm.models.decoder import MLP, Attention, DecoderForCausalLM, DecoderLayer
-from pagellm.models.moe import MoeForCausalLM
+from pagellm.models.moe import MoeForCausalLM, is_sparse_layer
 
 
 def _decoder_config(config: Any) -> Any:
@@ -295,3 +295,43 @@ class Qwen3_5MoeForCausalLM(MoeForCausalLM, Qwen3_5ForCausalLM):
     """Qwen3.5-MoE: every layer's MLP routed (top-k renormalised) beside a gated shared expert."""
 
     layer_cls = staticmethod(qwen3_5_moe_layer)  # type: ignore[assignment]
+
+
+def qwen3_next_layer(config: Any, qkv_bias: bool, qk_norm: bool, tp: TensorParallelGroup,
+                     layer: int = 0) -> nn.Module:
+    """Qwen3-Next's layer ``layer``: Qwen3.5's, its MLP routed where Qwen's MoE rule says."""
+    la = qwen3_5_layer(config, qkv_bias, qk_norm, tp, layer)
+    if is_sparse_layer(config, layer):
+        la.mlp = SparseMoeBlock(config, tp, MLP)
+    return la
+
+
+def _qwen3_next_weights(weights: Iterable[tuple[str, Any]], config: Any) -> Iterator[tuple[str, Any]]:
+    """Qwen3-Next's DeltaNet projections in Qwen3.5's names and row order: its ``in_proj_qkvz`` and
+    ``in_proj_ba`` hold each key head's rows together (q, k, then its value heads' v and z; b then a),
+    Qwen3.5's ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` every head's q, then k ..."""
+    hk, hv = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
+    k, v, rep = int(config.linear_key_head_dim), int(config.linear_value_head_dim), hv // hk
+    for name, tensor in weights:
+        if name.endswith(".linear_attn.in_proj_qkvz.weight"):
+            q, key, val, z = tensor.view(hk, 2 * k + 2 * rep * v, -1).split([k, k, rep * v, rep * v], dim=1)
+            stem = name.removesuffix("in_proj_qkvz.weight")
+            yield stem + "in_proj_qkv.weight", torch.cat([x.reshape(-1, x.shape[-1]) for x in (q, key, val)])
+            yield stem + "in_proj_z.weight", z.reshape(-1, z.shape[-1])
+        elif name.endswith(".linear_attn.in_proj_ba.weight"):
+            b, a = tensor.view(hk, 2 * rep, -1).split([rep, rep], dim=1)
+            stem = name.removesuffix("in_proj_ba.weight")
+            yield stem + "in_proj_b.weight", b.reshape(-1, b.shape[-1])
+            yield stem + "in_proj_a.weight", a.reshape(-1, a.shape[-1])
+        else:
+            yield name, tensor
+
+
+class Qwen3NextForCausalLM(MoeForCausalLM, Qwen3_5ForCausalLM):
+    """Qwen3-Next: Qwen3.5-MoE's layers (Qwen's ``decoder_sparse_step`` / ``mlp_only_layers`` rule for
+    which are routed), its DeltaNet projections stored per key head (``_qwen3_next_weights``)."""
+
+    layer_cls = staticmethod(qwen3_next_layer)  # type: ignore[assignment]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded_elsewhere: Iterable[str] = ()) -> None:
+        super().load_weights(_qwen3_next_weights(weights, self.config), loaded_elsewhere)
