@@ -34,6 +34,7 @@ from pagellm.attention import AttentionMetadata
 from pagellm.attention.metadata import StateMetadata
 from pagellm.distributed import TensorParallelGroup
 from pagellm.kernels import linear_attention
+from pagellm.layers.causal_conv import causal_conv_native
 from pagellm.layers.moe import SparseMoeBlock, num_experts
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear
@@ -162,7 +163,7 @@ class Mamba2Mixer(nn.Module):
         """The layer between its projections in PyTorch, HF's recurrent arithmetic token by token."""
         recurrent, conv = states
         t = xbc.shape[0]
-        xbc = F.silu(self._convolve(xbc, conv, meta))
+        xbc = F.silu(causal_conv_native(xbc, conv, self.conv_weight, self.conv_bias, meta))
         xs, b, c = xbc.split([self.inner, self.num_groups * self.state_size, self.num_groups * self.state_size], -1)
         rep = self.num_heads // self.num_groups
         xs = xs.reshape(t, self.num_heads, self.head_dim)
@@ -182,23 +183,6 @@ class Mamba2Mixer(nn.Module):
         h = h.view(t, self.num_groups, -1)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.norm.eps)
         return self.norm.weight.float() * h.reshape(t, -1)
-
-    def _convolve(self, x: torch.Tensor, conv: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
-        """The causal depthwise convolution (plus its bias) of ``x [T, conv_dim]``, each sequence's
-        continuing from its convolution state (zeros where its chunk starts the request)."""
-        out = torch.empty_like(x)
-        w = self.conv_weight.float()
-        keep = self.taps - 1
-        for spans in meta.each_round(conv):
-            for row0, n, fresh, block in spans:
-                past = x.new_zeros(keep, self.conv_dim) if fresh else conv[block].t()
-                xp = torch.cat([past, x[row0:row0 + n]])
-                acc = xp[0:n] * w[:, 0]
-                for j in range(1, self.taps):
-                    acc = acc + xp[j:j + n] * w[:, j]
-                out[row0:row0 + n] = acc if self.conv_bias is None else acc + self.conv_bias.float()
-                conv[block] = xp[n:].t()
-        return out
 
 
 class MambaLayer(_GraniteBlock, nn.Module):

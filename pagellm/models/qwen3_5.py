@@ -39,6 +39,7 @@ from pagellm.attention import AttentionMetadata
 from pagellm.attention.metadata import StateMetadata
 from pagellm.distributed import TensorParallelGroup
 from pagellm.kernels import linear_attention
+from pagellm.layers.causal_conv import causal_conv_native
 from pagellm.layers.moe import SparseMoeBlock
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear
@@ -163,7 +164,7 @@ class GatedDeltaNet(nn.Module):
         ``[T, value_dim]`` from the in-projection's parts."""
         recurrent, conv = states
         t, hv = qkv.shape[0], self.num_v_heads
-        mixed = F.silu(self._convolve(qkv, conv, meta))
+        mixed = F.silu(causal_conv_native(qkv, conv, self.conv_weight, None, meta))
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         rep = hv // self.num_k_heads
         q = _l2norm(q.reshape(t, self.num_k_heads, self.head_k_dim)).repeat_interleave(rep, dim=1)
@@ -174,23 +175,6 @@ class GatedDeltaNet(nn.Module):
         decay = (-self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())).exp()
         out = self._delta_rule(recurrent, q, k, v, decay, beta, meta)
         return self._gated_norm(out, z.reshape(t, hv, self.head_v_dim)).reshape(t, -1)
-
-    def _convolve(self, x: torch.Tensor, conv: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
-        """The causal depthwise convolution of ``x [T, conv_dim]`` (float32), each sequence's
-        continuing from its convolution state (zeros where its chunk starts the request)."""
-        out = torch.empty_like(x)
-        w = self.conv_weight.float()
-        keep = self.taps - 1
-        for spans in meta.each_round(conv):
-            for row0, n, fresh, block in spans:
-                past = x.new_zeros(keep, self.conv_dim) if fresh else conv[block].t()
-                xp = torch.cat([past, x[row0:row0 + n]])  # [keep + n, conv_dim]
-                acc = xp[0:n] * w[:, 0]
-                for j in range(1, self.taps):  # (one order for every token: prefill and decode alike)
-                    acc = acc + xp[j:j + n] * w[:, j]
-                out[row0:row0 + n] = acc
-                conv[block] = xp[n:].t()
-        return out
 
     def _delta_rule(self, recurrent: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     decay: torch.Tensor, beta: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
