@@ -33,7 +33,15 @@ def _load_gguf_tokenizer(source: ModelSource):
             return AutoTokenizer.from_pretrained(cached)
         except Exception as e:  # a damaged cache entry must not stop the engine
             logger.warning("ignoring unreadable tokenizer cache %s: %s", cached, e)
-    tok = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    try:
+        tok = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    except ValueError as e:  # transformers reads the config of the families it knows only (granitehybrid:
+        # "not supported yet"); the tokenizer's conversion needs just the file's tokenizer.* keys
+        if "not supported" not in str(e):
+            raise
+        from transformers import PreTrainedTokenizerFast
+
+        tok = PreTrainedTokenizerFast.from_pretrained(source.directory, gguf_file=source.gguf_file)
     try:
         tmp = f"{cached}.tmp{os.getpid()}"
         tok.save_pretrained(tmp)

@@ -64,9 +64,10 @@ ARCH_CONFIGS = {
                        decoder_sparse_step=1,
                        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"]),
     # Granite 4: Mamba2 layers (4 heads of 32 features, 2 groups of B/C) around a NoPE attention
-    # layer, a shared MLP beside routed experts on every layer, muP multipliers that bind.
+    # layer (heads of hidden / heads, as llama.cpp's granitehybrid reads them), a shared MLP beside
+    # routed experts on every layer, muP multipliers that bind.
     "granite4": dict(model_type="granitemoehybrid", architectures=["GraniteMoeHybridForCausalLM"],
-                     num_hidden_layers=4, head_dim=64, layer_types=["mamba", "mamba", "attention", "mamba"],
+                     num_hidden_layers=4, head_dim=16, layer_types=["mamba", "mamba", "attention", "mamba"],
                      mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4,
                      mamba_expand=2, shared_intermediate_size=96, intermediate_size=48, num_local_experts=4,
                      num_experts_per_tok=2, embedding_multiplier=4.0, residual_multiplier=0.5,

@@ -290,6 +290,87 @@ def test_gemma_gguf_matches_hf(ckpt_root, arch, smollm2_path):
                            seed=5)
 
 
+@pytest.mark.parametrize("arch", ["lfm2", "qwen3_5", "qwen3_5_moe", "granite4"])
+def test_state_layer_families_gguf_match_hf(ckpt_root, arch, smollm2_path):
+    """llama.cpp's ``lfm2``, ``qwen35``, ``qwen35moe`` and ``granitehybrid`` files (written as its
+    converter writes them, ``gguf_state_writers``): HF's greedy tokens in float32."""
+    from gguf_state_writers import write_state_gguf
+
+    path = build_tiny_checkpoint(ckpt_root, arch)
+    gguf_path = os.path.join(ckpt_root, f"{arch}-state.gguf")
+    write_state_gguf(path, gguf_path, smollm2_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert_gguf_runs_as_hf(hf, gguf_path, seed=3, max_model_len=512)
+
+
+def test_qwen3_5_gguf_q8_0_keeps_its_tiled_value_heads_in_blocks(ckpt_root, smollm2_path, tmp_path):
+    """Every Qwen3.5 matrix in Q8_0, the DeltaNet's in llama.cpp's tiled order of value heads (its
+    ``ssm_out`` columns too, which blocks cannot be permuted back across): in float32 the model runs
+    as HF runs the values the file holds, put back in HF's order by this test; on the int8 kernel
+    (``quantization="gguf"``) the projections are packed from the file's blocks."""
+    import json
+    import shutil
+
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+    from gguf_state_writers import _NAMES, _tile_rows, write_state_gguf
+    from safetensors.numpy import save_file
+
+    from pagellm.layers.linear import Linear
+
+    path = build_tiny_checkpoint(ckpt_root, "qwen3_5")
+    gguf_path = str(tmp_path / "qwen3_5-q8_0.gguf")
+    held = write_state_gguf(path, gguf_path, smollm2_path,
+                            quantize=lambda n: T.Q8_0 if n.startswith("blk.") and "conv1d" not in n else None)
+    with open(os.path.join(path, "config.json")) as f:
+        c = json.load(f)
+    hk, hv, kd, vd = (c[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                     "linear_value_head_dim"))
+    def untile(x, head, axis=0):  # tiled -> grouped: the writer's reorder with the factors swapped
+        return _tile_rows(x, hv // hk, hv, head, axis)
+    kinds = {v: k for k, v in _NAMES["qwen35"].items()}
+    oracle = {"model.embed_tokens.weight": held["token_embd.weight"], "lm_head.weight": held["output.weight"],
+              "model.norm.weight": held["output_norm.weight"] - np.float32(1)}
+    for name, x in held.items():
+        if not name.startswith("blk."):
+            continue
+        _, layer, kind = name.split(".", 2)
+        stem, _, suffix = kind.rpartition(".")
+        if kind == "ssm_a":
+            oracle[f"model.layers.{layer}.linear_attn.A_log"] = np.log(-untile(x[:, None], 1)[:, 0])
+            continue
+        rel = "linear_attn.dt_bias" if kind == "ssm_dt.bias" else f"{kinds[stem]}.{suffix}"
+        hf_name = f"model.layers.{layer}.{rel}"
+        if stem in ("attn_qkv", "ssm_conv1d"):
+            x = np.concatenate([x[:2 * hk * kd], untile(x[2 * hk * kd:], vd)])
+            x = x[:, None, :] if stem == "ssm_conv1d" else x
+        elif stem == "attn_gate":
+            x = untile(x, vd)
+        elif stem in ("ssm_beta", "ssm_alpha") or kind == "ssm_dt.bias":
+            x = untile(x if x.ndim == 2 else x[:, None], 1).reshape(x.shape)
+        elif stem == "ssm_out":
+            x = untile(x, vd, axis=1)
+        elif stem.endswith("norm") and stem != "ssm_norm":
+            x = x - np.float32(1)
+        oracle[hf_name] = np.ascontiguousarray(x, dtype=np.float32)
+    oracle_dir = tmp_path / "oracle"
+    oracle_dir.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(path, f), oracle_dir / f)
+    save_file(oracle, str(oracle_dir / "model.safetensors"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(oracle_dir), dtype=torch.float32)
+    prompts = assert_gguf_runs_as_hf(hf, gguf_path, seed=4, max_model_len=512)
+    from pagellm import LLM
+
+    llm = LLM(model=gguf_path, quantization="gguf", max_model_len=512, kv_cache_memory="16MiB")
+    linears = {n: m for n, m in llm.llm_engine.executor.worker.model.named_modules() if isinstance(m, Linear)}
+    for name in ("model.layers.0.linear_attn.in_proj", "model.layers.0.linear_attn.out_proj"):
+        assert linears[name].bound_i8 is not None, name
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+
+
 def assert_gguf_runs_as_hf(hf, gguf_path: str, seed: int, **engine_kwargs) -> list[list[int]]:
     """Greedy tokens of the engine on ``gguf_path`` against HF's ``hf`` on six random prompts (float32
     ties excepted), which must not all agree with each other; returns the prompts."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -20,7 +21,8 @@ WIDTH = CONV + HV * V + 2 * HV  # one in-projection row: qkv | z | b | a
 
 def _params(seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    return dict(w=torch.randn(CONV, TAPS, generator=g) * 0.5, a_log=torch.rand(HV, generator=g) * 2 - 1,
+    a_log = torch.rand(HV, generator=g) * 2 - 1
+    return dict(w=torch.randn(CONV, TAPS, generator=g) * 0.5, A=-a_log.exp(),  # (the model's -exp(A_log))
                 dt_bias=torch.randn(HV, generator=g), norm_w=1 + 0.3 * torch.randn(V, generator=g))
 
 
@@ -46,7 +48,7 @@ def _reference(proj: torch.Tensor, p) -> torch.Tensor:
         q = F.normalize(q.view(HK, K), dim=-1, eps=0).repeat_interleave(HV // HK, 0) / K ** 0.5
         k = F.normalize(k.view(HK, K), dim=-1, eps=0).repeat_interleave(HV // HK, 0)
         v = v.view(HV, V)
-        decay = torch.exp(-torch.exp(p["a_log"].double()) * F.softplus(a[t] + p["dt_bias"].double()))
+        decay = torch.exp(p["A"].double() * F.softplus(a[t] + p["dt_bias"].double()))
         beta = torch.sigmoid(b[t])
         s = s * decay[:, None, None]
         s = s + k[:, :, None] * ((v - torch.einsum("hkv,hk->hv", s, k)) * beta[:, None])[:, None, :]
@@ -57,14 +59,43 @@ def _reference(proj: torch.Tensor, p) -> torch.Tensor:
     return torch.stack(out)
 
 
-def _kernel(proj: torch.Tensor, p, spans, states=None):
+def _kernel(proj: torch.Tensor, p, spans, states=None, tiled: bool = False):
     """The kernels over ``spans`` of ``proj``'s rows; returns the output and the states."""
     blocks = 1 + max(s[3] for s in spans)
     rec, conv = states if states is not None else (torch.zeros(blocks, HV, K, V), torch.zeros(blocks, CONV, TAPS - 1))
     qkv, z, b, a = _parts(proj)
     mixed = la.causal_conv(qkv, conv, p["w"], spans, silu=True)
-    out = la.gated_delta_rule(mixed, z, b, a, p["a_log"], p["dt_bias"], p["norm_w"], 1e-6, rec, spans, HK)
+    out = la.gated_delta_rule(mixed, z, b, a, p["A"], p["dt_bias"], p["norm_w"], 1e-6, rec, spans, HK, tiled)
     return out, (rec, conv)
+
+
+def _tile(x: torch.Tensor, dim: int, head: int) -> torch.Tensor:
+    """Value heads grouped by key head -> tiled, along ``dim`` (llama.cpp's ``_reorder_v_heads``,
+    written out: ``[Hk, Hv / Hk, head]`` -> ``[Hv / Hk, Hk, head]``)."""
+    x = x.movedim(dim, 0)
+    shape = x.shape
+    x = x.reshape(HK, HV // HK, head, *shape[1:]).transpose(0, 1).reshape(shape)
+    return x.movedim(0, dim).contiguous()
+
+
+def test_tiled_value_heads_give_the_grouped_heads_bits_in_llama_cpps_order():
+    """A GGUF file's DeltaNet keeps its value heads tiled (every tensor's rows permuted alike): the
+    kernel with ``tiled`` must give each head exactly what the grouped order gives it."""
+    require_cpu_kernel(la.available, "linear-attention kernels")
+    p = _params(3)
+    proj = _proj(9, seed=4)
+    spans = [(0, 5, True, 0), (5, 4, True, 1)]
+    grouped, (rec, _) = _kernel(proj, p, spans)
+    qkv, z, b, a = _parts(proj)
+    qk, v = qkv.split([2 * HK * K, HV * V], dim=-1)
+    tiled_proj = torch.cat([qk, _tile(v, 1, V), _tile(z, 1, V), _tile(b, 1, 1), _tile(a, 1, 1)], dim=-1)
+    wqk, wv = p["w"].split([2 * HK * K, HV * V])
+    tp = dict(w=torch.cat([wqk, _tile(wv, 0, V)]), A=_tile(p["A"], 0, 1), dt_bias=_tile(p["dt_bias"], 0, 1),
+              norm_w=p["norm_w"])
+    got, (trec, _) = _kernel(tiled_proj, tp, spans, tiled=True)
+    assert torch.equal(got, _tile(grouped, 1, V))
+    assert torch.equal(trec, rec[:, _tile(torch.arange(HV), 0, 1)])
+    assert not torch.equal(_tile(grouped, 1, V), grouped)  # (the orders differ: the test can fail)
 
 
 def test_kernels_match_a_float64_formula():
@@ -120,8 +151,10 @@ def test_a_tokens_bits_do_not_depend_on_the_step_around_it():
         assert torch.equal(states[0][block], rec[block]) and torch.equal(states[1][block], conv[block])
 
 
-def test_the_layers_pytorch_path_matches_the_kernels():
-    """The PyTorch path (the layer's off the CPU kernels) against the kernels on the same step."""
+@pytest.mark.parametrize("tiled", [False, True])
+def test_the_layers_pytorch_path_matches_the_kernels(tiled):
+    """The PyTorch path (the layer's off the CPU kernels) against the kernels on the same step, in
+    either order of the value heads."""
     require_cpu_kernel(la.available, "linear-attention kernels")
     from types import SimpleNamespace
 
@@ -130,19 +163,20 @@ def test_the_layers_pytorch_path_matches_the_kernels():
     from pagellm.models.qwen3_5 import GatedDeltaNet
 
     cfg = SimpleNamespace(hidden_size=32, linear_num_key_heads=HK, linear_num_value_heads=HV, linear_key_head_dim=K,
-                          linear_value_head_dim=V, linear_conv_kernel_dim=TAPS, rms_norm_eps=1e-6)
+                          linear_value_head_dim=V, linear_conv_kernel_dim=TAPS, rms_norm_eps=1e-6,
+                          linear_value_heads_tiled=tiled)
     layer = GatedDeltaNet(cfg, TensorParallelGroup())
     p = _params(5)
     with torch.no_grad():
         layer.conv_weight.copy_(p["w"])
-        layer.A_log.copy_(p["a_log"])
+        layer.A.copy_(p["A"])
         layer.dt_bias.copy_(p["dt_bias"])
         layer.norm.weight.copy_(p["norm_w"])
     proj = _proj(12, seed=6)
     spans = [(0, 7, True, 0), (7, 1, False, 1), (8, 4, True, 2)]
     states = (torch.randn(3, HV, K, V) * 0.1, torch.randn(3, CONV, TAPS - 1))
     native_states = tuple(s.clone() for s in states)
-    got, states = _kernel(proj, p, spans, states)
+    got, states = _kernel(proj, p, spans, states, tiled)
     ref = layer.forward_native(*_parts(proj), native_states, StateMetadata.in_place(spans))
     assert torch.allclose(got, ref, atol=2e-5, rtol=1e-4), float((got - ref).abs().max())
     for a, b in zip(states, native_states, strict=True):
@@ -156,7 +190,7 @@ MCONV = MH * MP + 2 * MG * MN
 
 def _mamba_params(seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    return dict(a_log=torch.rand(MH, generator=g) * 2, dt_bias=torch.randn(MH, generator=g),
+    return dict(A=-(torch.rand(MH, generator=g) * 2).exp(), dt_bias=torch.randn(MH, generator=g),
                 d=1 + 0.3 * torch.randn(MH, generator=g), norm_w=1 + 0.3 * torch.randn(MH * MP, generator=g))
 
 
@@ -165,7 +199,7 @@ def _mamba_reference(xbc: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, p) ->
     gated group norm."""
     xbc, dt, z = xbc.double(), dt.double(), z.double()
     s = torch.zeros(MH, MP, MN, dtype=torch.float64)
-    a = -torch.exp(p["a_log"].double())
+    a = p["A"].double()
     ys = []
     for t in range(xbc.shape[0]):
         x, b, c = xbc[t].split([MH * MP, MG * MN, MG * MN])
@@ -182,7 +216,7 @@ def _mamba_reference(xbc: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, p) ->
 
 def _mamba_kernel(xbc, dt, z, p, spans, state=None):
     state = state if state is not None else torch.zeros(1 + max(s[3] for s in spans), MH, MP, MN)
-    y = la.mamba2_ssm(xbc, dt, p["a_log"], p["dt_bias"], p["d"], state, spans, MG)
+    y = la.mamba2_ssm(xbc, dt, p["A"], p["dt_bias"], p["d"], state, spans, MG)
     return la.gated_group_norm(y, z, p["norm_w"], MH * MP // MG, 1e-6), state
 
 
@@ -226,7 +260,7 @@ def test_the_mamba2_layers_pytorch_path_matches_the_kernels():
     with torch.no_grad():
         layer.conv_weight.copy_(torch.randn(MCONV, TAPS, generator=g) * 0.5)
         layer.conv_bias.copy_(torch.randn(MCONV, generator=g))
-        layer.A_log.copy_(p["a_log"])
+        layer.A.copy_(p["A"])
         layer.dt_bias.copy_(p["dt_bias"])
         layer.D.copy_(p["d"])
         layer.norm.weight.copy_(p["norm_w"])
@@ -235,7 +269,7 @@ def test_the_mamba2_layers_pytorch_path_matches_the_kernels():
     states = (torch.randn(3, MH, MP, MN) * 0.1, torch.randn(3, MCONV, TAPS - 1))
     native = tuple(s.clone() for s in states)
     conv = la.causal_conv(xbc, states[1], layer.conv_weight, spans, True, layer.conv_bias)
-    y = la.mamba2_ssm(conv, dt, layer.A_log, layer.dt_bias, layer.D, states[0], spans, MG)
+    y = la.mamba2_ssm(conv, dt, layer.A, layer.dt_bias, layer.D, states[0], spans, MG)
     got = la.gated_group_norm(y, z, layer.norm.weight, MH * MP // MG, 1e-6)
     ref = layer.forward_native(z, xbc, dt, native, StateMetadata.in_place(spans))
     assert torch.allclose(got, ref, atol=2e-5, rtol=1e-4), float((got - ref).abs().max())

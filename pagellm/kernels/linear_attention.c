@@ -78,16 +78,19 @@ void causal_conv_f32(const float *x, int64_t ldx, float *state, int64_t state_st
 /* softplus as torch's (threshold 20: x itself above it). */
 static inline float softplus_f32(float x) { return x > 20.f ? x : log1pf(exp_f32(x)); }
 
-/* The gated delta rule and its gated RMSNorm, for each span and value head h (key head h / (Hv / Hk)):
+/* The gated delta rule and its gated RMSNorm, for each span and value head h: its key head is h / (Hv / Hk)
+ * (HF's grouped order) or, with tiled, h % Hk (llama.cpp's GGUF order: the value heads' rows permuted
+ * consistently in every tensor, so only this map changes).
  * mixed [T, 2 Hk K + Hv V] holds each row's convolved q | k | v; z [T, Hv V], b and a [T, Hv] the
  * row's output gate and per-head inputs (row stride ld). Per token: q and k L2-normed (q then over
- * sqrt(K)); beta = sigmoid(b); decay = exp(-exp(A_log) softplus(a + dt_bias)); S = decay S;
+ * sqrt(K)); beta = sigmoid(b); decay = exp(A softplus(a + dt_bias)), A = -exp(A_log) as the model
+ * loads it; S = decay S;
  * S += k (beta (v - S^T k))^T; o = S^T q; out = norm_w * rmsnorm(o) * silu(z). state [blocks, Hv,
  * K, V] (blocks state_stride apart); out [T, Hv V]. */
 void gated_delta_rule_f32(const float *mixed, const float *z, const float *b, const float *a, int64_t ld,
-                          const float *A_log, const float *dt_bias, const float *norm_w, float eps, float *state,
+                          const float *A, const float *dt_bias, const float *norm_w, float eps, float *state,
                           int64_t state_stride, const int64_t *spans, int64_t S, int64_t Hk, int64_t Hv, int64_t K, int64_t V,
-                          float *out) {
+                          int64_t tiled, float *out) {
   const int64_t key_dim = Hk * K, width = 2 * key_dim + Hv * V, rep = Hv / Hk;
   const float sqrt_k = sqrtf((float)K);
 #pragma omp parallel for collapse(2) schedule(static)
@@ -96,8 +99,8 @@ void gated_delta_rule_f32(const float *mixed, const float *z, const float *b, co
       const int64_t row0 = spans[4 * s], n = spans[4 * s + 1], fresh = spans[4 * s + 2], block = spans[4 * s + 3];
       float *st = state + block * state_stride + h * K * V;
       if (fresh) memset(st, 0, (size_t)(K * V) * sizeof(float));
-      const int64_t kh = h / rep;
-      const float a_scale = -exp_f32(A_log[h]);
+      const int64_t kh = tiled ? h % Hk : h / rep;
+      const float a_scale = A[h];
       float qn[MAX_HEAD], kn[MAX_HEAD], kv[MAX_HEAD], delta[MAX_HEAD], o[MAX_HEAD];
       for (int64_t t = 0; t < n; ++t) {
         const int64_t r = row0 + t;
@@ -153,9 +156,9 @@ void gated_delta_rule_f32(const float *mixed, const float *z, const float *b, co
 
 /* Mamba2's selective state update per span and head h (of group h / (H / G)): xbc [T, H P + 2 G N]
  * holds each row's convolved x | B | C, dt [T, H] (row stride ld). Per token: d = softplus(dt +
- * dt_bias); S = exp(d A) S + (d B) x^T, A = -exp(A_log); y = S C + D x. state [blocks, H, P, N]
+ * dt_bias); S = exp(d A) S + (d B) x^T (A = -exp(A_log) as the model loads it); y = S C + D x. state [blocks, H, P, N]
  * (blocks state_stride apart); y [T, H P]. */
-void mamba2_ssm_f32(const float *xbc, const float *dt, int64_t ld, const float *A_log, const float *dt_bias,
+void mamba2_ssm_f32(const float *xbc, const float *dt, int64_t ld, const float *A, const float *dt_bias,
                     const float *D, float *state, int64_t state_stride, const int64_t *spans, int64_t S, int64_t H,
                     int64_t P, int64_t N, int64_t G, float *y) {
   const int64_t inner = H * P, width = inner + 2 * G * N, per_group = H / G;
@@ -165,7 +168,7 @@ void mamba2_ssm_f32(const float *xbc, const float *dt, int64_t ld, const float *
       const int64_t row0 = spans[4 * s], n = spans[4 * s + 1], fresh = spans[4 * s + 2], block = spans[4 * s + 3];
       float *st = state + block * state_stride + h * P * N;
       if (fresh) memset(st, 0, (size_t)(P * N) * sizeof(float));
-      const float a = -exp_f32(A_log[h]);
+      const float a = A[h];
       const int64_t g = h / per_group;
       float db[MAX_HEAD];
       for (int64_t t = 0; t < n; ++t) {

@@ -22,7 +22,7 @@ _SIGNATURES: kernels.Signatures = {
     "causal_conv_f32": (None, [_P, _I, _P, _I, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int]),
     "mamba2_ssm_f32": (None, [_P, _P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _P]),
     "gated_group_norm_f32": (None, [_P, _P, _I, _P, _I, _I, _I, _F, _P]),
-    "gated_delta_rule_f32": (None, [_P, _P, _P, _P, _I, _P, _P, _P, _F, _P, _I, _P, _I, _I, _I, _I, _I, _P]),
+    "gated_delta_rule_f32": (None, [_P, _P, _P, _P, _I, _P, _P, _P, _F, _P, _I, _P, _I, _I, _I, _I, _I, _I, _P]),
 }
 MAX_TAPS, MAX_HEAD = 17, 512  # (the kernels' stack buffers)
 
@@ -82,14 +82,15 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
     return out
 
 
-def gated_delta_rule(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor,
+def gated_delta_rule(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, ssm_a: torch.Tensor,
                      dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float, state: torch.Tensor,
-                     spans: list[tuple[int, int, bool, int]], num_k_heads: int,
+                     spans: list[tuple[int, int, bool, int]], num_k_heads: int, tiled: bool = False,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """The gated delta rule over each span's tokens in order, and its gated RMSNorm:
     ``mixed [T, 2 Hk K + Hv V]`` the convolved ``q | k | v``; ``z [T, Hv V]``, ``b, a [T, Hv]`` views
-    of one projection's rows (one row stride); ``state [blocks, Hv, K, V]`` (each block's contiguous)
-    read and rewritten.
+    of one projection's rows (one row stride); ``ssm_a [Hv]`` the decay rates ``-exp(A_log)``;
+    ``state [blocks, Hv, K, V]`` (each block's contiguous) read and rewritten. Value head ``h`` reads
+    key head ``h // (Hv / Hk)``, or ``h % Hk`` when ``tiled`` (llama.cpp's order of the value heads).
     Returns ``[T, Hv V]`` (``out``: the spans' rows written there)."""
     hv, k_dim, v_dim = state.shape[1:]
     for t, name in ((mixed, "mixed"), (z, "z"), (b, "b"), (a, "a")):
@@ -102,18 +103,19 @@ def gated_delta_rule(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: t
         raise ValueError(f"state must be a float32 [blocks, Hv, K, V], each block's contiguous (K, V <= {MAX_HEAD})")
     out = _out(out, mixed.shape[0], hv * v_dim)
     sp = _spans(spans)
-    f32 = [p.float().contiguous() for p in (a_log, dt_bias, norm_weight)]
+    f32 = [p.float().contiguous() for p in (ssm_a, dt_bias, norm_weight)]
     _lib().gated_delta_rule_f32(mixed.data_ptr(), z.data_ptr(), b.data_ptr(), a.data_ptr(), z.stride(0),
                                 *(p.data_ptr() for p in f32), eps, state.data_ptr(), state.stride(0), sp.data_ptr(),
-                                len(spans), num_k_heads, hv, k_dim, v_dim, out.data_ptr())
+                                len(spans), num_k_heads, hv, k_dim, v_dim, int(tiled), out.data_ptr())
     return out
 
 
-def mamba2_ssm(xbc: torch.Tensor, dt: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, d: torch.Tensor,
+def mamba2_ssm(xbc: torch.Tensor, dt: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor, d: torch.Tensor,
                state: torch.Tensor, spans: list[tuple[int, int, bool, int]], num_groups: int,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """Mamba2's selective state update over each span's tokens in order: ``xbc [T, H P + 2 G N]`` the
-    convolved ``x | B | C``, ``dt [T, H]`` (rows strided allowed); ``state [blocks, H, P, N]``
+    convolved ``x | B | C``, ``dt [T, H]`` (rows strided allowed); ``ssm_a [H]`` the decay rates
+    ``-exp(A_log)``; ``state [blocks, H, P, N]``
     (each block's contiguous) read and rewritten. Returns ``y [T, H P]`` (before the gated norm;
     ``out``: the spans' rows written there)."""
     h, p, n = state.shape[1:]
@@ -125,7 +127,7 @@ def mamba2_ssm(xbc: torch.Tensor, dt: torch.Tensor, a_log: torch.Tensor, dt_bias
         raise ValueError(f"state must be a float32 [blocks, H, P, N], each block's contiguous (N <= {MAX_HEAD})")
     out = _out(out, xbc.shape[0], h * p)
     sp = _spans(spans)
-    f32 = [t.float().contiguous() for t in (a_log, dt_bias, d)]
+    f32 = [t.float().contiguous() for t in (ssm_a, dt_bias, d)]
     _lib().mamba2_ssm_f32(xbc.data_ptr(), dt.data_ptr(), dt.stride(0), *(t.data_ptr() for t in f32), state.data_ptr(),
                           state.stride(0), sp.data_ptr(), len(spans), h, p, n, num_groups, out.data_ptr())
     return out

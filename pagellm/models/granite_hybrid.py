@@ -127,7 +127,7 @@ class Mamba2Mixer(nn.Module):
         self.conv_bias = nn.Parameter(torch.zeros(self.conv_dim), requires_grad=False) \
             if config.mamba_conv_bias else None
         self.dt_bias = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
-        self.A_log = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
+        self.A = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)  # (-exp(A_log), as HF's)
         self.D = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
         self.norm = RMSNorm(self.inner, config.rms_norm_eps)  # (the gated group norm's weight)
         self.out_proj = RowParallelLinear((0, self.inner), h, bias, tp)
@@ -151,7 +151,7 @@ class Mamba2Mixer(nn.Module):
                 linear_attention.causal_conv(xbc, conv, self.conv_weight, spans, True, self.conv_bias, out=conv_out)
             y = torch.empty(t, self.inner)
             for spans in meta.each_round(recurrent):
-                linear_attention.mamba2_ssm(conv_out, dt, self.A_log, self.dt_bias, self.D, recurrent, spans,
+                linear_attention.mamba2_ssm(conv_out, dt, self.A, self.dt_bias, self.D, recurrent, spans,
                                             self.num_groups, out=y)
             out = linear_attention.gated_group_norm(y, z, self.norm.weight, group, self.norm.eps)
         else:
@@ -170,7 +170,7 @@ class Mamba2Mixer(nn.Module):
         b = b.reshape(t, self.num_groups, self.state_size).repeat_interleave(rep, dim=1)
         c = c.reshape(t, self.num_groups, self.state_size).repeat_interleave(rep, dim=1)
         d = F.softplus(dt + self.dt_bias.float())
-        da = torch.exp(d * -torch.exp(self.A_log.float()))
+        da = torch.exp(d * self.A.float())
         y = torch.empty_like(xs)
         for spans in meta.each_round(recurrent):
             for row0, n, fresh, block in spans:
@@ -242,6 +242,8 @@ def _renamed(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
             name = name.replace(old, new)
         if name.endswith(".mamba.conv_weight"):
             tensor = tensor.reshape(tensor.shape[0], -1)  # [conv_dim, 1, taps] -> [conv_dim, taps]
+        elif name.endswith(".mamba.A_log"):
+            name, tensor = name.removesuffix("_log"), -torch.exp(tensor.float())
         yield name, tensor
 
 

@@ -128,7 +128,9 @@ class GatedDeltaNet(nn.Module):
         self.in_proj = ColumnParallelLinear(h, [(0, self.conv_dim), (0, self.value_dim), (0, hv), (0, hv)], bias=False)
         self.conv_weight = nn.Parameter(torch.zeros(self.conv_dim, self.taps), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.zeros(hv), requires_grad=False)
-        self.A_log = nn.Parameter(torch.zeros(hv), requires_grad=False)
+        self.A = nn.Parameter(torch.zeros(hv), requires_grad=False)  # (-exp(A_log), as HF computes it)
+        # Value head h reads key head h // (Hv / Hk), or h % Hk in llama.cpp's GGUF order ("tiled").
+        self.tiled = bool(getattr(config, "linear_value_heads_tiled", False))
         self.norm = RMSNorm(self.head_v_dim, config.rms_norm_eps)  # (times silu(z): ``_gated_norm``)
         self.out_proj = RowParallelLinear((0, self.value_dim), h, False, tp)
 
@@ -152,8 +154,9 @@ class GatedDeltaNet(nn.Module):
                 linear_attention.causal_conv(qkv, conv, self.conv_weight, spans, silu=True, out=mixed)
             out = torch.empty(t, self.value_dim)
             for spans in meta.each_round(recurrent):
-                linear_attention.gated_delta_rule(mixed, z, b, a, self.A_log, self.dt_bias, self.norm.weight,
-                                                  self.norm.eps, recurrent, spans, self.num_k_heads, out=out)
+                linear_attention.gated_delta_rule(mixed, z, b, a, self.A, self.dt_bias, self.norm.weight,
+                                                  self.norm.eps, recurrent, spans, self.num_k_heads, self.tiled,
+                                                  out=out)
         else:
             out = self.forward_native(qkv, z, b, a, states, meta)
         return self.out_proj(out.to(x.dtype))
@@ -166,15 +169,18 @@ class GatedDeltaNet(nn.Module):
         t, hv = qkv.shape[0], self.num_v_heads
         mixed = F.silu(causal_conv_native(qkv, conv, self.conv_weight, None, meta))
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        rep = hv // self.num_k_heads
-        q = _l2norm(q.reshape(t, self.num_k_heads, self.head_k_dim)).repeat_interleave(rep, dim=1)
-        q = q / math.sqrt(self.head_k_dim)
-        k = _l2norm(k.reshape(t, self.num_k_heads, self.head_k_dim)).repeat_interleave(rep, dim=1)
+        q = self._per_value_head(_l2norm(q.reshape(t, self.num_k_heads, self.head_k_dim))) / math.sqrt(self.head_k_dim)
+        k = self._per_value_head(_l2norm(k.reshape(t, self.num_k_heads, self.head_k_dim)))
         v = v.reshape(t, hv, self.head_v_dim)
         beta = b.sigmoid()
-        decay = (-self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())).exp()
+        decay = (self.A.float() * F.softplus(a + self.dt_bias.float())).exp()
         out = self._delta_rule(recurrent, q, k, v, decay, beta, meta)
         return self._gated_norm(out, z.reshape(t, hv, self.head_v_dim)).reshape(t, -1)
+
+    def _per_value_head(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, Hk, K]`` -> ``[T, Hv, K]``: each value head's key head (grouped, or tiled)."""
+        rep = self.num_v_heads // self.num_k_heads
+        return x.repeat(1, rep, 1) if self.tiled else x.repeat_interleave(rep, dim=1)
 
     def _delta_rule(self, recurrent: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     decay: torch.Tensor, beta: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
@@ -255,6 +261,8 @@ def _renamed(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
             continue  # (multi-token prediction and vision weights: not this text model's)
         if name.endswith(".linear_attn.conv1d.weight"):
             name, tensor = name.replace(".conv1d.weight", ".conv_weight"), tensor.reshape(tensor.shape[0], -1)
+        elif name.endswith(".linear_attn.A_log"):
+            name, tensor = name.removesuffix("_log"), -tensor.float().exp()
         elif name.endswith(_CENTRED) or name == "model.norm.weight":
             tensor = tensor.float() + 1.0
         yield name, tensor

@@ -19,6 +19,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from pagellm.models import GGUF_ARCHITECTURES, architecture
+from pagellm.weights import gguf_hybrid
 from pagellm.weights.gguf_quant import GGUFBlocks
 
 _FLOAT_TYPES = (T.F32, T.F16, T.BF16)
@@ -53,7 +54,8 @@ _GEMMA = ("gemma2", "gemma3")
 _PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# ``blk.N.<kind>[.weight|.bias]``: a kind may be dotted (LFM2's ``shortconv.conv``) or bare (``ssm_a``).
+_BLK = re.compile(r"^blk\.(\d+)\.([\w.]+?)(?:\.(weight|bias))?$")
 
 
 @dataclass(slots=True)
@@ -236,12 +238,13 @@ def gguf_config(path: str):
     hidden = int(_field(r, p + "embedding_length"))
     n_tokens = len(r.fields.get("tokenizer.ggml.tokens", ()))
     names = {t.name for t in r.tensors}
+    kv_heads = _field(r, p + "attention.head_count_kv", n_heads)  # (per layer in the hybrid families)
     kwargs: dict[str, Any] = dict(
         hidden_size=hidden,
         intermediate_size=int(_field(r, p + "feed_forward_length")),
         num_hidden_layers=int(_field(r, p + "block_count")),
         num_attention_heads=n_heads,
-        num_key_value_heads=int(_field(r, p + "attention.head_count_kv", n_heads)),
+        num_key_value_heads=int(kv_heads) if isinstance(kv_heads, (int, float)) else max(int(k) for k in kv_heads),
         head_dim=int(_field(r, p + "attention.key_length", hidden // n_heads)),
         rms_norm_eps=float(_field(r, p + "attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(_field(r, p + "rope.freq_base", 10000.0)),
@@ -263,7 +266,10 @@ def gguf_config(path: str):
     row = GGUF_ARCHITECTURES[arch]
     cls, hf_arch = getattr(transformers, str(row.hf_config)), row.name
     experts = int(_field(r, p + "expert_count", 0) or 0)
-    if experts:
+    if arch in gguf_hybrid.HYBRID_ARCHS:
+        kwargs.update(gguf_hybrid.hybrid_config(lambda key, default=None: _field(r, p + key, default), arch, kwargs,
+                                                names))
+    elif experts:
         kwargs.update(_moe_config(r, arch, experts, names))
         if arch == "llama":  # llama.cpp writes Mixtral as llama with experts
             row = architecture("MixtralForCausalLM")
@@ -381,8 +387,10 @@ def iter_gguf_weights(path: str, config: Any,
     takes the type, else dequantized once the numerics are chosen, and named in their log line)."""
     r = _reader(path)
     arch = gguf_architecture(path)
-    permute = arch == "llama"
+    hybrid = arch in gguf_hybrid.HYBRID_ARCHS
+    permute = arch == "llama" or gguf_hybrid.permutes_qk(arch)
     layer_names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
+    global_names = {**_GLOBAL_NAMES, **gguf_hybrid.GLOBAL_NAMES.get(arch, {})}
     for t in r.tensors:
         if t.name in _ROPE_TENSORS:  # (read with the config: rope_freq_factors, Phi-3's longrope factors)
             continue
@@ -397,9 +405,13 @@ def iter_gguf_weights(path: str, config: Any,
             arr = _to_array(t)
         if m:
             layer, kind, suffix = m.groups()
-            if kind not in layer_names:
+            if hybrid:
+                found = gguf_hybrid.layer_name(arch, int(layer), kind, suffix)
+            else:
+                found = f"model.layers.{layer}.{layer_names[kind]}.{suffix}" if kind in layer_names and suffix else None
+            if found is None:
                 raise ValueError(f"unexpected GGUF tensor {t.name!r}")
-            name = f"model.layers.{layer}.{layer_names[kind]}.{suffix}"
+            name = found
             if permute and kind in ("attn_q", "attn_k"):
                 heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
                 if isinstance(arr, GGUFBlocks):  # the same rows, in the same order: a row is its blocks
@@ -408,9 +420,10 @@ def iter_gguf_weights(path: str, config: Any,
                     arr = _reverse_permute(arr, heads)
         else:
             base, _, suffix = t.name.rpartition(".")
-            if base not in _GLOBAL_NAMES:
+            if base not in global_names:
                 raise ValueError(f"unexpected GGUF tensor {t.name!r}")
-            name = f"{_GLOBAL_NAMES[base]}.{suffix}"
+            name = f"{global_names[base]}.{suffix}"
+            kind = base
         if isinstance(arr, GGUFBlocks):
             yield name, arr
         elif name.endswith(".shared_expert_gate.weight"):  # [hidden] in the file, HF's [1, hidden]
@@ -420,6 +433,8 @@ def iter_gguf_weights(path: str, config: Any,
             # (as transformers' GGUF loader gives them back: exact for 1 + w in [0.5, 2]).
             yield name, torch.from_numpy(np.array(arr, dtype=np.float32) - np.float32(1.0))
         else:
+            if hybrid:
+                arr = gguf_hybrid.float_values(arch, kind, arr)
             yield name, torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
     del r
     _reader.cache_clear()  # the file's mapping goes once the last kept view of it is packed (or with the
