@@ -72,6 +72,13 @@ ARCH_CONFIGS = {
                      mamba_expand=2, shared_intermediate_size=96, intermediate_size=48, num_local_experts=4,
                      num_experts_per_tok=2, embedding_multiplier=4.0, residual_multiplier=0.5,
                      attention_multiplier=0.3, logits_scaling=2.0),
+    # Nemotron-H: Mamba2 (4 heads of 16, not an expansion of the hidden size; time_step_min floors
+    # dt), NoPE attention and relu^2 MLP layers, one mixer each; the MLP layers keep no cache.
+    "nemotron_h": dict(model_type="nemotron_h", architectures=["NemotronHForCausalLM"], num_hidden_layers=6,
+                       layers_block_type=["linear_attention", "mlp", "full_attention", "mlp", "linear_attention",
+                                          "mlp"],
+                       head_dim=16, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2,
+                       conv_kernel=4, layer_norm_epsilon=1e-5, time_step_min=0.001),
     # Phi-4-mini's partial rotary and Phi-3.5's longrope (trained length 512 here), a window that binds.
     "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], sliding_window=40, head_dim=16,
                  original_max_position_embeddings=512,
@@ -200,7 +207,7 @@ def build_tiny_checkpoint(root: str, arch: str, tie: bool = False, **overrides) 
     config = transformers.AutoConfig.for_model(model_type, **base)
     torch.manual_seed(1234)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if model_type in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid"):
+    if model_type in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid", "nemotron_h"):
         # (HF starts these at constants, its norms at identity: random ones, so that the tests see each)
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -83,6 +83,7 @@ def random_prompts(n: int, seed: int, vocab: int = 49152, lo: int = 1, hi: int =
     ("mixtral", False, False), ("qwen2_moe", False, False), ("qwen3_moe", True, True),
     ("lfm2", False, False), ("lfm2", True, False), ("qwen3_5", False, False), ("qwen3_5", True, False),
     ("qwen3_5_moe", False, False), ("qwen3_next", False, False), ("granite4", False, False),
+    ("nemotron_h", False, False),
 ])
 def test_tiny_random_models_match_hf(ckpt_root, arch, tie, shard):
     path = build_tiny_checkpoint(ckpt_root, arch, tie=tie)
@@ -316,7 +317,6 @@ def test_qwen3_5_gguf_q8_0_keeps_its_tiled_value_heads_in_blocks(ckpt_root, smol
     from gguf_state_writers import _NAMES, _tile_rows, write_state_gguf
     from safetensors.numpy import save_file
 
-    from pagellm.layers.linear import Linear
 
     path = build_tiny_checkpoint(ckpt_root, "qwen3_5")
     gguf_path = str(tmp_path / "qwen3_5-q8_0.gguf")
@@ -360,11 +360,19 @@ def test_qwen3_5_gguf_q8_0_keeps_its_tiled_value_heads_in_blocks(ckpt_root, smol
     save_file(oracle, str(oracle_dir / "model.safetensors"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(oracle_dir), dtype=torch.float32)
     prompts = assert_gguf_runs_as_hf(hf, gguf_path, seed=4, max_model_len=512)
+    assert_runs_on_the_files_blocks(gguf_path, prompts, ("model.layers.0.linear_attn.in_proj",
+                                                         "model.layers.0.linear_attn.out_proj"))
+
+
+def assert_runs_on_the_files_blocks(gguf_path: str, prompts: list[list[int]], names: tuple[str, ...]) -> None:
+    """On the int8 kernel (``quantization="gguf"``) the projections ``names`` are packed from the
+    file's blocks, and the model generates."""
     from pagellm import LLM
+    from pagellm.layers.linear import Linear
 
     llm = LLM(model=gguf_path, quantization="gguf", max_model_len=512, kv_cache_memory="16MiB")
     linears = {n: m for n, m in llm.llm_engine.executor.worker.model.named_modules() if isinstance(m, Linear)}
-    for name in ("model.layers.0.linear_attn.in_proj", "model.layers.0.linear_attn.out_proj"):
+    for name in names:
         assert linears[name].bound_i8 is not None, name
     out = llm.generate([{"prompt_token_ids": p} for p in prompts],
                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -465,22 +473,14 @@ def test_phi3_gguf_fused_blocks_are_cut_into_their_parts(ckpt_root, smollm2_path
     """Q8_0 fused qkv and gate_up kept at their width: each part takes its rows' blocks. In float32
     they are dequantized per part and the model runs as HF runs the dequantized checkpoint; on the
     int8 kernel (``quantization="gguf"``) the fused projections are packed from those blocks."""
-    from pagellm.layers.linear import Linear
 
     path = build_tiny_checkpoint(ckpt_root, "phi3")
     gguf_path = os.path.join(ckpt_root, "phi3-q8_0.gguf")
     oracle_dir = write_phi3_gguf(path, gguf_path, smollm2_path, q8_0=True)
     hf = transformers.AutoModelForCausalLM.from_pretrained(oracle_dir, dtype=torch.float32).eval()
     prompts = assert_gguf_runs_as_hf(hf, gguf_path, seed=9, max_model_len=512)
-    from pagellm import LLM
-
-    llm = LLM(model=gguf_path, quantization="gguf", max_model_len=512, kv_cache_memory="16MiB")
-    linears = {n: m for n, m in llm.llm_engine.executor.worker.model.named_modules() if isinstance(m, Linear)}
-    for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj"):
-        assert linears[name].bound_i8 is not None, name
-    out = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+    assert_runs_on_the_files_blocks(gguf_path, prompts, ("model.layers.0.self_attn.qkv_proj",
+                                                         "model.layers.1.mlp.gate_up_proj"))
 
 
 # HF name (after "model.layers.{i}.", Mixtral's block_sparse_moe read as mlp) -> llama.cpp's, for MoE models.

@@ -39,6 +39,15 @@ def test_group_layers_cuts_kinds_into_equal_groups():
     assert off.is_single_full and off.layers_per_page == 18
     alternating = group_layers([8, None] * 3, BS)  # Gemma 2
     assert [g.layer_ids for g in alternating.groups] == [(1, 3, 5), (0, 2, 4)]
+    # Nemotron-H: MLP layers keep nothing (False), in no group, no slot of a page
+    mamba = MambaSpec(BS, ((4, 8, 8),), ("float32",))
+    nemo = group_layers([mamba, False, None, False, mamba, False], BS)
+    assert [g.layer_ids for g in nemo.groups] == [(2,), (0,), (4,)] and nemo.layers_per_page == 1
+    with pytest.raises(ValueError, match="layer 1 is in no KV cache group"):
+        nemo.page_slot(1)
+    assert group_layers([None, False, None], BS).groups[0].layer_ids == (0, 2)
+    with pytest.raises(ValueError, match="at least one layer"):
+        group_layers([False, False], BS)
 
 
 def hybrid_manager(num_blocks=64, window=8, num_cpu_blocks=0, caching=True) -> KVCacheManager:

@@ -194,7 +194,7 @@ def _mamba_params(seed: int = 0):
                 d=1 + 0.3 * torch.randn(MH, generator=g), norm_w=1 + 0.3 * torch.randn(MH * MP, generator=g))
 
 
-def _mamba_reference(xbc: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, p) -> torch.Tensor:
+def _mamba_reference(xbc: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, p, dt_min: float = 0.0) -> torch.Tensor:
     """One sequence from a zero state, in float64: HF's selective state update written out, then the
     gated group norm."""
     xbc, dt, z = xbc.double(), dt.double(), z.double()
@@ -205,7 +205,7 @@ def _mamba_reference(xbc: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, p) ->
         x, b, c = xbc[t].split([MH * MP, MG * MN, MG * MN])
         b = b.view(MG, MN).repeat_interleave(MH // MG, 0)
         c = c.view(MG, MN).repeat_interleave(MH // MG, 0)
-        d = F.softplus(dt[t] + p["dt_bias"].double())
+        d = F.softplus(dt[t] + p["dt_bias"].double()).clamp(min=dt_min)  # (HF's dt_limit floor)
         s = s * torch.exp(d * a)[:, None, None] + (d[:, None] * b)[:, None, :] * x.view(MH, MP)[:, :, None]
         ys.append(((s * c[:, None, :]).sum(-1) + x.view(MH, MP) * p["d"].double()[:, None]).reshape(-1))
     h = torch.stack(ys) * z * torch.sigmoid(z)
@@ -214,9 +214,9 @@ def _mamba_reference(xbc: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, p) ->
     return h.reshape(-1, MH * MP) * p["norm_w"].double()
 
 
-def _mamba_kernel(xbc, dt, z, p, spans, state=None):
+def _mamba_kernel(xbc, dt, z, p, spans, state=None, dt_min: float = 0.0):
     state = state if state is not None else torch.zeros(1 + max(s[3] for s in spans), MH, MP, MN)
-    y = la.mamba2_ssm(xbc, dt, p["A"], p["dt_bias"], p["d"], state, spans, MG)
+    y = la.mamba2_ssm(xbc, dt, p["A"], p["dt_bias"], p["d"], state, spans, MG, dt_min=dt_min)
     return la.gated_group_norm(y, z, p["norm_w"], MH * MP // MG, 1e-6), state
 
 
@@ -243,7 +243,26 @@ def test_mamba2_kernels_match_a_float64_formula_and_keep_their_bits_in_any_step(
         assert torch.equal(torch.cat(outs), together[sl]) and torch.equal(st[i], state[i]), f"sequence {i} decoded"
 
 
-def test_the_mamba2_layers_pytorch_path_matches_the_kernels():
+def test_mamba2_steps_floored_at_dt_min_match_the_formula():
+    """Nemotron-H floors each step's ``softplus(dt + dt_bias)`` at ``time_step_min``: the kernel with
+    a floor that binds on a good share of the steps against the float64 formula clamped alike."""
+    require_cpu_kernel(la.available, "linear-attention kernels")
+    g = torch.Generator().manual_seed(11)
+    p = _mamba_params(3)
+    t, floor = 9, 0.5
+    proj = torch.randn(t, MCONV + MH + MH * MP, generator=g)
+    xbc, dt, z = proj[:, :MCONV].contiguous(), proj[:, MCONV:MCONV + MH], proj[:, MCONV + MH:]
+    bound = (F.softplus(dt + p["dt_bias"]) < floor).float().mean()
+    assert 0.1 < bound < 0.9, float(bound)  # (the floor binds on some steps, not all)
+    got, _ = _mamba_kernel(xbc, dt, z, p, [(0, t, True, 0)], dt_min=floor)
+    ref = _mamba_reference(xbc, dt, z, p, dt_min=floor)
+    assert torch.allclose(got.double(), ref, atol=2e-5, rtol=1e-4), float((got - ref).abs().max())
+    unfloored, _ = _mamba_kernel(xbc, dt, z, p, [(0, t, True, 0)])
+    assert not torch.allclose(got, unfloored, atol=1e-3)
+
+
+@pytest.mark.parametrize("dt_min", [0.0, 0.5])
+def test_the_mamba2_layers_pytorch_path_matches_the_kernels(dt_min):
     require_cpu_kernel(la.available, "linear-attention kernels")
     from types import SimpleNamespace
 
@@ -253,7 +272,7 @@ def test_the_mamba2_layers_pytorch_path_matches_the_kernels():
 
     cfg = SimpleNamespace(hidden_size=16, mamba_n_heads=MH, mamba_d_head=MP, mamba_d_state=MN, mamba_n_groups=MG,
                           mamba_expand=2, mamba_d_conv=TAPS, mamba_proj_bias=False, mamba_conv_bias=True,
-                          rms_norm_eps=1e-6)
+                          rms_norm_eps=1e-6, mamba_dt_min=dt_min)
     layer = Mamba2Mixer(cfg, TensorParallelGroup())
     p = _mamba_params(2)
     g = torch.Generator().manual_seed(9)
@@ -269,7 +288,7 @@ def test_the_mamba2_layers_pytorch_path_matches_the_kernels():
     states = (torch.randn(3, MH, MP, MN) * 0.1, torch.randn(3, MCONV, TAPS - 1))
     native = tuple(s.clone() for s in states)
     conv = la.causal_conv(xbc, states[1], layer.conv_weight, spans, True, layer.conv_bias)
-    y = la.mamba2_ssm(conv, dt, layer.A, layer.dt_bias, layer.D, states[0], spans, MG)
+    y = la.mamba2_ssm(conv, dt, layer.A, layer.dt_bias, layer.D, states[0], spans, MG, dt_min=layer.dt_min)
     got = la.gated_group_norm(y, z, layer.norm.weight, MH * MP // MG, 1e-6)
     ref = layer.forward_native(z, xbc, dt, native, StateMetadata.in_place(spans))
     assert torch.allclose(got, ref, atol=2e-5, rtol=1e-4), float((got - ref).abs().max())

@@ -41,8 +41,9 @@ WINDOWED = {"mistral", "phi3", *KV_GROUPS}
 
 
 # And those with state groups: one block per request in each (LFM2's two groups of convolutions,
-# Qwen3.5's three of gated DeltaNet, Granite 4's three of Mamba2).
-STATE_GROUPS = {"lfm2": 2, "qwen3_5": 3, "granite4": 3}
+# Qwen3.5's three of gated DeltaNet, Granite 4's three of Mamba2, Nemotron-H's two of Mamba2 beside
+# MLP layers that keep nothing).
+STATE_GROUPS = {"lfm2": 2, "qwen3_5": 3, "granite4": 3, "nemotron_h": 2}
 
 
 def _tight_blocks(prompts, block_size=16, groups=1, states=0, caching=True):
@@ -75,26 +76,35 @@ CONFIGS = {
 }
 
 
-def _kwargs(name, prompts, arch=""):
+# Where a state needs more than 16 tokens of K/V (Granite's 4 KiB Mamba2 state beside 2 KiB of
+# its heads' K per 16 tokens), the worker raises the block size: a tight cache is counted in those.
+STATE_BLOCK_SIZE = {"granite4": 32}
+
+
+def _kwargs(name, prompts, arch="", bs=None):
+    """``bs``: the block size the engine takes (a state's raised one; by default the suite's model's)."""
     cfg = CONFIGS[name]
     groups, states = KV_GROUPS.get(arch, 1), STATE_GROUPS.get(arch, 0)
+    bs = bs or STATE_BLOCK_SIZE.get(arch, 16)
     if isinstance(cfg, tuple):
-        return {**_tight(cfg[0], prompts, groups, states, cfg[1].get("enable_prefix_caching", True)), **cfg[1]}
-    return _tight(cfg, prompts, groups, states) if isinstance(cfg, str) else dict(cfg)
+        return {**_tight(cfg[0], prompts, groups, states, cfg[1].get("enable_prefix_caching", True), bs), **cfg[1]}
+    return _tight(cfg, prompts, groups, states, block_size=bs) if isinstance(cfg, str) else dict(cfg)
 
 
-def _tight(cfg, prompts, groups=1, states=0, caching=True):
-    blocks = _tight_blocks(prompts, groups=groups, states=states, caching=caching)
+def _tight(cfg, prompts, groups=1, states=0, caching=True, block_size=16):
+    blocks = _tight_blocks(prompts, block_size, groups=groups, states=states, caching=caching)
+    sized = {} if block_size == 16 else {"block_size": block_size}
     if cfg == "tight":
-        return dict(num_gpu_blocks_override=blocks)
+        return dict(num_gpu_blocks_override=blocks, **sized)
     if cfg == "tight+chunks":
-        return dict(num_gpu_blocks_override=blocks, max_num_batched_tokens=13, long_prefill_token_threshold=0)
+        return dict(num_gpu_blocks_override=blocks, max_num_batched_tokens=13, long_prefill_token_threshold=0,
+                    **sized)
     raise AssertionError(cfg)
 
 
 # (Qwen3.5-MoE is Qwen3.5's states and Qwen2-MoE's experts, each run here: HF-checked in test_hf_parity)
 ARCHS = ["llama", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "lfm2", "qwen3_5",
-         "granite4"]
+         "granite4", "nemotron_h"]
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +130,8 @@ def test_tiny_model_outputs_do_not_depend_on_scheduling(baseline, arch, config):
     got, engine = engine_greedy(path, prompts, MAX_TOKENS, **_kwargs(config, prompts, arch))
     assert got == ref
     if arch in STATE_GROUPS and config == "block_size_1":  # (raised: a state needs a larger page)
-        assert engine.block_size == 16 and engine.executor.worker.spec.block_size == 16
+        bs = engine.executor.worker.spec.block_size
+        assert engine.block_size == bs and bs % 16 == 0, bs  # (Granite's 4 KiB state: 32 tokens of its K/V)
     kv = engine.kv_cache_manager
     if arch in WINDOWED:
         assert (kv.num_window_freed_blocks > 0) == (config != "no_hybrid_kv"), "windows gave nothing back"
@@ -265,6 +276,7 @@ DEFAULT_NUMERICS_MODELS = {
     "lfm2-64": ("lfm2", dict(head_dim=64)),  # (its convolution states in the float16 cache's blocks)
     "qwen3_5-256": ("qwen3_5", dict(head_dim=256)),  # (its float32 states in the float16 cache's blocks)
     "granite4-64": ("granite4", dict(head_dim=64)),
+    "nemotron_h-64": ("nemotron_h", dict(head_dim=64)),  # (MLP layers that keep nothing between them)
 }
 
 
@@ -373,7 +385,7 @@ def test_default_numerics_do_not_depend_on_scheduling_at_every_head_size(ckpt_ro
     # (a state model's whole prompts in this pool run one at a time: its swaps need chunks to happen)
     swap = "tight_swap_chunks_no_prefix_cache" if arch in STATE_GROUPS else "tight_swap"
     for name in ("chunk_every_prompt", "tight_cache_and_chunks", swap):
-        e = engine(**_kwargs(name, prompts, arch))
+        e = engine(**_kwargs(name, prompts, arch, cold_engine.block_size))
         assert _greedy_with_logprobs(e, prompts) == cold, name
         if arch in WINDOWED:
             assert e.kv_cache_manager.num_window_freed_blocks > 0, f"{name}: windows gave nothing back"

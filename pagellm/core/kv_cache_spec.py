@@ -151,25 +151,28 @@ class KVCacheConfig:
                f"in each group's block; " + "; ".join(parts)
 
 
-def group_layers(layer_windows: list[int | None | MambaSpec], block_size: int, hybrid: bool = True) -> KVCacheConfig:
+def group_layers(layer_windows: list[int | None | MambaSpec | bool], block_size: int,
+                 hybrid: bool = True) -> KVCacheConfig:
     """Group layers by spec (``None``: full attention, an int: the layer's sliding window, a
-    ``MambaSpec``: a state layer's).
+    ``MambaSpec``: a state layer's, ``False``: a layer that keeps nothing, Nemotron-H's MLP layers:
+    in no group).
 
     Every kind's layers are cut into groups of the smallest kind's layer count, in layer order;
     full-attention groups come first (group 0 is what KV transfer and the invariants call "the"
     block table), state groups last. ``hybrid=False`` (``disable_hybrid_kv_cache_manager``): one
     full-attention group of every layer, as before windows freed anything (not for state layers).
     """
-    n = len(layer_windows)
-    if n < 1:
-        raise ValueError("a model with KV has at least one layer")
-    states = any(isinstance(w, MambaSpec) for w in layer_windows)
+    kept = [(i, w) for i, w in enumerate(layer_windows) if w is not False]
+    if not kept:
+        raise ValueError("a model with KV has at least one layer that keeps K/V or a state")
+    states = any(isinstance(w, MambaSpec) for _, w in kept)
     if not hybrid and states:
         raise ValueError("state layers need KV cache groups: disable_hybrid_kv_cache_manager cannot apply")
-    if not hybrid or all(w is None for w in layer_windows):
-        return KVCacheConfig((KVCacheGroupSpec(FullAttentionSpec(block_size), tuple(range(n))),), n)
+    if not hybrid or all(w is None for _, w in kept):
+        return KVCacheConfig((KVCacheGroupSpec(FullAttentionSpec(block_size), tuple(i for i, _ in kept)),), len(kept))
     kinds: dict[int | None | MambaSpec, list[int]] = {}
-    for i, w in enumerate(layer_windows):
+    for i, w in kept:
+        assert not isinstance(w, bool)
         kinds.setdefault(w, []).append(i)
     size = min(len(ids) for ids in kinds.values())
     groups: list[KVCacheGroupSpec] = []

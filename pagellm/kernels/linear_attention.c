@@ -156,11 +156,12 @@ void gated_delta_rule_f32(const float *mixed, const float *z, const float *b, co
 
 /* Mamba2's selective state update per span and head h (of group h / (H / G)): xbc [T, H P + 2 G N]
  * holds each row's convolved x | B | C, dt [T, H] (row stride ld). Per token: d = softplus(dt +
- * dt_bias); S = exp(d A) S + (d B) x^T (A = -exp(A_log) as the model loads it); y = S C + D x. state [blocks, H, P, N]
+ * dt_bias), at least dt_min (Nemotron-H's time_step_min; 0 is no floor); S = exp(d A) S + (d B) x^T
+ * (A = -exp(A_log) as the model loads it); y = S C + D x. state [blocks, H, P, N]
  * (blocks state_stride apart); y [T, H P]. */
 void mamba2_ssm_f32(const float *xbc, const float *dt, int64_t ld, const float *A, const float *dt_bias,
                     const float *D, float *state, int64_t state_stride, const int64_t *spans, int64_t S, int64_t H,
-                    int64_t P, int64_t N, int64_t G, float *y) {
+                    int64_t P, int64_t N, int64_t G, float dt_min, float *y) {
   const int64_t inner = H * P, width = inner + 2 * G * N, per_group = H / G;
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t s = 0; s < S; ++s) {
@@ -174,7 +175,8 @@ void mamba2_ssm_f32(const float *xbc, const float *dt, int64_t ld, const float *
       for (int64_t t = 0; t < n; ++t) {
         const int64_t r = row0 + t;
         const float *x = xbc + r * width + h * P, *B = xbc + r * width + inner + g * N, *C = B + G * N;
-        const float d = softplus_f32(dt[r * ld + h] + dt_bias[h]);
+        const float sp = softplus_f32(dt[r * ld + h] + dt_bias[h]);
+        const float d = sp < dt_min ? dt_min : sp;
         const float da = exp_f32(d * a);
         for (int64_t k = 0; k < N; ++k) db[k] = d * B[k];
         float *yr = y + r * inner + h * P;

@@ -20,7 +20,7 @@ from pagellm import kernels
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES: kernels.Signatures = {
     "causal_conv_f32": (None, [_P, _I, _P, _I, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int]),
-    "mamba2_ssm_f32": (None, [_P, _P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _P]),
+    "mamba2_ssm_f32": (None, [_P, _P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P]),
     "gated_group_norm_f32": (None, [_P, _P, _I, _P, _I, _I, _I, _F, _P]),
     "gated_delta_rule_f32": (None, [_P, _P, _P, _P, _I, _P, _P, _P, _F, _P, _I, _P, _I, _I, _I, _I, _I, _I, _P]),
 }
@@ -112,11 +112,11 @@ def gated_delta_rule(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: t
 
 def mamba2_ssm(xbc: torch.Tensor, dt: torch.Tensor, ssm_a: torch.Tensor, dt_bias: torch.Tensor, d: torch.Tensor,
                state: torch.Tensor, spans: list[tuple[int, int, bool, int]], num_groups: int,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, dt_min: float = 0.0) -> torch.Tensor:
     """Mamba2's selective state update over each span's tokens in order: ``xbc [T, H P + 2 G N]`` the
     convolved ``x | B | C``, ``dt [T, H]`` (rows strided allowed); ``ssm_a [H]`` the decay rates
-    ``-exp(A_log)``; ``state [blocks, H, P, N]``
-    (each block's contiguous) read and rewritten. Returns ``y [T, H P]`` (before the gated norm;
+    ``-exp(A_log)``; ``state [blocks, H, P, N]`` (each block's contiguous) read and rewritten;
+    ``softplus(dt + dt_bias)`` floored at ``dt_min``. Returns ``y [T, H P]`` (before the gated norm;
     ``out``: the spans' rows written there)."""
     h, p, n = state.shape[1:]
     _check(xbc, "xbc", 2)
@@ -129,7 +129,7 @@ def mamba2_ssm(xbc: torch.Tensor, dt: torch.Tensor, ssm_a: torch.Tensor, dt_bias
     sp = _spans(spans)
     f32 = [t.float().contiguous() for t in (ssm_a, dt_bias, d)]
     _lib().mamba2_ssm_f32(xbc.data_ptr(), dt.data_ptr(), dt.stride(0), *(t.data_ptr() for t in f32), state.data_ptr(),
-                          state.stride(0), sp.data_ptr(), len(spans), h, p, n, num_groups, out.data_ptr())
+                          state.stride(0), sp.data_ptr(), len(spans), h, p, n, num_groups, dt_min, out.data_ptr())
     return out
 
 

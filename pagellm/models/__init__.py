@@ -38,6 +38,8 @@ ARCHITECTURES = (
                  base_model="Qwen3NextModel"),
     Architecture("Qwen3_5MoeForCausalLM", "qwen3_5", "qwen3_5_moe_text", "qwen35moe", "Qwen3_5MoeTextConfig",
                  "Qwen3_5MoeTextModel"),
+    Architecture("NemotronHForCausalLM", "nemotron_h", "nemotron_h", hf_config="NemotronHConfig",
+                 base_model="NemotronHModel"),
     # llama.cpp writes Mixtral as "llama" with experts (weights/gguf_file.py).
     Architecture("MixtralForCausalLM", "moe", "mixtral", hf_config="MixtralConfig"),
     Architecture("Qwen2MoeForCausalLM", "moe", "qwen2_moe", "qwen2moe", "Qwen2MoeConfig"),

@@ -111,14 +111,16 @@ class Mamba2Mixer(nn.Module):
     def __init__(self, config: Any, tp: TensorParallelGroup) -> None:
         super().__init__()
         if tp.world_size != 1:
-            raise ValueError("Granite 4's Mamba2 layers do not split across tensor-parallel ranks yet")
+            raise ValueError("Mamba2 layers do not split across tensor-parallel ranks yet")
         h = config.hidden_size
         self.num_heads, self.head_dim = int(config.mamba_n_heads), int(config.mamba_d_head)
         self.state_size, self.num_groups = int(config.mamba_d_state), int(config.mamba_n_groups)
-        self.inner = int(config.mamba_expand * h)
-        if self.inner != self.num_heads * self.head_dim or self.num_heads % self.num_groups:
-            raise ValueError(f"mamba_expand * hidden_size ({self.inner}) must be mamba_n_heads * mamba_d_head "
+        self.inner = self.num_heads * self.head_dim
+        expand = getattr(config, "mamba_expand", None)  # (Granite's; Nemotron-H gives heads and their size)
+        if (expand is not None and int(expand * h) != self.inner) or self.num_heads % self.num_groups:
+            raise ValueError(f"mamba_expand * hidden_size must be mamba_n_heads * mamba_d_head "
                              f"({self.num_heads} * {self.head_dim}), mamba_n_heads a multiple of mamba_n_groups")
+        self.dt_min = float(getattr(config, "mamba_dt_min", 0.0))  # (Nemotron-H's time_step_min)
         self.conv_dim = self.inner + 2 * self.num_groups * self.state_size
         self.taps = int(config.mamba_d_conv)
         bias = bool(config.mamba_proj_bias)
@@ -152,7 +154,7 @@ class Mamba2Mixer(nn.Module):
             y = torch.empty(t, self.inner)
             for spans in meta.each_round(recurrent):
                 linear_attention.mamba2_ssm(conv_out, dt, self.A, self.dt_bias, self.D, recurrent, spans,
-                                            self.num_groups, out=y)
+                                            self.num_groups, out=y, dt_min=self.dt_min)
             out = linear_attention.gated_group_norm(y, z, self.norm.weight, group, self.norm.eps)
         else:
             out = self.forward_native(z, xbc, dt, states, meta)
@@ -170,6 +172,8 @@ class Mamba2Mixer(nn.Module):
         b = b.reshape(t, self.num_groups, self.state_size).repeat_interleave(rep, dim=1)
         c = c.reshape(t, self.num_groups, self.state_size).repeat_interleave(rep, dim=1)
         d = F.softplus(dt + self.dt_bias.float())
+        if self.dt_min > 0:  # (HF clamps its chunked scan's steps at time_step_min: every token's here)
+            d = d.clamp(min=self.dt_min)
         da = torch.exp(d * self.A.float())
         y = torch.empty_like(xs)
         for spans in meta.each_round(recurrent):

@@ -227,9 +227,12 @@ class Worker:
         inner = model.model
         bs = self.config.cache.block_size
         # (a state layer declares its state's shape: one MambaSpec group block per request)
-        windows: list[int | None | MambaSpec] = []
+        windows: list[int | None | MambaSpec | bool] = []
         for la in inner.layers[inner.start:inner.end]:
             layer_states = state_shapes(la)
+            if not hasattr(la, "self_attn") and not layer_states:
+                windows.append(False)  # (a layer that keeps nothing: Nemotron-H's MLP layers)
+                continue
             windows.append(MambaSpec(bs, tuple(shape for shape, _ in layer_states), tuple(d for _, d in layer_states),
                                      cache_states=self.config.cache.enable_prefix_caching)
                            if layer_states else getattr(la.self_attn, "sliding_window", None))
@@ -238,13 +241,13 @@ class Worker:
                                    ("pipeline parallelism", self.pp.num_stages > 1),
                                    ("a draft model", cfg.speculative is not None and cfg.speculative.model is not None),
                                    ("KV transfer", cfg.kv_transfer is not None)) if on]
-        states = any(isinstance(w, MambaSpec) for w in windows)
+        states = any(isinstance(w, MambaSpec) for w in windows) or False in windows
         if states and (off or cfg.speculative is not None or cfg.cache.kv_cache_dtype == "int8"):
             why = off + (["speculative decoding"] if cfg.speculative is not None else []) \
                 + (["kv_cache_dtype='int8'"] if cfg.cache.kv_cache_dtype == "int8" else [])
             raise ValueError("a model with state layers (convolution or recurrent states) does not support "
                              f"{', '.join(why)} yet")
-        if off and any(w is not None for w in windows):
+        if off and any(w is not None for w in windows if w is not False):
             logger.info("sliding-window layers keep every token's K/V (one block table for all layers): %s",
                         ", ".join(off))
         return group_layers(windows, bs, hybrid=not off)
@@ -339,13 +342,17 @@ class Worker:
                                         self.tp.is_driver and self.pp.is_last)
         self.model_runner.lora = self.model_lora
         # Each model layer's K/V tensors: its slot of the page its group's blocks index (a state
-        # layer's state: a view of the same pages).
-        slots = [self.kv_config.page_slot(i) for i in range(sum(len(g.layer_ids) for g in self.kv_config.groups))]
-        self.layer_caches = [self._state_view(j, spec) if isinstance(spec := self.kv_config.groups[g].spec, MambaSpec)
-                             else self.cache_engine.kv_caches[j] for g, j in slots]
+        # layer's state: a view of the same pages; a layer in no group keeps nothing: empty tensors).
+        inner = self.model.model
+        held = {i for g in self.kv_config.groups for i in g.layer_ids}
+        slots = [self.kv_config.page_slot(i) if i in held else None for i in range(inner.end - inner.start)]
+        nothing = (torch.empty(0), torch.empty(0))
+        self.layer_caches = [nothing if slot is None else self._state_view(slot[1], spec)
+                             if isinstance(spec := self.kv_config.groups[slot[0]].spec, MambaSpec)
+                             else self.cache_engine.kv_caches[slot[1]] for slot in slots]
         if len(self.kv_config.groups) > 1:
             states = {g for g, group in enumerate(self.kv_config.groups) if isinstance(group.spec, MambaSpec)}
-            self.model_runner.set_kv_groups([g for g, _ in slots], states,
+            self.model_runner.set_kv_groups([0 if slot is None else slot[0] for slot in slots], states,
                                             any(s.cache_states for s in self.kv_config.specs
                                                 if isinstance(s, MambaSpec)))
             self.attn_backend.share_prefixes = False
