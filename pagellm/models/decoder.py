@@ -266,6 +266,14 @@ class MLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+def pre_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's normalised input and the residual stream it continues (the first layer's starts it):
+    every block kind's first step, attention or state layer alike."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
+
+
 class DecoderLayer(nn.Module):
     # Whether a decode step may run this class's layers as one C call (models/decode_graph.py), which
     # replays Llama's block op for op. Read from the class itself, never inherited: a subclass runs
@@ -280,11 +288,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, tp)
 
     def input_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's normalised input and the residual stream it continues (the first layer's
-        starts it)."""
-        if residual is None:
-            return self.input_layernorm(x), x
-        return self.input_layernorm(x, residual)
+        return pre_norm(self.input_layernorm, x, residual)
 
     def forward(self, rope, x, residual, kv_cache, meta):
         x, residual = self.input_norm(x, residual)

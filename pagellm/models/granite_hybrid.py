@@ -38,7 +38,7 @@ from pagellm.layers.causal_conv import causal_conv_native
 from pagellm.layers.moe import SparseMoeBlock, num_experts
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear
-from pagellm.models.decoder import MLP, Attention, DecoderLayer
+from pagellm.models.decoder import MLP, Attention, DecoderLayer, pre_norm
 from pagellm.models.moe import MoeForCausalLM
 
 
@@ -205,7 +205,7 @@ class MambaLayer(_GraniteBlock, nn.Module):
         return self.mamba.state_shapes
 
     def forward(self, rope, x, residual, kv_cache, meta):
-        x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+        x, residual = pre_norm(self.input_layernorm, x, residual)
         x = self.mamba(x, kv_cache, meta) * self.residual_multiplier
         x, residual = self.post_attention_layernorm(x, residual)
         return self._ffn(x), residual
@@ -226,7 +226,7 @@ _RENAMES = ((".shared_mlp.input_linear.", ".shared_mlp.gate_up_proj."),
             (".mamba.conv1d.weight", ".mamba.conv_weight"), (".mamba.conv1d.bias", ".mamba.conv_bias"))
 
 
-def _renamed(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+def granite_names(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
     """HF's names in ours; experts stored stacked (``[E, 2I, H]`` gate and up, ``[E, H, I]`` down)
     become one name per expert, as ``MoeForCausalLM`` loads them."""
     for name, tensor in weights:
@@ -263,4 +263,4 @@ class GraniteMoeHybridForCausalLM(MoeForCausalLM):
         return super().compute_logits(hidden) / self.logits_scaling
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded_elsewhere: Iterable[str] = ()) -> None:
-        super().load_weights(_renamed(weights), loaded_elsewhere)
+        super().load_weights(granite_names(weights), loaded_elsewhere)

@@ -24,7 +24,7 @@ from pagellm.attention.metadata import StateMetadata
 from pagellm.distributed import TensorParallelGroup
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear
-from pagellm.models.decoder import MLP, DecoderForCausalLM, DecoderLayer
+from pagellm.models.decoder import MLP, DecoderForCausalLM, DecoderLayer, pre_norm
 
 
 def _decoder_config(config: Any) -> Any:
@@ -102,7 +102,7 @@ class Lfm2ConvLayer(nn.Module):
         return ((self.conv.state_shape, "cache"),)
 
     def forward(self, rope, x, residual, kv_cache, meta):
-        x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+        x, residual = pre_norm(self.input_layernorm, x, residual)
         x = self.conv(x, kv_cache[0], meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x, reuse_input=True), residual

@@ -22,8 +22,8 @@ from torch import nn
 from pagellm.distributed import TensorParallelGroup
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear
-from pagellm.models.decoder import DecoderForCausalLM, DecoderLayer
-from pagellm.models.granite_hybrid import GraniteAttention, Mamba2Mixer
+from pagellm.models.decoder import DecoderForCausalLM, DecoderLayer, pre_norm
+from pagellm.models.granite_hybrid import GraniteAttention, Mamba2Mixer, granite_names
 
 
 def _decoder_config(config: Any) -> Any:
@@ -61,10 +61,6 @@ class ReluSquaredMLP(nn.Module):
         return self.down_proj(torch.relu(self.up_proj(x)).square())
 
 
-def _normed(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return (norm(x), x) if residual is None else norm(x, residual)
-
-
 class NemotronHAttentionLayer(DecoderLayer):
     DECODE_GRAPH = False  # (a model with state layers runs layer by layer)
 
@@ -74,7 +70,7 @@ class NemotronHAttentionLayer(DecoderLayer):
         self.self_attn = GraniteAttention(config, qkv_bias, False, tp, layer)
 
     def forward(self, rope, x, residual, kv_cache, meta):
-        x, residual = _normed(self.input_layernorm, x, residual)
+        x, residual = pre_norm(self.input_layernorm, x, residual)
         return self.self_attn(rope, x, kv_cache, meta), residual
 
 
@@ -89,7 +85,7 @@ class NemotronHMambaLayer(nn.Module):
         return self.mamba.state_shapes
 
     def forward(self, rope, x, residual, kv_cache, meta):
-        x, residual = _normed(self.input_layernorm, x, residual)
+        x, residual = pre_norm(self.input_layernorm, x, residual)
         return self.mamba(x, kv_cache, meta), residual
 
 
@@ -100,7 +96,7 @@ class NemotronHMLPLayer(nn.Module):
         self.mlp = ReluSquaredMLP(config, tp)
 
     def forward(self, rope, x, residual, kv_cache, meta):
-        x, residual = _normed(self.input_layernorm, x, residual)
+        x, residual = pre_norm(self.input_layernorm, x, residual)
         return self.mlp(x), residual
 
 
@@ -113,33 +109,26 @@ def nemotron_h_layer(config: Any, qkv_bias: bool, qk_norm: bool, tp: TensorParal
     return NemotronHAttentionLayer(config, qkv_bias, qk_norm, tp, layer)
 
 
-_RENAMES = (("backbone.", "model."), ("model.embeddings.", "model.embed_tokens."), ("model.norm_f.", "model.norm."),
-            (".norm.weight", ".input_layernorm.weight"), (".mixer.conv1d.weight", ".mamba.conv_weight"),
-            (".mixer.conv1d.bias", ".mamba.conv_bias"))
+_GLOBAL = {"model.embeddings.weight": "model.embed_tokens.weight", "model.norm_f.weight": "model.norm.weight"}
+_MIXERS = {"linear_attention": "mamba", "full_attention": "self_attn", "mlp": "mlp"}
 
 
 def _renamed(weights: Iterable[tuple[str, Any]], layer_types: list[str]) -> Iterator[tuple[str, Any]]:
-    """HF's names in ours: a layer's ``mixer`` is its ``mamba``, ``self_attn`` or ``mlp``."""
-    mixers = {"linear_attention": ".mamba.", "full_attention": ".self_attn.", "mlp": ".mlp."}
-    for name, tensor in weights:
-        name = name.replace("backbone.", "model.", 1) if name.startswith("backbone.") else name
-        if name.startswith("model.layers."):
-            layer = int(name.split(".")[2])
-            if name.endswith(".mixer.norm.weight"):  # (the Mamba2 gated norm's, before the layer norm rule)
-                yield name.replace(".mixer.", ".mamba."), tensor
-                continue
-            if name.endswith(".mixer.A_log"):
-                yield name.replace(".mixer.A_log", ".mamba.A"), -torch.exp(tensor.float())
-                continue
-            for old, new in _RENAMES[3:]:
-                name = name.replace(old, new)
-            if name.endswith(".mamba.conv_weight"):
-                tensor = tensor.reshape(tensor.shape[0], -1)  # [conv_dim, 1, taps] -> [conv_dim, taps]
-            name = name.replace(".mixer.", mixers[layer_types[layer]])
-        else:
-            for old, new in _RENAMES[1:3]:
-                name = name.replace(old, new)
-        yield name, tensor
+    """HF's names (``backbone.`` or ``model.``) in ours: a layer's ``norm`` is its input norm, its
+    ``mixer`` its ``mamba``, ``self_attn`` or ``mlp``; the Mamba2 mixer's own names as Granite's
+    (``granite_hybrid.granite_names``: the convolution's shape, ``A`` from ``A_log``)."""
+    def ours() -> Iterator[tuple[str, Any]]:
+        for name, tensor in weights:
+            name = "model." + name.removeprefix("backbone.") if name.startswith("backbone.") else name
+            parts = name.split(".")
+            if parts[:2] == ["model", "layers"]:
+                if parts[3] == "norm":
+                    parts[3] = "input_layernorm"
+                elif parts[3] == "mixer":
+                    parts[3] = _MIXERS[layer_types[int(parts[2])]]
+                name = ".".join(parts)
+            yield _GLOBAL.get(name, name), tensor
+    return granite_names(ours())
 
 
 class NemotronHForCausalLM(DecoderForCausalLM):

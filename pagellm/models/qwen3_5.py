@@ -43,7 +43,7 @@ from pagellm.layers.causal_conv import causal_conv_native
 from pagellm.layers.moe import SparseMoeBlock
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear
-from pagellm.models.decoder import MLP, Attention, DecoderForCausalLM, DecoderLayer
+from pagellm.models.decoder import MLP, Attention, DecoderForCausalLM, DecoderLayer, pre_norm
 from pagellm.models.moe import MoeForCausalLM, is_sparse_layer
 
 
@@ -230,7 +230,7 @@ class GatedDeltaNetLayer(nn.Module):
         return self.linear_attn.state_shapes
 
     def forward(self, rope, x, residual, kv_cache, meta):
-        x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+        x, residual = pre_norm(self.input_layernorm, x, residual)
         x = self.linear_attn(x, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return (self.mlp(x, reuse_input=True) if isinstance(self.mlp, MLP) else self.mlp(x)), residual
