@@ -9,6 +9,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf_state_writers import _tile_rows
 
 from pagellm.kernels import linear_attention as la
 
@@ -70,12 +71,9 @@ def _kernel(proj: torch.Tensor, p, spans, states=None, tiled: bool = False):
 
 
 def _tile(x: torch.Tensor, dim: int, head: int) -> torch.Tensor:
-    """Value heads grouped by key head -> tiled, along ``dim`` (llama.cpp's ``_reorder_v_heads``,
-    written out: ``[Hk, Hv / Hk, head]`` -> ``[Hv / Hk, Hk, head]``)."""
-    x = x.movedim(dim, 0)
-    shape = x.shape
-    x = x.reshape(HK, HV // HK, head, *shape[1:]).transpose(0, 1).reshape(shape)
-    return x.movedim(0, dim).contiguous()
+    """Value heads grouped by key head -> tiled, along ``dim``, as the GGUF test writer (and llama.cpp's
+    ``_reorder_v_heads``) reorders them."""
+    return torch.from_numpy(_tile_rows(x.numpy(), HK, HV, head, dim))
 
 
 def test_tiled_value_heads_give_the_grouped_heads_bits_in_llama_cpps_order():

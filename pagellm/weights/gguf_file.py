@@ -373,6 +373,18 @@ def _experts(t: GGUFTensor, layer: int, part: str,
         yield name, blocks if keep_blocks else blocks.dequantize()
 
 
+def _layer_name(names: dict[str, str], layer: int, kind: str, suffix: str | None) -> str | None:
+    """Our name of ``blk.<layer>.<kind>[.<suffix>]`` by ``names`` (a kind with its suffix first: the
+    hybrid families' ``ssm_dt.bias``), or ``None`` where it has no such tensor."""
+    full = names.get(f"{kind}.{suffix}") if suffix else None
+    if full is not None:
+        return f"model.layers.{layer}.{full}"
+    stem = names.get(kind)
+    if stem is None:
+        return None
+    return f"model.layers.{layer}.{stem}" + (f".{suffix}" if suffix else "")
+
+
 def rope_freq_factors(path: str) -> torch.Tensor | None:
     for t in _reader(path).tensors:
         if t.name == "rope_freqs.weight":
@@ -389,7 +401,8 @@ def iter_gguf_weights(path: str, config: Any,
     arch = gguf_architecture(path)
     hybrid = arch in gguf_hybrid.HYBRID_ARCHS
     permute = arch == "llama" or gguf_hybrid.permutes_qk(arch)
-    layer_names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
+    layer_names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _PHI3_LAYER_NAMES if arch == "phi3" else \
+        {**_LAYER_NAMES, **gguf_hybrid.LAYER_NAMES[arch]} if hybrid else _LAYER_NAMES
     global_names = {**_GLOBAL_NAMES, **gguf_hybrid.GLOBAL_NAMES.get(arch, {})}
     for t in r.tensors:
         if t.name in _ROPE_TENSORS:  # (read with the config: rope_freq_factors, Phi-3's longrope factors)
@@ -405,10 +418,8 @@ def iter_gguf_weights(path: str, config: Any,
             arr = _to_array(t)
         if m:
             layer, kind, suffix = m.groups()
-            if hybrid:
-                found = gguf_hybrid.layer_name(arch, int(layer), kind, suffix)
-            else:
-                found = f"model.layers.{layer}.{layer_names[kind]}.{suffix}" if kind in layer_names and suffix else None
+            # (a kind without .weight / .bias: the hybrid families' ssm_a and ssm_d only)
+            found = _layer_name(layer_names, int(layer), kind, suffix) if hybrid or suffix else None
             if found is None:
                 raise ValueError(f"unexpected GGUF tensor {t.name!r}")
             name = found
@@ -428,9 +439,10 @@ def iter_gguf_weights(path: str, config: Any,
             yield name, arr
         elif name.endswith(".shared_expert_gate.weight"):  # [hidden] in the file, HF's [1, hidden]
             yield name, torch.from_numpy(np.array(arr, dtype=np.float32).reshape(1, -1))
-        elif arch in _GEMMA and name.endswith("norm.weight"):
-            # llama.cpp stores Gemma's norms as 1 + w; the model adds its 1 to the checkpoint's w
-            # (as transformers' GGUF loader gives them back: exact for 1 + w in [0.5, 2]).
+        elif (arch in _GEMMA and name.endswith("norm.weight")) or gguf_hybrid.centred_norm(arch, kind):
+            # llama.cpp stores Gemma's norms (and Qwen3.5's zero-centred ones) as 1 + w; the model
+            # adds its 1 to the checkpoint's w (as transformers' GGUF loader gives them back: exact
+            # for 1 + w >= 0.5).
             yield name, torch.from_numpy(np.array(arr, dtype=np.float32) - np.float32(1.0))
         else:
             if hybrid:

@@ -20,31 +20,21 @@ import numpy as np
 
 HYBRID_ARCHS = ("lfm2", "qwen35", "qwen35moe", "granitehybrid")
 
-_ATTENTION = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm",
-}
-_MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-# Routed experts' router and Qwen's gated shared expert (the experts themselves: gguf_file._experts).
-_QWEN_MOE = {"ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-             "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
-             "ffn_down_shexp": "mlp.shared_expert.down_proj"}
 _DELTANET = {"attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
              "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
              "ssm_conv1d": "linear_attn.conv1d", "ssm_dt.bias": "linear_attn.dt_bias", "ssm_a": "linear_attn.A",
-             "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj"}
+             "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
+             "post_attention_norm": "post_attention_layernorm"}
 _MAMBA2 = {"ssm_in": "mamba.in_proj", "ssm_conv1d": "mamba.conv1d", "ssm_dt.bias": "mamba.dt_bias",
            "ssm_a": "mamba.A", "ssm_d": "mamba.D", "ssm_norm": "mamba.norm", "ssm_out": "mamba.out_proj"}
-# A GGUF tensor's kind (``blk.N.<kind>[.weight|.bias]``; a kind with its suffix first) -> our name.
+# A GGUF tensor's kind (``blk.N.<kind>[.weight|.bias]``; a kind with its suffix first) -> our name,
+# over the decoders' table (``gguf_file._LAYER_NAMES``: attention, MLP, router, Qwen's shared expert).
 LAYER_NAMES: dict[str, dict[str, str]] = {
-    "lfm2": {**_ATTENTION, **_MLP, "ffn_norm": "post_attention_layernorm", "shortconv.conv": "conv.conv",
-             "shortconv.in_proj": "conv.in_proj", "shortconv.out_proj": "conv.out_proj"},
-    "qwen35": {**_ATTENTION, **_MLP, **_DELTANET, "post_attention_norm": "post_attention_layernorm"},
-    "qwen35moe": {**_ATTENTION, **_QWEN_MOE, **_DELTANET, "post_attention_norm": "post_attention_layernorm"},
+    "lfm2": {"shortconv.conv": "conv.conv", "shortconv.in_proj": "conv.in_proj", "shortconv.out_proj": "conv.out_proj"},
+    "qwen35": _DELTANET,
+    "qwen35moe": _DELTANET,
     # Granite's shared MLP (with experts: the ``_shexp`` tensors; a dense hybrid's is its ``ffn_*``).
-    "granitehybrid": {**_ATTENTION, **_MAMBA2, "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate",
-                      "ffn_gate_shexp": "shared_mlp.gate_proj", "ffn_up_shexp": "shared_mlp.up_proj",
+    "granitehybrid": {**_MAMBA2, "ffn_gate_shexp": "shared_mlp.gate_proj", "ffn_up_shexp": "shared_mlp.up_proj",
                       "ffn_down_shexp": "shared_mlp.down_proj", "ffn_gate": "shared_mlp.gate_proj",
                       "ffn_up": "shared_mlp.up_proj", "ffn_down": "shared_mlp.down_proj"},
 }
@@ -53,22 +43,13 @@ GLOBAL_NAMES = {"lfm2": {"token_embd_norm": "model.norm"}}  # (LFM2's final norm
 _CENTRED = ("attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm", "output_norm")
 
 
-def layer_name(arch: str, layer: int, kind: str, suffix: str | None) -> str | None:
-    """Our name of ``blk.<layer>.<kind>[.<suffix>]``, or ``None`` where the family has no such tensor."""
-    names = LAYER_NAMES[arch]
-    full = names.get(f"{kind}.{suffix}") if suffix else None
-    if full is not None:
-        return f"model.layers.{layer}.{full}"
-    stem = names.get(kind)
-    if stem is None:
-        return None
-    return f"model.layers.{layer}.{stem}" + (f".{suffix}" if suffix else "")
+def centred_norm(arch: str, kind: str) -> bool:
+    """Whether llama.cpp stores this norm as ``1 + w`` (Qwen3.5's zero-centred ones)."""
+    return arch in ("qwen35", "qwen35moe") and kind in _CENTRED
 
 
 def float_values(arch: str, kind: str, arr: np.ndarray) -> np.ndarray:
-    """A float tensor's values as our model loads them (see the module's note)."""
-    if arch in ("qwen35", "qwen35moe") and kind in _CENTRED:
-        return np.asarray(arr, dtype=np.float32) - np.float32(1.0)  # (exact for 1 + w >= 0.5)
+    """A float tensor's values in the shape our model loads (Mamba2's ``[H, 1]`` / ``[G, I / G]`` flat)."""
     if arch == "granitehybrid" and kind in ("ssm_a", "ssm_d", "ssm_norm"):
         return np.asarray(arr).reshape(-1)
     return arr
@@ -90,7 +71,7 @@ def hybrid_config(field, arch: str, base: dict[str, Any], names: set[str]) -> di
     """The family's config keys from llama.cpp's: ``field(key, default)`` reads ``<arch>.<key>``."""
     layers = base["num_hidden_layers"]
     kv = _per_layer(field("attention.head_count_kv", base["num_attention_heads"]), layers)
-    out: dict[str, Any] = {"num_key_value_heads": max(kv)}
+    out: dict[str, Any] = {}
     if arch == "lfm2":
         out.update(layer_types=["conv" if n == 0 else "full_attention" for n in kv],
                    conv_L_cache=int(field("shortconv.l_cache")), norm_eps=base["rms_norm_eps"],
