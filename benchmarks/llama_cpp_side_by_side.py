@@ -26,8 +26,8 @@ DEPTH_CHILD = r"""
 import json, sys, time
 import numpy as np
 from pagellm import LLM, SamplingParams
-path, depth = sys.argv[1], int(sys.argv[2])
-llm = LLM(model=path, max_model_len=depth + 16)
+path, depth, kv = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+llm = LLM(model=path, max_model_len=depth + 16, **({"kv_cache_memory": kv} if kv else {}))
 prompt = np.random.default_rng(2).integers(100, 40000, depth).tolist()
 t = time.perf_counter()
 llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
@@ -66,6 +66,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--w64", type=int, default=64, help="W64 requests through pagellm (0: none)")
     p.add_argument("--depth", type=int, default=0, help="also one prompt of this many tokens in each engine")
+    p.add_argument("--depth-kv-cache-memory", default="",
+                   help="pagellm's KV budget for the --depth prompt (default: the engine's; llama.cpp's n_ctx is "
+                        "the prompt's own size)")
     args = p.parse_args()
     probe = subprocess.run([sys.executable, os.path.join(HERE, "..", "..", "shared", "bench", "machine_probe.py")],
                            capture_output=True, text=True, check=False).stdout.splitlines()
@@ -80,7 +83,7 @@ def main() -> None:
         got = {("pp2048" if b["n_prompt"] else "tg128"): b["avg_ts"] for b in bench if int(b["flash_attn"]) == fa}
         rows[f"llama.cpp fa={fa}"] = {**got, "peak_rss": rss}
     if args.depth:
-        out, _, rss = run([sys.executable, "-c", DEPTH_CHILD, args.model, str(args.depth)])
+        out, _, rss = run([sys.executable, "-c", DEPTH_CHILD, args.model, str(args.depth), args.depth_kv_cache_memory])
         rows["pagellm"].update(result(out), rss_at_depth=rss)
         bench, rss = llama_bench(args.llama_bench, args.model, args.threads,
                                  ["-p", str(args.depth), "-n", "0", "-r", "1", "-fa", "1"])
