@@ -22,8 +22,10 @@ def _run(engine, prompts, params):
     return [[o.token_ids for o in done[str(i)].outputs] for i in range(len(prompts))]
 
 
-# (LFM2's two groups of convolution states; Qwen3.5's three of DeltaNet states, whose pages need 16 tokens)
-@pytest.mark.parametrize("arch,bs,state_groups", [("lfm2", 8, 2), ("qwen3_5", 16, 3)])
+# (LFM2's two groups of convolution states; Qwen3.5's three of DeltaNet states, whose pages need 16 tokens;
+# Granite 4's and Nemotron-H's Mamba2 states, at 32 and 16)
+@pytest.mark.parametrize("arch,bs,state_groups", [("lfm2", 8, 2), ("qwen3_5", 16, 3), ("granite4", 32, 3),
+                                                  ("nemotron_h", 16, 2)])
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_parallel_samples_sharing_states_do_not_change_under_memory_pressure(ckpt_root, mode, arch, bs,
                                                                            state_groups):
