@@ -7,8 +7,10 @@ prefill, W64's requests); llama.cpp is a ``llama-bench`` binary built outside th
 only, never a dependency), both flash-attention settings, 2 threads each by default. Peak RSS is the
 kernel's ``ru_maxrss`` of each child process.
 
-    python benchmarks/llama_cpp_side_by_side.py --model q35-2b-q4_k_m.gguf \
+    python benchmarks/llama_cpp_side_by_side.py --model ../peers/q35/qwen3.5-2b-q4_k_m.gguf \
         --llama-bench ../peers/build-native/bin/llama-bench --w64 64 --depth 32768
+
+(the file: ``make_random_gguf.py --shape qwen3.5-2b``)
 """
 
 from __future__ import annotations

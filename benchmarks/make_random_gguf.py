@@ -37,20 +37,21 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def write_checkpoint(shape: str, path: str) -> None:
+def write_checkpoint(fields: dict, path: str) -> None:
+    """Random bfloat16 weights in HF's own class for ``fields`` (a config's, with its ``model_type``)
+    and the bundled model's tokenizer beside them; its config.json, written last, marks it done."""
     import torch
     import transformers
 
     from pagellm.config import resolve_model_source
     from pagellm.tokenizer import Tokenizer
 
-    fields = dict(SHAPES[shape])
+    fields = dict(fields)
     config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(0)
-    with torch.device("cpu"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     Tokenizer(resolve_model_source(None)).hf.save_pretrained(path)
+    model.save_pretrained(path)
 
 
 def main() -> None:
@@ -65,7 +66,7 @@ def main() -> None:
     f16 = os.path.join(args.out, f"{args.shape}-f16.gguf")
     final = os.path.join(args.out, f"{args.shape}-{args.type.lower()}.gguf")
     if not os.path.exists(os.path.join(hf, "config.json")):
-        write_checkpoint(args.shape, hf)
+        write_checkpoint(SHAPES[args.shape], hf)
     if not os.path.exists(f16):
         subprocess.run([sys.executable, "-c", CONVERT, os.path.abspath(args.llama_cpp), hf, "--no-mtp",
                         "--outtype", "f16", "--outfile", f16], check=True)

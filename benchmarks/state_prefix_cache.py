@@ -25,6 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 CACHE = os.path.expanduser("~/.cache/pagellm/bench")
 
+from make_random_gguf import write_checkpoint  # noqa: E402
+
 # Qwen3.5 0.8B's layout (hidden 1024, DeltaNet heads 16 of 128, attention 8 heads of 256 over 2 KV
 # heads, a quarter of each rotated), and Qwen3-0.6B's dense shape beside it.
 SHAPES = {
@@ -38,26 +40,15 @@ SHAPES = {
 
 
 def build(kind: str, layers: int) -> str:
-    import torch
-    import transformers
-
     path = os.path.join(CACHE, f"{kind}-{layers}l")
     if os.path.exists(os.path.join(path, "config.json")):
         return path
+    # (the bundled model's tokenizer: the prompts are token ids below its vocabulary)
     cfg = dict(SHAPES[kind], vocab_size=151936, num_hidden_layers=layers, max_position_embeddings=32768,
                tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     if kind == "hybrid":
         cfg["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
-    model_type = cfg.pop("model_type")
-    config = transformers.AutoConfig.for_model(model_type, **cfg)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    from pagellm.config import resolve_model_source
-    from pagellm.tokenizer import Tokenizer
-
-    # (the bundled model's tokenizer: the prompts are token ids below its vocabulary)
-    Tokenizer(resolve_model_source(None)).hf.save_pretrained(path)
-    model.save_pretrained(path)
+    write_checkpoint(cfg, path)
     return path
 
 

@@ -45,7 +45,8 @@ def engine_beams(llm: LLM, prompts: list[list[int]], k: int, new_tokens: int, le
 
 
 # Mistral's and Gemma 2's windows (24 positions) bind within these prompts; Gemma 2 also soft-caps.
-# The state families' beams share their states until each writes its own (copy-on-write).
+# The state families' beams share their states until each writes its own (copy-on-write). (Nemotron-H is
+# not here: two of its k=4 cases differ from HF's beams, not yet explained; its n > 1 runs in test_state_layers.)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma2", "lfm2", "qwen3_5", "granite4"])
 @pytest.mark.parametrize("k,length_penalty,early_stopping", [(2, 1.0, False), (4, 0.5, True), (4, 1.0, "never")])
 def test_tiny_models_match_hf_beam_search(ckpt_root, arch, k, length_penalty, early_stopping):
