@@ -67,6 +67,47 @@ def test_rows_do_not_depend_on_the_batch() -> None:
     assert torch.equal(full[20:277], gemm.linear(x[20:277], p, 70))
 
 
+def test_avx2_build_gives_this_machines_bits() -> None:
+    """The kernel built for AVX2 (``-mno-avx512f``: 3-row tiles of four 8-lane vectors) gives, row for
+    row, the bits of this machine's own build (14-row AVX-512 tiles where the CPU has them), float32
+    and 4/8-bit copies, with a bias and a partial panel: a row's result depends on neither the batch
+    nor the CPU, and float32 stays batch-invariant where MKL would take over without the kernel."""
+    import os
+
+    from pagellm import kernels
+
+    from conftest import _cpu_flags
+
+    if not {"avx2", "fma"} <= _cpu_flags():
+        pytest.skip("this CPU cannot run AVX2 code")
+    lib = kernels.build_source(os.path.join(os.path.dirname(gemm.__file__), "gemm.c"), gemm.SIGNATURES,
+                               ["-mno-avx512f", "-mno-avxvnni"])
+    assert lib.gemm_f32_supported() == 1 and lib.gemm_bf16_supported() == 0
+    n, k = 70, 576
+    g = torch.Generator().manual_seed(5)
+    x, bias = torch.randn(40, k, generator=g), torch.randn(n, generator=g)
+    x[3] *= 1000.0
+    for bits in (32, 4, 8):
+        w = torch.randn(n, k, generator=g) if bits == 32 else _gguf_weight(n, k, bits, bits)
+        own = gemm.pack(w) if bits == 32 else gemm.pack_quantized(w, bits)
+        assert own is not None
+        if bits == 32:
+            packed = torch.empty(lib.packed_size_f32(n, k), dtype=torch.float32)
+            lib.pack_weight_f32(packed.data_ptr(), w.data_ptr(), n, k)
+        else:
+            packed = torch.empty(lib.packed_size_q(n, k, bits), dtype=torch.float32)
+            assert lib.pack_weight_q(packed.data_ptr(), w.data_ptr(), n, k, bits) == 1
+        assert torch.equal(packed.view(torch.int32), own.view(torch.int32)), bits  # (q bytes: NaN as floats)
+        for m in (1, 2, 3, 4, 17, 40):
+            y = torch.empty(m, n)
+            if bits == 32:
+                lib.gemm_packed_f32(y.data_ptr(), n, x.data_ptr(), k, packed.data_ptr(), bias.data_ptr(), m, n, k)
+            else:
+                lib.gemm_packed_q(y.data_ptr(), n, x.data_ptr(), k, packed.data_ptr(), bias.data_ptr(), m, n, k, bits)
+            assert torch.equal(y, gemm.linear(x[:m], own, n, bias, bits=bits)), (bits, m)
+        _close(y[4:], F.linear(x[4:], w, bias), k)  # (row 3's magnitude is beyond _close's bound)
+
+
 def test_bad_arguments_raise() -> None:
     w = torch.randn(8, 4)
     p = gemm.pack(w)

@@ -19,25 +19,33 @@
  * The micro-kernel holds a tile of up to 14 rows x 32 outputs in 28 AVX-512 registers and walks
  * K once: per k, two weight loads and one broadcast of x per row feed two FMAs per row. Every
  * output is the plain sum over k in order, so the result does not depend on M, on the tiling or
- * on the number of threads. Only built with AVX-512 (gemm_f32_supported() says so); the caller
- * keeps F.linear otherwise.
+ * on the number of threads. The AVX2 path (with FMA) holds 3 rows x 32 outputs in 12 of its 16
+ * registers and runs the very same FMAs in the same order, so it gives the same bits. Without
+ * either (gemm_f32_supported() says so) the caller keeps F.linear.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define GEMM_AVX2 1
 #endif
 #include "gguf_blocks.h" /* QB, RN, fit_q */
 #include "gemm_tile.h"   /* NR, PanelOut, tile_height, store_tile */
 #include "simd_common.h" /* exp512: the SiLU of silu_and_mul_f32 */
 
+#ifdef __AVX512F__
 #define MR 14 /* rows per tile: 28 accumulators + 2 weights + 1 broadcast of 32 registers */
+#else
+#define MR 3 /* AVX2: 12 accumulators + 1 weight + 3 broadcasts of 16 registers */
+#endif
 #define XBLOCK (1024 * 1024) /* bytes of x per row block: it stays in L2 (2 MiB) across all panels */
 
 int gemm_f32_supported(void) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(GEMM_AVX2)
   return 1;
 #else
   return 0;
@@ -63,8 +71,7 @@ void pack_weight_f32(float *dst, const float *w, int64_t N, int64_t K) {
  * Meanwhile, one row of `next` (2 cache lines) is prefetched into L2 every T steps of k: the T
  * tiles of a panel together bring in the whole next panel while this one computes from L2. */
 static inline __attribute__((always_inline)) void tile(float *y, int64_t ldy, const float *x, int64_t ldx,
-                                                       const float *wp, const float *bias, int64_t K,
-                                                       __mmask16 m0, __mmask16 m1, const int R,
+                                                       const float *wp, const PanelOut out, int64_t K, const int R,
                                                        const float *next, int64_t T, const int bf16) {
   __m512 acc[MR][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -96,9 +103,35 @@ static inline __attribute__((always_inline)) void tile(float *y, int64_t ldy, co
     }
   }
   (void)bf16;
-  store_tile(y, ldy, acc, bias, m0, m1, R);
+  store_tile(y, ldy, acc, out.bias, out.m0, out.m1, R);
 }
 
+#elif defined(GEMM_AVX2)
+/* tile() on AVX2: per k, each of the panel's four 8-output weight vectors feeds one FMA per row. */
+static inline __attribute__((always_inline)) void tile(float *y, int64_t ldy, const float *x, int64_t ldx,
+                                                       const float *wp, const PanelOut out, int64_t K, const int R,
+                                                       const float *next, int64_t T, const int bf16) {
+  __m256 acc[MR][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    if (++c == T) {
+      c = 0;
+      _mm_prefetch((const char *)next, _MM_HINT_T1);
+      _mm_prefetch((const char *)(next + 16), _MM_HINT_T1);
+      next += NR;
+    }
+    __m256 xb[MR];
+    for (int r = 0; r < R; ++r) xb[r] = _mm256_broadcast_ss(x + r * ldx + k);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 w = _mm256_loadu_ps(wp + k * NR + 8 * j);
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(xb[r], w, acc[r][j]);
+    }
+  }
+  (void)bf16;
+  store_tile(y, ldy, acc, out, R);
+}
 #endif
 
 /* ---- 4- and 8-bit weights --------------------------------------------------------------------------
@@ -120,7 +153,7 @@ int64_t packed_size_q(int64_t N, int64_t K, int64_t bits) { return (N + NR - 1) 
  * block; returns 1 if it packed, 0 if some run is not (dst is then garbage) or K is not a multiple
  * of 32. */
 int pack_weight_q(float *dst, const float *w, int64_t N, int64_t K, int64_t bits) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(GEMM_AVX2)
   if (K % QB != 0 || (bits != 4 && bits != 8)) return 0;
   const int64_t P = (N + NR - 1) / NR, B = K / QB, rec_size = QREC(bits);
   const int qbytes = bits == 4 ? 16 : 32; /* per k */
@@ -156,9 +189,9 @@ int pack_weight_q(float *dst, const float *w, int64_t N, int64_t K, int64_t bits
 #ifdef __AVX512F__
 /* tile() over a panel of `bits` records. Tile t of T also prefetches the next panel's records t, t + T, ... */
 static inline __attribute__((always_inline)) void tile_q(float *y, int64_t ldy, const float *x, int64_t ldx,
-                                                         const float *rec, const float *bias, int64_t K,
-                                                         __mmask16 m0, __mmask16 m1, const int R,
-                                                         const float *next, int64_t T, int64_t t, const int bits) {
+                                                         const float *rec, const PanelOut out, int64_t K,
+                                                         const int R, const float *next, int64_t T, int64_t t,
+                                                         const int bits) {
   __m512 acc[MR][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi32(15);
@@ -189,31 +222,69 @@ static inline __attribute__((always_inline)) void tile_q(float *y, int64_t ldy, 
       }
     }
   }
-  store_tile(y, ldy, acc, bias, m0, m1, R);
+  store_tile(y, ldy, acc, out.bias, out.m0, out.m1, R);
 }
+#endif
+
+#ifdef GEMM_AVX2
+/* tile_q() on AVX2: each 8-output weight vector rebuilt with the same unfused multiply (and add);
+ * the empty asm keeps the compiler from contracting them into an FMA. */
+static inline __attribute__((always_inline)) void tile_q(float *y, int64_t ldy, const float *x, int64_t ldx,
+                                                         const float *rec, const PanelOut out, int64_t K,
+                                                         const int R, const float *next, int64_t T, int64_t t,
+                                                         const int bits) {
+  __m256 acc[MR][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi32(15);
+  const int64_t rec_size = QREC(bits);
+  for (int64_t b = 0; b < K / QB; ++b, rec += rec_size) {
+    if (b % T == t)
+      for (int c = 0; c < rec_size; c += 16) _mm_prefetch((const char *)(next + b * rec_size + c), _MM_HINT_T1);
+    const uint8_t *qs = (const uint8_t *)(rec + (bits == 4 ? 2 * NR : NR));
+    for (int k = 0; k < QB; ++k) {
+      const float *xk = x + b * QB + k;
+      __m256 xb[MR];
+      for (int r = 0; r < R; ++r) xb[r] = _mm256_broadcast_ss(xk + r * ldx);
+      for (int j = 0; j < 4; ++j) {
+        __m256i q;
+        if (bits == 4) { /* outputs 8j..8j+7: low nibbles of bytes 0-7 or 8-15 (j < 2), then the high ones */
+          q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + k * 16 + 8 * (j & 1))));
+          q = j < 2 ? _mm256_and_si256(q, low) : _mm256_srli_epi32(q, 4);
+        } else {
+          q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + k * 32 + 8 * j)));
+        }
+        __m256 w = _mm256_mul_ps(_mm256_loadu_ps(rec + 8 * j), _mm256_cvtepi32_ps(q));
+        __asm__("" : "+x"(w));
+        if (bits == 4) w = _mm256_add_ps(w, _mm256_loadu_ps(rec + NR + 8 * j));
+        __asm__("" : "+x"(w));
+        for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(xb[r], w, acc[r][j]);
+      }
+    }
+  }
+  store_tile(y, ldy, acc, out, R);
+}
+#endif
 
 #ifdef __AVX512BF16__
-#define TILE_BF16(R) tile(yy, ldy, xx, ldx, w, bb, K, m0, m1, R, wn + t * K / tiles * NR, tiles, 1)
+#define TILE_BF16(R) tile(yy, ldy, xx, ldx, w, out, K, R, wn + t * K / tiles * NR, tiles, 1)
 #else
 #define TILE_BF16(R) (void)0
 #endif
 
 #define CASE(R) case R: TILE(R); break;
-#define TILE(R)                                                                       \
-  if (bits == 4) tile_q(yy, ldy, xx, ldx, w, bb, K, m0, m1, R, wn, tiles, t, 4);     \
-  else if (bits == 8) tile_q(yy, ldy, xx, ldx, w, bb, K, m0, m1, R, wn, tiles, t, 8); \
-  else if (bits == 16) TILE_BF16(R);                                                  \
-  else tile(yy, ldy, xx, ldx, w, bb, K, m0, m1, R, wn + t * K / tiles * NR, tiles, 0)
-#endif
+#define TILE(R)                                                                 \
+  if (bits == 4) tile_q(yy, ldy, xx, ldx, w, out, K, R, wn, tiles, t, 4);      \
+  else if (bits == 8) tile_q(yy, ldy, xx, ldx, w, out, K, R, wn, tiles, t, 8); \
+  else if (bits == 16) TILE_BF16(R);                                            \
+  else tile(yy, ldy, xx, ldx, w, out, K, R, wn + t * K / tiles * NR, tiles, 0)
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(GEMM_AVX2)
 /* Rows [0, M) of x against one panel `w` (`wn`: the panel this thread takes next, prefetched a share
  * per tile) into y's columns of that panel. */
 static inline __attribute__((always_inline)) void panel_rows(float *y, int64_t ldy, const float *x, int64_t ldx,
                                                              const float *w, const float *wn, const PanelOut out,
                                                              int64_t M, int64_t K, const int bits) {
-  const __mmask16 m0 = out.m0, m1 = out.m1;
-  const float *bb = out.bias;
   /* Rows in tiles of near-equal height (tile_height in gemm_tile.h). */
   const int64_t tiles = (M + MR - 1) / MR;
   int64_t m = 0;
@@ -222,9 +293,14 @@ static inline __attribute__((always_inline)) void panel_rows(float *y, int64_t l
     float *yy = y + m * ldy;
     const float *xx = x + m * ldx;
     switch (rows) { /* a constant R per case, so the accumulators stay in registers */
+#ifdef __AVX512F__
       CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7)
       CASE(8) CASE(9) CASE(10) CASE(11) CASE(12) CASE(13)
       default: TILE(14); break;
+#else
+      CASE(1) CASE(2)
+      default: TILE(3); break;
+#endif
     }
     m += rows;
   }
@@ -241,7 +317,7 @@ static inline __attribute__((always_inline)) void panel_rows(float *y, int64_t l
 static inline __attribute__((always_inline)) void row_block(float *y, int64_t ldy, const float *x, int64_t ldx,
                                                             const float *wp, const float *bias, int64_t M,
                                                             int64_t N, int64_t K, const int bits) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(GEMM_AVX2)
   const int64_t P = (N + NR - 1) / NR;
   const int64_t panel = PANEL(bits, K);
 #pragma omp parallel for schedule(static)
@@ -601,7 +677,7 @@ static Block *blocks_of(const int64_t *wps, const int64_t *off, int64_t G, int64
 
 int gemm_grouped(float *y, int64_t ldy, const float *x, int64_t ldx, const int64_t *wps, const int64_t *off,
                  int64_t G, int64_t N, int64_t K, int64_t kind, int64_t amx) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(GEMM_AVX2)
   const int64_t P = (N + NR - 1) / NR, M = off[G] - off[0];
   if (kind != 32 && kind != 16) return -1;
 #ifndef __AVX512BF16__

@@ -4,11 +4,18 @@
 #ifndef PAGELLM_GEMM_TILE_H
 #define PAGELLM_GEMM_TILE_H
 #include <stdint.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
+#include <string.h>
 
-#define NR 32 /* outputs per panel: two 16-float registers */
+#define NR 32 /* outputs per panel: two 16-float registers (four of 8 on AVX2) */
+
+/* Rows are split into `tiles` tiles of near-equal height (64 rows in tiles of at most 14: 5 of
+ * 12-13, not 4 of 14 and one of 8): the height of tile t, which starts at row m. */
+static inline int64_t tile_height(int64_t M, int64_t m, int64_t tiles, int64_t t) {
+  return (M - m + (tiles - t) - 1) / (tiles - t);
+}
 
 #ifdef __AVX512F__
 /* Panel p of a weight with N outputs: its two 16-lane output masks (the last panel may be partial)
@@ -27,12 +34,6 @@ static inline PanelOut panel_out(int64_t p, int64_t N, const float *bias) {
   return o;
 }
 
-/* Rows are split into `tiles` tiles of near-equal height (64 rows in tiles of at most 14: 5 of
- * 12-13, not 4 of 14 and one of 8): the height of tile t, which starts at row m. */
-static inline int64_t tile_height(int64_t M, int64_t m, int64_t tiles, int64_t t) {
-  return (M - m + (tiles - t) - 1) / (tiles - t);
-}
-
 /* A finished tile: y[r][0:32] = acc[r] (+ bias), columns masked to m0 | m1. */
 static inline __attribute__((always_inline)) void store_tile(float *y, int64_t ldy, __m512 acc[][2], const float *bias,
                                                              __mmask16 m0, __mmask16 m1, const int R) {
@@ -49,10 +50,43 @@ static inline __attribute__((always_inline)) void store_tile(float *y, int64_t l
   }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2 has no lane masks: a panel's live columns and its share of the bias (NULL without one). */
+typedef struct {
+  int cols;
+  const float *bias;
+} PanelOut;
+
+static inline PanelOut panel_out(int64_t p, int64_t N, const float *bias) {
+  const int64_t left = N - p * NR;
+  PanelOut o;
+  o.cols = left >= NR ? NR : (int)left;
+  o.bias = bias == NULL ? NULL : bias + p * NR;
+  return o;
+}
+
+/* A finished tile: y[r][0:cols] = acc[r] (+ bias); a partial panel goes through a buffer. */
+static inline __attribute__((always_inline)) void store_tile(float *y, int64_t ldy, __m256 acc[][4], const PanelOut out,
+                                                             const int R) {
+  if (out.bias != NULL) {
+    float b[NR] = {0};
+    memcpy(b, out.bias, sizeof(float) * out.cols);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_add_ps(acc[r][j], _mm256_loadu_ps(b + 8 * j));
+  }
+  for (int r = 0; r < R; ++r) {
+    if (out.cols == NR) {
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(y + r * ldy + 8 * j, acc[r][j]);
+    } else {
+      float t[NR];
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(t + 8 * j, acc[r][j]);
+      memcpy(y + r * ldy, t, sizeof(float) * out.cols);
+    }
+  }
+}
 #endif
 
 #ifdef __AMX_TILE__
-#include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #define ARCH_REQ_XCOMP_PERM 0x1023
