@@ -127,6 +127,18 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
+def cpu_has(*flags: str) -> bool:
+    """Whether this CPU has every one of ``flags`` (/proc/cpuinfo names): the oracle for which kernel
+    paths a machine takes, independent of the kernels' own checks."""
+    return set(flags) <= _cpu_flags()
+
+
+def require_avx512_kernel(available: Callable[[], bool], what: str) -> None:
+    """A kernel with only AVX-512 paths (the prefill attention kernel; the decode kernel over a 16-bit
+    or int8 cache): an AVX2 machine runs the PyTorch path instead, tested on its own."""
+    require_kernel(available, what, ("avx512f",))
+
+
 def require_cpu_kernel(available: Callable[[], bool], what: str = "CPU kernel") -> None:
     """A portable kernel (plain C, any x86-64 or ARM CPU): it must build wherever the kernels are on."""
     require_kernel(available, what)

@@ -14,7 +14,7 @@ from pagellm.attention.cpu_paged import CpuPagedAttention
 from pagellm.attention.kv_quant import cache_head_dim, from_cache, to_cache
 from pagellm.attention.torch_paged import TorchPagedAttention
 
-from conftest import require_cpu_kernel
+from conftest import cpu_has, require_avx512_kernel, require_cpu_kernel
 
 
 def _representable(shape, cache_dtype):
@@ -58,7 +58,7 @@ def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, cache_d
         require_cpu_kernel(cpu_kernel.available)
         if cache_dtype != torch.float32:
             cache_row = torch.empty(1, hkv, cache_head_dim(d, cache_dtype), dtype=cache_dtype)
-            assert cpu_kernel.usable_for(cache_row), f"no {cache_dtype} kernel (AVX-512?)"
+            require_avx512_kernel(lambda: cpu_kernel.usable_for(cache_row), f"decode kernel over a {cache_dtype} cache")
 
     def randn(*shape):
         return _representable(shape, cache_dtype)
@@ -95,7 +95,7 @@ def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, cache_d
         seqs.append((num_computed, n, blocks, k_all, v_all, torch.randn(n, hq, d)))
     decodes = [s for s in seqs if s[1] == 1 and s[0] > 0]
     chunks = [s for s in seqs if not (s[1] == 1 and s[0] > 0)]
-    prefill_kernel = decode_kernel and d % 16 == 0 and d <= 256  # the kernels' head sizes (AVX-512)
+    prefill_kernel = decode_kernel and d % 16 == 0 and d <= 256 and cpu_has("avx512f")  # its sizes, on AVX-512
     # The backend the engine would choose for this cache: the reference, or the kernels that apply.
     backend = CpuPagedAttention.for_cache(key_cache, torch.float32) if decode_kernel else TorchPagedAttention()
     assert getattr(backend, "decode_kernel", False) == decode_kernel
@@ -104,7 +104,9 @@ def test_paged_equals_dense(block_size, hq, hkv, seed, decode_kernel, d, cache_d
                                   [(c, n, b) for c, n, b, *_ in chunks], block_size, torch.device("cpu"))
     assert meta.backend is backend
     assert any(g.kind == AttentionKind.PREFILL_KERNEL for g in meta.groups) == prefill_kernel
-    assert any(g.kind == AttentionKind.DECODE_KERNEL for g in meta.groups) == (decode_kernel and bool(decodes))
+    # (without the prefill kernel, the chunks' tokens are decodes too)
+    assert any(g.kind == AttentionKind.DECODE_KERNEL for g in meta.groups) == (decode_kernel and (
+        bool(decodes) or not prefill_kernel))
     assert sorted(meta.decode_order) == list(range(len(decodes)))
     if not decode_kernel and sum(s[2][:1] == shared_blocks[:1] for s in decodes) > 1 and shared_len >= 4:
         assert any(g.kind == AttentionKind.CASCADE_DECODE for g in meta.groups), "sharing decodes must cascade"
@@ -154,6 +156,9 @@ def test_decode_kernel_with_a_window_and_a_softcap_equals_a_float64_formula(wind
     prefill kernel at the AVX-512 sizes (the reference at 40): a fresh one longer than the window and
     one after cached tokens."""
     require_cpu_kernel(cpu_kernel.available)
+    if cache_dtype != torch.float32:
+        row = torch.empty(1, 2, cache_head_dim(d, cache_dtype), dtype=cache_dtype)
+        require_avx512_kernel(lambda: cpu_kernel.usable_for(row), f"decode kernel over a {cache_dtype} cache")
     hq, hkv = 8, 2
     torch.manual_seed(d + block_size)
     num_blocks = 4000 // block_size
@@ -175,7 +180,7 @@ def test_decode_kernel_with_a_window_and_a_softcap_equals_a_float64_formula(wind
     meta = backend.build_metadata([c + 1 for c, *_ in decodes], [b for _, _, b, *_ in decodes],
                                   [(c, n, b) for c, n, b, *_ in chunks], block_size, torch.device("cpu"))
     assert any(g.kind == AttentionKind.DECODE_KERNEL for g in meta.groups)
-    assert any(g.kind == AttentionKind.PREFILL_KERNEL for g in meta.groups) == (d % 16 == 0)
+    assert any(g.kind == AttentionKind.PREFILL_KERNEL for g in meta.groups) == (d % 16 == 0 and cpu_has("avx512f"))
     order = [decodes[i] for i in meta.decode_order] + chunks
     meta.slot_mapping = torch.tensor([b[p // block_size] * block_size + p % block_size
                                       for c, n, b, *_ in order for p in range(c, c + n)])
@@ -194,7 +199,7 @@ def test_prefill_kernel_over_long_contexts(hq, hkv, d):
     """Chunks after thousands of cached tokens and a long fresh prompt: the prefill kernel's tiling
     changes with the context length (fewer query tokens per task), the result must not."""
     backend = CpuPagedAttention.for_cache(torch.empty(1, hkv, d), torch.float32)
-    require_cpu_kernel(lambda: backend.prefill_kernel)
+    require_avx512_kernel(lambda: backend.prefill_kernel, "prefill attention kernel")
     torch.manual_seed(0)
     bs = 16
     shapes = [(3000, 40), (0, 1100), (1999, 1)]
@@ -222,16 +227,24 @@ def test_prefill_kernel_over_long_contexts(hq, hkv, d):
     (64, 9, None, None), (128, 6, None, None), (80, 3, None, None), (96, 12, None, 30.0), (256, 6, None, None),
     (64, 9, 50, None), (128, 6, 512, None), (256, 12, 40, 50.0), (256, 3, 1, None),
     (32, 12, None, None), (48, 6, 40, 30.0), (112, 3, None, None)])  # the generic instance's sizes
-def test_prefill_kernel_gives_the_decode_kernels_bits(cache_dtype, d, hq, window, softcap):
+@pytest.mark.parametrize("prefill", ["kernel", "as_decodes"])
+def test_prefill_kernel_gives_the_decode_kernels_bits(cache_dtype, d, hq, window, softcap, prefill):
     """Prompt tokens through the prefill kernel and the same tokens decoded one by one give the same
     bits (a request preempted by recompute prefills tokens it had decoded, and a cached answer
     repeated in a prompt was decoded): fresh chunks, chunks after thousands of cached tokens,
     one-token chunks, grouped-query heads, every cache type, every head size with a kernel, sliding
-    windows (shorter and longer than the chunks, one token) and soft-caps (Gemma 2: 50)."""
+    windows (shorter and longer than the chunks, one token) and soft-caps (Gemma 2: 50). Without
+    the prefill kernel (no AVX-512: "as_decodes", on every machine) each chunk token is a decode
+    of its own position, through the decode kernel's path for this CPU."""
     hkv, bs, num_blocks = 3, 16, 400
     backend = CpuPagedAttention.for_cache(torch.empty(1, hkv, cache_head_dim(d, cache_dtype), dtype=cache_dtype),
                                           torch.float32)
-    require_cpu_kernel(lambda: backend.prefill_kernel and backend.decode_kernel)
+    if prefill == "kernel":
+        require_avx512_kernel(lambda: backend.prefill_kernel and backend.decode_kernel,
+                              "prefill and decode attention kernels")
+    else:
+        require_cpu_kernel(lambda: backend.decode_kernel, f"decode kernel over a {cache_dtype} cache")
+        backend = CpuPagedAttention(decode_kernel=True, prefill_kernel=False, write_kv_kernel=backend.write_kv_kernel)
     torch.manual_seed(3)
     key_cache = to_cache(torch.randn(num_blocks * bs, hkv, d), cache_dtype)
     value_cache = to_cache(torch.randn(num_blocks * bs, hkv, d), cache_dtype)
@@ -244,7 +257,8 @@ def test_prefill_kernel_gives_the_decode_kernels_bits(cache_dtype, d, hq, window
     q, k, v = torch.randn(len(tokens), hq, d), torch.randn(len(tokens), hkv, d), torch.randn(len(tokens), hkv, d)
 
     meta = backend.build_metadata([], [], chunks, bs, torch.device("cpu"))
-    assert [g.kind for g in meta.groups] == [AttentionKind.PREFILL_KERNEL]
+    assert [g.kind for g in meta.groups] == [AttentionKind.PREFILL_KERNEL if prefill == "kernel"
+                                             else AttentionKind.DECODE_KERNEL]
     meta.slot_mapping = torch.tensor([slot for *_, slot in tokens])
     kc, vc = key_cache.clone(), value_cache.clone()
     prefilled = backend.forward(q, k, v, kc, vc, meta, d ** -0.5, window, softcap)

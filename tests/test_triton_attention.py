@@ -77,14 +77,30 @@ def test_16_bit_queries_stay_close_and_an_int8_cache_is_refused():
         CudaPagedAttention.for_cache(torch.zeros(4, 1, 8, dtype=torch.int8), torch.float32)
 
 
+@pytest.fixture
+def row_by_row_dot(monkeypatch):
+    """The interpreter's ``tl.dot`` one output row at a time. It is numpy's matmul, whose BLAS may
+    sum a row in another order when the tile has other rows beside it (OpenBLAS's AVX2 kernels do;
+    its AVX-512 ones did not): a property of the host's BLAS, not of the kernel, which on a GPU
+    keeps a row's bits by its fixed tile height (the GPU subset runs this case compiled)."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        assert a.data.ndim == 2 and a.data.dtype == np.float32, "a float32 tile, as this case's kernel has"
+        rows = [np.matmul(a.data[i:i + 1], b.data, dtype=d.data.dtype) for i in range(a.data.shape[0])]
+        return interpreter.TensorHandle(np.concatenate(rows) + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", dot)
+
+
 @pytest.mark.parametrize("window", [None, 20])
-def test_a_row_gets_the_same_bits_decoded_or_prefilled_alone_or_in_a_batch(partition, window):
+def test_a_row_gets_the_same_bits_decoded_or_prefilled_alone_or_in_a_batch(partition, window, row_by_row_dot):
     """Batch and schedule invariance: position 52 of one sequence, as a lone decode, as a decode
     among others, and as the last row of a prefill chunk, gives the same bits: split into key
     partitions across programs (decodes) or combining them in one (a chunk's tile) alike, and with
-    a window that masks a partition whole for some of the chunk's rows. (Here the tiles'
-    products are numpy's, whose rows never depend on the tile's other rows; the GPU subset runs the
-    same case compiled, where the fixed tile height is what keeps it true.)"""
+    a window that masks a partition whole for some of the chunk's rows (tile products row by row:
+    ``row_by_row_dot``)."""
     hq, hkv, d = 8, 2, 64
     seqs = sequences([(53, 1), (37, 1), (70, 1), (53, 20)], hq, hkv, d, seed=5)
     seqs[3] = (53, 20, seqs[0][2], torch.cat([seqs[3][3][:19], seqs[0][3]]), seqs[0][4], seqs[0][5])

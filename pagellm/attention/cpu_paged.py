@@ -106,6 +106,8 @@ class CpuPagedAttention(TorchPagedAttention):
         prompt that repeats an earlier answer finds it decoded in the prefix cache or prefills it
         (a last-bit difference between the kernels once flipped a greedy token of SmolLM2).
         """
+        if chunks and self.decode_kernel and not self.prefill_kernel:
+            return self._chunks_as_decodes(groups, start, chunks, block_size)
         if not chunks or not self.prefill_kernel:
             return super()._chunk_groups(groups, start, chunks, block_size, device)
         lens = [num_computed + q_len for num_computed, q_len, _ in chunks]
@@ -115,6 +117,24 @@ class CpuPagedAttention(TorchPagedAttention):
         info = torch.tensor([bounds[:-1], [c[0] for c in chunks], [c[1] for c in chunks]], dtype=torch.long)
         groups.append(AttentionGroup(AttentionKind.PREFILL_KERNEL, start, bounds[-1], len(chunks), 0, table, None,
                                      prefill_chunks=info))
+        return bounds[-1]
+
+    def _chunks_as_decodes(self, groups: list[AttentionGroup], start: int, chunks: list[tuple[int, int, list[int]]],
+                           block_size: int) -> int:
+        """Where the prefill kernel does not exist (no AVX-512) but the decode kernel does, every
+        token of a chunk is a decode of its own position through the decode kernel: its result is
+        then the bits it gets decoded, whatever the chunking (SDPA's change with the chunk's length,
+        and a preemption by recompute or a speculative step flipped greedy tokens of SmolLM2)."""
+        lens = [c + i + 1 for c, n, _ in chunks for i in range(n)]
+        table = _padded_block_table([c + n for c, n, _ in chunks], [ids for _, _, ids in chunks], block_size)
+        rows = torch.tensor([n for _, n, _ in chunks], dtype=torch.long)
+        bounds = list(accumulate((n for _, n, _ in chunks), initial=start))
+        # (prefill_chunks marks the rows as chunks': the decode graph, which takes a step of decodes
+        # whole, leaves them to the layers)
+        info = torch.tensor([bounds[:-1], [c[0] for c in chunks], [c[1] for c in chunks]], dtype=torch.long)
+        groups.append(AttentionGroup(AttentionKind.DECODE_KERNEL, start, bounds[-1], len(lens), 1,
+                                     table.repeat_interleave(rows, dim=0), None,
+                                     seq_lens=torch.tensor(lens, dtype=torch.long), prefill_chunks=info))
         return bounds[-1]
 
     # ------------------------------------------------------------------ forward

@@ -57,6 +57,7 @@ class AttentionGroup:
     seq_lens: torch.Tensor | None = None
     # PREFILL_KERNEL: int64 ``[3, C]`` rows = each chunk's first flat token, num_computed_tokens,
     # query length (``kv_blocks`` holds the chunks' block tables; ``token_start/end`` span them all).
+    # A DECODE_KERNEL group with it holds prefill chunks' tokens as decodes (no prefill kernel here).
     prefill_chunks: torch.Tensor | None = None
     # A backend's per-step kernel inputs, built once with the metadata and read by every layer (the
     # CUDA backend's: int32 block tables, each sequence's first query row and context length on the

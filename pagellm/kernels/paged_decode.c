@@ -22,10 +22,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+#include "gguf_blocks.h" /* from_half: the portable path's float16 rows */
 #include "simd_common.h"
+
+#define ET_SIZE(et) ((et) == ET_I8 ? 1 : (et) == ET_F16 ? 2 : 4) /* bytes per cached element */
 
 /* Prefetch hint for the next blocks' rows: into L2 (prefetcht1 on x86), not L1. On a 2-core AMD
  * EPYC (Zen 4) the T0 hint's prefetches held back the loop's own misses; T1 read the same
@@ -34,29 +37,53 @@
  * performance.md). The L1 is filled by the loads themselves, blocks later, from L2. */
 static inline __attribute__((always_inline)) void prefetch_l2(const void *p) { __builtin_prefetch(p, 0, 2); }
 
+/* Cached row `r` of element type et (a float16 or int8 one converted into buf; int8 times its
+ * scale *s, 1 otherwise): the portable path's view of a K or V row. */
+static inline __attribute__((always_inline)) const float *row_f32(const void *c, int64_t r, const int64_t D,
+                                                                  const int et, float *buf, float *s) {
+  *s = 1.f;
+  if (et == ET_F32) return (const float *)c + r;
+  if (et == ET_I8) {
+    const int8_t *x = (const int8_t *)c + r;
+    memcpy(s, x + D, sizeof *s);
+    for (int64_t d = 0; d < D; ++d) buf[d] = (float)x[d];
+    return buf;
+  }
+  const uint16_t *x = (const uint16_t *)c + r;
+  int64_t d = 0;
+#ifdef __F16C__
+  for (; d + 8 <= D; d += 8) _mm256_storeu_ps(buf + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + d))));
+#endif
+  for (; d < D; ++d) buf[d] = from_half(x[d]);
+  return buf;
+}
+
 /* One (sequence, KV head) task, head_dim D known at compile time when inlined with a constant.
  * Positions [lo, L) are read (lo > 0: a sliding window); softcap > 0 caps each score s to
- * softcap * tanh(s / softcap) before the softmax. */
+ * softcap * tanh(s / softcap) before the softmax. et: the cache's element type (float16 and int8
+ * rows converted to float32 first; an int8 row's scale multiplies its score and its weight). */
 static inline __attribute__((always_inline)) void task_impl(
-    float *out, const float *qh, const float *kc, const float *vc, const int64_t *bt, int64_t L,
+    float *out, const float *qh, const void *kc, const void *vc, const int64_t *bt, int64_t L,
     int64_t g, int64_t row, int64_t h, const int64_t D, int64_t block_size, float scale, float *scores,
-    float *acc, int64_t lo, float softcap) {
+    float *acc, int64_t lo, float softcap, const int et) {
+  float buf[256], rs;
+  const int64_t hd = h * (et == ET_I8 ? D + 4 : D); /* the head's offset in a slot's row */
   float *m = acc + g * D, *inv = m + g; /* per query head: running max, then 1 / sum */
   for (int64_t j = 0; j < g; ++j) m[j] = -INFINITY;
   const int64_t first = lo / block_size * block_size; /* the first block the window reaches */
   for (int64_t t0 = first; t0 < L; t0 += block_size) {
-    const float *kb = kc + bt[t0 / block_size] * block_size * row + h * D;
+    const int64_t kb = bt[t0 / block_size] * block_size * row + hd;
     const int64_t n = L - t0 < block_size ? L - t0 : block_size;
-    const float *kn = t0 + block_size < L ? kc + bt[t0 / block_size + 1] * block_size * row + h * D : kb;
+    const int64_t kn = t0 + block_size < L ? bt[t0 / block_size + 1] * block_size * row + hd : kb;
     for (int64_t i = t0 < lo ? lo - t0 : 0; i < n; ++i) {
-      for (int64_t c = 0; c < D; c += 16) prefetch_l2(kn + i * row + c);
-      const float *k = kb + i * row;
+      for (int64_t c = 0; c < D; c += 16) prefetch_l2((const char *)kc + (kn + i * row + c) * ET_SIZE(et));
+      const float *k = row_f32(kc, kb + i * row, D, et, buf, &rs);
       for (int64_t j = 0; j < g; ++j) {
         const float *qj = qh + j * D;
         float s = 0.f;
 #pragma omp simd reduction(+ : s)
         for (int64_t d = 0; d < D; ++d) s += qj[d] * k[d];
-        s *= scale;
+        s *= scale * rs;
         if (softcap > 0.f) s = softcap * tanh_f32(s / softcap);
         scores[j * L + t0 + i] = s;
         m[j] = s > m[j] ? s : m[j];
@@ -75,14 +102,14 @@ static inline __attribute__((always_inline)) void task_impl(
   }
   memset(acc, 0, sizeof(float) * g * D);
   for (int64_t t0 = first; t0 < L; t0 += block_size) {
-    const float *vb = vc + bt[t0 / block_size] * block_size * row + h * D;
+    const int64_t vb = bt[t0 / block_size] * block_size * row + hd;
     const int64_t n = L - t0 < block_size ? L - t0 : block_size;
-    const float *vn = t0 + block_size < L ? vc + bt[t0 / block_size + 1] * block_size * row + h * D : vb;
+    const int64_t vn = t0 + block_size < L ? bt[t0 / block_size + 1] * block_size * row + hd : vb;
     for (int64_t i = t0 < lo ? lo - t0 : 0; i < n; ++i) {
-      for (int64_t c = 0; c < D; c += 16) prefetch_l2(vn + i * row + c);
-      const float *v = vb + i * row;
+      for (int64_t c = 0; c < D; c += 16) prefetch_l2((const char *)vc + (vn + i * row + c) * ET_SIZE(et));
+      const float *v = row_f32(vc, vb + i * row, D, et, buf, &rs);
       for (int64_t j = 0; j < g; ++j) {
-        const float p = scores[j * L + t0 + i];
+        const float p = scores[j * L + t0 + i] * rs;
         float *a = acc + j * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
@@ -328,20 +355,13 @@ static inline __attribute__((always_inline)) void taskv_groups(
 
 #endif
 
-/* Whether the float16 and int8 caches' decode path exists here (AVX-512, head_dv's sizes). */
-int paged_decode_f16_supported(int64_t D) {
-#ifdef __AVX512F__
-  return head_dv(D) != 0;
-#else
-  (void)D;
-  return 0;
-#endif
-}
+/* Whether the float16 and int8 caches' decode path exists for head size D: the AVX-512 path at
+ * head_dv's sizes, the portable one (rows converted to float32) at any size up to 256. */
+int paged_decode_f16_supported(int64_t D) { return D >= 1 && D <= 256; }
 
-/* Every (sequence, KV head) task of one call. et: the caches' element type; float16 and int8 are
- * read only by the AVX-512 path for its head sizes (callers check paged_decode_f16_supported);
- * inlined into each entry point with a constant et, so the element type costs no branch in the
- * inner loops. */
+/* Every (sequence, KV head) task of one call. et: the caches' element type (float16 and int8 up
+ * to head size 256: paged_decode_f16_supported); inlined into each entry point with a constant
+ * et, so the element type costs no branch in the inner loops. */
 static inline __attribute__((always_inline)) int decode_all(
     float *out, const float *q, int64_t q_stride, const void *kc, const void *vc, const int64_t *block_tables,
     const int64_t *seq_lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
@@ -402,14 +422,12 @@ static inline __attribute__((always_inline)) int decode_all(
           continue;
       }
 #endif
-      if (et != ET_F32) continue; /* unreachable: no portable float16 or int8 path */
-      const float *kf = (const float *)kc, *vf = (const float *)vc;
       if (D == 64)
-        task_impl(o, qh, kf, vf, bt, L, g, row, h, 64, block_size, scale, scores, acc, lo, softcap);
+        task_impl(o, qh, kc, vc, bt, L, g, row, h, 64, block_size, scale, scores, acc, lo, softcap, et);
       else if (D == 128)
-        task_impl(o, qh, kf, vf, bt, L, g, row, h, 128, block_size, scale, scores, acc, lo, softcap);
+        task_impl(o, qh, kc, vc, bt, L, g, row, h, 128, block_size, scale, scores, acc, lo, softcap, et);
       else
-        task_impl(o, qh, kf, vf, bt, L, g, row, h, D, block_size, scale, scores, acc, lo, softcap);
+        task_impl(o, qh, kc, vc, bt, L, g, row, h, D, block_size, scale, scores, acc, lo, softcap, et);
     }
     free(scores);
     free(acc);

@@ -37,7 +37,7 @@ def decode_group(meta: AttentionMetadata) -> AttentionGroup | None:
         return None
     grp = meta.groups[0]
     if grp.kind != AttentionKind.DECODE_KERNEL or grp.token_start != 0 or grp.token_end != meta.num_tokens \
-            or grp.kv_blocks is None or grp.seq_lens is None:
+            or grp.kv_blocks is None or grp.seq_lens is None or grp.prefill_chunks is not None:
         return None
     return grp
 
