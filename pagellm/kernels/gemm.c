@@ -42,6 +42,11 @@
 #else
 #define MR 3 /* AVX2: 12 accumulators + 1 weight + 3 broadcasts of 16 registers */
 #endif
+#ifdef __AVX512F__
+#define STORE_PANEL(y, ldy, acc, out, R) store_tile(y, ldy, acc, (out).bias, (out).m0, (out).m1, R)
+#else /* AVX2's store_tile takes the panel's column count */
+#define STORE_PANEL(y, ldy, acc, out, R) store_tile(y, ldy, acc, out, R)
+#endif
 #define XBLOCK (1024 * 1024) /* bytes of x per row block: it stays in L2 (2 MiB) across all panels */
 
 int gemm_f32_supported(void) {
@@ -66,15 +71,22 @@ void pack_weight_f32(float *dst, const float *w, int64_t N, int64_t K) {
       }
 }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(GEMM_AVX2)
 /* Rows [0, R) of one panel: y[r][0:32] = x[r] . panel (+ bias), columns masked to `mask`.
  * Meanwhile, one row of `next` (2 cache lines) is prefetched into L2 every T steps of k: the T
- * tiles of a panel together bring in the whole next panel while this one computes from L2. */
+ * tiles of a panel together bring in the whole next panel while this one computes from L2. On
+ * AVX2, per k, each of the panel's four 8-output weight vectors feeds one FMA per row. */
 static inline __attribute__((always_inline)) void tile(float *y, int64_t ldy, const float *x, int64_t ldx,
                                                        const float *wp, const PanelOut out, int64_t K, const int R,
                                                        const float *next, int64_t T, const int bf16) {
+#ifdef __AVX512F__
   __m512 acc[MR][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+#else
+  __m256 acc[MR][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+#endif
   int64_t c = 0;
   for (int64_t k = 0; k < K; ++k) {
     if (++c == T) {
@@ -95,42 +107,24 @@ static inline __attribute__((always_inline)) void tile(float *y, int64_t ldy, co
       continue;
     }
 #endif
+#ifdef __AVX512F__
     const __m512 w0 = _mm512_loadu_ps(wp + k * NR), w1 = _mm512_loadu_ps(wp + k * NR + 16);
     for (int r = 0; r < R; ++r) {
       const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
       acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
       acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
     }
-  }
-  (void)bf16;
-  store_tile(y, ldy, acc, out.bias, out.m0, out.m1, R);
-}
-
-#elif defined(GEMM_AVX2)
-/* tile() on AVX2: per k, each of the panel's four 8-output weight vectors feeds one FMA per row. */
-static inline __attribute__((always_inline)) void tile(float *y, int64_t ldy, const float *x, int64_t ldx,
-                                                       const float *wp, const PanelOut out, int64_t K, const int R,
-                                                       const float *next, int64_t T, const int bf16) {
-  __m256 acc[MR][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
-  int64_t c = 0;
-  for (int64_t k = 0; k < K; ++k) {
-    if (++c == T) {
-      c = 0;
-      _mm_prefetch((const char *)next, _MM_HINT_T1);
-      _mm_prefetch((const char *)(next + 16), _MM_HINT_T1);
-      next += NR;
-    }
+#else
     __m256 xb[MR];
     for (int r = 0; r < R; ++r) xb[r] = _mm256_broadcast_ss(x + r * ldx + k);
     for (int j = 0; j < 4; ++j) {
       const __m256 w = _mm256_loadu_ps(wp + k * NR + 8 * j);
       for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(xb[r], w, acc[r][j]);
     }
+#endif
   }
   (void)bf16;
-  store_tile(y, ldy, acc, out, R);
+  STORE_PANEL(y, ldy, acc, out, R);
 }
 #endif
 
@@ -186,19 +180,29 @@ int pack_weight_q(float *dst, const float *w, int64_t N, int64_t K, int64_t bits
 #endif
 }
 
-#ifdef __AVX512F__
-/* tile() over a panel of `bits` records. Tile t of T also prefetches the next panel's records t, t + T, ... */
+#if defined(__AVX512F__) || defined(GEMM_AVX2)
+/* tile() over a panel of `bits` records. Tile t of T also prefetches the next panel's records t, t + T, ...
+ * On AVX2 each 8-output weight vector is rebuilt with the same unfused multiply (and add); the empty
+ * asm keeps the compiler from contracting them into an FMA (AVX-512's explicit rounding ops never are). */
 static inline __attribute__((always_inline)) void tile_q(float *y, int64_t ldy, const float *x, int64_t ldx,
                                                          const float *rec, const PanelOut out, int64_t K,
                                                          const int R, const float *next, int64_t T, int64_t t,
                                                          const int bits) {
+#ifdef __AVX512F__
   __m512 acc[MR][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi32(15);
+#else
+  __m256 acc[MR][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi32(15);
+#endif
   const int64_t rec_size = QREC(bits);
   for (int64_t b = 0; b < K / QB; ++b, rec += rec_size) {
     if (b % T == t)
       for (int c = 0; c < rec_size; c += 16) _mm_prefetch((const char *)(next + b * rec_size + c), _MM_HINT_T1);
+#ifdef __AVX512F__
     const __m512 d0 = _mm512_loadu_ps(rec), d1 = _mm512_loadu_ps(rec + 16);
     __m512 z0 = _mm512_setzero_ps(), z1 = z0;
     if (bits == 4) z0 = _mm512_loadu_ps(rec + NR), z1 = _mm512_loadu_ps(rec + NR + 16);
@@ -221,26 +225,7 @@ static inline __attribute__((always_inline)) void tile_q(float *y, int64_t ldy, 
         acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
       }
     }
-  }
-  store_tile(y, ldy, acc, out.bias, out.m0, out.m1, R);
-}
-#endif
-
-#ifdef GEMM_AVX2
-/* tile_q() on AVX2: each 8-output weight vector rebuilt with the same unfused multiply (and add);
- * the empty asm keeps the compiler from contracting them into an FMA. */
-static inline __attribute__((always_inline)) void tile_q(float *y, int64_t ldy, const float *x, int64_t ldx,
-                                                         const float *rec, const PanelOut out, int64_t K,
-                                                         const int R, const float *next, int64_t T, int64_t t,
-                                                         const int bits) {
-  __m256 acc[MR][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi32(15);
-  const int64_t rec_size = QREC(bits);
-  for (int64_t b = 0; b < K / QB; ++b, rec += rec_size) {
-    if (b % T == t)
-      for (int c = 0; c < rec_size; c += 16) _mm_prefetch((const char *)(next + b * rec_size + c), _MM_HINT_T1);
+#else
     const uint8_t *qs = (const uint8_t *)(rec + (bits == 4 ? 2 * NR : NR));
     for (int k = 0; k < QB; ++k) {
       const float *xk = x + b * QB + k;
@@ -261,8 +246,9 @@ static inline __attribute__((always_inline)) void tile_q(float *y, int64_t ldy, 
         for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(xb[r], w, acc[r][j]);
       }
     }
+#endif
   }
-  store_tile(y, ldy, acc, out, R);
+  STORE_PANEL(y, ldy, acc, out, R);
 }
 #endif
 
