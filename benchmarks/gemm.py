@@ -64,7 +64,8 @@ def main() -> None:
               (2 * args.intermediate, h), (h, args.intermediate)]
     weights = [torch.randn(n, k) for _ in range(args.layers) for n, k in shapes] + [torch.randn(args.vocab, h)]
     if not gemm.usable(weights[0]):
-        raise SystemExit("the GEMM kernel cannot run here (no AVX-512 or compiler, or PAGELLM_CPU_GEMM=0)")
+        raise SystemExit("the GEMM kernel cannot run here (neither AVX-512 nor AVX2, no compiler, "
+                         "or PAGELLM_CPU_GEMM=0)")
     bits = [4] * (len(weights) - 1) + [8]
     if args.quantized:
         weights = [_gguf_roundtrip(w, b) for w, b in zip(weights, bits, strict=True)]

@@ -1,5 +1,6 @@
 """Prefill attention of one step: the compiled prefill kernel against the pure PyTorch path (SDPA)
-and against decoding each prompt token (the decode kernel, one member per token: the same bits).
+and against decoding each prompt token (the decode kernel, one member per token: the same bits;
+what the backend runs where the prefill kernel does not exist, AVX2 machines among them).
 
 A step of prefill chunks, each ``(cached tokens, new tokens)``, with blocks scattered at random
 over the cache; one "step" runs the attention of every layer (``torch_paged.forward``, K/V write
@@ -37,10 +38,10 @@ def main() -> None:
     from pagellm.attention.torch_paged import TorchPagedAttention
 
     dtype = getattr(torch, args.cache_dtype)
-    if not CpuPagedAttention.for_cache(torch.empty(1, args.heads[1], cache_head_dim(args.head_dim, dtype), dtype=dtype),
-                                       torch.float32).prefill_kernel:
-        raise SystemExit("the prefill kernel cannot run here (no compiler, no AVX-512, head size != 64, "
-                         "or PAGELLM_CPU_KERNELS=0)")
+    own = CpuPagedAttention.for_cache(torch.empty(1, args.heads[1], cache_head_dim(args.head_dim, dtype), dtype=dtype),
+                                      torch.float32)
+    if not own.decode_kernel:
+        raise SystemExit("the decode kernel cannot run here (no compiler, or PAGELLM_CPU_KERNELS=0)")
     random.seed(0)
     torch.manual_seed(0)
     hq, hkv = args.heads
@@ -55,23 +56,18 @@ def main() -> None:
     q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=1))
     slots = torch.tensor([ids[p // bs] * bs + p % bs for c, n, ids in chunks for p in range(c, c + n)])
 
-    def step_fn(backend: TorchPagedAttention, as_decodes: bool = False):
-        if not as_decodes:
-            meta = backend.build_metadata([], [], chunks, bs, torch.device("cpu"))
-            meta.slot_mapping = slots
-            return attention_step(q, k, v, kv, meta, d ** -0.5)
-        # Every prompt token as a decode of its own position (its result: the same bits).
-        lens = [p + 1 for c, n, _ in chunks for p in range(c, c + n)]
-        meta = backend.build_metadata(lens, [ids for c, n, ids in chunks for _ in range(n)], [], bs,
-                                      torch.device("cpu"))
-        order = torch.tensor(meta.decode_order)
-        meta.slot_mapping = slots[order]
-        return attention_step(q[order], k[order], v[order], kv, meta, d ** -0.5)
+    def step_fn(backend: TorchPagedAttention):
+        meta = backend.build_metadata([], [], chunks, bs, torch.device("cpu"))
+        meta.slot_mapping = slots
+        return attention_step(q, k, v, kv, meta, d ** -0.5)
 
-    kernels = CpuPagedAttention(decode_kernel=True, prefill_kernel=True, write_kv_kernel=False)
-    steps = {"pure PyTorch (SDPA)": step_fn(TorchPagedAttention()),
-             "prefill kernel": step_fn(kernels),
-             "decode kernel per token": step_fn(kernels, as_decodes=True)}
+    steps = {"pure PyTorch (SDPA)": step_fn(TorchPagedAttention())}
+    if own.prefill_kernel:
+        steps["prefill kernel"] = step_fn(CpuPagedAttention(decode_kernel=True, prefill_kernel=True,
+                                                            write_kv_kernel=False))
+    # Without the prefill kernel the backend runs every chunk token as a decode of its own position.
+    steps["decode kernel per token"] = step_fn(CpuPagedAttention(decode_kernel=True, prefill_kernel=False,
+                                                                 write_kv_kernel=False))
     with torch.inference_mode():
         best = interleaved_best(steps, args.repeats)
     # q.k and p.v: 2 x 2 x D flops per (query head, visible key) pair.

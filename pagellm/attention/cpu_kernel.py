@@ -5,9 +5,9 @@ The pure-PyTorch decode path gathers every block a decode reads into a dense buf
 SDPA over it: the K/V bytes cross memory three times, and at 64 decodes that is more than half
 of a step. The kernel reads K and V straight from their blocks, once. Unavailable (no compiler,
 ``PAGELLM_CPU_KERNELS=0``, a non-CPU device, a cache that is not float32, float16 or int8, or a
-float16 or int8 cache without AVX-512 or with a head size that is not a multiple of 16 up to 256):
-the pure path runs, and it remains the oracle the tests compare against. Queries and outputs are
-float32 either way; an int8 cache's rows carry their scale (``kv_quant.py``).
+float16 or int8 cache with a head size over 256): the pure path runs, and it remains the oracle
+the tests compare against. Queries and outputs are float32 either way; an int8 cache's rows carry
+their scale (``kv_quant.py``).
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ Decided once, at start-up, from the cache and the model dtype (:meth:`CpuPagedAt
 which kernels apply here (``cpu_kernel.py``: decode over a float32, float16 or int8 cache, with a
 layer's sliding window and logit soft-cap where it has them; prefill over the same with a head size
 that is a multiple of 16 up to 256 on AVX-512, windows and soft-caps included, summing as the decode kernel
-does, or, for a run that never decodes, on AMX bfloat16 tiles; ``cpu_ops.write_kv``: the K/V
-write). Each step's metadata then names the kernel groups (``DECODE_KERNEL``, ``PREFILL_KERNEL``)
-and ``TorchPagedAttention.forward`` runs them through the methods registered for those kinds.
+does, or, for a run that never decodes, on AMX bfloat16 tiles; without the prefill kernel, a
+chunk's tokens as decodes through the decode kernel; ``cpu_ops.write_kv``: the K/V write). Each
+step's metadata then names the kernel groups (``DECODE_KERNEL``, ``PREFILL_KERNEL``) and
+``TorchPagedAttention.forward`` runs them through the methods registered for those kinds.
 Nothing is re-checked per layer except the layout the kernels need.
 """
 

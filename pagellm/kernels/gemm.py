@@ -5,7 +5,7 @@ Callers (``layers/linear.py``) pack a weight with :func:`pack` after loading and
 also be packed in 4 or 8 bits with :func:`pack_quantized`; ``linear(..., bits=4 or 8)`` over that
 copy gives the same results bit for bit while reading a fifth (a quarter) of the bytes.
 
-Where the kernel cannot run (no AVX-512, no compiler, ``PAGELLM_CPU_KERNELS=0``, a non-float32
+Where the kernel cannot run (neither AVX-512 nor AVX2 with FMA, no compiler, ``PAGELLM_CPU_KERNELS=0``, a non-float32
 or non-CPU weight, or ``PAGELLM_CPU_GEMM=0`` to compare against MKL) :func:`usable` says so and
 the caller keeps ``F.linear``, which is also the oracle in ``tests/test_gemm.py``.
 """

@@ -1,5 +1,5 @@
-/* Paged decode attention for CPU over a float32, float16 or int8 cache (AVX-512 for the latter two;
- * an int8 head row ends with its scale, applied to the row's score and softmax weight): one query
+/* Paged decode attention for CPU over a float32, float16 or int8 cache (an int8 head row ends with
+ * its scale, applied to the row's score and softmax weight): one query
  * token per sequence attends to its cached K/V read straight from the blocks (no gather copy). Built on first use by pagellm/kernels/__init__.py.
  *
  * q:             [B, Hq, D]            row b at q + b * q_stride (heads contiguous; a view of the qkv output)
@@ -15,7 +15,8 @@
  * once when it starts, and the head size is a compile-time constant so the dot products vectorize
  * fully: on AVX-512 for 64, 80, 96, 128 and 256 (q and the sums in registers; every cache type; any
  * other multiple of 16 up to 256 runs the same sums with the size a run-time value), in the portable
- * path for 64 and 128 (float32 caches; any other size runs it generically).
+ * path for 64 and 128 (any other size runs it generically; a float16 or int8 row is converted to
+ * float32 first, 8 values at a time with F16C).
  */
 #include <math.h>
 #include <omp.h>

@@ -13,7 +13,7 @@ are exactly GGUF blocks (a Q4_1 or Q8_0 model, dequantized: every projection of 
 SmolLM2 is Q4_1, its tied LM head Q8_0) is also packed in 4 or 8 bits (``gemm.pack_quantized``,
 checked value by value): batches of up to ``QUANTIZED_MAX_ROWS`` rows read that copy, with results
 identical bit for bit, as the weight stream is what such small batches wait for. Without the
-kernel (no AVX-512 or compiler, ``PAGELLM_CPU_KERNELS=0``, a GPU, bfloat16) nothing is packed and
+kernel (neither AVX-512 nor AVX2, no compiler, ``PAGELLM_CPU_KERNELS=0``, a GPU, bfloat16) nothing is packed and
 ``F.linear`` runs as before. How each format packs and multiplies is ``layers/weight_formats.py``.
 """
 

@@ -206,7 +206,7 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: 
                 int8: bool) -> WeightFormat | None:
     """A float weight packed for the kernel the numerics chose, or ``None`` where no kernel takes it
     here: with ``int8``, a weight that is exactly GGUF blocks goes to the int8 kernel (which runs
-    without AVX-512, so it is asked first), else to ``compute_dtype``'s."""
+    on every CPU, so it is asked first), else to ``compute_dtype``'s."""
     if int8 and gemm_int8.supported():
         packed = gemm_int8.pack(weight)
         if packed is not None:
