@@ -83,9 +83,8 @@ static inline __attribute__((always_inline)) void tile(float *y, int64_t ldy, co
   __m512 acc[MR][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
 #else
-  __m256 acc[MR][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  __m256 acc[MR][4]; /* (indexed by constants only: GCC then keeps it in registers) */
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm256_setzero_ps();
 #endif
   int64_t c = 0;
   for (int64_t k = 0; k < K; ++k) {
@@ -115,11 +114,13 @@ static inline __attribute__((always_inline)) void tile(float *y, int64_t ldy, co
       acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
     }
 #else
-    __m256 xb[MR];
-    for (int r = 0; r < R; ++r) xb[r] = _mm256_broadcast_ss(x + r * ldx + k);
-    for (int j = 0; j < 4; ++j) {
-      const __m256 w = _mm256_loadu_ps(wp + k * NR + 8 * j);
-      for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(xb[r], w, acc[r][j]);
+    const float *wk = wp + k * NR;
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
+      acc[r][0] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(wk), acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(wk + 8), acc[r][1]);
+      acc[r][2] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(wk + 16), acc[r][2]);
+      acc[r][3] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(wk + 24), acc[r][3]);
     }
 #endif
   }
@@ -180,10 +181,31 @@ int pack_weight_q(float *dst, const float *w, int64_t N, int64_t K, int64_t bits
 #endif
 }
 
+#ifdef GEMM_AVX2
+/* Outputs 8j..8j+7 of a record's k-th weights: d * q (+ m), rounded after each step; the empty asm
+ * keeps the compiler from contracting them into an FMA. 4 bits: the low nibbles of bytes 0-7 or
+ * 8-15 (j < 2), then the high ones. */
+static inline __attribute__((always_inline)) __m256 q_weights8(const float *rec, const uint8_t *qs, int k, const int j,
+                                                               const int bits, const __m256i low) {
+  __m256i q;
+  if (bits == 4) {
+    q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + k * 16 + 8 * (j & 1))));
+    q = j < 2 ? _mm256_and_si256(q, low) : _mm256_srli_epi32(q, 4);
+  } else {
+    q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + k * 32 + 8 * j)));
+  }
+  __m256 w = _mm256_mul_ps(_mm256_loadu_ps(rec + 8 * j), _mm256_cvtepi32_ps(q));
+  __asm__("" : "+x"(w));
+  if (bits == 4) w = _mm256_add_ps(w, _mm256_loadu_ps(rec + NR + 8 * j));
+  __asm__("" : "+x"(w));
+  return w;
+}
+#endif
+
 #if defined(__AVX512F__) || defined(GEMM_AVX2)
 /* tile() over a panel of `bits` records. Tile t of T also prefetches the next panel's records t, t + T, ...
- * On AVX2 each 8-output weight vector is rebuilt with the same unfused multiply (and add); the empty
- * asm keeps the compiler from contracting them into an FMA (AVX-512's explicit rounding ops never are). */
+ * On AVX2 each 8-output weight vector is rebuilt with the same unfused multiply (and add):
+ * q_weights8 (AVX-512's explicit rounding ops are never contracted). */
 static inline __attribute__((always_inline)) void tile_q(float *y, int64_t ldy, const float *x, int64_t ldx,
                                                          const float *rec, const PanelOut out, int64_t K,
                                                          const int R, const float *next, int64_t T, int64_t t,
@@ -193,9 +215,8 @@ static inline __attribute__((always_inline)) void tile_q(float *y, int64_t ldy, 
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi32(15);
 #else
-  __m256 acc[MR][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  __m256 acc[MR][4]; /* (indexed by constants only: GCC then keeps it in registers) */
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi32(15);
 #endif
   const int64_t rec_size = QREC(bits);
@@ -229,21 +250,14 @@ static inline __attribute__((always_inline)) void tile_q(float *y, int64_t ldy, 
     const uint8_t *qs = (const uint8_t *)(rec + (bits == 4 ? 2 * NR : NR));
     for (int k = 0; k < QB; ++k) {
       const float *xk = x + b * QB + k;
-      __m256 xb[MR];
-      for (int r = 0; r < R; ++r) xb[r] = _mm256_broadcast_ss(xk + r * ldx);
-      for (int j = 0; j < 4; ++j) {
-        __m256i q;
-        if (bits == 4) { /* outputs 8j..8j+7: low nibbles of bytes 0-7 or 8-15 (j < 2), then the high ones */
-          q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + k * 16 + 8 * (j & 1))));
-          q = j < 2 ? _mm256_and_si256(q, low) : _mm256_srli_epi32(q, 4);
-        } else {
-          q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + k * 32 + 8 * j)));
-        }
-        __m256 w = _mm256_mul_ps(_mm256_loadu_ps(rec + 8 * j), _mm256_cvtepi32_ps(q));
-        __asm__("" : "+x"(w));
-        if (bits == 4) w = _mm256_add_ps(w, _mm256_loadu_ps(rec + NR + 8 * j));
-        __asm__("" : "+x"(w));
-        for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(xb[r], w, acc[r][j]);
+      const __m256 w0 = q_weights8(rec, qs, k, 0, bits, low), w1 = q_weights8(rec, qs, k, 1, bits, low);
+      const __m256 w2 = q_weights8(rec, qs, k, 2, bits, low), w3 = q_weights8(rec, qs, k, 3, bits, low);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(xk + r * ldx);
+        acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+        acc[r][2] = _mm256_fmadd_ps(xb, w2, acc[r][2]);
+        acc[r][3] = _mm256_fmadd_ps(xb, w3, acc[r][3]);
       }
     }
 #endif

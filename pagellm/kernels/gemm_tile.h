@@ -68,20 +68,23 @@ static inline PanelOut panel_out(int64_t p, int64_t N, const float *bias) {
 /* A finished tile: y[r][0:cols] = acc[r] (+ bias); a partial panel goes through a buffer. */
 static inline __attribute__((always_inline)) void store_tile(float *y, int64_t ldy, __m256 acc[][4], const PanelOut out,
                                                              const int R) {
-  if (out.bias != NULL) {
-    float b[NR] = {0};
-    memcpy(b, out.bias, sizeof(float) * out.cols);
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_add_ps(acc[r][j], _mm256_loadu_ps(b + 8 * j));
-  }
+  /* (acc read by constant indices only, so the caller's loop keeps it in registers) */
+  float b[NR] = {0}, t[NR];
+  if (out.bias != NULL) memcpy(b, out.bias, sizeof(float) * out.cols);
   for (int r = 0; r < R; ++r) {
-    if (out.cols == NR) {
-      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(y + r * ldy + 8 * j, acc[r][j]);
-    } else {
-      float t[NR];
-      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(t + 8 * j, acc[r][j]);
-      memcpy(y + r * ldy, t, sizeof(float) * out.cols);
+    __m256 v0 = acc[r][0], v1 = acc[r][1], v2 = acc[r][2], v3 = acc[r][3];
+    if (out.bias != NULL) {
+      v0 = _mm256_add_ps(v0, _mm256_loadu_ps(b));
+      v1 = _mm256_add_ps(v1, _mm256_loadu_ps(b + 8));
+      v2 = _mm256_add_ps(v2, _mm256_loadu_ps(b + 16));
+      v3 = _mm256_add_ps(v3, _mm256_loadu_ps(b + 24));
     }
+    float *dst = out.cols == NR ? y + r * ldy : t;
+    _mm256_storeu_ps(dst, v0);
+    _mm256_storeu_ps(dst + 8, v1);
+    _mm256_storeu_ps(dst + 16, v2);
+    _mm256_storeu_ps(dst + 24, v3);
+    if (out.cols != NR) memcpy(y + r * ldy, t, sizeof(float) * out.cols);
   }
 }
 #endif
