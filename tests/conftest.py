@@ -168,14 +168,18 @@ def require_f32_gemm_kernel() -> None:
 
 
 def require_attention_kernels(head_dim: int, cache_dtype: torch.dtype) -> None:
-    """The decode and prefill attention kernels over a cache of this head size and element type (a
-    float16 or int8 cache, or a prefill, needs AVX-512)."""
+    """The decode attention kernel over a cache of this head size and element type (its portable
+    path on every CPU), and the prefill kernel where the CPU has AVX-512 (without it a chunk's
+    tokens run as decodes, with the same bits)."""
     from pagellm.attention import cpu_kernel
     from pagellm.attention.kv_quant import cache_head_dim
 
     row = torch.empty(1, 1, cache_head_dim(head_dim, cache_dtype), dtype=cache_dtype)
-    require_kernel(lambda: cpu_kernel.usable_for(row) and cpu_kernel.prefill_usable_for(row),
-                   f"attention kernels for head size {head_dim} over a {cache_dtype} cache", ("avx512f",))
+    require_cpu_kernel(lambda: cpu_kernel.usable_for(row),
+                       f"decode attention kernel for head size {head_dim} over a {cache_dtype} cache")
+    if cpu_has("avx512f"):
+        require_avx512_kernel(lambda: cpu_kernel.prefill_usable_for(row),
+                              f"prefill attention kernel for head size {head_dim} over a {cache_dtype} cache")
 
 
 def require_int8_kernel() -> None:
