@@ -23,6 +23,16 @@ from pagellm.attention.torch_paged import TorchPagedAttention, _padded_block_tab
 from pagellm.kernels import cpu_ops
 
 
+def _chunk_tables(chunks: list[tuple[int, int, list[int]]], start: int,
+                  block_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The chunks' padded block tables, their ``prefill_chunks`` rows (each chunk's first flat row,
+    num_computed_tokens, query length) and the end of the last chunk's rows."""
+    table = _padded_block_table([c + n for c, n, _ in chunks], [ids for _, _, ids in chunks], block_size)
+    bounds = list(accumulate((n for _, n, _ in chunks), initial=start))
+    info = torch.tensor([bounds[:-1], [c[0] for c in chunks], [c[1] for c in chunks]], dtype=torch.long)
+    return table, info, bounds[-1]
+
+
 class CpuPagedAttention(TorchPagedAttention):
     """Decodes through the decode kernel, prefill chunks through the prefill kernel, K/V written by
     the ``write_kv`` kernel, each only where it applies; SDPA (the reference) for the rest."""
@@ -111,14 +121,10 @@ class CpuPagedAttention(TorchPagedAttention):
             return self._chunks_as_decodes(groups, start, chunks, block_size)
         if not chunks or not self.prefill_kernel:
             return super()._chunk_groups(groups, start, chunks, block_size, device)
-        lens = [num_computed + q_len for num_computed, q_len, _ in chunks]
-        table = _padded_block_table(lens, [ids for _, _, ids in chunks], block_size)
-        # Each chunk's first flat row, then the end of the last.
-        bounds = list(accumulate((q_len for _, q_len, _ in chunks), initial=start))
-        info = torch.tensor([bounds[:-1], [c[0] for c in chunks], [c[1] for c in chunks]], dtype=torch.long)
-        groups.append(AttentionGroup(AttentionKind.PREFILL_KERNEL, start, bounds[-1], len(chunks), 0, table, None,
+        table, info, end = _chunk_tables(chunks, start, block_size)
+        groups.append(AttentionGroup(AttentionKind.PREFILL_KERNEL, start, end, len(chunks), 0, table, None,
                                      prefill_chunks=info))
-        return bounds[-1]
+        return end
 
     def _chunks_as_decodes(self, groups: list[AttentionGroup], start: int, chunks: list[tuple[int, int, list[int]]],
                            block_size: int) -> int:
@@ -127,16 +133,13 @@ class CpuPagedAttention(TorchPagedAttention):
         then the bits it gets decoded, whatever the chunking (SDPA's change with the chunk's length,
         and a preemption by recompute or a speculative step flipped greedy tokens of SmolLM2)."""
         lens = [c + i + 1 for c, n, _ in chunks for i in range(n)]
-        table = _padded_block_table([c + n for c, n, _ in chunks], [ids for _, _, ids in chunks], block_size)
-        rows = torch.tensor([n for _, n, _ in chunks], dtype=torch.long)
-        bounds = list(accumulate((n for _, n, _ in chunks), initial=start))
+        table, info, end = _chunk_tables(chunks, start, block_size)
         # (prefill_chunks marks the rows as chunks': the decode graph, which takes a step of decodes
         # whole, leaves them to the layers)
-        info = torch.tensor([bounds[:-1], [c[0] for c in chunks], [c[1] for c in chunks]], dtype=torch.long)
-        groups.append(AttentionGroup(AttentionKind.DECODE_KERNEL, start, bounds[-1], len(lens), 1,
-                                     table.repeat_interleave(rows, dim=0), None,
+        groups.append(AttentionGroup(AttentionKind.DECODE_KERNEL, start, end, len(lens), 1,
+                                     table.repeat_interleave(info[2], dim=0), None,
                                      seq_lens=torch.tensor(lens, dtype=torch.long), prefill_chunks=info))
-        return bounds[-1]
+        return end
 
     # ------------------------------------------------------------------ forward
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

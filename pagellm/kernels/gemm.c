@@ -40,7 +40,7 @@
 #ifdef __AVX512F__
 #define MR 14 /* rows per tile: 28 accumulators + 2 weights + 1 broadcast of 32 registers */
 #else
-#define MR 3 /* AVX2: 12 accumulators + 1 weight + 3 broadcasts of 16 registers */
+#define MR 3 /* AVX2: 12 accumulators + 1 broadcast of 16 registers (weights as memory operands) */
 #endif
 #ifdef __AVX512F__
 #define STORE_PANEL(y, ldy, acc, out, R) store_tile(y, ldy, acc, (out).bias, (out).m0, (out).m1, R)

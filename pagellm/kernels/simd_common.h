@@ -9,6 +9,14 @@
 /* A paged K/V cache's element type (the attention kernels' `et`): int8 head rows end with their
  * float32 scale (pagellm/attention/kv_quant.py). */
 enum { ET_F32 = 0, ET_F16 = 1, ET_I8 = 2 };
+#define ET_SIZE(et) ((et) == ET_I8 ? 1 : (et) == ET_F16 ? 2 : 4) /* bytes per cached element */
+
+/* The float32 scale stored after an int8 head row's d values (attention/kv_quant.py). */
+static inline float row_scale_d(const void *base, int64_t off, int64_t d) {
+  float s;
+  memcpy(&s, (const int8_t *)base + off + d, sizeof s);
+  return s;
+}
 
 /* The attention kernels' head sizes, as DV = D / 16 vectors: any multiple of 16 up to 256 (0: none).
  * 64, 80, 96, 128 and 256 have instances with DV a compile-time constant; the others run one
@@ -72,13 +80,6 @@ static inline __attribute__((always_inline)) __m512 load16(const void *base, int
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)base + off))));
   return et == ET_F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off)))
                       : _mm512_loadu_ps((const float *)base + off);
-}
-
-/* The float32 scale stored after an int8 head row's d values (attention/kv_quant.py). */
-static inline float row_scale_d(const void *base, int64_t off, int64_t d) {
-  float s;
-  memcpy(&s, (const int8_t *)base + off + d, sizeof s);
-  return s;
 }
 
 /* The sum of x's 16 lanes in a fixed order, GCC's _mm512_reduce_add_ps spelled out: lanes i + 8,
