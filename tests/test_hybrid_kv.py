@@ -288,8 +288,9 @@ KEPT = MambaSpec(BS, ((64, 2),), ("float32",), cache_states=True)  # (the same, 
 def test_kept_states_hold_each_steps_last_boundary_and_serve_prefix_hits():
     """Chunks of 11 over 30 tokens (block size 4): each step keeps its last block and the one of the
     last boundary inside it (the others it crosses are null), the block it starts in part way
-    keeps that block's end; the blocks the state left go back to the pool cached; a hit takes the
-    longest prefix whose last block is a kept state, and only that block of the state group."""
+    keeps that block's end; the blocks the state left go back to the pool, cached where
+    ``MambaSpec.caches`` says; a hit takes the longest prefix whose last block is a cached state,
+    and only that block of the state group."""
     mgr = KVCacheManager(40, BS, True, 0, kv_cache_config=group_layers([KEPT, None], BS))
     seq = Sequence(1, list(range(30)))
     null = mgr.null_block
@@ -307,16 +308,55 @@ def test_kept_states_hold_each_steps_last_boundary_and_serve_prefix_hits():
     mgr.cache_full_blocks(seq)
     mgr.check_invariants(live_seq_ids={1})
     assert max(len([b for b in mgr.group_tables[1][1] if b is not null]), 0) <= 3
-    kept_at = {8, 12, 20, 24, 28}  # the boundaries whose states some step wrote
+    # The boundaries whose states some step wrote are 8, 12, 20, 24, 28; one full group to one
+    # state group caches every second boundary (8, 24) and those from the prompt's last on (28).
+    assert mgr.specs[1].cache_interval == 2
+    cached_at = {8, 24, 28}
     for length in (31, 29, 26, 21, 15, 10):
         hit = mgr.get_computed_blocks(Sequence(2, list(range(length - 1)) + [99]))
-        k = max((b for b in kept_at if b <= (length - 1) // BS * BS), default=0) // BS
+        k = max((b for b in cached_at if b <= (length - 1) // BS * BS), default=0) // BS
         assert len(hit) == k, length
         if k:
             assert [b is null for b in hit.groups[1]] == [True] * (k - 1) + [False]
     mgr.free(seq)
     mgr.check_invariants()
     assert mgr.num_free_blocks == mgr.num_blocks
+
+
+def test_cached_boundary_states_cost_about_half_the_full_kv():
+    """Qwen3.5's 3 DeltaNet layers to 1 full-attention layer (24 layers: groups of 6, three state
+    groups to one full): a boundary in 6 is cached, and every one from the prompt's last on. A
+    2,000-token prompt prefilled in 128-token chunks (every 64-token boundary's state written) then
+    leaves 6 state pages cached per group (384, 768, 1,152, 1,536, 1,920, and 1,984: the last
+    boundary before token 1,999) where the full group caches 31: the states' bytes are 3 x 6 / 31 of
+    the full K/V's, and the pool hands out the uncached ones again first (what one request touches
+    stays near what it holds). Without prefix caching the interval stays 1 (nothing is cached)."""
+    bs = 64
+    layers = ([MambaSpec(bs, ((64, 2),), ("float32",), cache_states=True)] * 3 + [None]) * 6
+    cfg = group_layers(layers, bs)
+    assert [type(s).__name__ for s in cfg.specs] == ["FullAttentionSpec"] + ["MambaSpec"] * 3
+    assert {s.cache_interval for s in cfg.specs[1:]} == {6}
+    assert group_layers([MambaSpec(bs, ((8,),), ("float32",))] * 3 + [None], bs).specs[1].cache_interval == 1
+    mgr = KVCacheManager(200, bs, True, 0, kv_cache_config=cfg)
+    seq = Sequence(1, list(range(2000)))
+    touched: set[int] = set()
+    while seq.num_computed_tokens < 2000:
+        n = min(128, 2000 - seq.num_computed_tokens)
+        new = mgr.allocate_slots(seq, n)
+        assert new is not None
+        touched.update(b.block_id for b in new)
+        seq.num_computed_tokens += n
+        mgr.cache_full_blocks(seq)
+        mgr.check_invariants(live_seq_ids={1})
+    cached = [sum(mgr.block_pool.get_cached_block(_group_key(h, g)) is not None for h in seq.block_hashes)
+              for g in range(4)]
+    assert cached == [31, 6, 6, 6]
+    assert len(touched) <= 31 + 3 * (6 + 3)
+    hit = mgr.get_computed_blocks(Sequence(2, list(range(1000)) + [7] * 100))
+    assert len(hit) == 768 // bs  # (the longest cached boundary inside the shared 1,000 tokens)
+    mgr.free(seq)
+    mgr.check_invariants()
+    assert len(mgr.get_computed_blocks(Sequence(3, list(range(2000)) + [7]))) == 1984 // bs
 
 
 @settings(max_examples=80, deadline=None)

@@ -247,8 +247,10 @@ class KVCacheManager:
             table = tables[seq.seq_id]
             n_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes), len(table))
             start = self._num_cached_blocks[g].get(seq.seq_id, 0)
+            spec = self.specs[g]
             for i in range(start, n_full):
-                if table[i] is not self.null_block:
+                if table[i] is not self.null_block and (not isinstance(spec, MambaSpec)
+                                                        or spec.caches(i, seq.num_prompt_tokens)):
                     self.block_pool.cache_block(table[i], _group_key(seq.block_hashes[i], g))
             self._num_cached_blocks[g][seq.seq_id] = max(start, n_full)
 

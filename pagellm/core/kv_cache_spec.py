@@ -21,7 +21,7 @@ of which only the last is live (the others: states at boundaries, cached for pre
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pagellm.utils import cdiv
 
@@ -79,12 +79,23 @@ class MambaSpec:
     block_size`` tokens is hashed like a full block and goes back to the pool (cached, evictable)
     once the request's state has moved on; a prefix hit of ``k`` blocks needs only block ``k - 1``,
     the state it continues from. Decodes keep every boundary; a prefill chunk its last one (the
-    chunk's end, where chunks are multiples of ``block_size``)."""
+    chunk's end, where chunks are multiples of ``block_size``).
+
+    Of the boundary states written, those cached (``caches``) are every ``cache_interval``-th
+    boundary's and every one from the prompt's last boundary on (what the same conversation's next
+    turn continues from); the others go back to the pool uncached, reused first, once the state
+    moves on. ``group_layers`` sets the interval so that cached states cost at most about half the
+    full-attention K/V of the tokens they follow."""
 
     block_size: int
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
     cache_states: bool = False
+    cache_interval: int = 1
+
+    def __post_init__(self) -> None:
+        if self.cache_interval < 1:
+            raise ValueError(f"cache_interval must be >= 1, got {self.cache_interval}")
 
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Leading tokens whose blocks no later step reads: all but the last computed one's block."""
@@ -102,6 +113,13 @@ class MambaSpec:
         last = (num_tokens - 1) // bs
         boundary = num_tokens // bs * bs
         return {last, boundary // bs - 1} if num_computed_tokens < boundary < num_tokens else {last}
+
+    def caches(self, index: int, num_prompt_tokens: int) -> bool:
+        """Whether block ``index`` (the state after ``(index + 1) * block_size`` tokens) is cached
+        for prefix hits: at every ``cache_interval``-th boundary, and from the last boundary before
+        the prompt's last token on (a re-sent or extended prompt's hit; every decode boundary)."""
+        last = (num_prompt_tokens - 1) // self.block_size
+        return (index + 1) % self.cache_interval == 0 or index + 1 >= last
 
 
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MambaSpec
@@ -180,9 +198,16 @@ def group_layers(layer_windows: list[int | None | MambaSpec | bool], block_size:
     def order(w: int | None | MambaSpec) -> tuple[int, int]:
         return (2, 0) if isinstance(w, MambaSpec) else (w is not None, w or 0)
 
+    # A cached boundary state costs one page in each state group where a block of tokens costs one in
+    # each full-attention group: every 2 x (state groups / full groups)-th boundary keeps the states
+    # at about half the full K/V (Qwen3.5: 3 state groups to 1 full, a boundary in 6 cached).
+    n_groups = {w: cdiv(len(ids), size) for w, ids in kinds.items()}
+    full = n_groups.get(None, 0)
+    interval = cdiv(2 * sum(n for w, n in n_groups.items() if isinstance(w, MambaSpec)), max(full, 1))
     for w in sorted(kinds, key=order):
-        spec: KVCacheSpec = w if isinstance(w, MambaSpec) else \
-            FullAttentionSpec(block_size) if w is None else SlidingWindowSpec(block_size, w)
+        spec: KVCacheSpec = replace(w, cache_interval=interval) if isinstance(w, MambaSpec) and w.cache_states \
+            else w if isinstance(w, MambaSpec) \
+            else FullAttentionSpec(block_size) if w is None else SlidingWindowSpec(block_size, w)
         ids = kinds[w]
         groups.extend(KVCacheGroupSpec(spec, tuple(ids[i:i + size])) for i in range(0, len(ids), size))
     return KVCacheConfig(tuple(groups), size)
