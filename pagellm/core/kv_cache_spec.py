@@ -16,7 +16,7 @@ its own block table per request over the one shared ``BlockPool``::
 A dense model is one group of every layer, exactly the single block table it always had.
 A state group (``MambaSpec``) holds one block per request, the layers' states after its computed
 tokens rewritten in place each step; or, with prefix caching, a block per ``block_size`` tokens
-of which only the last is live (the others: states at boundaries, cached for prefix hits).
+of which only the last is live (the others: states at boundaries, some cached for prefix hits).
 """
 
 from __future__ import annotations
@@ -75,9 +75,9 @@ class MambaSpec:
     ``block_size`` tokens, like a one-token window's: a step's last block holds the state after its
     tokens, the block of the last boundary it crosses inside keeps the state there (``kept``; the
     others it crosses are the null block), and the block it starts in part way the state at that
-    block's end. A block holding the state after ``(i + 1) *
-    block_size`` tokens is hashed like a full block and goes back to the pool (cached, evictable)
-    once the request's state has moved on; a prefix hit of ``k`` blocks needs only block ``k - 1``,
+    block's end. A block holding the state after ``(i + 1) * block_size`` tokens goes back to the
+    pool once the request's state has moved on, hashed like a full block (cached, evictable) where
+    ``caches`` says; a prefix hit of ``k`` blocks needs only block ``k - 1``,
     the state it continues from. Decodes keep every boundary; a prefill chunk its last one (the
     chunk's end, where chunks are multiples of ``block_size``).
 
