@@ -72,13 +72,15 @@ ARCH_CONFIGS = {
                      mamba_expand=2, shared_intermediate_size=96, intermediate_size=48, num_local_experts=4,
                      num_experts_per_tok=2, embedding_multiplier=4.0, residual_multiplier=0.5,
                      attention_multiplier=0.3, logits_scaling=2.0),
-    # Nemotron-H: Mamba2 (4 heads of 16, not an expansion of the hidden size; time_step_min floors
-    # dt), NoPE attention and relu^2 MLP layers, one mixer each; the MLP layers keep no cache.
+    # Nemotron-H: Mamba2 (4 heads of 16, not an expansion of the hidden size; time_step_limit's floor
+    # clamps dt; time_step_min, which only initialises dt_bias, does not), NoPE attention and relu^2
+    # MLP layers, one mixer each; the MLP layers keep no cache.
     "nemotron_h": dict(model_type="nemotron_h", architectures=["NemotronHForCausalLM"], num_hidden_layers=6,
                        layers_block_type=["linear_attention", "mlp", "full_attention", "mlp", "linear_attention",
                                           "mlp"],
                        head_dim=16, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2,
-                       conv_kernel=4, layer_norm_epsilon=1e-5, time_step_min=0.001),
+                       conv_kernel=4, layer_norm_epsilon=1e-5, time_step_min=0.01,
+                       time_step_limit=[0.001, float("inf")]),
     # Phi-4-mini's partial rotary and Phi-3.5's longrope (trained length 512 here), a window that binds.
     "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], sliding_window=40, head_dim=16,
                  original_max_position_embeddings=512,

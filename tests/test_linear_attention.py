@@ -242,7 +242,7 @@ def test_mamba2_kernels_match_a_float64_formula_and_keep_their_bits_in_any_step(
 
 
 def test_mamba2_steps_floored_at_dt_min_match_the_formula():
-    """Nemotron-H floors each step's ``softplus(dt + dt_bias)`` at ``time_step_min``: the kernel with
+    """Nemotron-H floors each step's ``softplus(dt + dt_bias)`` at ``time_step_limit[0]``: the kernel with
     a floor that binds on a good share of the steps against the float64 formula clamped alike."""
     require_cpu_kernel(la.available, "linear-attention kernels")
     g = torch.Generator().manual_seed(11)

@@ -156,7 +156,7 @@ void gated_delta_rule_f32(const float *mixed, const float *z, const float *b, co
 
 /* Mamba2's selective state update per span and head h (of group h / (H / G)): xbc [T, H P + 2 G N]
  * holds each row's convolved x | B | C, dt [T, H] (row stride ld). Per token: d = softplus(dt +
- * dt_bias), at least dt_min (Nemotron-H's time_step_min; 0 is no floor); S = exp(d A) S + (d B) x^T
+ * dt_bias), at least dt_min (Nemotron-H's time_step_limit floor; 0 is no floor); S = exp(d A) S + (d B) x^T
  * (A = -exp(A_log) as the model loads it); y = S C + D x. state [blocks, H, P, N]
  * (blocks state_stride apart); y [T, H P]. */
 void mamba2_ssm_f32(const float *xbc, const float *dt, int64_t ld, const float *A, const float *dt_bias,

@@ -120,7 +120,7 @@ class Mamba2Mixer(nn.Module):
         if (expand is not None and int(expand * h) != self.inner) or self.num_heads % self.num_groups:
             raise ValueError(f"mamba_expand * hidden_size must be mamba_n_heads * mamba_d_head "
                              f"({self.num_heads} * {self.head_dim}), mamba_n_heads a multiple of mamba_n_groups")
-        self.dt_min = float(getattr(config, "mamba_dt_min", 0.0))  # (Nemotron-H's time_step_min)
+        self.dt_min = float(getattr(config, "mamba_dt_min", 0.0))  # (Nemotron-H's time_step_limit floor)
         self.conv_dim = self.inner + 2 * self.num_groups * self.state_size
         self.taps = int(config.mamba_d_conv)
         bias = bool(config.mamba_proj_bias)
@@ -172,7 +172,7 @@ class Mamba2Mixer(nn.Module):
         b = b.reshape(t, self.num_groups, self.state_size).repeat_interleave(rep, dim=1)
         c = c.reshape(t, self.num_groups, self.state_size).repeat_interleave(rep, dim=1)
         d = F.softplus(dt + self.dt_bias.float())
-        if self.dt_min > 0:  # (HF clamps its chunked scan's steps at time_step_min: every token's here)
+        if self.dt_min > 0:  # (HF clamps its scan's steps at time_step_limit's floor: every token's here)
             d = d.clamp(min=self.dt_min)
         da = torch.exp(d * self.A.float())
         y = torch.empty_like(xs)

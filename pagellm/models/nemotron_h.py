@@ -2,8 +2,9 @@
 
 Each layer is ``x + mixer(norm(x))``, its mixer one of (``config.layers_block_type``):
 - ``linear_attention``: Granite 4's ``Mamba2Mixer`` (heads and their size given, not an expansion;
-  each step's ``softplus(dt + dt_bias)`` floored at ``time_step_min``, as HF's chunked scan floors
-  it: here every token's, prefilled or decoded, so a token's state does not depend on the schedule);
+  each step's ``softplus(dt + dt_bias)`` clamped to ``time_step_limit``, as HF's scan clamps it:
+  here every token's, prefilled or decoded, so a token's state does not depend on the schedule;
+  ``time_step_min`` only sets ``dt_bias`` at initialisation);
 - ``full_attention``: attention without rotary (NoPE), scaled by ``head_dim ** -0.5``;
 - ``mlp``: ``down(relu(up(x)) ** 2)``. An MLP layer keeps nothing per request: it is in no KV cache
   group (``group_layers``' ``False``), and gets no cache tensors.
@@ -41,7 +42,7 @@ def _decoder_config(config: Any) -> Any:
     limit = tuple(getattr(config, "time_step_limit", None) or (0.0, float("inf")))
     if limit[1] != float("inf"):
         raise ValueError(f"time_step_limit {list(limit)} is not supported (only an unbounded top)")
-    c.mamba_dt_min = float(config.time_step_min)
+    c.mamba_dt_min = float(limit[0])
     if "moe" in config.layers_block_type:
         raise ValueError("Nemotron-H's routed-expert layers ('moe': Nemotron 3) are not supported yet")
     return c
