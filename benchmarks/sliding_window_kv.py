@@ -2,11 +2,15 @@
 one invocation: one request of ``--context`` tokens, then ``--new-tokens`` decoded; the most KV
 bytes held at once (blocks in use x a block's bytes), the prefill's tokens/s and the decode's.
 
-    python benchmarks/sliding_window_kv.py --shape gemma3-270m --context 8192,32768
+    python benchmarks/sliding_window_kv.py --shape gemma3-270m --context 8192,32768 \
+        [--llama-bench ../peers/build-native/bin/llama-bench]
 
 The model is scale.py's random-weight Q4_K_M file in the shape's real sizes (built once, cached).
 Each layout runs in a fresh process, both in this invocation (compare their ratio, not the rates
-across invocations: the machine line is printed first).
+across invocations: the machine line is printed first). With ``--llama-bench`` (llama.cpp's, built
+outside this tree) the same file in llama.cpp too: its K/V for a context of that many tokens plus
+the new ones (the sizes its own log prints; sliding layers keep their window, its default) and its
+decode rate at that depth (``-d``, flash attention on).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -45,11 +50,24 @@ def child(path: str, context: int, new_tokens: int, engine_args: dict) -> dict:
             "decode_tok_s": (new_tokens - 1) / (end - first), "groups": len(kv.specs)}
 
 
+def llama_cpp(binary: str, path: str, context: int, new_tokens: int, threads: int) -> dict:
+    """llama.cpp's K/V MiB (the sum of its caches' logged sizes) and decode tok/s at ``context``."""
+    run = subprocess.run([binary, "-m", path, "-t", str(threads), "-p", "0", "-n", str(new_tokens),
+                          "-d", str(context), "-fa", "1", "-r", "1", "-o", "json", "-v"],
+                         capture_output=True, text=True, check=True)
+    sizes = [float(m) for m in re.findall(r"llama_kv_cache: size = +([0-9.]+) MiB", run.stderr)]
+    # (-v: one cache per model context; llama-bench makes one for the run, so the last set is it)
+    groups = 2 if "iswa" in run.stderr else 1
+    return {"kv_mib": sum(sizes[-groups:]), "decode_tok_s": json.loads(run.stdout)[0]["avg_ts"]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="gemma3-270m")
     p.add_argument("--context", default="8192", help="comma-separated prompt lengths")
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--llama-bench", help="llama.cpp's llama-bench binary: the same file there too")
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -69,6 +87,10 @@ def main() -> None:
                                  check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
             r = json.loads(out)
             print(f"| {context} | {name} | {r['groups']} | {r['kv_mib']:.0f} | {r['prefill_tok_s']:.0f} | "
+                  f"{r['decode_tok_s']:.1f} |", flush=True)
+        if args.llama_bench:
+            r = llama_cpp(args.llama_bench, path, context, args.new_tokens, args.threads)
+            print(f"| {context} | llama.cpp (its window per sliding layer) | | {r['kv_mib']:.0f} | | "
                   f"{r['decode_tok_s']:.1f} |", flush=True)
 
 
