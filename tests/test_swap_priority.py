@@ -3,10 +3,21 @@ and the priority policy (victim choice, preempting arrivals, aging), on tiny poo
 
 from __future__ import annotations
 
+from typing import get_args
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagellm.config import SchedulerConfig, SchedulingPolicy
 from pagellm.core.kv_cache_manager import AllocStatus, KVCacheManager
+from pagellm.core.request_queue import (
+    SCHEDULING_POLICIES,
+    FCFSRequestQueue,
+    PriorityRequestQueue,
+    RequestOrder,
+    create_request_queue,
+)
 from pagellm.sequence import Sequence, SequenceStatus
 
 from conftest_core import fake_step, make_group, make_scheduler, run_all
@@ -160,6 +171,20 @@ def test_watermark_does_not_apply_to_an_empty_engine():
     sched.add_request(make_group("big", 35, max_tokens=1))  # 9 of 10 blocks, only 1 left free
     out, _ = fake_step(sched)
     assert [s.request_id for s in out.scheduled] == ["big"]
+
+
+def test_the_policy_registry_is_what_users_may_choose():
+    """Every name the config (and the CLI) offers has a registry row, and no row is unreachable;
+    each row's queue and priority ranking are what its name says; an unknown name is refused,
+    naming the argument, by the config and by the factory."""
+    assert set(get_args(SchedulingPolicy)) == set(SCHEDULING_POLICIES)
+    order = RequestOrder(False, 0)
+    assert type(create_request_queue("fcfs", order)) is FCFSRequestQueue
+    assert type(create_request_queue("priority", order)) is PriorityRequestQueue
+    assert [name for name, spec in SCHEDULING_POLICIES.items() if spec.by_priority] == ["priority"]
+    for make in (lambda: SchedulerConfig(scheduling_policy="lifo"), lambda: create_request_queue("lifo", order)):
+        with pytest.raises(ValueError, match="scheduling_policy must be one of 'fcfs', 'priority', got 'lifo'"):
+            make()
 
 
 # Prefix caching off below: make_group's prompts repeat one token, and hits would change the block counts.

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
+# The names of core/request_queue.py's SCHEDULING_POLICIES (the CLI's choices; a test holds them equal).
 SchedulingPolicy = Literal["fcfs", "priority"]
 PreemptionMode = Literal["recompute", "swap", "auto"]
 
@@ -53,8 +54,9 @@ class SchedulerConfig:
             raise ValueError(
                 f"long_prefill_token_threshold must be >= 0 (0 disables it), got {self.long_prefill_token_threshold}"
             )
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.scheduling_policy not in get_args(SchedulingPolicy):
+            raise ValueError(f"scheduling_policy must be one of {', '.join(map(repr, get_args(SchedulingPolicy)))}, "
+                             f"got {self.scheduling_policy!r}")
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(f"preemption_mode must be 'recompute', 'swap' or 'auto', got {self.preemption_mode!r}")
         if not 0.0 <= self.watermark < 1.0:

@@ -1,13 +1,18 @@
-"""Queues of requests waiting for admission: FCFS, or by priority (lower value first).
+"""Queues of requests waiting for admission, one per scheduling policy: FCFS, or by priority
+(lower value first); ``SCHEDULING_POLICIES`` is the registry ``create_request_queue`` reads.
 
 Preempted requests re-enter the waiting queue; under FCFS at the front (they are older than
 anything that arrived since), under priority wherever their key puts them.
+
+A new policy is its queue class here and its row in ``SCHEDULING_POLICIES`` (and its name in
+``config.scheduler.SchedulingPolicy``, the choices users are offered: a test holds the two equal).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from pagellm.sequence import SequenceGroup
@@ -63,6 +68,36 @@ class PriorityRequestQueue(FCFSRequestQueue):
         group = self.peek()
         self._queue.remove(group)
         return group
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulingPolicySpec:
+    """A policy's waiting queue (built from the order's key) and whether requests' priorities rank
+    them: ``RequestOrder`` keys by ``(effective priority, arrival)``, a better-priority arrival may
+    preempt a running request, and a request may carry a priority at all."""
+
+    queue: Callable[[Callable[[SequenceGroup], Any]], FCFSRequestQueue]
+    by_priority: bool
+
+
+SCHEDULING_POLICIES: dict[str, SchedulingPolicySpec] = {
+    "fcfs": SchedulingPolicySpec(lambda key: FCFSRequestQueue(), by_priority=False),
+    "priority": SchedulingPolicySpec(PriorityRequestQueue, by_priority=True),
+}
+
+
+def scheduling_policy(name: str) -> SchedulingPolicySpec:
+    """The registry's row for ``name``; ``ValueError`` naming the argument for a policy it lacks."""
+    try:
+        return SCHEDULING_POLICIES[name]
+    except KeyError:
+        raise ValueError(f"scheduling_policy must be one of {', '.join(map(repr, SCHEDULING_POLICIES))}, "
+                         f"got {name!r}") from None
+
+
+def create_request_queue(policy: str, order: RequestOrder) -> FCFSRequestQueue:
+    """The waiting queue of ``policy``, ordered by ``order``'s key where the policy orders at all."""
+    return scheduling_policy(policy).queue(order.key)
 
 
 class RequestOrder:

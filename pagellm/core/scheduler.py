@@ -39,7 +39,7 @@ from pagellm.core.kv_transfer_admission import KVTransferAdmission
 from pagellm.core.lora_admission import LoRAAdmission
 from pagellm.core.multi_step import plan_num_steps
 from pagellm.core.output_appliers import apply_beams, apply_computed, apply_pooled, apply_samples
-from pagellm.core.request_queue import FCFSRequestQueue, PriorityRequestQueue, RequestOrder
+from pagellm.core.request_queue import RequestOrder, create_request_queue, scheduling_policy
 from pagellm.core.scheduler_output import (
     CacheOps,
     KVConnectorOutput,
@@ -77,9 +77,9 @@ class Scheduler:
         self.encoder = encoder
         self.planner = StepPlanner(config, kv_cache_manager, max_model_len, encoder)
         self.max_model_len = max_model_len
-        self.priority_policy = config.scheduling_policy == "priority"
+        self.priority_policy = scheduling_policy(config.scheduling_policy).by_priority
         self.order = RequestOrder(self.priority_policy, config.priority_aging_steps)
-        self.waiting = PriorityRequestQueue(self.order.key) if self.priority_policy else FCFSRequestQueue()
+        self.waiting = create_request_queue(config.scheduling_policy, self.order)
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
         self.requests: dict[str, SequenceGroup] = {}

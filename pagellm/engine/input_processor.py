@@ -17,6 +17,7 @@ from typing import Any
 from pagellm.beam_state import BeamSearchState
 from pagellm.config import EngineConfig
 from pagellm.core.kv_connector import check_kv_transfer_params
+from pagellm.core.request_queue import scheduling_policy
 from pagellm.engine.mm_processor import MultiModalProcessor, as_images
 from pagellm.mm_inputs import MultiModalFeature
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
@@ -86,8 +87,9 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
         sched = self.config.scheduler
-        if priority != 0 and sched.scheduling_policy == "fcfs":
-            raise ValueError(f"priority={priority} needs scheduling_policy='priority' (this engine is 'fcfs')")
+        if priority != 0 and not scheduling_policy(sched.scheduling_policy).by_priority:
+            raise ValueError(f"priority={priority} needs a scheduling_policy that ranks by priority ('priority'; "
+                             f"this engine's is {sched.scheduling_policy!r})")
         num_samples = params.best_of or params.n
         if num_samples > sched.max_num_seqs:
             raise ValueError(f"best_of/n={num_samples} exceeds max_num_seqs={sched.max_num_seqs}: "
