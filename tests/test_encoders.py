@@ -94,23 +94,33 @@ def test_minilm_embeddings_equal_hf_and_do_not_depend_on_the_batch(minilm, minil
     assert scores == pytest.approx(ref_cos, abs=2e-5) and max(scores) == scores[0]
 
 
+QUERY = "what is a paged kv cache"
+
+
+def _hf_cross_scores(path: str, query: str, docs: list[str]) -> list[float]:
+    """The oracle: HF's sequence-classification model on each (query, doc) pair as its tokenizer
+    pairs them, the sigmoid of the logit in float64."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    ref = []
+    for d in docs:
+        enc = tok(query, d, return_tensors="pt")
+        if hf.config.model_type == "xlm-roberta":
+            enc.pop("token_type_ids", None)
+        with torch.no_grad():
+            ref.append(1 / (1 + math.exp(-float(hf(**enc).logits[0, 0].double()))))
+    return ref
+
+
 @pytest.mark.parametrize("arch", ["BertForSequenceClassification", "XLMRobertaForSequenceClassification"])
 def test_cross_encoder_scores_equal_hf(tmp_path_factory, minilm, arch):
     """Each pair read as one prompt (BERT's token types: 1 after the first separator), its logit's
     sigmoid; equal alone and batched."""
-    import transformers
-
     path = _tiny_encoder(str(tmp_path_factory.getbasetemp()), arch, minilm)
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    hf = transformers.AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
-    query, docs = "what is a paged kv cache", TEXTS
-    ref = []
-    for d in docs:
-        enc = tok(query, d, return_tensors="pt")
-        if arch.startswith("XLMRoberta"):
-            enc.pop("token_type_ids")
-        with torch.no_grad():
-            ref.append(1 / (1 + math.exp(-float(hf(**enc).logits[0, 0].double()))))
+    query, docs = QUERY, TEXTS
+    ref = _hf_cross_scores(path, query, docs)
     with LLM(path, runner="pooling", kv_cache_memory="16MiB", dtype="float32") as llm:
         got = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
         alone = [llm.score(query, d, use_tqdm=False)[0].outputs.score for d in docs]
@@ -152,6 +162,7 @@ def test_score_rerank_and_embeddings_through_the_server(minilm, minilm_llm):
                        json={"query": TEXTS[0], "documents": TEXTS[1:], "top_n": 2}).json()
         best = sorted(range(4), key=lambda i: -offline[i])[:2]
         assert [x["index"] for x in r["results"]] == best
+        assert [x["relevance_score"] for x in r["results"]] == pytest.approx([offline[i] for i in best], abs=1e-6)
         assert [x["document"]["text"] for x in r["results"]] == [TEXTS[1 + i] for i in best]
         e = httpx.post(srv.url + "/v1/embeddings", headers=auth, timeout=60, json={"input": TEXTS[:2]}).json()
         ref = [o.outputs.embedding for o in minilm_llm.embed(TEXTS[:2], use_tqdm=False)]
@@ -161,6 +172,36 @@ def test_score_rerank_and_embeddings_through_the_server(minilm, minilm_llm):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_1"
         refused = httpx.post(srv.url + "/v1/completions", headers=auth, timeout=60, json={"prompt": "x"})
         assert refused.status_code == 400 and "/v1/embeddings" in refused.json()["error"]["message"]
+    finally:
+        srv.stop()
+        engine.shutdown()
+
+
+def test_cross_encoder_scores_and_reranks_through_the_server(tmp_path_factory, minilm):
+    """The server's cross-encoder branch (each pair one prompt, BERT's token types) against HF's
+    own pairs: ``/v1/score``'s scores and ``/rerank``'s order and ``relevance_score``s."""
+    from test_server import KEY, _Server
+
+    from pagellm.config import EngineArgs
+    from pagellm.engine.async_llm import AsyncLLM
+
+    path = _tiny_encoder(str(tmp_path_factory.getbasetemp()), "BertForSequenceClassification", minilm)
+    ref = _hf_cross_scores(path, QUERY, TEXTS)
+    assert max(ref) - min(ref) > 1e-4  # (the pairs differ: a score mixed up between them would show)
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=path, runner="pooling", kv_cache_memory="16MiB",
+                                                  dtype="float32"))
+    srv = _Server(engine, KEY)
+    try:
+        auth = {"Authorization": f"Bearer {KEY}"}
+        r = httpx.post(srv.url + "/v1/score", headers=auth, timeout=60,
+                       json={"text_1": QUERY, "text_2": TEXTS}).json()
+        assert [d["index"] for d in r["data"]] == list(range(len(TEXTS)))
+        assert [d["score"] for d in r["data"]] == pytest.approx(ref, abs=1e-5)
+        r = httpx.post(srv.url + "/rerank", headers=auth, timeout=60,
+                       json={"query": QUERY, "documents": TEXTS, "top_n": 3}).json()
+        best = sorted(range(len(TEXTS)), key=lambda i: -ref[i])[:3]
+        assert [x["index"] for x in r["results"]] == best
+        assert [x["relevance_score"] for x in r["results"]] == pytest.approx([ref[i] for i in best], abs=1e-5)
     finally:
         srv.stop()
         engine.shutdown()
