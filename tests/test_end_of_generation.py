@@ -18,6 +18,9 @@ from pagellm.config import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.weights.gguf_file import _reader, gguf_end_of_generation_ids
 
+from conftest import build_tiny_checkpoint
+from test_hf_parity import random_prompts, write_gemma_gguf
+
 
 def test_gguf_end_of_generation_ids_are_llama_cpps(tmp_path):
     """The ids llama.cpp's vocabulary loader ends generation on: the file's EOS, EOT and EOM ids and
@@ -41,6 +44,28 @@ def test_gguf_end_of_generation_ids_are_llama_cpps(tmp_path):
     w.close()
     _reader.cache_clear()
     assert gguf_end_of_generation_ids(path) == sorted({1, 25, 26, *named})
+
+
+def test_a_gguf_files_end_of_turn_id_ends_an_engine_run(ckpt_root, smollm2_path):
+    """A GGUF file's EOT id (``tokenizer.ggml.eot_token_id``, not its tokenizer's EOS) ends a run,
+    with no client-side stop: the same weights without the key run to ``max_tokens``, with it the
+    reply ends on the id (the token the tiny model's greedy reply starts with)."""
+    path = build_tiny_checkpoint(ckpt_root, "gemma3-llamacpp", tie=True)
+    plain, eot = os.path.join(ckpt_root, "eog-plain.gguf"), os.path.join(ckpt_root, "eog-eot.gguf")
+    write_gemma_gguf(path, plain, smollm2_path)
+    prompt = {"prompt_token_ids": random_prompts(1, seed=5, lo=40, hi=41)[0]}
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    with LLM(plain, kv_cache_memory="16MiB") as llm:
+        out = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0]
+        first = out.token_ids[0]
+        assert first not in llm.llm_engine.model_info.end_of_generation_ids
+    assert len(out.token_ids) == 16 and out.finish_reason == "length"
+    write_gemma_gguf(path, eot, smollm2_path, eot_token_id=first)
+    with LLM(eot, kv_cache_memory="16MiB") as llm:
+        assert first in llm.llm_engine.model_info.end_of_generation_ids
+        assert llm.llm_engine.tokenizer.eos_token_id != first
+        out = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [first] and out.finish_reason == "stop" and out.stop_reason == first
 
 
 @pytest.fixture(scope="module")

@@ -236,9 +236,10 @@ _GEMMA_GGUF_NAMES = {
 }
 
 
-def write_gemma_gguf(hf_dir: str, path: str, tokenizer_from: str) -> None:
+def write_gemma_gguf(hf_dir: str, path: str, tokenizer_from: str, eot_token_id: int | None = None) -> None:
     """The HF checkpoint as llama.cpp's converter writes it: its names, norms stored as 1 + w, the
-    metadata llama.cpp reads (float32 tensors, so the weights are the same numbers)."""
+    metadata llama.cpp reads (float32 tensors, so the weights are the same numbers); optionally an
+    end-of-turn id (``tokenizer.ggml.eot_token_id``)."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
@@ -264,6 +265,8 @@ def write_gemma_gguf(hf_dir: str, path: str, tokenizer_from: str) -> None:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(full["factor"])
     _copy_tokenizer(w, tokenizer_from)
+    if eot_token_id is not None:
+        w.add_eot_token_id(eot_token_id)
     for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
         if name == "model.embed_tokens.weight":
             gname = "token_embd.weight"
