@@ -260,6 +260,19 @@ def _check_calls(calls) -> None:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS_BY_NAME[call.function.name])
 
 
+def assert_next_turn_reads_the_result(client, model: str, messages: list, call_message, tools: list) -> None:
+    """The call goes back as history with its result and the next turn is served, greedy to its
+    token limit; the result reached the prompt (a longer result, a longer prompt)."""
+    def turn(result: str):
+        history = messages + [call_message.model_dump(exclude_none=True),
+                              {"role": "tool", "tool_call_id": call_message.tool_calls[0].id, "content": result}]
+        return client.chat.completions.create(model=model, messages=history, tools=tools, max_tokens=4,
+                                              temperature=0)
+    short, long = turn("5"), turn("5, the sum of the two numbers asked for")
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 4
+    assert long.usage.prompt_tokens > short.usage.prompt_tokens
+
+
 def _streamed_calls(chunks):
     """Tool calls put together from streamed deltas, as a client does, and the last finish reason."""
     calls: dict[int, dict] = {}
@@ -290,11 +303,7 @@ def test_constrained_tool_calls_through_the_openai_client(server, choice):
     streamed, finish = _streamed_calls(client.chat.completions.create(stream=True, **kw))
     assert finish == "tool_calls"
     assert streamed == [{"name": c.function.name, "arguments": c.function.arguments} for c in ch.message.tool_calls]
-    # The call goes back as history with its result; the next turn is served.
-    history = kw["messages"] + [ch.message.model_dump(exclude_none=True),
-                                {"role": "tool", "tool_call_id": ch.message.tool_calls[0].id, "content": "5"}]
-    r2 = client.chat.completions.create(model=NAME, messages=history, tools=[WEATHER, ADD], max_tokens=8)
-    assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert_next_turn_reads_the_result(client, NAME, kw["messages"], ch.message, [WEATHER, ADD])
 
 
 def test_tool_choice_errors_name_the_field(server):

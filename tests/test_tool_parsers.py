@@ -125,7 +125,7 @@ def mistral_style_engine(tiny_llama):
 def test_a_forced_reply_in_the_format_comes_back_as_calls(mistral_style_engine, name):
     import openai
     from test_server import KEY, NAME, _Server
-    from test_structured_output import _streamed_calls
+    from test_structured_output import _streamed_calls, assert_next_turn_reads_the_result
 
     srv = _Server(mistral_style_engine, KEY, tool_call_parser=name)
     try:
@@ -142,9 +142,6 @@ def test_a_forced_reply_in_the_format_comes_back_as_calls(mistral_style_engine, 
         streamed, finish = _streamed_calls(client.chat.completions.create(stream=True, **kw))
         assert finish == "tool_calls" and streamed == [{"name": "add", "arguments": ch.message.tool_calls[0]
                                                         .function.arguments}]
-        history = kw["messages"] + [ch.message.model_dump(exclude_none=True),
-                                    {"role": "tool", "tool_call_id": ch.message.tool_calls[0].id, "content": "3"}]
-        r2 = client.chat.completions.create(model=NAME, messages=history, tools=[ADD], max_tokens=4)
-        assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        assert_next_turn_reads_the_result(client, NAME, kw["messages"], ch.message, [ADD])
     finally:
         srv.stop()
