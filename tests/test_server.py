@@ -149,10 +149,11 @@ def test_openai_style_errors(client, served):
     _idle(served[1])
 
 
+# (the in-process engine only: its step is slowed here; tests/test_engine_core_proc.py covers the core process)
+@pytest.mark.parametrize("served", ["thread"], indirect=True)
 def test_client_disconnect_aborts_and_frees_blocks(served, monkeypatch):
     srv, engine = served
-    if not isinstance(engine, AsyncLLM):
-        pytest.skip("slows the engine's step in this process (tests/test_engine_core_proc.py covers the core)")
+    assert isinstance(engine, AsyncLLM)
     step = engine.engine.step
 
     def slow_step():  # the tiny model would otherwise finish before the hang-up is seen
@@ -476,8 +477,8 @@ def test_chat_content_parts_roles_and_tokenize_errors(served, client):
 def test_langchain_chat_openai_against_the_server(served, client):
     """A framework nobody here wrote (issue 21): LangChain's ``ChatOpenAI`` pointed at the server
     gets the same greedy reply as the ``openai`` SDK, whole and streamed, with usage and finish
-    reason read from the response. Runs where ``langchain-openai`` is installed (not in CI's set)."""
-    lc = pytest.importorskip("langchain_openai")
+    reason read from the response (``langchain-openai`` is in the dev set)."""
+    import langchain_openai as lc
     from langchain_core.messages import HumanMessage, SystemMessage
 
     srv, engine = served
