@@ -53,10 +53,18 @@ def test_each_family_format_parses_into_calls(name):
     assert tool_calls.parse(mode, unknown) == (unknown, None)  # calls to tools not given are text
     cut = REPLIES[name][:REPLIES[name].index('"b"' if name not in UNBOUND else "=b>")]
     assert tool_calls.parse(mode, cut) == (cut, None)  # a call cut short is text
-    # What is written back as history is what the parser reads.
+    # What is written back as history is what the parser reads: one call, and several at once (an
+    # assistant turn with two calls, through history_as_text as a template without tools gets it).
     parser = tool_calls.get_parser(name)
     rendered = parser.render([("add", {"a": 3, "b": 4})])
     assert [json.loads(c["function"]["arguments"]) for c in parser.parse(rendered, {"add"})[1]] == [{"a": 3, "b": 4}]
+    two = [("add", {"a": 3, "b": 4}), ("note", {"text": "a; {b}"})]
+    turn = {"role": "assistant", "content": "",
+            "tool_calls": [{"id": f"c{i}", "type": "function",
+                            "function": {"name": n, "arguments": json.dumps(a)}} for i, (n, a) in enumerate(two)]}
+    text = tool_calls.history_as_text(turn, 0, parser)["content"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in parser.parse(text, {"add", "note"})[1]] == two
     trigger = parser.trigger
     assert tool_calls.holdback("Hi " + trigger[:3], trigger) == 3 and tool_calls.holdback("Hi " + trigger, trigger) == 3
 
