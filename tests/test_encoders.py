@@ -17,6 +17,8 @@ import torch
 
 from pagellm import LLM
 
+from conftest import cpu_has
+
 TEXTS = ["A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby.",
          "A man is riding a horse.", "Paged attention stores keys and values in blocks."]
 
@@ -83,10 +85,14 @@ def test_minilm_embeddings_equal_hf_and_do_not_depend_on_the_batch(minilm, minil
         assert math.isclose(math.fsum(a * a for a in g), 1.0, abs_tol=1e-5)
     alone = [minilm_llm.embed(t, use_tqdm=False)[0].outputs.embedding for t in TEXTS]
     assert alone == got  # bit for bit: each prompt attends over its own rows only
-    # The default numerics (bfloat16 GEMMs where they measure faster here): close, and batch-invariant too.
+    # The default numerics (bfloat16 GEMMs where the CPU has AVX512-BF16 and they measure faster,
+    # else float32): the one that ran is the one reported, close, and batch-invariant too.
     with LLM(minilm, runner="pooling", kv_cache_memory="16MiB") as fast:
+        numerics = fast.llm_engine.model_info.dtype
         batched = [o.outputs.embedding for o in fast.embed(TEXTS, use_tqdm=False)]
         assert [fast.embed(t, use_tqdm=False)[0].outputs.embedding for t in TEXTS] == batched
+    assert numerics in ("bfloat16", "float32") and (numerics == "float32" or cpu_has("avx512_bf16")), numerics
+    assert (batched == got) == (numerics == "float32")  # (bfloat16 GEMMs move every vector; float32's none)
     assert min(sum(a * b for a, b in zip(g, r, strict=True)) for g, r in zip(batched, ref, strict=True)) >= 0.9999
     # The model's meaning survives: the two eating sentences are the closest pair.
     scores = [o.outputs.score for o in minilm_llm.score(TEXTS[0], TEXTS[1:], use_tqdm=False)]
