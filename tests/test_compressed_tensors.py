@@ -94,6 +94,47 @@ def test_int8_kernel_takes_integer_formats_at_width(name):
     assert all(torch.equal(w(x[i:i + 1]), y[i:i + 1]) for i in (0, 3, 6))
 
 
+def test_act_order_groups_dequantize_by_g_idx_and_pack_in_their_input_order():
+    """An act-order checkpoint (``actorder: group``, written by llm-compressor before 0.20 removed
+    it): each input's group from ``weight_g_idx``, scattered. The tensors are written here, packed by
+    the library's own ``pack_to_int32``; the oracle is the float64 formula ``(q - z[g_idx]) s[g_idx]``.
+    No kernel block holds a scattered group: in its input order (sorted by group) the int8 kernel's
+    product, on activations permuted alike, equals the float64 product within its rounding bound."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from test_gguf_quant import error_bound
+
+    n, k, gs = 64, 256, 32
+    rng = np.random.default_rng(3)
+    g_idx = rng.permutation(k) // gs  # (each group 32 inputs, scattered over all of them)
+    q = rng.integers(0, 16, (n, k))
+    z = rng.integers(0, 16, (n, k // gs))
+    s = torch.from_numpy(rng.uniform(0.01, 0.2, (n, k // gs))).bfloat16()
+    parts = {"weight_packed": pack_to_int32(torch.from_numpy(q - 8).to(torch.int8), 4),
+             "weight_shape": torch.tensor([n, k]), "weight_scale": s,
+             "weight_zero_point": pack_to_int32(torch.from_numpy(z - 8).to(torch.int8), 4, packed_dim=0),
+             "weight_g_idx": torch.from_numpy(g_idx).to(torch.int32)}
+    scheme = scheme_of("pack-quantized", dict(INT4, symmetric=False, strategy="group", group_size=gs,
+                                              actorder="group"))
+    assert scheme.act_order and "weight_g_idx" in scheme.required()
+    blocks = PackedIntBlocks.of(scheme, "layer", parts)
+    sd = s.double().numpy()
+    ref = torch.from_numpy((q - z[:, g_idx]) * sd[:, g_idx])
+    assert torch.equal(blocks.dequantize().double(), ref)
+    assert torch.equal(blocks.take(16, 48).dequantize().double(), ref[16:48])
+    assert blocks.kernel_format() is None  # (scattered groups: no block of 32 inputs shares one)
+    require_int8_kernel()
+    order = blocks.input_order()
+    assert order is not None and np.array_equal(np.sort(g_idx[order]), g_idx[order])
+    ordered = blocks.in_input_order(order)
+    fmt = ordered.kernel_format()
+    w = gemm_int8.BoundWeight(gemm_int8.pack_blocks(*ordered.int8_fields(), fmt), fmt, n, k)
+    x = torch.randn(5, k)
+    xo = x[:, torch.from_numpy(order)]
+    err = (w(xo).double() - x.double() @ ref.T).abs()
+    bound = error_bound(xo, ref[:, order].numpy(), 32) + 1e-5 * (x.double().abs() @ ref.abs().T)
+    assert bool((err <= bound).all()) and float((err / bound).max()) > 0.01, float((err / bound).max())
+
+
 def test_asymmetric_int8_has_no_kernel_block():
     """An 8-bit zero point other than the middle has no 8-bit kernel block: dequantized instead."""
     blocks, _ = blocks_of("w8-asym")
