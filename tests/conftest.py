@@ -371,14 +371,14 @@ def smollm2_hf(smollm2_path):
     return tok, hf
 
 
-def assert_cache_pressure(engine, preemption_mode: str | None) -> None:
-    """A tight-cache variant must have preempted (and swapped, in swap mode): else it tests less
-    than it says. ``preemption_mode`` None: no pressure expected, nothing checked."""
+def assert_cache_pressure(engine, preemption_mode: str | None, what: str = "") -> None:
+    """A tight-cache variant must have preempted (and in swap mode swapped out and back in): else
+    it tests less than it says. ``preemption_mode`` None: no pressure expected, nothing checked."""
     stats = engine.get_stats()
     if preemption_mode is not None:
-        assert stats["num_preemptions"] > 0, "the cache was not tight: no preemption"
+        assert stats["num_preemptions"] > 0, f"{what}: the cache was not tight: no preemption"
     if preemption_mode == "swap":
-        assert stats["num_swap_outs"] > 0, "swap mode never swapped"
+        assert stats["num_swap_outs"] > 0 and stats["num_swap_ins"] > 0, f"{what}: swap mode never swapped"
 
 
 def run_to_completion(engine, check_invariants: bool = True, max_steps: int = 20_000) -> dict[str, object]:

@@ -17,6 +17,7 @@ from pagellm.attention import cpu_kernel
 from pagellm.utils import cdiv
 
 from conftest import (
+    assert_cache_pressure,
     build_tiny_checkpoint,
     build_tiny_gguf_valued_checkpoint,
     cpu_has,
@@ -143,12 +144,10 @@ def test_tiny_model_outputs_do_not_depend_on_scheduling(baseline, arch, config):
 
 
 def _assert_pressure(config: str, engine) -> None:
-    """A tight cache preempted, and one in swap mode swapped out and back in: else the case tests
-    less than its name says."""
-    if config.startswith("tight"):
-        assert engine.scheduler.num_preemptions > 0, f"{config}: the tight cache forced no preemption"
-    if "swap" in config:
-        assert engine.scheduler.num_swap_outs > 0 and engine.scheduler.num_swap_ins > 0, f"{config}: no swap"
+    """The pressure a configuration's name promises (``assert_cache_pressure``): a tight cache
+    preempted, one in swap mode swapped out and back in."""
+    mode = ("swap" if "swap" in config else "recompute") if config.startswith("tight") else None
+    assert_cache_pressure(engine, mode, config)
 
 
 def _assert_multi_step_ran(config: str, engine) -> None:
@@ -394,7 +393,4 @@ def test_default_numerics_do_not_depend_on_scheduling_at_every_head_size(ckpt_ro
         if arch in WINDOWED:
             assert e.kv_cache_manager.num_window_freed_blocks > 0, f"{name}: windows gave nothing back"
             continue
-        if name.startswith("tight"):
-            assert e.scheduler.num_preemptions > 0, f"{name}: no preemption"
-        if "swap" in name:
-            assert e.scheduler.num_swap_outs > 0, f"{name}: no swap"
+        _assert_pressure(name, e)
