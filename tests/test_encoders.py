@@ -6,6 +6,7 @@ and through the server."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -148,66 +149,60 @@ def test_encoder_refusals_name_the_argument(tmp_path_factory, minilm):
         LLM(path, runner="pooling", kv_cache_memory="16MiB", pooler_config={"pooling_type": "MEAN"})
 
 
-def test_score_rerank_and_embeddings_through_the_server(minilm, minilm_llm):
+@contextlib.contextmanager
+def _pooling_server(path: str):
+    """The server over a float32 pooling engine on ``path`` (in this process): its URL and auth header."""
     from test_server import KEY, _Server
 
     from pagellm.config import EngineArgs
     from pagellm.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=minilm, runner="pooling", kv_cache_memory="16MiB",
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=path, runner="pooling", kv_cache_memory="16MiB",
                                                   dtype="float32"))
     srv = _Server(engine, KEY)
     try:
-        auth = {"Authorization": f"Bearer {KEY}"}
+        yield srv.url, {"Authorization": f"Bearer {KEY}"}
+    finally:
+        srv.stop()
+        engine.shutdown()
+
+
+def test_score_rerank_and_embeddings_through_the_server(minilm, minilm_llm):
+    with _pooling_server(minilm) as (url, auth):
         offline = [o.outputs.score for o in minilm_llm.score(TEXTS[0], TEXTS[1:], use_tqdm=False)]
-        r = httpx.post(srv.url + "/v1/score", headers=auth, timeout=60,
+        r = httpx.post(url + "/v1/score", headers=auth, timeout=60,
                        json={"model": "tiny", "text_1": TEXTS[0], "text_2": TEXTS[1:]}).json()
         assert [d["score"] for d in r["data"]] == pytest.approx(offline, abs=1e-6)
         assert [d["index"] for d in r["data"]] == [0, 1, 2, 3] and r["usage"]["prompt_tokens"] > 0
-        r = httpx.post(srv.url + "/rerank", headers=auth, timeout=60,
+        r = httpx.post(url + "/rerank", headers=auth, timeout=60,
                        json={"query": TEXTS[0], "documents": TEXTS[1:], "top_n": 2}).json()
         best = sorted(range(4), key=lambda i: -offline[i])[:2]
         assert [x["index"] for x in r["results"]] == best
         assert [x["relevance_score"] for x in r["results"]] == pytest.approx([offline[i] for i in best], abs=1e-6)
         assert [x["document"]["text"] for x in r["results"]] == [TEXTS[1 + i] for i in best]
-        e = httpx.post(srv.url + "/v1/embeddings", headers=auth, timeout=60, json={"input": TEXTS[:2]}).json()
+        e = httpx.post(url + "/v1/embeddings", headers=auth, timeout=60, json={"input": TEXTS[:2]}).json()
         ref = [o.outputs.embedding for o in minilm_llm.embed(TEXTS[:2], use_tqdm=False)]
         assert [d["embedding"] for d in e["data"]] == ref
-        bad = httpx.post(srv.url + "/v1/score", headers=auth, timeout=60,
+        bad = httpx.post(url + "/v1/score", headers=auth, timeout=60,
                          json={"text_1": ["a", "b"], "text_2": ["c", "d", "e"]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_1"
-        refused = httpx.post(srv.url + "/v1/completions", headers=auth, timeout=60, json={"prompt": "x"})
+        refused = httpx.post(url + "/v1/completions", headers=auth, timeout=60, json={"prompt": "x"})
         assert refused.status_code == 400 and "/v1/embeddings" in refused.json()["error"]["message"]
-    finally:
-        srv.stop()
-        engine.shutdown()
 
 
 def test_cross_encoder_scores_and_reranks_through_the_server(tmp_path_factory, minilm):
     """The server's cross-encoder branch (each pair one prompt, BERT's token types) against HF's
     own pairs: ``/v1/score``'s scores and ``/rerank``'s order and ``relevance_score``s."""
-    from test_server import KEY, _Server
-
-    from pagellm.config import EngineArgs
-    from pagellm.engine.async_llm import AsyncLLM
-
     path = _tiny_encoder(str(tmp_path_factory.getbasetemp()), "BertForSequenceClassification", minilm)
     ref = _hf_cross_scores(path, QUERY, TEXTS)
     assert max(ref) - min(ref) > 1e-4  # (the pairs differ: a score mixed up between them would show)
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=path, runner="pooling", kv_cache_memory="16MiB",
-                                                  dtype="float32"))
-    srv = _Server(engine, KEY)
-    try:
-        auth = {"Authorization": f"Bearer {KEY}"}
-        r = httpx.post(srv.url + "/v1/score", headers=auth, timeout=60,
+    with _pooling_server(path) as (url, auth):
+        r = httpx.post(url + "/v1/score", headers=auth, timeout=60,
                        json={"text_1": QUERY, "text_2": TEXTS}).json()
         assert [d["index"] for d in r["data"]] == list(range(len(TEXTS)))
         assert [d["score"] for d in r["data"]] == pytest.approx(ref, abs=1e-5)
-        r = httpx.post(srv.url + "/rerank", headers=auth, timeout=60,
+        r = httpx.post(url + "/rerank", headers=auth, timeout=60,
                        json={"query": QUERY, "documents": TEXTS, "top_n": 3}).json()
         best = sorted(range(len(TEXTS)), key=lambda i: -ref[i])[:3]
         assert [x["index"] for x in r["results"]] == best
         assert [x["relevance_score"] for x in r["results"]] == pytest.approx([ref[i] for i in best], abs=1e-5)
-    finally:
-        srv.stop()
-        engine.shutdown()
