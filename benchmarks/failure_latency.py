@@ -17,7 +17,7 @@ import time
 
 def measure(backend: str, model: str | None) -> None:
     from pagellm import LLM, SamplingParams
-    from pagellm.engine.llm_engine import EngineDeadError
+    from pagellm.engine.protocol import EngineDeadError
 
     llm = LLM(model, tensor_parallel_size=2, distributed_executor_backend=backend, kv_cache_memory="256MiB")
     engine = llm.llm_engine

@@ -36,6 +36,10 @@ class LoRAError(ValueError):
     """An adapter that cannot be served: missing, malformed, or not fitting the base model."""
 
 
+class LoRAInUse(LoRAError):
+    """Unloading an adapter that live requests still use (the server answers 409)."""
+
+
 @dataclass(frozen=True, slots=True)
 class LoRARequest:
     """A PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) under a

@@ -16,7 +16,7 @@ import pytest
 
 from pagellm import LLM, LLMEngine, SamplingParams
 from pagellm.config import EngineArgs
-from pagellm.engine.llm_engine import EngineDeadError
+from pagellm.engine.protocol import EngineDeadError
 from pagellm.executor import WorkerError
 
 from conftest import build_tiny_checkpoint, run_to_completion

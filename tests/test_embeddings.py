@@ -159,7 +159,7 @@ def test_matryoshka_dimensions_and_refusals(ckpt_root, tmp_path):
 def pooling_server(ckpt_root):
     from test_server import KEY, _Server
 
-    from pagellm.engine.core_proc import AsyncEngineClient
+    from pagellm.engine.core_client import AsyncEngineClient
 
     path = build_tiny_checkpoint(ckpt_root, "llama")
     args = EngineArgs(model=path, dtype="float32", runner="pooling", pooler_config={"pooling_type": "MEAN"},

@@ -17,8 +17,8 @@ from test_server import NAME, _Server
 
 from pagellm import LLM, SamplingParams
 from pagellm.config import EngineArgs
-from pagellm.engine.core_proc import AsyncEngineClient
-from pagellm.engine.llm_engine import EngineDeadError
+from pagellm.engine.core_client import AsyncEngineClient
+from pagellm.engine.protocol import EngineDeadError
 
 PROMPTS = ["Once upon a time", "The capital of France is", "1, 2, 3,"]
 
@@ -180,7 +180,7 @@ def test_core_stops_when_the_process_that_started_it_is_killed(tiny_llama, tmp_p
     script.write_text(
         "import sys, time\n"
         "from pagellm.config import EngineArgs\n"
-        "from pagellm.engine.core_proc import AsyncEngineClient\n"
+        "from pagellm.engine.core_client import AsyncEngineClient\n"
         "if __name__ == '__main__':\n"
         f"    c = AsyncEngineClient.start(EngineArgs(model={tiny_llama!r}, kv_cache_memory='16MiB'))\n"
         "    print(c.process.pid, flush=True)\n"
@@ -260,6 +260,9 @@ def test_ctrl_c_stops_every_process_cleanly(tiny_llama, servers):
         _wait_healthy(f"http://127.0.0.1:{port}", server)
         children = _children(server.pid)
         assert children, "no engine core or API server process"
+        # Torch is loaded by the engine core only: every HTTP front end (this server, or its API
+        # servers, each holding a tokenizer) keeps it out.
+        assert len([pid for pid in (server.pid, *children) if _maps_torch(pid)]) == 1
         os.killpg(server.pid, signal.SIGINT)
         _, err = server.communicate(timeout=60)
         assert server.returncode == 0, err[-2000:]
@@ -271,6 +274,11 @@ def test_ctrl_c_stops_every_process_cleanly(tiny_llama, servers):
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
+
+
+def _maps_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
 
 
 def _status(pid: int) -> str:

@@ -100,3 +100,82 @@ def test_the_import_resolver_sees_package_and_relative_imports():
     assert _imports(core, "from . import block_pool") == ["pagellm.core.block_pool"]
     gemm = PKG / "kernels" / "gemm.py"
     assert _imports(gemm, "from pagellm.kernels import gemm_int8") == ["pagellm.kernels.gemm_int8"]
+
+
+def _load_time_imports(path: Path) -> list[str]:
+    """The modules ``path`` imports when it is loaded: module-level statements only (not inside a
+    function, not under ``if TYPE_CHECKING``), resolved as ``_imports`` does."""
+    tree = ast.parse(path.read_text())
+    kept: list[ast.stmt] = []
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                kept.append(node)
+            elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+                visit(node.body + node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body + node.orelse + node.finalbody)
+
+    visit(tree.body)
+    return _imports(path, "\n".join(ast.unparse(n) for n in kept))
+
+
+def _path_of(mod: str) -> Path:
+    p = PKG.joinpath(*mod.split(".")[1:])
+    return p / "__init__.py" if (p / "__init__.py").exists() else p.with_suffix(".py")
+
+
+def _load_closure(*roots: str) -> tuple[set[str], set[str]]:
+    """(our modules, third-party top-level packages) that importing ``roots`` loads."""
+    ours, theirs, todo = set(), set(), list(roots)
+    while todo:
+        mod = todo.pop()
+        if mod in ours:
+            continue
+        ours.add(mod)
+        parts = mod.split(".")
+        todo += [".".join(parts[:i]) + ".__init__" for i in range(1, len(parts))]  # its packages run first
+        path = _path_of(mod.removesuffix(".__init__"))
+        if not path.exists():  # a namespace package: nothing runs
+            continue
+        for dep in _load_time_imports(path):
+            if dep.startswith("pagellm.") or dep == "pagellm":
+                todo.append(dep if dep != "pagellm" else "pagellm.__init__")
+            else:
+                theirs.add(dep.split(".")[0])
+    return ours, theirs
+
+
+# What the HTTP front end over an engine core process may not load: the model side of the package,
+# and torch (transformers, which loads torch whenever it can, only in a process that keeps torch out).
+MODEL_SIDE = {"attention", "distributed", "kernels", "layers", "models", "weights", "sampling", "lora", "worker",
+              "executor", "spec_decode", "structured_output"}
+
+
+def test_the_http_front_end_loads_no_torch_and_no_model_code():
+    ours, theirs = _load_closure("pagellm.entrypoints.cli", "pagellm.entrypoints.openai_server",
+                                 "pagellm.engine.core_client")
+    model_side = sorted(m for m in ours if m.split(".")[1] in MODEL_SIDE)
+    assert not model_side, f"the front end loads model code: {model_side}"
+    assert not theirs & {"torch", "transformers", "triton"}, sorted(theirs & {"torch", "transformers", "triton"})
+    assert {"pagellm.engine.protocol", "pagellm.engine.core_messages"} <= ours  # (the closure is followed)
+
+
+def test_the_load_closure_follows_module_level_imports_only():
+    """The rule above would be blind if it stopped at the first module or counted lazy imports."""
+    ours, theirs = _load_closure("pagellm.engine.async_llm")
+    assert "torch" in theirs and "pagellm.worker.worker" in ours  # through llm_engine and the executor
+    protocol = PKG / "engine" / "protocol.py"  # its pagellm imports are all under TYPE_CHECKING
+    assert "pagellm.outputs" in _imports(protocol)
+    assert not [m for m in _load_time_imports(protocol) if m.startswith("pagellm")]
+
+
+def test_the_serving_modules_see_the_engine_through_its_protocol_only():
+    """``serving_*`` take any ``EngineClient`` (in-process or over the core process): of ``engine/``
+    they import ``engine/protocol.py`` alone."""
+    serving = sorted((PKG / "entrypoints").glob("serving_*.py"))
+    assert len(serving) >= 6
+    bad = [f"{p.name} imports {m}" for p in serving for m in _imports(p)
+           if m.startswith("pagellm.engine") and m != "pagellm.engine.protocol"]
+    assert not bad, bad

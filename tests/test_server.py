@@ -51,7 +51,7 @@ class _Server:
 def served(tiny_llama, request):
     """The server over the engine on a thread of this process (AsyncLLM) and over an engine core
     process (AsyncEngineClient, ``pagellm serve``'s default): every test below runs against both."""
-    from pagellm.engine.core_proc import AsyncEngineClient
+    from pagellm.engine.core_client import AsyncEngineClient
 
     args = EngineArgs(model=tiny_llama, kv_cache_memory="16MiB", max_model_len=256, scheduling_policy="priority")
     engine = AsyncLLM.from_engine_args(args) if request.param == "thread" else AsyncEngineClient.start(args)

@@ -13,7 +13,7 @@ from test_server import NAME, _Server
 
 from pagellm import LLMEngine, SamplingParams
 from pagellm.config import EngineArgs
-from pagellm.engine.core_proc import AsyncEngineClient
+from pagellm.engine.core_client import AsyncEngineClient
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.outputs import RequestOutput
 

@@ -199,7 +199,7 @@ def server(tiny_llama, request):
 
     from pagellm.config import EngineArgs
     from pagellm.engine.async_llm import AsyncLLM
-    from pagellm.engine.core_proc import AsyncEngineClient
+    from pagellm.engine.core_client import AsyncEngineClient
 
     args = EngineArgs(model=tiny_llama, kv_cache_memory="16MiB", max_model_len=512)
     engine = AsyncLLM.from_engine_args(args) if request.param == "thread" else AsyncEngineClient.start(args)

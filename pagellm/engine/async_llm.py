@@ -24,7 +24,8 @@ from typing import Any, TypeVar
 
 from pagellm.config import EngineArgs
 from pagellm.engine.data_parallel import DataParallelEngine, create_engine
-from pagellm.engine.llm_engine import EngineDeadError, LLMEngine, PromptType, lora_op
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.engine.protocol import EngineDeadError, PromptType, drain_stream, lora_op
 from pagellm.lora_request import LoRARequest
 from pagellm.metrics import EngineStats
 from pagellm.outputs import RequestOutput
@@ -40,26 +41,6 @@ T = TypeVar("T")
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-
-
-__all__ = ["AsyncLLM", "EngineDeadError", "drain_stream"]
-
-
-async def drain_stream(queue: asyncio.Queue, done: list[bool]) -> AsyncGenerator[RequestOutput, None]:
-    """A request's outputs from its queue until it finishes. ``None`` in the queue ends it (aborted
-    through ``abort``), an exception is raised (rejected, or the engine died). ``done[0]`` turns true
-    once nothing is left to abort: the caller aborts in the engine when it stops reading early."""
-    while True:
-        item = await queue.get()
-        if item is None or isinstance(item, BaseException):
-            done[0] = True
-            if item is None:
-                return
-            raise item
-        done[0] = item.finished
-        yield item
-        if item.finished:
-            return
 
 
 def _per_position(now: list[int], before: list[int], drafts: int) -> str:

@@ -19,7 +19,8 @@ from dataclasses import replace
 from typing import Any
 
 from pagellm.config import EngineArgs, EngineConfig, resolve_model_source
-from pagellm.engine.llm_engine import EngineDeadError, LLMEngine, PromptType, StartedStep
+from pagellm.engine.llm_engine import LLMEngine, StartedStep
+from pagellm.engine.protocol import EngineDeadError, PromptType
 from pagellm.engine.step_trace import write_trace_json
 from pagellm.lora_request import LoRARequest
 from pagellm.metrics import EngineStats

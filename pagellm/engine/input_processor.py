@@ -19,15 +19,13 @@ from pagellm.config import EngineConfig
 from pagellm.core.kv_connector import check_kv_transfer_params
 from pagellm.core.request_queue import scheduling_policy
 from pagellm.engine.mm_processor import MultiModalProcessor, as_images
+from pagellm.engine.protocol import PromptType
 from pagellm.mm_inputs import MultiModalFeature
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
 from pagellm.sequence import Sequence, SequenceGroup
 from pagellm.tokenizer import Tokenizer, check_token_ids
 
 logger = logging.getLogger(__name__)
-
-PromptType = str | list[int] | dict[str, Any]
-
 
 def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int, kv_capacity_tokens: int) -> int:
     """The longest sequence the engine serves: the model's limit (or the user's, checked against

@@ -25,11 +25,12 @@ from pagellm.core.kv_transfer_admission import KVTransferAdmission
 from pagellm.core.scheduler import Scheduler
 from pagellm.core.scheduler_output import SampledToken, SchedulerOutput
 from pagellm.core.step_decorator import StepDecorator
-from pagellm.engine.input_processor import InputProcessor, PromptType, resolve_max_model_len
+from pagellm.engine.input_processor import InputProcessor, resolve_max_model_len
 from pagellm.engine.kv_receiver import KVReceiver
 from pagellm.engine.lora_manager import LoRAManager
 from pagellm.engine.mm_processor import MultiModalProcessor
 from pagellm.engine.output_processor import OutputProcessor
+from pagellm.engine.protocol import EngineDeadError, PromptType
 from pagellm.engine.step_trace import KVState, StepTimes, StepTracer, step_log_line, summarize_step
 from pagellm.executor import PendingOutput, WorkerError, create_executor
 from pagellm.lora_request import LoRARequest
@@ -45,10 +46,6 @@ from pagellm.utils import gc_paused_then_frozen, gc_unfreeze
 
 logger = logging.getLogger(__name__)
 
-
-
-class EngineDeadError(RuntimeError):
-    """The engine failed (a worker died or raised) or was shut down; requests cannot be served."""
 
 
 @dataclass(slots=True)
@@ -548,14 +545,3 @@ class LLMEngine:
 def _under_grammar(group: SequenceGroup) -> bool:
     """Requests under a grammar decode without drafts (each draft would need its own mask)."""
     return group.sampling_params.structured_outputs is not None
-
-
-def lora_op(engine: Any, op: str, arg: Any) -> Any:
-    """An engine client's LoRA control call on ``engine`` (an LLMEngine or DataParallelEngine)."""
-    if op == "add":
-        return engine.add_lora(arg)
-    if op == "remove":
-        return engine.remove_lora(arg)
-    if op == "list":
-        return engine.list_loras()
-    raise ValueError(f"unknown LoRA operation {op!r}")

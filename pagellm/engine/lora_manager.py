@@ -17,14 +17,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pagellm.core.scheduler_output import SchedulerOutput
-from pagellm.lora_request import AdapterSpec, LoRAError, LoRARequest, inspect_adapter
+from pagellm.lora_request import AdapterSpec, LoRAError, LoRAInUse, LoRARequest, inspect_adapter
 from pagellm.sequence import SequenceGroup
 
 logger = logging.getLogger(__name__)
-
-
-class LoRAInUse(LoRAError):
-    """Unloading an adapter that live requests still use (the server answers 409)."""
 
 
 @dataclass(slots=True)

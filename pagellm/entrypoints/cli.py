@@ -173,9 +173,9 @@ def _media(engine_args: EngineArgs) -> MediaConnector:
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    from pagellm.engine.async_llm import AsyncLLM
-    from pagellm.engine.core_proc import AsyncEngineClient
-    from pagellm.entrypoints.openai_server import EngineClient, serve
+    from pagellm.engine.core_client import AsyncEngineClient, keep_torch_out
+    from pagellm.engine.protocol import EngineClient
+    from pagellm.entrypoints.openai_server import serve
 
     if args.model_tag is not None:
         args.model = args.model_tag
@@ -195,8 +195,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError("--lora-modules with --api-server-count > 1: load them with POST /v1/load_lora_adapter")
         return _serve_many(args, engine_args, chat_template, name, api_key)
     loras = _lora_modules(args.lora_modules, engine_args)
-    engine: EngineClient = (AsyncEngineClient.start(engine_args, chat_template) if args.engine_core_process
-                            else AsyncLLM.from_engine_args(engine_args, chat_template))
+    engine: EngineClient
+    if args.engine_core_process:
+        keep_torch_out()  # this process only serves HTTP
+        engine = AsyncEngineClient.start(engine_args, chat_template)
+    else:  # the engine on a thread of this process (which then imports torch)
+        from pagellm.engine.async_llm import AsyncLLM
+
+        engine = AsyncLLM.from_engine_args(engine_args, chat_template)
     try:
         for lora in loras:  # checked before the server listens: a bad path stops it with the reason
             engine.lora("add", lora)

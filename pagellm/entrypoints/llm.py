@@ -10,7 +10,7 @@ from typing import Any
 from pagellm import scoring
 from pagellm.config import EngineArgs
 from pagellm.engine.data_parallel import create_engine
-from pagellm.engine.llm_engine import PromptType
+from pagellm.engine.protocol import PromptType
 from pagellm.entrypoints.chat_utils import MediaConnector, extract_images, template_renders_images
 from pagellm.lora_request import LoRARequest
 from pagellm.outputs import (

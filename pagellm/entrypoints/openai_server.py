@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagellm
-from pagellm.engine.async_llm import EngineDeadError
-from pagellm.engine.core_proc import AsyncEngineClient
+from pagellm.engine.core_client import AsyncEngineClient, keep_torch_out
+from pagellm.engine.protocol import EngineClient, EngineDeadError
 from pagellm.entrypoints.chat_utils import MediaConnector
 from pagellm.entrypoints.openai_protocol import (
     CONTENT_FORMATS,
@@ -43,7 +43,6 @@ from pagellm.entrypoints.server_metrics import ServerMetrics
 from pagellm.entrypoints.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.serving_embedding import OpenAIServingEmbedding
-from pagellm.entrypoints.serving_engine import EngineClient
 from pagellm.entrypoints.serving_models import OpenAIServingModels
 from pagellm.entrypoints.serving_score import OpenAIServingScores
 from pagellm.entrypoints.serving_tokenization import OpenAIServingTokenization
@@ -294,6 +293,7 @@ def run_api_server(client_index: int, input_addr: str, output_addr: str, core_pi
     """One of ``--api-server-count`` front-end processes: an engine-core client with its own index,
     serving HTTP on the shared port."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    keep_torch_out()
     client = AsyncEngineClient(input_addr, output_addr, client_index, core_pid)
     client.wait_ready()
     serve(client, model_name, host, port, api_key, reuse_port=True,

@@ -10,11 +10,12 @@ from typing import Any
 
 from fastapi import Request
 
+from pagellm.engine.protocol import EngineClient
 from pagellm.entrypoints import tool_calls
 from pagellm.entrypoints.chat_utils import MediaConnector
 from pagellm.entrypoints.openai_protocol import APIError, ChatCompletionRequest
 from pagellm.entrypoints.server_metrics import ServerMetrics
-from pagellm.entrypoints.serving_engine import EngineClient, OpenAIServing
+from pagellm.entrypoints.serving_engine import OpenAIServing
 from pagellm.entrypoints.serving_models import OpenAIServingModels
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.reasoning import ReasoningParser, get_reasoning_parser

@@ -15,8 +15,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from pagellm.config import as_cli_message
-from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
-from pagellm.engine.core_proc import AsyncEngineClient
+from pagellm.engine.protocol import EngineClient, EngineDeadError
 from pagellm.entrypoints import tool_calls
 from pagellm.entrypoints.chat_utils import MediaConnector, MediaError, extract_images, template_renders_images
 from pagellm.entrypoints.openai_protocol import APIError, ChatMessage, SamplingBody, normalize_message
@@ -38,10 +37,6 @@ logger = logging.getLogger(__name__)
 MAX_STOP_STRINGS = 64
 MAX_N = 128
 DISCONNECT_POLL_S = 1.0  # a stream's fallback disconnect check (``OpenAIServing._stream``)
-
-# The engine in this process (a loop thread) or in an engine-core process: the same interface.
-EngineClient = AsyncLLM | AsyncEngineClient
-
 
 @dataclass(frozen=True, slots=True)
 class Delta:

@@ -6,10 +6,9 @@ import asyncio
 import time
 from typing import Any
 
-from pagellm.engine.lora_manager import LoRAInUse
+from pagellm.engine.protocol import EngineClient
 from pagellm.entrypoints.openai_protocol import APIError
-from pagellm.entrypoints.serving_engine import EngineClient
-from pagellm.lora_request import LoRARequest
+from pagellm.lora_request import LoRAInUse, LoRARequest
 
 
 class OpenAIServingModels:
