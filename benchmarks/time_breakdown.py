@@ -11,7 +11,7 @@ Wraps the engine's functions with exclusive timers (a nested call's time is not 
     lm head             compute_logits at the sampled rows
     sampling            the sampler (greedy / top-k / top-p, logprobs)
     output processing   the rest of LLMEngine.step: detokenization, stop checks, RequestOutputs
-    decode graph        a decode step's layers in one C call (models/decode_graph.py), where the
+    decode graph        a decode step's layers in one C call (worker/decode_graph.py), where the
                         engine takes it: its GEMMs, attention and small ops are then not split;
                         ``--no-decode-graph`` runs decode steps layer by layer to split them
 

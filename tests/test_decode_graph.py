@@ -41,10 +41,10 @@ def _require_graph(dtype: str = "auto") -> None:
 def test_decode_graph_takes_only_layer_classes_that_declare_it():
     """The graph replays Llama's block op for op: a layer class is taken only where its own body
     declares ``DECODE_GRAPH`` (a subclass may change forward, as MoE's does: it inherits no claim)."""
-    from pagellm.models.decode_graph import graph_layer
     from pagellm.models.decoder import DecoderLayer
     from pagellm.models.gemma import Gemma2DecoderLayer
     from pagellm.models.moe import MoeDecoderLayer
+    from pagellm.worker.decode_graph import graph_layer
 
     class NewBlock(DecoderLayer):  # a new family's block that forgot to say
         pass

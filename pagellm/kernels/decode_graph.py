@@ -1,6 +1,6 @@
 """A decode step's decoder layers in one ctypes call (``decode_graph.c``), the CPU's counterpart of a
 captured CUDA graph: the same kernels, arguments and order as the Python layers, without ~4 ms of
-Python per step. ``models/decode_graph.py`` decides when a model and a step can take it and builds
+Python per step. ``worker/decode_graph.py`` decides when a model and a step can take it and builds
 the tables; this module owns the C interface and checks what it is given.
 """
 

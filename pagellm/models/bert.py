@@ -171,7 +171,7 @@ class BertModel(nn.Module):
         return types
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any = None, meta: Any = None,
-                decode_graph: Any = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         spans = prompt_spans(positions)
         return self.model(input_ids, positions, self.token_types(input_ids, spans), spans)
 

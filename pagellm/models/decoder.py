@@ -23,7 +23,6 @@ from torch import nn
 from pagellm.attention import AttentionMetadata
 from pagellm.distributed import PipelineStage, TensorParallelGroup
 from pagellm.kernels import gemm
-from pagellm.kernels.decode_graph import DecodeGraph
 from pagellm.layers.activation import SiluAndMul, gated_activation
 from pagellm.layers.linear import Linear
 from pagellm.layers.norm import RMSNorm
@@ -31,7 +30,6 @@ from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear, Voc
 from pagellm.layers.rotary import ApplyRotary, MRotaryEmbedding, RotaryEmbedding
 from pagellm.layers.weight_formats import Bfloat16Packed, Int8Packed
 from pagellm.models.cpu_packing import keep_blocks
-from pagellm.models.decode_graph import decode_group
 from pagellm.weights.quant_blocks import QuantizedBlocks
 
 
@@ -275,10 +273,13 @@ def pre_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) ->
 
 
 class DecoderLayer(nn.Module):
-    # Whether a decode step may run this class's layers as one C call (models/decode_graph.py), which
+    # Whether a decode step may run this class's layers as one C call (worker/decode_graph.py), which
     # replays Llama's block op for op. Read from the class itself, never inherited: a subclass runs
     # layer by layer until it declares that its forward is what the graph replays.
     DECODE_GRAPH: ClassVar[bool] = True
+    # The block's norms in the graph's slots (kernels/decode_graph.py LAYER_FIELDS): which of them a
+    # layer has is what its block does (Gemma's four: each sublayer's output normed too).
+    GRAPH_NORMS: ClassVar[dict[str, str]] = {"in_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
 
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, tp: TensorParallelGroup, layer: int = 0) -> None:
         super().__init__()
@@ -336,35 +337,31 @@ class DecoderModel(nn.Module):
         state layer, LFM2's convolution, is none)."""
         return next(la for la in self.layers[self.start:self.end] if isinstance(la, DecoderLayer))
 
-    def forward(self, input_ids, positions, kv_caches, meta, decode_graph: DecodeGraph | None = None,
-                inputs_embeds: torch.Tensor | None = None):
+    def embed(self, input_ids: torch.Tensor, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The first layer's input: the tokens' embeddings, or ``inputs_embeds`` given (a
+        vision-language model's, images' rows written in), scaled where the family scales them."""
+        x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+        if self.embed_scale is not None:  # (HF scales given embeddings too)
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str | None, Any]:
+        """Each rotary table's ``(cos, sin)`` at ``positions`` (a layer reads its own by key)."""
+        return {k: emb.cos_sin(positions, dtype) for k, emb in self.rotary_tables.items()}
+
+    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds: torch.Tensor | None = None):
         """The last stage's final hidden states; ``None`` on the stages before it (theirs went on).
-        ``decode_graph``: all layers of this decode-only step in one call (the runner captured it
-        and bound it to ``kv_caches``; ``models/decode_graph.py``). ``inputs_embeds``: the first
-        layer's input given (a vision-language model's, images' rows written in)."""
+        ``inputs_embeds``: the first layer's input given."""
         pp = self.pp
         if pp.is_first:
-            x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
-            residual = None
-            if self.embed_scale is not None:  # (HF scales given embeddings too)
-                x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+            x, residual = self.embed(input_ids, inputs_embeds), None
         else:
             shape = (input_ids.shape[0], self.hidden_size)
             x, residual = pp.recv([shape, shape], self.embed_tokens.weight.dtype, input_ids.device)
-        ropes = {k: emb.cos_sin(positions, x.dtype) for k, emb in self.rotary_tables.items()}
-        group = decode_group(meta) if decode_graph is not None else None
-        if decode_graph is not None and group is not None:
-            assert group.kv_blocks is not None and group.seq_lens is not None  # (decode_group checked)
-            t = x.shape[0]
-            # The tables stacked in the graph's order (each layer reads its own by index).
-            cos, sin = (torch.stack([ropes[k][i].view(t, -1) for k in decode_graph.rope_keys]) for i in (0, 1))
-            slots, tables = (meta.slot_mapping, group.kv_blocks) if meta.group_tables is None \
-                else (meta.group_slots, meta.group_tables)
-            x, residual = decode_graph.run(x, cos, sin, slots, tables, group.seq_lens)
-        else:
-            for i, (layer, kv_cache) in enumerate(zip(self.layers[self.start:self.end], kv_caches, strict=True)):
-                rope = ropes[layer.self_attn.rope_key] if isinstance(layer, DecoderLayer) else None
-                x, residual = layer(rope, x, residual, kv_cache, meta.for_layer(i))
+        ropes = self.rope_tables(positions, x.dtype)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers[self.start:self.end], kv_caches, strict=True)):
+            rope = ropes[layer.self_attn.rope_key] if isinstance(layer, DecoderLayer) else None
+            x, residual = layer(rope, x, residual, kv_cache, meta.for_layer(i))
         assert residual is not None  # (every layer returns it)
         if not pp.is_last:
             pp.send([x, residual])
@@ -407,9 +404,8 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                decode_graph: DecodeGraph | None = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | None:
-        return self.model(input_ids, positions, kv_caches, meta, decode_graph, inputs_embeds)
+        return self.model(input_ids, positions, kv_caches, meta, inputs_embeds)
 
     @staticmethod
     def rope_positions(layout: list[tuple[int, int, int, int, int]] | None, start: int, n: int) -> list[list[int]]:

@@ -23,7 +23,9 @@ from pagellm.models.decoder import DecoderForCausalLM, DecoderLayer
 
 
 class Gemma2DecoderLayer(DecoderLayer):
-    DECODE_GRAPH = True  # (its two extra norms are in the graph's table)
+    DECODE_GRAPH = True
+    GRAPH_NORMS = {**DecoderLayer.GRAPH_NORMS, "pre_ff_norm": "pre_feedforward_layernorm",
+                   "post_ff_norm": "post_feedforward_layernorm"}
 
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, tp: Any, layer: int = 0) -> None:
         super().__init__(config, qkv_bias, qk_norm, tp, layer)

@@ -16,8 +16,8 @@ import torch
 
 from pagellm.attention.metadata import AttentionMetadata
 from pagellm.attention.torch_paged import TorchPagedAttention
-from pagellm.models.decode_graph import DecodeGraphCapture
 from pagellm.models.decoder import DecoderForCausalLM
+from pagellm.worker.decode_graph import DecodeGraphCapture
 
 
 class DraftRunner:
@@ -81,7 +81,5 @@ class DraftRunner:
         return out
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        graph = self.graphs.for_step(self.kv_caches, meta)
-        if graph is None:
-            return self.model(input_ids, positions, self.kv_caches, meta)
-        return self.model(input_ids, positions, self.kv_caches, meta, decode_graph=graph)
+        hidden = self.graphs.forward(input_ids, positions, self.kv_caches, meta)
+        return hidden if hidden is not None else self.model(input_ids, positions, self.kv_caches, meta)

@@ -24,10 +24,10 @@ from pagellm.core.scheduler_output import ModelRunnerOutput, SampledToken, Sched
 from pagellm.layers.custom_op import select_kernels
 from pagellm.layers.pooler import Pooler
 from pagellm.lora.layers import ModelLoRA
-from pagellm.models.decode_graph import DecodeGraphCapture
 from pagellm.sampling.rejection_sampler import DraftSpan, rejection_sample
 from pagellm.sampling.sampler import Sampler, SamplingRow, apply_token_bitmask
 from pagellm.worker.cuda_graph import CudaGraphRunner
+from pagellm.worker.decode_graph import DecodeGraphCapture
 from pagellm.worker.draft_runner import DraftRunner
 from pagellm.worker.input_batch import InputBatch
 
@@ -378,11 +378,11 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions, kv_caches, batch.meta,
                                 inputs_embeds=self.embed_with_images(batch))
         else:
-            hidden = None if self.cuda_graphs is None else \
-                self.cuda_graphs.run(batch.input_ids, batch.positions, batch.meta)
+            hidden = self.cuda_graphs.run(batch.input_ids, batch.positions, batch.meta) \
+                if self.cuda_graphs is not None else \
+                self.decode_graphs.forward(batch.input_ids, batch.positions, kv_caches, batch.meta)
             if hidden is None:
-                hidden = self.model(batch.input_ids, batch.positions, kv_caches, batch.meta,
-                                    decode_graph=self.decode_graphs.for_step(kv_caches, batch.meta))
+                hidden = self.model(batch.input_ids, batch.positions, kv_caches, batch.meta)
         if self.draft is not None:
             self.draft.forward(batch.input_ids, batch.positions, batch.meta.slot_mapping, batch.decode_lens,
                                batch.decode_tables, batch.chunk_specs, batch.meta.decode_order)

@@ -1,4 +1,5 @@
-"""When a decode step's decoder layers run as one call (``kernels/decode_graph.py``), and its tables.
+"""When a decode step's decoder layers run as one call (``kernels/decode_graph.py``), its tables, and
+the step through it: the runner's CPU execution policy, beside the CUDA graph runner (``cuda_graph.py``).
 
 The graph replays exactly the kernels the Python layers call on a CPU, so it applies only where
 every one of them is a compiled kernel: every projection packed for one of the GEMM kernels (int8
@@ -7,10 +8,11 @@ choice, made the same way in C), the compiled norms (per-head q/k norms included
 heads; a table per layer type, Gemma 3's) and SiLU or GELU (tanh) times up, the ``"cpu"`` attention
 backend's K/V write and decode kernels (with a layer's sliding window and soft-cap), one process (no
 tensor or pipeline split), no LoRA adapters. Layers are those whose class declares ``DECODE_GRAPH``
-(Llama's block, Gemma 2 and 3's with two more norms; a subclass must declare it itself); a step
-takes it when all its rows are decodes (one ``DECODE_KERNEL`` group); prefill and mixed steps run
-layer by layer. Outputs are the same bits either way (tested), so nothing about scheduling can
-tell the two apart.
+(a subclass must declare it itself) and names its norms in the graph's slots (``GRAPH_NORMS``:
+Llama's two, Gemma 2 and 3's four); a step takes it when all its rows are decodes (one
+``DECODE_KERNEL`` group); prefill and mixed steps run the model's forward, layer by layer. Outputs
+are the same bits either way (tested), so nothing about scheduling can tell the two apart. The
+model knows nothing of the graph: the runner asks ``DecodeGraphCapture.forward`` first.
 """
 
 from __future__ import annotations
@@ -114,10 +116,7 @@ def _layer_row(layer, first_attn, hidden: int, d: int, inter: int, eps: float, r
 
     activations = (SiluAndMul, GeluTanhAndMul)  # (decode_graph.ACTIVATIONS' order)
     a, m = layer.self_attn, layer.mlp
-    gemma = hasattr(layer, "pre_feedforward_layernorm")
-    norms = {"in_norm": layer.input_layernorm, "post_norm": layer.post_attention_layernorm}
-    if gemma:
-        norms |= {"pre_ff_norm": layer.pre_feedforward_layernorm, "post_ff_norm": layer.post_feedforward_layernorm}
+    norms = {slot: getattr(layer, name) for slot, name in type(layer).GRAPH_NORMS.items()}
     if a.q_norm is not None and a.k_norm is not None:
         norms |= {"q_norm": a.q_norm, "k_norm": a.k_norm}
     elif a.q_norm is not None or a.k_norm is not None:
@@ -176,6 +175,28 @@ class DecodeGraphCapture:
             return None
         graph.bind_caches(kv_caches)
         return graph
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor | None:
+        """The model's final hidden states for this step through the graph, or ``None``: the step
+        does not take it (the caller runs the model's forward)."""
+        graph = self.for_step(kv_caches, meta)
+        if graph is None:
+            return None
+        model, group = self._model, decode_group(meta)
+        assert model is not None and group is not None and group.kv_blocks is not None \
+            and group.seq_lens is not None  # (for_step checked)
+        x = model.embed(input_ids)
+        t = x.shape[0]
+        ropes = model.rope_tables(positions, x.dtype)
+        # The tables stacked in the graph's order (each layer reads its own by index).
+        cos, sin = (torch.stack([ropes[k][i].view(t, -1) for k in graph.rope_keys]) for i in (0, 1))
+        slots, tables = (meta.slot_mapping, group.kv_blocks) if meta.group_tables is None \
+            else (meta.group_slots, meta.group_tables)
+        assert slots is not None  # (a step with group tables has their slots)
+        x, residual = graph.run(x, cos, sin, slots, tables, group.seq_lens)
+        x, _ = model.norm(x, residual)
+        return x
 
     def disable(self) -> None:
         """From now on every step runs layer by layer (tests compare the two paths)."""
