@@ -284,18 +284,40 @@ def test_start_up_heap_is_frozen_until_shutdown(tiny_llama):
     assert gc.get_freeze_count() == 0
 
 
-def test_a_step_decorator_sees_every_step_before_the_workers(tiny_llama):
-    """The one seam for features that add to a step (core/step_decorator.py): a decorator
-    registered with the engine is called once per scheduled step, with the scheduler's requests,
-    and what it attaches reaches the worker (here: LoRA-less slots, checked in the runner)."""
-    eng = LLMEngine.from_engine_args(EngineArgs(model=tiny_llama, kv_cache_memory="16MiB", max_model_len=256))
-    seen: list[tuple[list[str], bool]] = []
+def test_a_step_hook_sees_every_point_of_every_step_in_order(tiny_llama):
+    """The one seam for features (engine/step_hooks.py): a hook registered with the engine is called
+    at each point of each step in order, with the scheduler's requests; what it attaches in
+    ``decorate_step`` reaches the worker (a mark on each row, checked in the runner); it hears of
+    the request's end once."""
+    from pagellm.engine.step_hooks import StepHook
 
-    class Recorder:
+    eng = LLMEngine.from_engine_args(EngineArgs(model=tiny_llama, kv_cache_memory="16MiB", max_model_len=256))
+    calls: list[str] = []
+
+    class Recorder(StepHook):
+        def before_schedule(self):
+            calls.append("before_schedule")
+            return []
+
         def decorate_step(self, so, requests):
-            seen.append(([s.request_id for s in so.scheduled], all(s.request_id in requests for s in so.scheduled)))
+            assert all(s.request_id in requests for s in so.scheduled)
+            calls.append(f"decorate:{','.join(s.request_id for s in so.scheduled)}")
             for s in so.scheduled:
                 s.lora_slot = -7  # a mark the worker's batch carries
+
+        def after_model(self, so, out, model_seconds):
+            assert model_seconds > 0 and out.sampled  # (the workers' output, not yet applied)
+            calls.append("after_model")
+            return []
+
+        def after_update(self, updated):
+            calls.append(f"after_update:{','.join(g.request_id for g in updated)}")
+
+        def after_outputs(self, out):
+            calls.append("after_outputs")
+
+        def request_finished(self, group):
+            calls.append(f"finished:{group.request_id}")
 
     runner = eng.executor.worker.model_runner
     marks: list[int] = []
@@ -306,14 +328,15 @@ def test_a_step_decorator_sees_every_step_before_the_workers(tiny_llama):
         return real(so)
 
     runner.prepare_inputs = spy
-    eng.decorators.append(Recorder())
+    eng.hooks.append(Recorder())
     try:
         eng.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
         run_to_completion(eng)
     finally:
         del runner.prepare_inputs  # (the spy closes over the runner: no cycle left behind)
         eng.shutdown()
-    assert len(seen) == 3 and all(ids == ["a"] and known for ids, known in seen)
+    step = ["before_schedule", "decorate:a", "after_model", "after_update:a"]
+    assert calls == step + ["after_outputs"] + step + ["after_outputs"] + step + ["finished:a", "after_outputs"]
     assert marks == [-7, -7, -7]
 
 

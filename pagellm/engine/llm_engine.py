@@ -9,6 +9,7 @@ freed), the workers are shut down and the engine refuses further work.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -23,14 +24,20 @@ from pagellm.core.kv_connector import (
 )
 from pagellm.core.kv_transfer_admission import KVTransferAdmission
 from pagellm.core.scheduler import Scheduler
-from pagellm.core.scheduler_output import SampledToken, SchedulerOutput
-from pagellm.core.step_decorator import StepDecorator
+from pagellm.core.scheduler_output import SchedulerOutput
 from pagellm.engine.input_processor import InputProcessor, resolve_max_model_len
 from pagellm.engine.kv_receiver import KVReceiver
 from pagellm.engine.lora_manager import LoRAManager
 from pagellm.engine.mm_processor import MultiModalProcessor
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.protocol import EngineDeadError, PromptType
+from pagellm.engine.step_hooks import (
+    KVTransferHook,
+    LoRAHook,
+    SpecDecodeHook,
+    StepHook,
+    StructuredOutputHook,
+)
 from pagellm.engine.step_trace import KVState, StepTimes, StepTracer, step_log_line, summarize_step
 from pagellm.executor import PendingOutput, WorkerError, create_executor
 from pagellm.lora_request import LoRARequest
@@ -116,38 +123,49 @@ class LLMEngine:
             config.scheduler, self.kv_cache_manager, max_model_len=self.max_model_len,
             num_lookahead_tokens=config.speculative.num_lookahead_tokens if config.speculative else 0,
             max_loras=lora.max_loras if lora.enable_lora else 0, kv_transfer=kv_transfer, encoder=encoder)
-        # Features that add to each step's SchedulerOutput (core/step_decorator.py).
-        self.decorators: list[StepDecorator] = []
         self.lora: LoRAManager | None = None
         if lora.enable_lora:
             assert self.model_info.lora_module_shapes is not None
             self.lora = LoRAManager(lora.max_loras, lora.max_lora_rank, self.model_info.lora_module_shapes,
                                     self.model_info.num_layers)
-            self.decorators.append(self.lora)
         self.output_processor = OutputProcessor(self.tokenizer, config.scheduler.stream_interval,
                                                 self.scheduler.finish_seq)
         # The batch queue: steps started and not finished yet (oldest first).
         self._max_batches = config.scheduler.max_concurrent_batches
         self._batch_queue: collections.deque[StartedStep] = collections.deque()
         self.iteration_stats = IterationStats()
-        # Built on the first constrained request, so an engine that never sees one never imports a
-        # grammar library.
-        self._structured: StructuredOutputManager | None = None
         reasoning = config.structured_outputs.reasoning_parser  # (refused at start-up without the tags)
         self._think = None if reasoning is None else ThinkTokens.of(self.tokenizer.hf.get_vocab(), reasoning)
-        self._spec: SpecDecodeManager | None = None
         obs = config.observability
         # The step trace and the per-step log line; None and False: nothing recorded, nothing paid.
         self.tracer = StepTracer(obs.trace_max_events, obs.trace_out) if obs.tracing else None
         self._log_steps = obs.log_step_details
         self.scheduler.record_decisions = obs.tracing or obs.log_step_details
+        self._spec: SpecDecodeManager | None = None
+        cfg = config.structured_outputs
+        # (the manager's arguments, not a bound method: the engine must not be in a reference cycle,
+        # which gc.freeze at start-up would keep alive with its weights and KV cache)
+        self._structured = StructuredOutputHook(self.scheduler, functools.partial(
+            StructuredOutputManager, self.tokenizer.hf, self.model_info.vocab_size, self.tokenizer.eos_token_id,
+            cfg.backend, cfg.compile_timeout_s, self._think))
+        self.hooks = self._step_hooks(config)
+        self._log_start()
+
+    def _step_hooks(self, config: EngineConfig) -> list[StepHook]:
+        """The features this configuration adds to each step (``engine/step_hooks.py``), in the
+        order they run at each point."""
+        hooks: list[StepHook] = [self._structured]
+        if self.scheduler.kv_transfer is not None:
+            hooks.append(KVTransferHook(self.scheduler, self.kv_receiver))
+        if self.lora is not None:
+            hooks.append(LoRAHook(self.lora))
         if config.speculative is not None:
             # (a module function, not a bound method: the engine must not be in a reference cycle,
             # which gc.freeze at start-up would keep alive with its weights and KV cache)
             self._spec = SpecDecodeManager(config.speculative, self.iteration_stats, _under_grammar)
-            if self.scheduler.num_lookahead_tokens:  # a draft model: how many drafts it computes
-                self.decorators.append(self._spec)
-        self._log_start()
+            hooks.append(SpecDecodeHook(self._spec, self.scheduler, self.iteration_stats,
+                                        draft_model=bool(self.scheduler.num_lookahead_tokens)))
+        return hooks
 
     def _log_start(self) -> None:
         info = self.model_info
@@ -185,13 +203,7 @@ class LLMEngine:
     @property
     def structured_outputs(self) -> StructuredOutputManager:
         """The structured-output manager (created on first use)."""
-        if self._structured is None:
-            cfg = self.config.structured_outputs
-            self._structured = StructuredOutputManager(self.tokenizer.hf, self.model_info.vocab_size,
-                                                       self.tokenizer.eos_token_id, cfg.backend,
-                                                       cfg.compile_timeout_s, self._think)
-            self.decorators.append(self._structured)
-        return self._structured
+        return self._structured.get_manager()
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """``(text or None, token ids)`` of any accepted prompt form."""
@@ -234,10 +246,7 @@ class LLMEngine:
         if self.tracer is not None:
             self.tracer.request_added(request_id, len(group.prompt_token_ids))
         try:
-            if group.sampling_params.structured_outputs is not None:
-                # Waits for its grammar (WAITING_FOR_FSM) outside the scheduler; begin_step admits it.
-                self.structured_outputs.add_request(group)
-            else:
+            if not any(hook.take_request(group) for hook in self.hooks):  # (held: before_schedule admits it)
                 self.scheduler.add_request(group)
         except BaseException:
             if group.lora_id and self.lora is not None:
@@ -263,22 +272,24 @@ class LLMEngine:
     def get_request_group(self, request_id: str) -> SequenceGroup | None:
         """A queued or running request's state (also while it waits for its grammar), or ``None``."""
         group = self.scheduler.requests.get(request_id)
-        if group is None and self._structured is not None:
-            group = self._structured.pending_group(request_id)
+        for hook in self.hooks:
+            group = group or hook.held_request(request_id)
         return group
 
     def abort_request(self, request_id: str | list[str]) -> None:
-        if self._structured is not None:
-            for rid in [request_id] if isinstance(request_id, str) else request_id:
-                waiting = self._structured.abort(rid)
-                if waiting is not None:
-                    self._forget(waiting)
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            for hook in self.hooks:
+                held = hook.abort_held(rid)
+                if held is not None:
+                    self._forget(held)
         for group in self.scheduler.finish_requests(request_id, SequenceStatus.FINISHED_ABORTED):
             self._forget(group)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._batch_queue) or (
-            self._structured is not None and self._structured.num_waiting_for_fsm > 0)
+        return self.scheduler.has_unfinished_requests() or bool(self._batch_queue) or self._num_held() > 0
+
+    def _num_held(self) -> int:
+        return sum(hook.num_held for hook in self.hooks)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; only possible while no request holds blocks (returns success)."""
@@ -289,16 +300,8 @@ class LLMEngine:
         also readable as a mapping, ``stats["num_running"]``)."""
         sched, it = self.scheduler.make_stats(), replace(self.iteration_stats)
         it.spec_accepted_per_pos = list(it.spec_accepted_per_pos)  # a snapshot, not the live list
-        if self.lora is not None:
-            sched.lora_active, sched.lora_registered = self.lora.num_active, len(self.lora.requests)
-            it.lora_loads, it.lora_slot_loads = self.lora.stats.loads, self.lora.stats.slot_loads
-        if self._structured is not None:
-            so = self._structured
-            sched.num_waiting_for_fsm = so.num_waiting_for_fsm
-            sched.num_constrained = so.num_constrained
-            it.grammar_compile_seconds = so.stats.compile_seconds
-            it.grammar_mask_seconds = so.stats.mask_seconds
-            it.grammars_compiled = so.stats.grammars_compiled
+        for hook in self.hooks:
+            hook.add_stats(sched, it)
         return EngineStats(sched, it)
 
     @property
@@ -306,8 +309,7 @@ class LLMEngine:
         return self.get_stats()
 
     def get_num_unfinished_requests(self) -> int:
-        waiting = self._structured.num_waiting_for_fsm if self._structured is not None else 0
-        return self.scheduler.get_num_unfinished_requests() + waiting
+        return self.scheduler.get_num_unfinished_requests() + self._num_held()
 
     def check_health(self) -> None:
         """Raise ``EngineDeadError`` if the engine or any of its workers has failed."""
@@ -321,17 +323,14 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the workers (processes or Ray actors); idempotent."""
-        if self._structured is not None:
-            self._structured.shutdown()
+        for hook in self.hooks:
+            hook.shutdown()
         if self.tracer is not None and self.tracer.path is not None:
             try:
                 self.write_trace()
             except OSError as e:  # a full disk must not keep the workers alive
                 logger.warning("could not write the step trace: %s", e)
         self.executor.shutdown()
-        if self.kv_receiver is not None:
-            self.kv_receiver.shutdown()
-            self.kv_receiver = None
         gc_unfreeze()
 
     def _die(self, error: BaseException) -> EngineDeadError:
@@ -339,8 +338,8 @@ class LLMEngine:
         self.dead_error = error
         self._batch_queue.clear()
         groups = self.scheduler.finish_requests(list(self.scheduler.requests), SequenceStatus.FINISHED_ABORTED)
-        if self._structured is not None:
-            groups += [g for g in self._structured.pending_groups() if self._structured.abort(g.request_id)]
+        for hook in self.hooks:
+            groups += [g for g in hook.held_requests() if hook.abort_held(g.request_id)]
         for group in groups:
             self._forget(group)
         logger.error("engine failed, %d in-flight request(s) aborted: %s", len(groups), error)
@@ -374,12 +373,12 @@ class LLMEngine:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead_error}")
         t0 = time.perf_counter()
-        outputs = self._admit_compiled() if self._structured is not None else []
+        outputs = [self._finish_early(group, error) for hook in self.hooks for group, error in hook.before_schedule()]
         sched_out = self.scheduler.schedule()
         ignored = self.scheduler.take_ignored()
         outputs += [self._finish_ignored(g) for g in ignored]
-        for decorator in self.decorators:
-            decorator.decorate_step(sched_out, self.scheduler.requests)
+        for hook in self.hooks:
+            hook.decorate_step(sched_out, self.scheduler.requests)
         # An empty step still goes to the workers when they must drop finished sequences' state,
         # do swap-outs or move K/V for a connector.
         if sched_out.is_empty() and not sched_out.finished_seq_ids and sched_out.cache_ops.is_empty() \
@@ -403,30 +402,23 @@ class LLMEngine:
         except WorkerError as e:
             raise self._die(e) from e
         t_model = time.perf_counter()
-        if self.scheduler.connector is not None:
-            self.scheduler.update_kv_transfer(runner_out.kv_connector_output if runner_out is not None else None)
-            outputs += [self._finish_load_failed(g) for g in self.scheduler.take_load_failed()]
+        for hook in self.hooks:  # (before the update, which releases the requests that finish)
+            ended = hook.after_model(sched_out, runner_out, t_model - started.submitted_at)
+            outputs += [self._finish_early(group, error) for group, error in ended]
         if sched_out.is_empty():
             return outputs
         prompt_tokens = sum(max(0, min(s.num_computed_tokens + s.num_scheduled_tokens, len(s.prompt_token_ids))
                                 - s.num_computed_tokens) for s in sched_out.scheduled)
-        spec = self._spec
-        num_accepted = 0
-        if spec is not None:  # (before the update, which releases the requests that finish)
-            num_accepted = self._record_spec(sched_out, runner_out.spec_accepted)
-            if all(s.is_decode or s.spec_token_ids for s in sched_out.scheduled):  # (a prefill costs otherwise)
-                spec.observe_step(sum(s.num_scheduled_tokens for s in sched_out.scheduled),
-                                  t_model - started.submitted_at)
+        num_accepted = sum(map(len, runner_out.spec_accepted.values()))  # (verified drafts' accepted tokens)
         updated, finished = self.scheduler.update_from_output(sched_out, runner_out)
-        if self._structured is not None and self._structured.num_constrained:
-            self._advance_grammars(updated)
+        for hook in self.hooks:
+            hook.after_update(updated)
         outputs += self.output_processor.process(updated)
         for group in updated:
             if group.is_finished():
                 self._forget(group)
-        if spec is not None:
-            spec.receive_model_drafts(runner_out.draft_token_ids)
-            spec.propose(self.scheduler.running)
+        for hook in self.hooks:
+            hook.after_outputs(runner_out)
         t_end = time.perf_counter()
         self.iteration_stats.encoder_seconds += runner_out.encoder_seconds
         num_earlier = sum(map(len, runner_out.earlier_sampled.values()))  # (multi-step's earlier passes)
@@ -461,29 +453,10 @@ class LLMEngine:
         """Write the step trace to its ``trace_out`` file (if any); returns the path."""
         return self.tracer.write() if self.tracer is not None else None
 
-    # ------------------------------------------------------------------ speculative decoding
-    def _record_spec(self, sched_out: SchedulerOutput, accepted: dict[int, list[SampledToken]]) -> int:
-        """Each verified draft run's result into the statistics; returns the drafts accepted."""
-        spec = self._spec
-        assert spec is not None
-        total = 0
-        for s in sched_out.scheduled:
-            group = self.scheduler.requests.get(s.request_id)
-            if s.spec_token_ids and group is not None:
-                n = len(accepted.get(s.seq_id, ()))
-                spec.record(group, s.seq_id, len(s.spec_token_ids), n, self.iteration_stats)
-                total += n
-        return total
-
     def _finish_ignored(self, group: SequenceGroup) -> RequestOutput:
         logger.warning("request %s needs more KV blocks than the whole pool holds (%d x %d tokens); "
                        "finished without completing", group.request_id, self.num_blocks, self.block_size)
         return self._finish_early(group)
-
-    def _finish_load_failed(self, group: SequenceGroup) -> RequestOutput:
-        error = "its cached prefix could not be loaded by the KV connector (kv_load_failure_policy 'fail')"
-        logger.warning("request %s: %s", group.request_id, error)
-        return self._finish_early(group, error)
 
     def _finish_early(self, group: SequenceGroup, error: str | None = None) -> RequestOutput:
         """The final output of a request that ended outside a step's output (its sequences' status
@@ -495,52 +468,13 @@ class LLMEngine:
         return out
 
     def _forget(self, group: SequenceGroup) -> None:
-        if group.lora_id and self.lora is not None:
-            self.lora.release(group.lora_id)
         if self.tracer is not None:
             self.tracer.request_finished(group.request_id, group.seqs[0].status.finish_reason,
                                          sum(s.num_output_tokens for s in group.seqs))
         self.output_processor.forget(group)
-        if self._spec is not None:
-            self._spec.request_finished(group)
-        if self._structured is not None:
-            self._structured.forget(group)
+        for hook in self.hooks:
+            hook.request_finished(group)
 
-    # ------------------------------------------------------------------ structured output
-    def _admit_compiled(self) -> list[RequestOutput]:
-        """Requests whose grammar compiled join the scheduler; those that failed finish with the error."""
-        so = self._structured
-        assert so is not None
-        ready, failed = so.take_ready()
-        for group in ready:
-            self.scheduler.add_request(group)
-        outputs = []
-        for group, error in failed:
-            logger.warning("request %s: %s", group.request_id, error)
-            for seq in group.seqs:
-                seq.status = SequenceStatus.FINISHED_ABORTED
-            outputs.append(self._finish_early(group, error))
-        if not ready and not failed and so.num_waiting_for_fsm and not self.scheduler.has_unfinished_requests():
-            so.wait_any(0.005)  # nothing else to run: wait for a compile instead of spinning
-        return outputs
-
-    def _advance_grammars(self, updated: list[SequenceGroup]) -> None:
-        """Feed each constrained sequence's new token to its matcher; a complete grammar ends it."""
-        so = self._structured
-        assert so is not None
-        for group in updated:
-            if not so.is_constrained(group.request_id):
-                continue
-            for seq in group.seqs:
-                if seq.status.is_finished:
-                    continue
-                state = so.advance(group.request_id, seq)
-                if state == "rejected":
-                    logger.warning("request %s: the grammar refused a sampled token; ending the sequence",
-                                   group.request_id)
-                # A beam search ends its beams itself (the complete grammar leaves only EOS to pick).
-                if state is not None and group.beam_state is None:
-                    self.scheduler.finish_seq(group, seq, SequenceStatus.FINISHED_STOPPED)
 
 def _under_grammar(group: SequenceGroup) -> bool:
     """Requests under a grammar decode without drafts (each draft would need its own mask)."""

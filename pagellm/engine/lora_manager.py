@@ -98,7 +98,7 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ device slots
     def decorate_step(self, so: SchedulerOutput, requests: Mapping[str, SequenceGroup]) -> None:
-        """The step's adapter slots (a ``StepDecorator``)."""
+        """The step's adapter slots (``LoRAHook.decorate_step``)."""
         self.assign_slots(so, {s.request_id: requests[s.request_id].lora_id for s in so.scheduled})
 
     def assign_slots(self, so: SchedulerOutput, lora_of: dict[str, int]) -> None:
