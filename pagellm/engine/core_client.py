@@ -228,24 +228,26 @@ class AsyncEngineClient:
     def is_running(self) -> bool:
         return self.dead_error is None and not self._stopped
 
-    def get_tokenizer(self) -> Tokenizer:
+    @property
+    def info(self) -> CoreInfo:
+        """What the core said about its engine when it was ready (``wait_ready`` has returned)."""
         assert self._info is not None
-        return self._info.tokenizer
+        return self._info
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.info.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        assert self._info is not None
-        return self._info.max_model_len
+        return self.info.max_model_len
 
     @property
     def pooling(self) -> PoolingInfo | None:
-        assert self._info is not None
-        return self._info.pooling
+        return self.info.pooling
 
     @property
     def vocab_size(self) -> int:
-        assert self._info is not None
-        return self._info.vocab_size
+        return self.info.vocab_size
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
                        priority: int = 0,
