@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType as T
 from pagellm import kernels
 from pagellm.kernels import gemm_int8
 from pagellm.kernels.machine import cpu_info
-from pagellm.weights.gguf_quant import GGUFBlocks, kquant_fields
+from pagellm.quantization.gguf_quant import GGUFBlocks, kquant_fields
 
 FORMATS = {"K4": (T.Q4_K, gemm_int8.K4), "K6": (T.Q6_K, gemm_int8.K6)}
 

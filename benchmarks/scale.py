@@ -123,7 +123,7 @@ SHARD_BYTES = 2 << 30  # a bf16 export's shards: an 8B shape's 16 GB is never in
 
 
 def _ct_tensors(prefix: str, method: str, n: int, k: int, g: Any) -> dict:
-    """One projection's random tensors in a compressed-tensors format (``weights/compressed_tensors.py``)."""
+    """One projection's random tensors in a compressed-tensors format (``quantization/compressed_tensors.py``)."""
     import torch
 
     if method == "w4a16":
@@ -162,7 +162,7 @@ def _hf_directory(shape: str, name: str, quantization_config: dict | None = None
 
 def build_hf_quantized(shape: str, method: str) -> str:
     """The cached AWQ, GPTQ or compressed-tensors directory of ``shape``: random packed integers, scales
-    and zero points in the format's layout (``weights/group_quant.py``, ``compressed_tensors.py``),
+    and zero points in the format's layout (``quantization/group_quant.py``, ``compressed_tensors.py``),
     16-bit embedding and norms."""
     import torch
     from safetensors.torch import save_file

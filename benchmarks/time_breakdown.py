@@ -103,7 +103,7 @@ class GemmStats:
 def gemm_label(linear) -> str:
     """The projection's weight format and the kernel path it takes here."""
     from pagellm.kernels import gemm_int8
-    from pagellm.layers.weight_formats import Int8Packed
+    from pagellm.quantization.weight_formats import Int8Packed
 
     fmt = linear.weight_format
     if fmt is None:

@@ -1,4 +1,4 @@
-"""compressed-tensors checkpoints at their width (weights/compressed_tensors.py): pack-quantized
+"""compressed-tensors checkpoints at their width (quantization/compressed_tensors.py): pack-quantized
 W4A16 / W8A16, int-quantized W8A8 and float-quantized FP8 read as the int8 kernel's blocks;
 float32 greedy equal to HF on the library's own decompression; the default numerics
 logprob-close and batch invariant; start-up refusals naming what is not built.
@@ -17,8 +17,8 @@ from quant_writers import compress_one, write_compressed
 from test_group_quant import assert_close_and_batch_invariant, assert_float32_equals_hf, greedy_at_width
 
 from pagellm.kernels import gemm_int8
-from pagellm.weights.compressed_tensors import Fp8Blocks, PackedIntBlocks
-from pagellm.weights.quant_config import quant_scheme
+from pagellm.quantization.compressed_tensors import Fp8Blocks, PackedIntBlocks
+from pagellm.quantization.quant_config import quant_scheme
 
 from conftest import build_tiny_checkpoint, require_int8_kernel
 

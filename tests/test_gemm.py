@@ -12,7 +12,7 @@ from pagellm.distributed import TensorParallelGroup
 from pagellm.kernels import gemm
 from pagellm.layers.linear import Linear
 from pagellm.layers.parallel import RowParallelLinear
-from pagellm.layers.weight_formats import QUANTIZED_MAX_ROWS, Float32Packed
+from pagellm.quantization.weight_formats import QUANTIZED_MAX_ROWS, Float32Packed
 
 from conftest import require_f32_gemm_kernel
 

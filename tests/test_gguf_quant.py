@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagellm.kernels import gemm_int8
-from pagellm.weights import gguf_quant as gq
+from pagellm.quantization import gguf_quant as gq
+from pagellm.quantization.quant_blocks import combined_format
 from pagellm.weights.gguf_write import DecoderShape, write_decoder_gguf
-from pagellm.weights.quant_blocks import combined_format
 
 from conftest import require_int8_kernel, round_to_gguf_blocks
 
@@ -234,7 +234,7 @@ def test_formats_for_fused_parts():
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0], ids=lambda t: t.name)
 def test_packing_a_slice_of_rows_at_a_time_gives_the_same_bytes(qtype, monkeypatch):
     require_int8_kernel()
-    from pagellm.layers import weight_formats
+    from pagellm.quantization import weight_formats
 
     parts = [random_blocks(qtype, 70, 512, seed=6), random_blocks(qtype, 50, 512, seed=7)]
     fmt = int8_format([qtype])
@@ -347,7 +347,7 @@ def test_kquant_gguf_runs_its_blocks_on_the_int8_kernel(kquant_gguf, caplog):
         assert part in line, line
     model = llm.llm_engine.executor.worker.model
     from pagellm.layers.linear import Linear
-    from pagellm.layers.weight_formats import Int8Packed
+    from pagellm.quantization.weight_formats import Int8Packed
 
     linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
     int8 = {n: m.weight_format for n, m in linears.items() if isinstance(m.weight_format, Int8Packed)}
@@ -392,7 +392,7 @@ def test_embedding_rows_are_gguf_dequantizer_rows_few_or_many(qtype):
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1])
 def test_embedding_rows_of_a_mapped_file_are_read_without_mapping_a_page(qtype, tmp_path):
     """A GGUF file's embedding (blocks in a ``np.memmap`` of the file, as ``gguf``'s reader maps it):
-    the rows looked up are ``gguf.dequantize``'s, read from the file (``loader.read_memmap_rows``),
+    the rows looked up are ``gguf.dequantize``'s, read from the file (``mapped_files.read_memmap_rows``),
     and none of the mapping's pages becomes resident (through the mapping, 256 rows spread over the
     file would be at least 1 MiB; 2 MiB each where the kernel maps large folios whole)."""
     from conftest import mapped_kib
@@ -420,7 +420,7 @@ def test_q8_0_on_packing_quantizes_each_slice_as_the_whole(monkeypatch):
     LM head): every slice's values are ``gguf``'s quantizer's for those rows, and the packed weight
     is the one packed from the whole weight's blocks (Q8_0 is per block of 32 along a row)."""
     require_int8_kernel()
-    from pagellm.layers import weight_formats
+    from pagellm.quantization import weight_formats
 
     w = torch.randn(300, 96) * torch.logspace(-3, 2, 300)[:, None]
     lazy = gq.Q8_0OnPacking(lambda lo, hi: w[lo:hi], tuple(w.shape))

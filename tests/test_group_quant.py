@@ -1,4 +1,4 @@
-"""AWQ and GPTQ checkpoints at their width (weights/group_quant.py): the packed integers read as
+"""AWQ and GPTQ checkpoints at their width (quantization/group_quant.py): the packed integers read as
 the int8 kernel's 4- and 8-bit blocks, every value exact; float32 greedy equal to HF on the same
 weights dequantized; the default numerics logprob-close and batch invariant.
 
@@ -15,7 +15,7 @@ import torch
 from quant_writers import awq_tensors, dequantize64, gptq_tensors, pack_columns, quantize
 
 from pagellm.kernels import gemm_int8
-from pagellm.weights.group_quant import GroupQuantBlocks, GroupQuantScheme
+from pagellm.quantization.group_quant import GroupQuantBlocks, GroupQuantScheme
 
 from conftest import build_tiny_checkpoint, require_int8_kernel
 
@@ -69,7 +69,7 @@ def test_int8_kernel_takes_them_at_width(layout):
     require_int8_kernel()
     from test_gguf_quant import error_bound
 
-    from pagellm.layers.weight_formats import Int8Packed
+    from pagellm.quantization.weight_formats import Int8Packed
 
     blocks, ref = blocks_of(layout)
     _, bits, group, *_ = LAYOUTS[layout]
@@ -186,7 +186,7 @@ def greedy_at_width(path: str, texts: list[str], caplog) -> tuple[list, list[lis
     from test_numerics import engine_greedy_top
 
     from pagellm.layers.linear import Linear
-    from pagellm.layers.weight_formats import Int8Packed
+    from pagellm.quantization.weight_formats import Int8Packed
 
     tok = transformers.AutoTokenizer.from_pretrained(path)
     prompts = [tok.encode(p) for p in texts]

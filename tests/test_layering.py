@@ -14,6 +14,7 @@ LAYER = {
     "sequence": 1, "beam_state": 1,
     "core": 2, "spec_decode": 2,
     "attention": 2.5, "distributed": 2.5, "kernels": 2.5, "layers": 2.5, "models": 2.5, "weights": 2.5, "sampling": 2.5,
+    "quantization": 2.5, "mapped_files": 2.5,
     "lora": 2.5,
     "worker": 3, "executor": 4,
     "tokenizer": 5, "detokenizer": 5, "engine": 5, "structured_output": 5,
@@ -30,6 +31,10 @@ ALLOWED = {
     6: {0, 1, 2, 4, 5, 6},
 }
 TORCH_FREE = {0, 1, 2}
+# The model side (layer 2.5) in order: a package imports only those before it (and itself).
+# mapped_files (a checkpoint's mapped bytes) sits with the kernels: the stored formats read rows through it.
+MODEL_SIDE_ORDER = {"kernels": 0, "mapped_files": 0, "quantization": 1, "distributed": 1, "layers": 2,
+              "attention": 3, "sampling": 3, "lora": 3, "models": 4, "weights": 5}
 
 
 def _modules():
@@ -87,6 +92,36 @@ def test_imports_point_down():
                 continue
             bad.append(f"{'/'.join(parts)} (layer {layer}) imports {mod} (layer {tl})")
     assert not bad, "\n".join(bad)
+
+
+def _model_side_violations(edges: list[tuple[str, str]]) -> list[str]:
+    bad = []
+    for src, mod in edges:
+        a, b = src.split("/")[0], mod.split(".")[1]
+        if a in MODEL_SIDE_ORDER and b in MODEL_SIDE_ORDER and a != b and MODEL_SIDE_ORDER[b] >= MODEL_SIDE_ORDER[a]:
+            bad.append(f"{src} (model side {MODEL_SIDE_ORDER[a]}) imports {mod} (model side {MODEL_SIDE_ORDER[b]})")
+    return bad
+
+
+def _edges() -> list[tuple[str, str]]:
+    return [("/".join(parts), mod) for path, parts in _modules() for mod in _imports(path)
+            if mod.startswith("pagellm.")]
+
+
+def test_the_model_side_is_ordered():
+    """kernels < quantization, distributed < layers < attention, sampling, lora < models < weights:
+    a weight format or an op never reaches up into a model, nor a model into checkpoint loading."""
+    assert set(MODEL_SIDE_ORDER) == {k for k, v in LAYER.items() if v == 2.5}
+    bad = _model_side_violations(_edges())
+    assert not bad, "\n".join(bad)
+
+
+def test_the_ordered_rule_fails_on_an_import_against_the_order():
+    planted = [("layers/linear", "pagellm.models.decoder"), ("quantization/gguf_quant", "pagellm.layers.linear"),
+               ("models/decoder", "pagellm.weights.loader"), ("layers/norm", "pagellm.attention.metadata")]
+    assert len(_model_side_violations(planted)) == 4
+    assert not _model_side_violations([("models/decoder", "pagellm.layers.linear"),
+                                       ("layers/linear", "pagellm.quantization.weight_formats")])
 
 
 def test_the_import_resolver_sees_package_and_relative_imports():

@@ -330,8 +330,8 @@ def test_adapters_over_int8_projections_stay_logprob_close(ckpt_root):
     require_int8_kernel()
     from test_numerics import MAX_GAP, assert_near_ties
 
-    from pagellm.layers.weight_formats import Int8Packed
     from pagellm.lora.layers import lora_modules
+    from pagellm.quantization.weight_formats import Int8Packed
 
     path = build_tiny_checkpoint(ckpt_root, "llama")
     adapter = make_adapter(path, f"{path}-lora-all", 2, ALL, r=4, rslora=True)

@@ -10,8 +10,8 @@ from pagellm.distributed import TensorParallelGroup
 from pagellm.kernels import gemm
 from pagellm.layers.linear import Linear
 from pagellm.layers.moe import FusedMoE, SparseMoeBlock
-from pagellm.layers.weight_formats import GroupedExperts
 from pagellm.models.decoder import MLP
+from pagellm.quantization.weight_formats import GroupedExperts
 
 from conftest import require_f32_gemm_kernel
 

@@ -17,7 +17,7 @@ from pagellm import LLMEngine, SamplingParams
 from pagellm.config import EngineArgs
 from pagellm.kernels import gemm, gemm_int8
 from pagellm.kernels.machine import choose_numerics
-from pagellm.layers.weight_formats import Int8Packed
+from pagellm.quantization.weight_formats import Int8Packed
 
 from conftest import (
     build_tiny_checkpoint,

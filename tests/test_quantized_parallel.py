@@ -16,8 +16,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 from test_gguf_quant import random_blocks, rebuilt, reference
 
-from pagellm.weights import gguf_quant as gq
-from pagellm.weights.quant_blocks import CutThrough
+from pagellm.quantization import gguf_quant as gq
+from pagellm.quantization.quant_blocks import CutThrough
 
 from conftest import build_tiny_checkpoint, require_int8_kernel
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagellm.weights.loader import read_rows, read_safetensors, release_pages
+from pagellm.mapped_files import read_rows, release_pages
+from pagellm.weights.loader import read_safetensors
 
 from conftest import mapped_kib
 
@@ -75,7 +76,7 @@ def test_rows_of_a_mapped_tensor_are_read_without_mapping_a_page(tmp_path):
     folios, so a long prompt's lookup made a 192 MiB embedding resident.)"""
     import torch.nn.functional as F
 
-    from pagellm.weights.rows16 import Rows16
+    from pagellm.quantization.rows16 import Rows16
 
     path = str(tmp_path / "m.safetensors")
     want = (torch.randn(8192, 512, generator=torch.Generator().manual_seed(0)) * 10).to(torch.bfloat16)  # 8 MiB

@@ -128,7 +128,7 @@ def _into(out: torch.Tensor | None, rows: int, k: int, fmt: int, row0: int) -> t
 
 def pack_blocks(d: np.ndarray, m: np.ndarray, q: np.ndarray, bits: int, out: torch.Tensor | None = None,
                 row0: int = 0) -> torch.Tensor:
-    """The packed weight of GGUF blocks of 32 given as fields (``weights/gguf_quant.legacy_fields``):
+    """The packed weight of GGUF blocks of 32 given as fields (``quantization/gguf_quant.legacy_fields``):
     ``w = d q + m`` per block, d and m ``[N, K / 32]``, q ``[N, K]``, in ``Q4_BLOCKS``, ``Q8_BLOCKS``
     or a :func:`q4_format` (whose groups' blocks must have equal d and m); into ``out`` from output
     ``row0`` on if given (a weight packed a slice of rows at a time)."""
@@ -145,7 +145,7 @@ def pack_blocks(d: np.ndarray, m: np.ndarray, q: np.ndarray, bits: int, out: tor
 
 def pack_kquant(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, mn: np.ndarray, q: np.ndarray,
                 fmt: int, out: torch.Tensor | None = None, row0: int = 0) -> torch.Tensor:
-    """The packed weight of K-quant super-blocks given as fields (``weights/gguf_quant.kquant_fields``)
+    """The packed weight of K-quant super-blocks given as fields (``quantization/gguf_quant.kquant_fields``)
     in format ``K4`` or ``K6``; ``out`` and ``row0`` as for :func:`pack_blocks`."""
     lib = _lib()
     assert lib is not None, "check supported() first"

@@ -14,7 +14,7 @@ SmolLM2 is Q4_1, its tied LM head Q8_0) is also packed in 4 or 8 bits (``gemm.pa
 checked value by value): batches of up to ``QUANTIZED_MAX_ROWS`` rows read that copy, with results
 identical bit for bit, as the weight stream is what such small batches wait for. Without the
 kernel (neither AVX-512 nor AVX2, no compiler, ``PAGELLM_CPU_KERNELS=0``, a GPU, bfloat16) nothing is packed and
-``F.linear`` runs as before. How each format packs and multiplies is ``layers/weight_formats.py``.
+``F.linear`` runs as before. How each format packs and multiplies is ``quantization/weight_formats.py``.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.layers.weight_formats import Int8Packed, KeptBlocks, WeightFormat, pack_weight
-from pagellm.weights.gguf_quant import Q8_0OnPacking
-from pagellm.weights.quant_blocks import QuantizedBlocks
+from pagellm.quantization.gguf_quant import Q8_0OnPacking
+from pagellm.quantization.quant_blocks import QuantizedBlocks
+from pagellm.quantization.weight_formats import Int8Packed, KeptBlocks, WeightFormat, pack_weight
 
 
 class Linear(nn.Linear):

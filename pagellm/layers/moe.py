@@ -30,8 +30,8 @@ from pagellm.layers.activation import gated_activation
 from pagellm.layers.custom_op import CustomOp
 from pagellm.layers.linear import Linear
 from pagellm.layers.parallel import copy_shard
-from pagellm.layers.weight_formats import GroupedExperts
-from pagellm.weights.quant_blocks import QuantizedBlocks
+from pagellm.quantization.quant_blocks import QuantizedBlocks
+from pagellm.quantization.weight_formats import GroupedExperts
 
 # Which fused tensor and part a per-expert checkpoint tensor fills: (w13 part 0 | 1) or w2.
 EXPERT_PARTS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None),

@@ -22,7 +22,7 @@ from torch import nn
 
 from pagellm.distributed import TensorParallelGroup, shard_range
 from pagellm.layers.linear import Linear
-from pagellm.weights.quant_blocks import QuantizedBlocks
+from pagellm.quantization.quant_blocks import QuantizedBlocks
 
 
 class ColumnParallelLinear(Linear):

@@ -1,7 +1,7 @@
 """A decoder's weights made ready for the CPU's GEMM kernels after loading: which quantized tensors stay
 at their stored width (``keep_blocks``, while loading) and every projection and the LM head
 packed into its weight format (``pack_for_cpu``, once the numerics are chosen). The decoder itself
-holds architecture only; each format's packing is ``layers/weight_formats.py``."""
+holds architecture only; each format's packing is ``quantization/weight_formats.py``."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from torch import nn
 from pagellm.kernels import gemm_int8
 from pagellm.layers.linear import Linear
 from pagellm.layers.parallel import VocabParallelEmbedding
-from pagellm.layers.weight_formats import Int8Packed
-from pagellm.weights.quant_blocks import QuantizedBlocks
+from pagellm.quantization.quant_blocks import QuantizedBlocks
+from pagellm.quantization.weight_formats import Int8Packed
 
 if TYPE_CHECKING:
     from pagellm.models.decoder import DecoderForCausalLM
@@ -71,7 +71,7 @@ def keep_blocks(module: nn.Module, param: torch.Tensor, target: str, shard_idx: 
     """Hand a quantized tensor's blocks (this worker's share of them) to its module at their width;
     the loaded names, or none where the module needs a float copy. (An embedding kept as GGUF
     blocks or 16-bit rows reads its rows from the file as tokens need them, without mapping them:
-    ``loader.read_memmap_rows``.)"""
+    ``mapped_files.read_memmap_rows``.)"""
     if isinstance(module, VocabParallelEmbedding):
         if blocks.shape != (sum(module.vocab_sizes), param.shape[1]):
             return []  # (a float copy names the shapes)

@@ -28,9 +28,9 @@ from pagellm.layers.linear import Linear
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_shard
 from pagellm.layers.rotary import ApplyRotary, MRotaryEmbedding, RotaryEmbedding
-from pagellm.layers.weight_formats import Bfloat16Packed, Int8Packed
 from pagellm.models.cpu_packing import keep_blocks
-from pagellm.weights.quant_blocks import QuantizedBlocks
+from pagellm.quantization.quant_blocks import QuantizedBlocks
+from pagellm.quantization.weight_formats import Bfloat16Packed, Int8Packed
 
 
 def rope_parameters(config: Any, layer_type: str | None = None) -> tuple[float, dict[str, Any] | None]:

@@ -19,7 +19,7 @@ import torch
 from pagellm.distributed import TensorParallelGroup
 from pagellm.layers.moe import EXPERT_PARTS, SparseMoeBlock, num_experts
 from pagellm.models.decoder import MLP, DecoderForCausalLM, DecoderLayer
-from pagellm.weights.quant_blocks import QuantizedBlocks
+from pagellm.quantization.quant_blocks import QuantizedBlocks
 
 _PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
 

@@ -36,10 +36,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention import AttentionMetadata
+from pagellm.attention.causal_conv import causal_conv_native
 from pagellm.attention.metadata import StateMetadata
 from pagellm.distributed import TensorParallelGroup
 from pagellm.kernels import linear_attention
-from pagellm.layers.causal_conv import causal_conv_native
 from pagellm.layers.moe import SparseMoeBlock
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.parallel import ColumnParallelLinear, RowParallelLinear

@@ -19,8 +19,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from pagellm.models import GGUF_ARCHITECTURES, architecture
+from pagellm.quantization.gguf_quant import GGUFBlocks
 from pagellm.weights import gguf_hybrid
-from pagellm.weights.gguf_quant import GGUFBlocks
 
 _FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 _LAYER_NAMES = {

@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from pagellm.weights.gguf_quant import quantize_q4_k, quantize_q6_k
+from pagellm.quantization.gguf_quant import quantize_q4_k, quantize_q6_k
 
 # The legacy type llama.cpp falls back to when a row is not a multiple of 256 (llama-quant.cpp).
 K_FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}

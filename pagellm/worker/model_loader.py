@@ -24,13 +24,13 @@ from pagellm.models import BASE_MODELS, architecture, get_model_class
 from pagellm.models.cpu_packing import pack_for_cpu
 from pagellm.models.decoder import DecoderForCausalLM
 from pagellm.pooling_params import PoolingInfo
+from pagellm.quantization.gguf_quant import KERNEL_TYPES
+from pagellm.quantization.quant_config import QuantScheme, quant_scheme
+from pagellm.quantization.rows16 import Rows16
 from pagellm.weights import freq_factors, iter_weights, load_model_config
 from pagellm.weights.dummy import initialize_dummy_weights
-from pagellm.weights.gguf_quant import KERNEL_TYPES
 from pagellm.weights.loader import projection_dtype
 from pagellm.weights.pooling_setup import resolve_pooling
-from pagellm.weights.quant_config import QuantScheme, quant_scheme
-from pagellm.weights.rows16 import Rows16
 from pagellm.worker.cache_engine import HostKVMemory
 from pagellm.worker.host_malloc import trim
 

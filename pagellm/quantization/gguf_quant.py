@@ -23,8 +23,8 @@ from gguf import GGML_QUANT_SIZES, dequantize, quantize
 from gguf import GGMLQuantizationType as T
 
 from pagellm.kernels.gemm_int8 import K4, K6, Q4_BLOCKS, Q8_BLOCKS
-from pagellm.weights.loader import read_memmap_rows
-from pagellm.weights.quant_blocks import QuantizedBlocks
+from pagellm.mapped_files import read_memmap_rows
+from pagellm.quantization.quant_blocks import QuantizedBlocks
 
 _LEGACY_FORMAT = {T.Q4_0: Q4_BLOCKS, T.Q4_1: Q4_BLOCKS, T.Q5_0: Q8_BLOCKS, T.Q8_0: Q8_BLOCKS}
 # (Q2_K and Q3_K widen to K6's 6 bits: 2.8x and 2.1x their bytes, against 12x and 9x as float32.)
@@ -98,7 +98,7 @@ class GGUFBlocks(QuantizedBlocks):
 
     def _read(self, ids: np.ndarray) -> np.ndarray:
         """The blocks of rows ``ids`` of the weight, read from the file where it is mapped (no page of
-        the mapping made resident: ``loader.read_rows``)."""
+        the mapping made resident: ``mapped_files.read_rows``)."""
         rows = ids if self.order is None else self.order[ids]
         read = read_memmap_rows(self.data, rows.tolist())
         return self.data[rows] if read is None else read

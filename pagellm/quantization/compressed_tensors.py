@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from pagellm.kernels.gemm_int8 import Q8_BLOCKS
-from pagellm.weights.gguf_quant import Q8_0OnPacking
-from pagellm.weights.group_quant import (
+from pagellm.quantization.gguf_quant import Q8_0OnPacking
+from pagellm.quantization.group_quant import (
     IntGroupBlocks,
     check_shapes,
     gather_quantized,
@@ -36,7 +36,7 @@ from pagellm.weights.group_quant import (
     unpack_columns,
     unpack_words,
 )
-from pagellm.weights.quant_blocks import QuantizedBlocks
+from pagellm.quantization.quant_blocks import QuantizedBlocks
 
 PACKED_PARTS = ("weight_packed", "weight_shape")
 _PARTS = (*PACKED_PARTS, "weight_scale", "weight_zero_point", "weight_g_idx")

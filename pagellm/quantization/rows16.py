@@ -11,8 +11,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagellm.weights.loader import read_rows, release_pages
-from pagellm.weights.quant_blocks import QuantizedBlocks
+from pagellm.mapped_files import read_rows, release_pages
+from pagellm.quantization.quant_blocks import QuantizedBlocks
 
 HALF_TYPES = {torch.float16: "F16", torch.bfloat16: "BF16"}
 

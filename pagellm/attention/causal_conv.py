@@ -1,4 +1,6 @@
-"""The causal depthwise convolution of state layers (Mamba2's, gated DeltaNet's) in PyTorch: the
+"""The causal depthwise convolution of state layers (Mamba2's, gated DeltaNet's) over their cached
+states, by a step's ``StateMetadata``, in PyTorch (beside the attention backends: a state layer's
+mixer reads its cache as attention reads K/V): the
 reference of ``kernels/linear_attention.causal_conv`` and the path off a CPU."""
 
 from __future__ import annotations

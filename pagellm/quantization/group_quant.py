@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from pagellm.kernels.gemm_int8 import Q4_BLOCKS, Q8_BLOCKS, q4_format
-from pagellm.weights.quant_blocks import QuantizedBlocks
-from pagellm.weights.rows16 import HALF_TYPES, Rows16
+from pagellm.quantization.quant_blocks import QuantizedBlocks
+from pagellm.quantization.rows16 import HALF_TYPES, Rows16
 
 AWQ_UNPACK_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])  # output j of a word is its nibble AWQ_UNPACK_ORDER[j]
 _REQUIRED = ("qweight", "qzeros", "scales")  # a module's tensors, and GPTQ's g_idx beside them

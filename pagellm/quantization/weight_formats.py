@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from pagellm.kernels import decode_graph, gemm, gemm_int8
-from pagellm.weights.quant_blocks import QuantizedBlocks, combined_format
+from pagellm.quantization.quant_blocks import QuantizedBlocks, combined_format
 
 # Rows up to which a quantized copy beats the float32 kernel. benchmarks/gemm.py --quantized, all
 # 120 projections of SmolLM2 in 4 bits: 2.8x at 1 row, 1.9x at 8, 1.1-1.2x at 16, 0.98x at 20;

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagellm.weights.compressed_tensors import CompressedTensorsScheme
-from pagellm.weights.group_quant import GroupQuantScheme
+from pagellm.quantization.compressed_tensors import CompressedTensorsScheme
+from pagellm.quantization.group_quant import GroupQuantScheme
 
 QuantScheme = GroupQuantScheme | CompressedTensorsScheme
 
