@@ -99,3 +99,23 @@ def test_the_bundled_smollm2_file():
     (path,) = glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf"))
     index = _same_as_gguf_reader(path)
     assert {t.tensor_type.name for t in index.tensors} >= {"Q4_1", "F32"}
+
+
+def test_every_gguf_family_loads_as_a_supported_architecture_and_config_class():
+    """A ``GGUF_FAMILIES`` row names the HF architecture our registry builds and the ``transformers``
+    config class its header becomes (the row and the model's table must agree: a renamed class, or
+    a family whose model row is gone, fails here rather than at a user's start-up)."""
+    import transformers
+
+    from pagellm.models import architecture, get_model_class
+
+    families = gguf_file.GGUF_FAMILIES
+    assert {"llama", "gemma3", "qwen35", "granitehybrid"} <= set(families)
+    for arch, family in families.items():
+        for hf_arch, hf_config in [(family.hf_arch, family.hf_config), *([family.with_experts] if
+                                                                         family.with_experts else [])]:
+            assert architecture(hf_arch).name == hf_arch, arch
+            assert get_model_class(hf_arch).__name__ == hf_arch, arch
+            assert getattr(transformers, hf_config) is not None, arch
+    with pytest.raises(ValueError, match="GGUF architecture 'mamba' is not supported; supported: .*'gemma2'"):
+        gguf_file.gguf_family("mamba")

@@ -116,6 +116,14 @@ def test_the_model_side_is_ordered():
     assert not bad, "\n".join(bad)
 
 
+def test_weights_know_no_model():
+    """Checkpoint reading (``weights/``) takes its families' layouts from its own tables
+    (``gguf_file.GGUF_FAMILIES``), not from the models: the two meet in the worker."""
+    bad = [f"{src} imports {mod}" for src, mod in _edges() if src.startswith("weights/") and
+           mod.split(".")[1] == "models"]
+    assert not bad, bad
+
+
 def test_the_ordered_rule_fails_on_an_import_against_the_order():
     planted = [("layers/linear", "pagellm.models.decoder"), ("quantization/gguf_quant", "pagellm.layers.linear"),
                ("models/decoder", "pagellm.weights.loader"), ("layers/norm", "pagellm.attention.metadata")]

@@ -9,41 +9,34 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class Architecture:
     """One supported HF architecture (``config.architectures[0]``, also its class's name) and the other
-    names it goes by: its ``model_type``, its GGUF ``general.architecture`` with the ``transformers``
-    config class a GGUF header becomes, and its ``AutoModel`` checkpoints' name (no LM head)."""
+    names it goes by: its ``model_type`` and its ``AutoModel`` checkpoints' name (no LM head). The
+    GGUF families that load as it are ``weights/gguf_file.py``'s ``GGUF_FAMILIES`` rows."""
 
     name: str
     module: str  # under pagellm.models
     model_type: str
-    gguf: str | None = None
-    hf_config: str | None = None
     base_model: str | None = None
     llava_text: bool = False  # may be a LLaVA checkpoint's text model
     encoder: bool = False  # bidirectional, pooling runner only (``models/bert.py``)
 
 
 ARCHITECTURES = (
-    Architecture("LlamaForCausalLM", "llama", "llama", "llama", "LlamaConfig", "LlamaModel", llava_text=True),
+    Architecture("LlamaForCausalLM", "llama", "llama", "LlamaModel", llava_text=True),
     Architecture("MistralForCausalLM", "llama", "mistral", base_model="MistralModel", llava_text=True),
-    Architecture("Phi3ForCausalLM", "llama", "phi3", "phi3", "Phi3Config", "Phi3Model", llava_text=True),
-    Architecture("Qwen2ForCausalLM", "qwen", "qwen2", "qwen2", "Qwen2Config", "Qwen2Model", llava_text=True),
-    Architecture("Qwen3ForCausalLM", "qwen", "qwen3", "qwen3", "Qwen3Config", "Qwen3Model"),
-    Architecture("Gemma2ForCausalLM", "gemma", "gemma2", "gemma2", "Gemma2Config", "Gemma2Model", llava_text=True),
-    Architecture("Gemma3ForCausalLM", "gemma", "gemma3_text", "gemma3", "Gemma3TextConfig"),
-    Architecture("Lfm2ForCausalLM", "lfm2", "lfm2", "lfm2", "Lfm2Config", "Lfm2Model"),
-    Architecture("Qwen3_5ForCausalLM", "qwen3_5", "qwen3_5_text", "qwen35", "Qwen3_5TextConfig", "Qwen3_5TextModel"),
-    Architecture("GraniteMoeHybridForCausalLM", "granite_hybrid", "granitemoehybrid", "granitehybrid",
-                 "GraniteMoeHybridConfig", "GraniteMoeHybridModel"),
-    Architecture("Qwen3NextForCausalLM", "qwen3_5", "qwen3_next", hf_config="Qwen3NextConfig",
-                 base_model="Qwen3NextModel"),
-    Architecture("Qwen3_5MoeForCausalLM", "qwen3_5", "qwen3_5_moe_text", "qwen35moe", "Qwen3_5MoeTextConfig",
-                 "Qwen3_5MoeTextModel"),
-    Architecture("NemotronHForCausalLM", "nemotron_h", "nemotron_h", hf_config="NemotronHConfig",
-                 base_model="NemotronHModel"),
-    # llama.cpp writes Mixtral as "llama" with experts (weights/gguf_file.py).
-    Architecture("MixtralForCausalLM", "moe", "mixtral", hf_config="MixtralConfig"),
-    Architecture("Qwen2MoeForCausalLM", "moe", "qwen2_moe", "qwen2moe", "Qwen2MoeConfig"),
-    Architecture("Qwen3MoeForCausalLM", "moe", "qwen3_moe", "qwen3moe", "Qwen3MoeConfig"),
+    Architecture("Phi3ForCausalLM", "llama", "phi3", "Phi3Model", llava_text=True),
+    Architecture("Qwen2ForCausalLM", "qwen", "qwen2", "Qwen2Model", llava_text=True),
+    Architecture("Qwen3ForCausalLM", "qwen", "qwen3", "Qwen3Model"),
+    Architecture("Gemma2ForCausalLM", "gemma", "gemma2", "Gemma2Model", llava_text=True),
+    Architecture("Gemma3ForCausalLM", "gemma", "gemma3_text"),
+    Architecture("Lfm2ForCausalLM", "lfm2", "lfm2", "Lfm2Model"),
+    Architecture("Qwen3_5ForCausalLM", "qwen3_5", "qwen3_5_text", "Qwen3_5TextModel"),
+    Architecture("GraniteMoeHybridForCausalLM", "granite_hybrid", "granitemoehybrid", "GraniteMoeHybridModel"),
+    Architecture("Qwen3NextForCausalLM", "qwen3_5", "qwen3_next", "Qwen3NextModel"),
+    Architecture("Qwen3_5MoeForCausalLM", "qwen3_5", "qwen3_5_moe_text", "Qwen3_5MoeTextModel"),
+    Architecture("NemotronHForCausalLM", "nemotron_h", "nemotron_h", "NemotronHModel"),
+    Architecture("MixtralForCausalLM", "moe", "mixtral"),
+    Architecture("Qwen2MoeForCausalLM", "moe", "qwen2_moe"),
+    Architecture("Qwen3MoeForCausalLM", "moe", "qwen3_moe"),
     Architecture("LlavaForConditionalGeneration", "llava", "llava"),
     Architecture("Qwen2VLForConditionalGeneration", "qwen2_vl", "qwen2_vl"),
     Architecture("Qwen2_5_VLForConditionalGeneration", "qwen2_vl", "qwen2_5_vl"),
@@ -54,7 +47,6 @@ ARCHITECTURES = (
 )
 _BY_NAME = {a.name: a for a in ARCHITECTURES}
 BASE_MODELS = {a.base_model: a.name for a in ARCHITECTURES if a.base_model}
-GGUF_ARCHITECTURES = {a.gguf: a for a in ARCHITECTURES if a.gguf}
 LLAVA_TEXT_FAMILIES = {a.model_type: a.name for a in ARCHITECTURES if a.llava_text}
 
 

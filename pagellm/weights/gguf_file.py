@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -18,7 +18,6 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from pagellm.models import GGUF_ARCHITECTURES, architecture
 from pagellm.quantization.gguf_quant import GGUFBlocks
 from pagellm.weights import gguf_hybrid
 
@@ -44,12 +43,9 @@ _LAYER_NAMES = {
 }
 # A layer's experts stacked in one 3-D tensor [experts, out, in]: each expert's slice under its own name.
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-# Whether a family renormalises its top-k router weights, as llama.cpp's graph for it does.
-_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 # Gemma's four norms per layer: llama.cpp's ffn_norm is the norm before the MLP there.
 _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                       "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
-_GEMMA = ("gemma2", "gemma3")
 # Phi-3's fused projections: llama.cpp's ffn_up holds gate and up, as HF's gate_up_proj does.
 _PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -203,10 +199,35 @@ def _field(reader: GGUFIndex, key: str, default: Any = None) -> Any:
     return reader.fields.get(key, default)
 
 
+@dataclass(frozen=True, slots=True)
+class GGUFFamily:
+    """One llama.cpp ``general.architecture``: the Hugging Face architecture and ``transformers``
+    config class its files load as, and how its tensors and metadata map onto them (what
+    llama.cpp's converter renamed, permuted or changed). A new GGUF family is one row of
+    ``GGUF_FAMILIES`` (and its model's row in ``models/``' table)."""
+
+    hf_arch: str
+    hf_config: str
+    layer_names: Mapping[str, str]  # ``blk.N.<kind>`` -> our name under ``model.layers.N``
+    config: Callable[[GGUFIndex, str, dict[str, Any]], dict[str, Any]] | None = None  # its own settings
+    permute_qk: bool = False  # q/k rows permuted for llama.cpp's interleaved rotary (undone here)
+    plus_one_norms: bool = False  # norms stored as 1 + w (Gemma's)
+    hybrid: bool = False  # state layers: ``gguf_hybrid``'s config and tensor fix-ups
+    with_experts: tuple[str, str] | None = None  # what a file of it with experts loads as (llama: Mixtral)
+    needs_experts: bool = False  # a mixture-of-experts family: a file without experts is refused
+    norm_topk: bool = True  # its router renormalises the top-k weights (llama.cpp's graph), unless the file says
+
+
+def gguf_family(arch: str) -> GGUFFamily:
+    family = GGUF_FAMILIES.get(arch)
+    if family is None:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_FAMILIES)}")
+    return family
+
+
 def gguf_architecture(path: str) -> str:
     arch = _field(_reader(path), "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}")
+    gguf_family(arch)
     return arch
 
 
@@ -259,29 +280,26 @@ def gguf_config(path: str):
         kwargs["rope_scaling"] = {"rope_type": "linear", "factor": float(_field(r, p + "rope.scaling.factor"))}
     elif scaling not in (None, "none"):
         raise ValueError(f"GGUF rope scaling {scaling!r} is not supported")
-    if arch in _GEMMA:
-        kwargs.update(_gemma_config(r, arch, kwargs))
-    if arch == "phi3":
-        kwargs.update(_phi3_config(r, kwargs))
-    row = GGUF_ARCHITECTURES[arch]
-    cls, hf_arch = getattr(transformers, str(row.hf_config)), row.name
+    family = gguf_family(arch)
+    if family.config is not None:
+        kwargs.update(family.config(r, arch, kwargs))
+    hf_arch, hf_config = family.hf_arch, family.hf_config
     experts = int(_field(r, p + "expert_count", 0) or 0)
-    if arch in gguf_hybrid.HYBRID_ARCHS:
+    if family.hybrid:
         kwargs.update(gguf_hybrid.hybrid_config(lambda key, default=None: _field(r, p + key, default), arch, kwargs,
                                                 names))
     elif experts:
-        kwargs.update(_moe_config(r, arch, experts, names))
-        if arch == "llama":  # llama.cpp writes Mixtral as llama with experts
-            row = architecture("MixtralForCausalLM")
-            cls, hf_arch = getattr(transformers, str(row.hf_config)), row.name
-    elif arch in ("qwen2moe", "qwen3moe"):
+        kwargs.update(_moe_config(r, arch, experts, names, family.norm_topk))
+        if family.with_experts is not None:
+            hf_arch, hf_config = family.with_experts
+    elif family.needs_experts:
         raise ValueError(f"GGUF {arch} file without {p}expert_count")
-    config = cls(**kwargs)
+    config = getattr(transformers, hf_config)(**kwargs)
     config.architectures = [hf_arch]
     return config
 
 
-def _phi3_config(r: GGUFIndex, base: dict[str, Any]) -> dict[str, Any]:
+def _phi3_config(r: GGUFIndex, arch: str, base: dict[str, Any]) -> dict[str, Any]:
     """Phi-3's rotary as llama.cpp stores it: the rotated features per head, the trained length and,
     for longrope, its short and long factors as tensors; the window of every layer."""
     head_dim, theta = base["head_dim"], base.pop("rope_theta")
@@ -299,13 +317,13 @@ def _phi3_config(r: GGUFIndex, base: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _moe_config(r: GGUFIndex, arch: str, experts: int, names: set[str]) -> dict[str, Any]:
+def _moe_config(r: GGUFIndex, arch: str, experts: int, names: set[str], norm_topk: bool) -> dict[str, Any]:
     """A mixture of experts' settings from llama.cpp's keys; a layer with a dense MLP (its
     ``ffn_gate`` where the others have ``ffn_gate_exps``) is one of HF's ``mlp_only_layers``."""
     p = f"{arch}."
     layers = int(_field(r, p + "block_count"))
     out: dict[str, Any] = {"num_experts_per_tok": int(_field(r, p + "expert_used_count")),
-                           "norm_topk_prob": bool(_field(r, p + "expert_weights_norm", _NORM_TOPK[arch]))}
+                           "norm_topk_prob": bool(_field(r, p + "expert_weights_norm", norm_topk))}
     if arch == "llama":
         out["num_local_experts"] = experts
         return out
@@ -373,7 +391,7 @@ def _experts(t: GGUFTensor, layer: int, part: str,
         yield name, blocks if keep_blocks else blocks.dequantize()
 
 
-def _layer_name(names: dict[str, str], layer: int, kind: str, suffix: str | None) -> str | None:
+def _layer_name(names: Mapping[str, str], layer: int, kind: str, suffix: str | None) -> str | None:
     """Our name of ``blk.<layer>.<kind>[.<suffix>]`` by ``names`` (a kind with its suffix first: the
     hybrid families' ``ssm_dt.bias``), or ``None`` where it has no such tensor."""
     full = names.get(f"{kind}.{suffix}") if suffix else None
@@ -399,10 +417,8 @@ def iter_gguf_weights(path: str, config: Any,
     takes the type, else dequantized once the numerics are chosen, and named in their log line)."""
     r = _reader(path)
     arch = gguf_architecture(path)
-    hybrid = arch in gguf_hybrid.HYBRID_ARCHS
-    permute = arch == "llama" or gguf_hybrid.permutes_qk(arch)
-    layer_names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _PHI3_LAYER_NAMES if arch == "phi3" else \
-        {**_LAYER_NAMES, **gguf_hybrid.LAYER_NAMES[arch]} if hybrid else _LAYER_NAMES
+    family = gguf_family(arch)
+    hybrid, permute, layer_names = family.hybrid, family.permute_qk, family.layer_names
     global_names = {**_GLOBAL_NAMES, **gguf_hybrid.GLOBAL_NAMES.get(arch, {})}
     for t in r.tensors:
         if t.name in _ROPE_TENSORS:  # (read with the config: rope_freq_factors, Phi-3's longrope factors)
@@ -439,7 +455,7 @@ def iter_gguf_weights(path: str, config: Any,
             yield name, arr
         elif name.endswith(".shared_expert_gate.weight"):  # [hidden] in the file, HF's [1, hidden]
             yield name, torch.from_numpy(np.array(arr, dtype=np.float32).reshape(1, -1))
-        elif (arch in _GEMMA and name.endswith("norm.weight")) or gguf_hybrid.centred_norm(arch, kind):
+        elif (family.plus_one_norms and name.endswith("norm.weight")) or gguf_hybrid.centred_norm(arch, kind):
             # llama.cpp stores Gemma's norms (and Qwen3.5's zero-centred ones) as 1 + w; the model
             # adds its 1 to the checkpoint's w (as transformers' GGUF loader gives them back: exact
             # for 1 + w >= 0.5).
@@ -451,3 +467,27 @@ def iter_gguf_weights(path: str, config: Any,
     del r
     _reader.cache_clear()  # the file's mapping goes once the last kept view of it is packed (or with the
     # embedding, where that keeps its blocks)
+
+
+def _hybrid(hf_arch: str, hf_config: str, arch: str) -> GGUFFamily:
+    return GGUFFamily(hf_arch, hf_config, {**_LAYER_NAMES, **gguf_hybrid.LAYER_NAMES[arch]},
+                      permute_qk=gguf_hybrid.permutes_qk(arch), hybrid=True)
+
+
+GGUF_FAMILIES: dict[str, GGUFFamily] = {
+    "llama": GGUFFamily("LlamaForCausalLM", "LlamaConfig", _LAYER_NAMES, permute_qk=True,
+                        with_experts=("MixtralForCausalLM", "MixtralConfig")),  # (llama.cpp writes Mixtral so)
+    "phi3": GGUFFamily("Phi3ForCausalLM", "Phi3Config", _PHI3_LAYER_NAMES, _phi3_config),
+    "qwen2": GGUFFamily("Qwen2ForCausalLM", "Qwen2Config", _LAYER_NAMES),
+    "qwen3": GGUFFamily("Qwen3ForCausalLM", "Qwen3Config", _LAYER_NAMES),
+    "gemma2": GGUFFamily("Gemma2ForCausalLM", "Gemma2Config", _GEMMA_LAYER_NAMES, _gemma_config, plus_one_norms=True),
+    "gemma3": GGUFFamily("Gemma3ForCausalLM", "Gemma3TextConfig", _GEMMA_LAYER_NAMES, _gemma_config,
+                         plus_one_norms=True),
+    "qwen2moe": GGUFFamily("Qwen2MoeForCausalLM", "Qwen2MoeConfig", _LAYER_NAMES, needs_experts=True,
+                           norm_topk=False),
+    "qwen3moe": GGUFFamily("Qwen3MoeForCausalLM", "Qwen3MoeConfig", _LAYER_NAMES, needs_experts=True),
+    "lfm2": _hybrid("Lfm2ForCausalLM", "Lfm2Config", "lfm2"),
+    "qwen35": _hybrid("Qwen3_5ForCausalLM", "Qwen3_5TextConfig", "qwen35"),
+    "qwen35moe": _hybrid("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", "qwen35moe"),
+    "granitehybrid": _hybrid("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", "granitehybrid"),
+}

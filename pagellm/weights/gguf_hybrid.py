@@ -18,8 +18,6 @@ from typing import Any
 
 import numpy as np
 
-HYBRID_ARCHS = ("lfm2", "qwen35", "qwen35moe", "granitehybrid")
-
 _DELTANET = {"attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
              "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
              "ssm_conv1d": "linear_attn.conv1d", "ssm_dt.bias": "linear_attn.dt_bias", "ssm_a": "linear_attn.A",
