@@ -21,7 +21,7 @@ and the bundled GGUF is exported once to a Hugging Face directory for it. Result
 file and, with matplotlib installed, a PNG bar chart.
 
     python benchmarks/compare.py                                  # pagellm vs HF, both modes
-    python benchmarks/compare.py --vllm-venv ../vllm-venv --json docs/compare.json --png docs/compare.png
+    python benchmarks/compare.py --vllm-venv ../vllm-venv --json compare.json --png compare.png
     python benchmarks/compare.py --mode latency --skip-hf
     python benchmarks/compare.py --vllm-venv ../vllm-venv --mode throughput --rounds 3 --skip-hf
 """

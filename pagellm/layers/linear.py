@@ -6,7 +6,7 @@ batch sizes that is a large share of the work. :meth:`Linear.pack_for_cpu` packs
 over k whatever the batch: a row's result never depends on the rows beside it, in float32 as in
 the other dtypes (MKL's result for a row changes with the batch's size, and a 16-bit or int8 K/V
 cache turns such last-bit differences into different greedy tokens under chunking or preemption:
-docs/performance.md, "Measurements behind code choices"). The packed copy replaces the weight
+docs/performance.md, "Decisions in force"). The packed copy replaces the weight
 (a meta tensor keeps its shape). A GGUF checkpoint's blocks go to the int8 kernel as the file
 holds them (``pack_gguf``), with ``quantization="gguf"`` or where ``auto`` measures it faster. A weight whose values
 are exactly GGUF blocks (a Q4_1 or Q8_0 model, dequantized: every projection of the bundled

@@ -164,7 +164,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
 
     The mapping asks for transparent huge pages (``MADV_HUGEPAGE``; most distributions enable THP
     only on request): decode attention jumps between scattered blocks, and with 4 KiB pages
-    nearly every block costs a TLB miss (docs/performance.md, "Huge pages for the KV cache").
+    nearly every block costs a TLB miss (docs/performance.md, "Decisions in force").
 
     Its pages fault in as blocks are first written, so the memory in use grows with the K/V held
     (W64 on SmolLM2 peaks at 1.3 GiB instead of its 2 GiB budget's 2.5); the price is that first
