@@ -222,3 +222,43 @@ def test_the_serving_modules_see_the_engine_through_its_protocol_only():
     bad = [f"{p.name} imports {m}" for p in serving for m in _imports(p)
            if m.startswith("pagellm.engine") and m != "pagellm.engine.protocol"]
     assert not bad, bad
+
+
+def _runtime_imports(path: Path) -> list[str]:
+    """Every import ``path`` can run, at load time or in a function: all but ``if TYPE_CHECKING``'s."""
+    tree = ast.parse(path.read_text())
+
+    class DropTypeChecking(ast.NodeTransformer):
+        def visit_If(self, node: ast.If) -> ast.AST | None:
+            return None if "TYPE_CHECKING" in ast.unparse(node.test) else self.generic_visit(node)
+
+    kept = [n for n in ast.walk(DropTypeChecking().visit(tree)) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    return _imports(path, "\n".join(ast.unparse(n) for n in kept))
+
+
+def _import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` (a path that returns to its start), or ``None``."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt, path + [nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    return next((c for n in sorted(graph) if n not in state and (c := visit(n, [n]))), None)
+
+
+def test_no_import_circle_but_type_checking_ones():
+    """No two modules import each other, even lazily from a function (a registry that imports its
+    implementations while they import its base classes is a circle): only type hints may."""
+    graph: dict[str, set[str]] = {}
+    for path, parts in _modules():
+        src = ".".join(["pagellm", *parts]).removesuffix(".__init__")
+        graph[src] = {m.removesuffix(".__init__") for m in _runtime_imports(path) if m.startswith("pagellm.")}
+    assert _import_cycle(graph) is None, _import_cycle(graph)
+    assert _import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # (the finder finds one)

@@ -384,7 +384,7 @@ def test_structural_tag_leaves_text_free_and_constrains_tagged_calls(tiny_llama,
     name and arguments under its schema, closed by ``}</tool_call>``."""
     from pagellm.config import resolve_model_source
     from pagellm.entrypoints import tool_calls
-    from pagellm.structured_output.backend import create_backend
+    from pagellm.structured_output.manager import create_backend
     from pagellm.tokenizer import Tokenizer
 
     tok = Tokenizer(resolve_model_source(tiny_llama))
@@ -454,7 +454,7 @@ def test_length_bounded_strings_reject_raw_control_characters(tiny_llama, backen
     """JSON strings may not hold raw U+0000-U+001F (RFC 8259); xgrammar 0.2.8's rule for a string
     with maxLength let them through, and a random model wrote one: json.loads rejected the text."""
     from pagellm.config import resolve_model_source
-    from pagellm.structured_output.backend import create_backend
+    from pagellm.structured_output.manager import create_backend
     from pagellm.tokenizer import Tokenizer
 
     tok = Tokenizer(resolve_model_source(tiny_llama))

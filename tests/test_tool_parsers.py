@@ -90,7 +90,7 @@ def test_an_xml_argument_keeps_its_text_where_its_schema_says_string():
 @pytest.mark.parametrize("name", sorted(set(REPLIES) - UNBOUND))
 def test_auto_grammar_binds_a_started_call_in_each_format(tiny_llama, name):
     from pagellm.config import resolve_model_source
-    from pagellm.structured_output.backend import create_backend
+    from pagellm.structured_output.manager import create_backend
     from pagellm.tokenizer import Tokenizer
 
     tok = Tokenizer(resolve_model_source(tiny_llama))

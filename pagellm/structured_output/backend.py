@@ -64,18 +64,3 @@ class StructuredOutputBackend(abc.ABC):
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """Raises ``GrammarCompileError`` naming the problem."""
 
-
-def create_backend(name: str, hf_tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> StructuredOutputBackend:
-    """``auto``: llguidance (3 MB, no dependencies; docs/structured_output.md has the measurements),
-    xgrammar when asked for (``pip install pagellm[xgrammar]``)."""
-    if name not in BACKENDS:
-        raise ValueError(f"structured_outputs_config backend must be one of {BACKENDS}, got {name!r}")
-    if name in ("auto", "guidance"):
-        from pagellm.structured_output.guidance import GuidanceBackend
-
-        return GuidanceBackend(hf_tokenizer, vocab_size, eos_token_id)
-    try:
-        from pagellm.structured_output.xgrammar import XgrammarBackend
-    except ImportError as e:
-        raise ValueError("the xgrammar backend needs the xgrammar package: pip install 'pagellm[xgrammar]'") from e
-    return XgrammarBackend(hf_tokenizer, vocab_size, eos_token_id)

@@ -26,18 +26,35 @@ from pagellm.reasoning import ThinkTokens
 from pagellm.sampling_params import StructuredOutputsParams
 from pagellm.sequence import Sequence, SequenceGroup
 from pagellm.structured_output.backend import (
+    BACKENDS,
     CompiledGrammar,
     GrammarCompileError,
     Matcher,
     StructuredOutputBackend,
     allocate_bitmask,
-    create_backend,
 )
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 _CACHE_SIZE = 256
+
+
+def create_backend(name: str, hf_tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> StructuredOutputBackend:
+    """The grammar library by name (imported on first use: the base classes in ``backend`` know
+    none of them). ``auto``: llguidance (3 MB, no dependencies; docs/structured_output.md has the measurements),
+    xgrammar when asked for (``pip install pagellm[xgrammar]``)."""
+    if name not in BACKENDS:
+        raise ValueError(f"structured_outputs_config backend must be one of {BACKENDS}, got {name!r}")
+    if name in ("auto", "guidance"):
+        from pagellm.structured_output.guidance import GuidanceBackend
+
+        return GuidanceBackend(hf_tokenizer, vocab_size, eos_token_id)
+    try:
+        from pagellm.structured_output.xgrammar import XgrammarBackend
+    except ImportError as e:
+        raise ValueError("the xgrammar backend needs the xgrammar package: pip install 'pagellm[xgrammar]'") from e
+    return XgrammarBackend(hf_tokenizer, vocab_size, eos_token_id)
 
 
 @dataclass(slots=True)
