@@ -286,6 +286,24 @@ def test_refusals_name_what_is_not_supported(quantized, ckpt_root):
         LLM(path, quantization="q8_0", num_gpu_blocks_override=16)
 
 
+def test_the_quant_method_registry_is_what_users_may_choose():
+    """``quantization=`` (config, torch-free) names the at-width formats; the registry
+    (``quantization/quant_config.py``) reads their configs: a method in one and not the other is a
+    checkpoint that cannot be forced, or a name that reads nothing. A method without a row is
+    refused by name."""
+    from pagellm.config.model import AT_WIDTH
+    from pagellm.quantization.quant_config import QUANT_METHODS, quant_scheme
+
+    assert set(AT_WIDTH) == {*QUANT_METHODS, "gguf"}
+    config = type("Cfg", (), {"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}})()
+    with pytest.raises(ValueError, match=r"quant_method='bitsandbytes' \(load_in_4bit=True\) is not supported yet "
+                                         r"\(the method\)"):
+        quant_scheme(config, "ckpt")
+    awq = quant_scheme(type("Cfg", (), {"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128,
+                                                                 "zero_point": True, "version": "gemm"}})(), "ckpt")
+    assert awq is not None and (awq.method, awq.name) == ("awq", "AWQ int4 g128")
+
+
 def test_fused_parts_in_different_input_orders_run_dequantized(ckpt_root, tmp_path, caplog):
     """GPTQ with desc_act where q, k and v (and gate and up) each have their own order (GPTQ's own
     share one: one input, one Hessian): the fused projection has no one order to permute its input

@@ -45,10 +45,26 @@ STORED_TYPES = (torch.int8, torch.float8_e4m3fn)  # a quantized module's ``weigh
 ACTIVATION_PARTS = (".input_scale", ".input_zero_point", ".output_scale", ".output_zero_point")
 
 
+_CT_FORMATS = {"pack-quantized": ("int", (4, 8), ("group", "channel", "tensor")),
+               "int-quantized": ("int", (8,), ("group", "channel", "tensor")),
+               "float-quantized": ("float", (8,), ("tensor", "channel", "block"))}
+
+
+def describe_args(q: dict[str, Any] | None) -> str:
+    """One compressed-tensors ``QuantizationArgs``: ``int4 asymmetric per group 128``."""
+    if not q:
+        return "none"
+    bits = f"{q.get('type', 'int')}{q.get('num_bits')}"
+    sym = "symmetric" if q.get("symmetric", True) else "asymmetric"
+    size = f" {q['group_size']}" if q.get("group_size") else ""
+    dynamic = ", dynamic" if q.get("dynamic") else ""
+    return f"{bits} {sym} per {q.get('strategy')}{size}{dynamic}"
+
+
 @dataclass(frozen=True)
 class CompressedTensorsScheme:
     """What ``quantization_config`` says of a compressed-tensors checkpoint's weights (one scheme for
-    every quantized module; ``quant_config.quant_scheme`` refuses the rest)."""
+    every quantized module; ``from_config`` names what it does not build)."""
 
     format: str  # pack-quantized, int-quantized, naive-quantized or float-quantized
     type: str  # "int" or "float"
@@ -70,6 +86,40 @@ class CompressedTensorsScheme:
         sym = "" if self.symmetric or self.type == "float" else " asymmetric"
         a = f"A{8 if self.activations else 16}"
         return f"compressed-tensors W{self.bits}{a} {kind} {how}{sym}"
+
+    @classmethod
+    def from_config(cls, qc: dict[str, Any]) -> CompressedTensorsScheme | str:
+        """A compressed-tensors config's one weight scheme, or what of it is not built."""
+        groups = list((qc.get("config_groups") or {}).values())
+        for key, what in (("sparsity_config", "sparsity"), ("transform_config", "transforms"),
+                          ("kv_cache_scheme", "a quantized KV cache")):
+            if qc.get(key):
+                return f"{what} ({key})"
+        if qc.get("quantization_status", "compressed") != "compressed":
+            return "quantization_status other than compressed"
+        if len({repr(sorted((k, g.get(k)) for k in ("weights", "input_activations", "format"))) for g in groups}) != 1:
+            return "config_groups with different schemes" if groups else "no config_groups"
+        group = groups[0]
+        w, a = group.get("weights") or {}, group.get("input_activations")
+        fmt, kind = group.get("format") or qc.get("format"), w.get("type", "int")
+        if fmt == "naive-quantized":  # (the weight stored in its quantized dtype, as int- or float-quantized)
+            fmt = "float-quantized" if kind == "float" else "int-quantized"
+        if fmt not in _CT_FORMATS:
+            return "the format (pack-quantized, int-quantized and float-quantized are)"
+        want, bits, strategies = _CT_FORMATS[fmt]
+        strategy, size, block = w.get("strategy"), w.get("group_size"), w.get("block_structure")
+        if kind != want or w.get("num_bits") not in bits or strategy not in strategies or w.get("dynamic"):
+            return f"{fmt} weights other than {want}{'/'.join(map(str, bits))} per {', '.join(strategies)}"
+        if strategy == "group" and (not isinstance(size, int) or size <= 0 or size % 32):
+            return "group_size (multiples of 32 are)"
+        if group.get("output_activations") or (a and (a.get("num_bits") != 8
+                                                      or a.get("strategy") not in ("token", "tensor"))):
+            return "activations other than 8-bit per token or per tensor"
+        return cls(
+            fmt, kind, int(w["num_bits"]), strategy, bool(w.get("symmetric", True)),
+            size if strategy == "group" and isinstance(size, int) else -1,
+            tuple(block) if strategy == "block" and block else None, w.get("actorder") == "group",
+            describe_args(a) if a else None)
 
     @property
     def block_shape(self) -> tuple[int, int]:

@@ -39,7 +39,7 @@ _PARTS = (*_REQUIRED, "g_idx")
 
 @dataclass(frozen=True)
 class GroupQuantScheme:
-    """What ``quantization_config`` says of a checkpoint's packing (``quant_config.group_quant_scheme``)."""
+    """What ``quantization_config`` says of an AWQ / GPTQ checkpoint's packing (``from_config``)."""
 
     method: str  # "awq" or "gptq"
     bits: int
@@ -55,6 +55,42 @@ class GroupQuantScheme:
 
     def gather(self, weights: Iterator[tuple[str, Any]], keep: bool) -> Iterator[tuple[str, Any]]:
         return iter_group_quant(weights, self, keep)
+
+    @classmethod
+    def from_config(cls, qc: dict[str, Any]) -> GroupQuantScheme | str:
+        """An AWQ / GPTQ ``quantization_config`` read, or what of it is not built (as the refusal names it)."""
+        unbuilt = _unsupported(qc)
+        if unbuilt is not None:
+            return unbuilt
+        v1 = qc["quant_method"] == "gptq" and _checkpoint_format(qc) == "gptq"
+        return cls(qc["quant_method"], int(qc["bits"]), int(qc.get("group_size", -1)), int(v1))
+
+
+def _checkpoint_format(qc: dict[str, Any]) -> str:
+    """GPTQ's zero-point convention: ``gptq`` (AutoGPTQ's z - 1, the default) or ``gptq_v2`` (z)."""
+    return str(qc.get("checkpoint_format", "gptq")).lower()
+
+
+def _unsupported(qc: dict[str, Any]) -> str | None:
+    """What of an AWQ / GPTQ config is not built (``None``: all of it is), as the refusal names it."""
+    method, bits, group = qc.get("quant_method"), qc.get("bits"), qc.get("group_size", -1)
+    if method not in ("awq", "gptq"):
+        return "the method"
+    if not isinstance(group, int) or (group != -1 and (group <= 0 or group % 32)):
+        return "group_size (32, 64, 128, ... or -1 are)"
+    if method == "awq":
+        if str(qc.get("version", "gemm")).lower() != "gemm":
+            return "AWQ's version (gemm is)"
+        if bits != 4 or not qc.get("zero_point", True):
+            return "AWQ other than 4-bit with zero points"
+        return None
+    if qc.get("lm_head") or qc.get("is_marlin_format"):
+        return "a quantized LM head" if qc.get("lm_head") else "the Marlin packing"
+    if _checkpoint_format(qc) not in ("gptq", "gptq_v2"):
+        return "checkpoint_format (gptq and gptq_v2 are)"
+    if bits not in (4, 8) or (bits == 8 and not qc.get("sym", True)):
+        return "GPTQ other than 4-bit or 8-bit symmetric"
+    return None
 
 
 def unpack_words(words: torch.Tensor, bits: int) -> np.ndarray:
