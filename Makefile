@@ -52,9 +52,10 @@ test-optimized: setup
 
 # Build the wheel, install it in a fresh venv outside the checkout, and build every kernel from what it ships
 # (a file missing from the package data would otherwise only show as a warning and a slow fallback).
+# setuptools' build/ is removed first: a module moved or deleted since the last build would ship too.
 WHEEL_DIR ?= $(or $(TMPDIR),/tmp)/pagellm-wheel-check
 test-wheel: setup
-	rm -rf $(WHEEL_DIR)
+	rm -rf $(WHEEL_DIR) build
 	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w $(WHEEL_DIR)/dist .
 	$(PYTHON) -m venv $(WHEEL_DIR)/venv
 	$(WHEEL_DIR)/venv/bin/pip install -q torch==2.13.0
