@@ -182,5 +182,3 @@ def start_engine_core(engine_args: EngineArgs, chat_template: str | None, input_
                        name="pagellm-engine-core", daemon=True)
     proc.start()
     return proc
-
-

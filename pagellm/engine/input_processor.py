@@ -27,6 +27,7 @@ from pagellm.tokenizer import Tokenizer, check_token_ids
 
 logger = logging.getLogger(__name__)
 
+
 def resolve_max_model_len(config: EngineConfig, max_position_embeddings: int, kv_capacity_tokens: int) -> int:
     """The longest sequence the engine serves: the model's limit (or the user's, checked against
     it), capped to what the KV cache holds and, without chunked prefill, to one step's budget."""

@@ -141,30 +141,29 @@ class LLMEngine:
         self.tracer = StepTracer(obs.trace_max_events, obs.trace_out) if obs.tracing else None
         self._log_steps = obs.log_step_details
         self.scheduler.record_decisions = obs.tracing or obs.log_step_details
-        self._spec: SpecDecodeManager | None = None
-        cfg = config.structured_outputs
-        # (the manager's arguments, not a bound method: the engine must not be in a reference cycle,
+        # (a module function, not a bound method: the engine must not be in a reference cycle,
         # which gc.freeze at start-up would keep alive with its weights and KV cache)
+        self._spec = None if config.speculative is None else \
+            SpecDecodeManager(config.speculative, self.iteration_stats, _under_grammar)
+        cfg = config.structured_outputs
+        # (the manager's arguments, not a bound method, for the same reason)
         self._structured = StructuredOutputHook(self.scheduler, functools.partial(
             StructuredOutputManager, self.tokenizer.hf, self.model_info.vocab_size, self.tokenizer.eos_token_id,
             cfg.backend, cfg.compile_timeout_s, self._think))
-        self.hooks = self._step_hooks(config)
+        self.hooks = self._step_hooks()
         self._log_start()
 
-    def _step_hooks(self, config: EngineConfig) -> list[StepHook]:
-        """The features this configuration adds to each step (``engine/step_hooks.py``), in the
-        order they run at each point."""
+    def _step_hooks(self) -> list[StepHook]:
+        """The features the configuration turned on (each built above from it), as what they add to
+        each step (``engine/step_hooks.py``), in the order they run at each point."""
         hooks: list[StepHook] = [self._structured]
         if self.scheduler.kv_transfer is not None:
             hooks.append(KVTransferHook(self.scheduler, self.kv_receiver))
         if self.lora is not None:
             hooks.append(LoRAHook(self.lora))
-        if config.speculative is not None:
-            # (a module function, not a bound method: the engine must not be in a reference cycle,
-            # which gc.freeze at start-up would keep alive with its weights and KV cache)
-            self._spec = SpecDecodeManager(config.speculative, self.iteration_stats, _under_grammar)
-            hooks.append(SpecDecodeHook(self._spec, self.scheduler, self.iteration_stats,
-                                        draft_model=bool(self.scheduler.num_lookahead_tokens)))
+        if self._spec is not None:
+            draft_model = bool(self.scheduler.num_lookahead_tokens)  # (a draft model decides its counts per step)
+            hooks.append(SpecDecodeHook(self._spec, self.scheduler, draft_model))
         return hooks
 
     def _log_start(self) -> None:
@@ -272,8 +271,8 @@ class LLMEngine:
     def get_request_group(self, request_id: str) -> SequenceGroup | None:
         """A queued or running request's state (also while it waits for its grammar), or ``None``."""
         group = self.scheduler.requests.get(request_id)
-        for hook in self.hooks:
-            group = group or hook.held_request(request_id)
+        if group is None:
+            group = next((g for hook in self.hooks if (g := hook.held_request(request_id)) is not None), None)
         return group
 
     def abort_request(self, request_id: str | list[str]) -> None:

@@ -198,9 +198,8 @@ class SpecDecodeHook(StepHook):
     """Drafts proposed after each step, verified in the next; a draft model decides its draft
     counts per step (``decorate_step``) and computes them during it."""
 
-    def __init__(self, spec: SpecDecodeManager, scheduler: Scheduler, stats: IterationStats,
-                 draft_model: bool) -> None:
-        self.spec, self.scheduler, self.stats, self.draft_model = spec, scheduler, stats, draft_model
+    def __init__(self, spec: SpecDecodeManager, scheduler: Scheduler, draft_model: bool) -> None:
+        self.spec, self.scheduler, self.draft_model = spec, scheduler, draft_model
 
     def decorate_step(self, so: SchedulerOutput, requests: Mapping[str, SequenceGroup]) -> None:
         if self.draft_model:
@@ -215,7 +214,7 @@ class SpecDecodeHook(StepHook):
             group = self.scheduler.requests.get(s.request_id)
             if s.spec_token_ids and group is not None:
                 self.spec.record(group, s.seq_id, len(s.spec_token_ids), len(out.spec_accepted.get(s.seq_id, ())),
-                                 self.stats)
+                                 self.spec.stats)
         if all(s.is_decode or s.spec_token_ids for s in so.scheduled):  # (a prefill costs otherwise)
             self.spec.observe_step(sum(s.num_scheduled_tokens for s in so.scheduled), model_seconds)
         return []

@@ -38,6 +38,7 @@ MAX_STOP_STRINGS = 64
 MAX_N = 128
 DISCONNECT_POLL_S = 1.0  # a stream's fallback disconnect check (``OpenAIServing._stream``)
 
+
 @dataclass(frozen=True, slots=True)
 class Delta:
     """What one completion of a streamed request has new since its last chunk."""
